@@ -1,0 +1,55 @@
+"""The ``mpigrad`` command: ``mpigrad COMMAND [options]``.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; only the chosen command's module is imported, so ``mpigrad trace``
+works on a laptop without MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+from .errors import UsageError
+
+COMMANDS = {
+    "train": ("mpigrad.runtime.launch", "train a CNN data-parallel over MPI (run under mpiexec/srun)"),
+    "trace": ("mpigrad.analysis.cli", "summarise, tabulate, plot and export HDF5 traces"),
+    "bench": ("mpigrad.bench", "throughput benchmarks (codecs, iteration overhead)"),
+    "data": ("mpigrad.data.cli", "fetch and verify datasets on a login node"),
+    "doctor": ("mpigrad.runtime.doctor", "check the MPI launch, threads and versions"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="mpigrad", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Communication-efficient data-parallel training over MPI.",
+        epilog=f"commands:\n{lines}\n\nRun 'mpigrad COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"mpigrad {__version__}")
+    parser.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        _top_parser().parse_args(argv)  # prints help, version or the usage error and exits
+        return 2
+    name, rest = argv[0], argv[1:]
+    module_name, text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"mpigrad {name}", description=text)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except UsageError as exc:
+        print(f"mpigrad {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mpigrad {name}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,13 @@
+"""Gradient codecs: numcodecs-style classes with an id, a JSON config and a registry.
+
+    codec = get_codec({"id": "qsgd", "bits": 4, "bucket_size": 512})
+    buf = codec.encode(x)          # 1-D float32 -> 1-D uint8, self-describing
+    y = codec.decode(buf)          # -> 1-D float32 of the encoded length
+"""
+
+from .base import (HEADER_SIZE, Codec, CodecError, available, codec_class, get_codec,
+                   read_header, register_codec)
+from . import fp  # noqa: F401  (registers fp32, fp16)
+
+__all__ = ["Codec", "CodecError", "HEADER_SIZE", "available", "codec_class", "get_codec",
+           "read_header", "register_codec"]

@@ -1,0 +1,291 @@
+"""Codec base class, wire header and registry.
+
+Every encoded buffer is a fixed 40-byte header followed by a codec payload::
+
+    offset size  field
+    0      2     magic b"MG"
+    2      1     format version (FORMAT_VERSION)
+    3      1     codec wire id (one per codec class)
+    4      1     bits (codec-specific; 0 when unused)
+    5      1     codec flags (codec-specific bit flags)
+    6      1     header flags (bit 0: payload CRC-32 present)
+    7      1     reserved, zero
+    8      4     param_a, uint32 (codec-specific, e.g. bucket size)
+    12     4     param_b, uint32 (codec-specific, e.g. QSGD levels)
+    16     8     element count, uint64
+    24     8     payload length in bytes, uint64
+    32     4     payload CRC-32 (zero when absent)
+    36     4     CRC-32 of bytes 0..35
+
+All integers are little-endian. The header carries everything a decoder needs besides
+the codec class itself, so ``decode`` never depends on the decoding object's config.
+``decode`` validates the header and the buffer length before any kernel runs; codecs
+validate every length inside their payload before handing it to a kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "Codec", "CodecError", "Header", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
+    "register_codec", "get_codec", "available", "codec_class", "read_header",
+]
+
+FORMAT_VERSION = 1
+MAGIC = b"MG"
+HEADER_SIZE = 40
+MAX_ELEMENTS = 2**34
+_HEADER = struct.Struct("<2sBBBBBBIIQQI")
+_CRC = struct.Struct("<I")
+_FLAG_PAYLOAD_CRC = 0x01
+assert _HEADER.size + _CRC.size == HEADER_SIZE
+
+
+class CodecError(ValueError):
+    """A buffer or input that a codec cannot accept; the message says what is wrong."""
+
+
+class Header(NamedTuple):
+    wire_id: int
+    bits: int
+    flags: int
+    param_a: int
+    param_b: int
+    n: int
+    payload_len: int
+
+
+def read_header(buf: np.ndarray) -> Header:
+    """Parse and validate the header of ``buf`` (1-D uint8); raise CodecError if bad."""
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
+        raise CodecError("encoded buffer must be a 1-D numpy uint8 array")
+    if buf.size < HEADER_SIZE:
+        raise CodecError(f"buffer of {buf.size} bytes is shorter than the {HEADER_SIZE}-byte header")
+    raw = buf[:HEADER_SIZE].tobytes()
+    (magic, version, wire_id, bits, flags, hflags, reserved, param_a, param_b, n,
+     payload_len, payload_crc) = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise CodecError("not an mpigrad codec buffer (bad magic bytes)")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"unsupported buffer format version {version} (this mpigrad reads {FORMAT_VERSION})")
+    (header_crc,) = _CRC.unpack_from(raw, _HEADER.size)
+    if zlib.crc32(raw[:_HEADER.size]) != header_crc:
+        raise CodecError("corrupted buffer header (header CRC mismatch)")
+    if reserved != 0 or hflags & ~_FLAG_PAYLOAD_CRC:
+        raise CodecError("corrupted buffer header (reserved bits set)")
+    if n > MAX_ELEMENTS:
+        raise CodecError(f"element count {n} exceeds the limit of {MAX_ELEMENTS}")
+    if payload_len != buf.size - HEADER_SIZE:
+        raise CodecError(
+            f"truncated or padded buffer: header announces {payload_len} payload bytes, "
+            f"buffer holds {buf.size - HEADER_SIZE}")
+    if hflags & _FLAG_PAYLOAD_CRC:
+        if zlib.crc32(buf[HEADER_SIZE:]) != payload_crc:
+            raise CodecError("corrupted payload (payload CRC mismatch)")
+    elif payload_crc != 0:
+        raise CodecError("corrupted buffer header (CRC field set without its flag)")
+    return Header(wire_id, bits, flags, param_a, param_b, n, payload_len)
+
+
+def _write_header(out: np.ndarray, h: Header, with_crc: bool) -> None:
+    payload_crc = zlib.crc32(out[HEADER_SIZE:HEADER_SIZE + h.payload_len]) if with_crc else 0
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, h.wire_id, h.bits, h.flags,
+                        _FLAG_PAYLOAD_CRC if with_crc else 0, 0, h.param_a, h.param_b,
+                        h.n, h.payload_len, payload_crc)
+    out[:_HEADER.size] = np.frombuffer(head, np.uint8)
+    out[_HEADER.size:HEADER_SIZE] = np.frombuffer(_CRC.pack(zlib.crc32(head)), np.uint8)
+
+
+_REGISTRY: dict[str, type["Codec"]] = {}
+_BY_WIRE_ID: dict[int, type["Codec"]] = {}
+
+
+def register_codec(cls: type["Codec"]) -> type["Codec"]:
+    """Class decorator: make ``cls`` reachable through ``get_codec({"id": cls.codec_id})``."""
+    for table, key in ((_REGISTRY, cls.codec_id), (_BY_WIRE_ID, cls.wire_id)):
+        if key in table and table[key] is not cls:
+            raise ValueError(f"codec key {key!r} registered twice ({table[key].__name__}, {cls.__name__})")
+        table[key] = cls
+    return cls
+
+
+def available() -> list[str]:
+    """Sorted ids of the registered codecs."""
+    return sorted(_REGISTRY)
+
+
+def codec_class(codec_id: str) -> type["Codec"]:
+    try:
+        return _REGISTRY[codec_id]
+    except KeyError:
+        raise CodecError(f"unknown codec {codec_id!r}; available: {', '.join(available())}") from None
+
+
+def get_codec(config: dict[str, Any]) -> "Codec":
+    """Build a codec from a JSON-able config such as ``{"id": "qsgd", "bits": 4}``."""
+    if not isinstance(config, dict) or "id" not in config:
+        raise CodecError("codec config must be a dict with an 'id' key")
+    params = dict(config)
+    cls = codec_class(params.pop("id"))
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise CodecError(f"bad options for codec {cls.codec_id!r}: {exc}") from None
+
+
+class Codec(ABC):
+    """Gradient codec: 1-D float32 in, self-describing uint8 buffer out, and back.
+
+    Subclasses set ``codec_id`` and ``wire_id``, store their hyperparameters in
+    ``__init__`` (rejecting bad values with CodecError), list them in ``get_config``,
+    and implement ``max_payload_size``, ``_encode_payload`` and ``_decode_payload``.
+
+    ``encode(x, out=None)`` writes into ``out`` (uint8, at least ``max_encoded_size(x.size)``
+    bytes) when given, and returns a view of the bytes used. ``decode(buf, out=None)``
+    writes into ``out`` (float32, exactly the element count) when given.
+
+    Stochastic codecs take a ``seed``; each ``encode`` call consumes one counter value,
+    so the same seed and call count give the same bytes. ``state_dict`` carries it.
+    """
+
+    codec_id: ClassVar[str]
+    wire_id: ClassVar[int]
+    #: True when the codec's ``bits`` option can be set per call by a bit policy.
+    accepts_bits: ClassVar[bool] = False
+    #: True when decode(encode(x)) is random given x (the codec draws from its RNG).
+    stochastic: ClassVar[bool] = False
+
+    def __init__(self, *, checksum: bool = False, seed: int = 0):
+        if not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
+            raise CodecError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        self.checksum = bool(checksum)
+        self.seed = int(seed)
+        self.calls = 0
+
+    # ---- configuration ------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        """JSON-able config; ``get_codec(c.get_config()) == c``."""
+        config = {"id": self.codec_id, **self._config()}
+        if self.checksum:
+            config["checksum"] = True
+        if self.stochastic:
+            config["seed"] = self.seed
+        return config
+
+    @abstractmethod
+    def _config(self) -> dict[str, Any]:
+        """Codec-specific hyperparameters, JSON-able."""
+
+    def with_bits(self, bits: int) -> "Codec":
+        """A codec of the same config with ``bits`` changed (for bit policies)."""
+        if not self.accepts_bits:
+            raise CodecError(f"codec {self.codec_id!r} has no 'bits' option")
+        config = self.get_config()
+        config.pop("levels", None)
+        config["bits"] = int(bits)
+        return get_codec(config)
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.get_config(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{type(self).__name__}({args})"
+
+    # ---- state (RNG counter) ------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = int(state["calls"])
+
+    def _next_stream(self) -> tuple[int, int]:
+        """(seed, counter) for one encode call's random draws; advances the counter."""
+        counter = self.calls
+        self.calls += 1
+        return self.seed, counter
+
+    # ---- encode / decode ----------------------------------------------------------
+    def max_encoded_size(self, n: int) -> int:
+        """Upper bound on ``encode(x).size`` for ``x.size == n``."""
+        return HEADER_SIZE + self.max_payload_size(n)
+
+    @abstractmethod
+    def max_payload_size(self, n: int) -> int:
+        """Upper bound on the payload bytes for n elements."""
+
+    def encode(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        x = _as_float32_vector(x)
+        size = self.max_encoded_size(x.size)
+        if out is None:
+            out = np.empty(size, np.uint8)
+        elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+                  and out.flags.c_contiguous):
+            raise CodecError("out= must be a contiguous 1-D uint8 array")
+        elif out.size < size:
+            raise CodecError(f"out= holds {out.size} bytes, encode may need {size}")
+        payload = out[HEADER_SIZE:size]
+        fields = self._encode_payload(x, payload)
+        header = Header(self.wire_id, *fields[:4], x.size, fields[4])
+        if header.payload_len > payload.size:
+            raise AssertionError(f"{self.codec_id} wrote past its max_payload_size")
+        _write_header(out, header, self.checksum)
+        return out[:HEADER_SIZE + header.payload_len]
+
+    def decode(self, buf: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        header = read_header(buf)
+        if header.wire_id != self.wire_id:
+            other = _BY_WIRE_ID.get(header.wire_id)
+            name = repr(other.codec_id) if other else f"unknown wire id {header.wire_id}"
+            raise CodecError(f"buffer was encoded by codec {name}, not {self.codec_id!r}")
+        if out is None:
+            out = np.empty(header.n, np.float32)
+        elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
+                  and out.flags.c_contiguous and out.flags.writeable):
+            raise CodecError("out= must be a writeable contiguous 1-D float32 array")
+        elif out.size != header.n:
+            raise CodecError(f"out= holds {out.size} elements, buffer encodes {header.n}")
+        self._decode_payload(header, buf[HEADER_SIZE:], out)
+        return out
+
+    @abstractmethod
+    def _encode_payload(self, x: np.ndarray, payload: np.ndarray) -> tuple[int, int, int, int, int]:
+        """Encode finite-checked contiguous float32 ``x`` into ``payload``.
+
+        Return ``(bits, flags, param_a, param_b, payload_len)`` for the header.
+        Raise CodecError if ``x`` holds a non-finite value.
+        """
+
+    @abstractmethod
+    def _decode_payload(self, header: Header, payload: np.ndarray, out: np.ndarray) -> None:
+        """Decode ``payload`` (exactly ``header.payload_len`` bytes) into ``out``.
+
+        Validate every header field and payload-internal length before any kernel runs.
+        """
+
+
+def _as_float32_vector(x: Any) -> np.ndarray:
+    """float32 C-contiguous 1-D view or copy of ``x``; CodecError for anything else."""
+    if not isinstance(x, np.ndarray):
+        raise CodecError(f"encode expects a numpy array, got {type(x).__name__}")
+    if x.ndim != 1:
+        raise CodecError(f"encode expects a 1-D array, got shape {x.shape}")
+    if x.dtype != np.float32:
+        if x.dtype.kind != "f":
+            raise CodecError(f"encode expects floating-point values, got dtype {x.dtype}")
+        x = x.astype(np.float32)
+    return np.ascontiguousarray(x)
+
+
+def non_finite_error(codec_id: str) -> CodecError:
+    return CodecError(f"{codec_id}: input contains NaN or infinity; refusing to encode")

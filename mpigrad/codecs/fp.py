@@ -1,0 +1,55 @@
+"""Uncompressed baselines: ``fp32`` (identity) and ``fp16`` (IEEE half precision)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Codec, CodecError, Header, non_finite_error, register_codec
+
+
+class _FloatCodec(Codec):
+    dtype: np.dtype
+
+    def __init__(self, *, checksum: bool = False):
+        super().__init__(checksum=checksum)
+
+    def _config(self):
+        return {}
+
+    def max_payload_size(self, n: int) -> int:
+        return n * self.dtype.itemsize
+
+    def _encode_payload(self, x, payload):
+        nbytes = x.size * self.dtype.itemsize
+        values = payload[:nbytes].view(self.dtype)
+        with np.errstate(over="ignore"):
+            np.copyto(values, x, casting="same_kind")
+        if not np.isfinite(values.sum(dtype=np.float32)) and not np.isfinite(values).all():
+            if np.isfinite(x).all():
+                raise CodecError(f"{self.codec_id}: a value exceeds the format's range")
+            raise non_finite_error(self.codec_id)
+        return 0, 0, 0, 0, nbytes
+
+    def _decode_payload(self, header: Header, payload, out):
+        if header.payload_len != header.n * self.dtype.itemsize:
+            raise CodecError(f"{self.codec_id}: payload of {header.payload_len} bytes cannot hold "
+                             f"{header.n} values")
+        np.copyto(out, payload.view(self.dtype), casting="same_kind")
+
+
+@register_codec
+class Float32(_FloatCodec):
+    """No compression: 4 bytes per element (the paper's uncompressed baseline)."""
+
+    codec_id = "fp32"
+    wire_id = 1
+    dtype = np.dtype(np.float32)
+
+
+@register_codec
+class Float16(_FloatCodec):
+    """IEEE half precision, round to nearest; values beyond +-65504 are rejected."""
+
+    codec_id = "fp16"
+    wire_id = 2
+    dtype = np.dtype(np.float16)
