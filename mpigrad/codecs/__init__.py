@@ -8,6 +8,8 @@
 from .base import (HEADER_SIZE, Codec, CodecError, available, codec_class, get_codec,
                    read_header, register_codec)
 from . import fp  # noqa: F401  (registers fp32, fp16)
+from . import qsgd, sign, terngrad, uniform  # noqa: F401,E401  (register the Numba codecs)
+from . import mcgq  # noqa: F401  (registers mcgq)
 
 __all__ = ["Codec", "CodecError", "HEADER_SIZE", "available", "codec_class", "get_codec",
            "read_header", "register_codec"]

@@ -159,6 +159,8 @@ class Codec(ABC):
     wire_id: ClassVar[int]
     #: True when the codec's ``bits`` option can be set per call by a bit policy.
     accepts_bits: ClassVar[bool] = False
+    #: Bits per element of a codec without a bits option, for traces (0 when it varies).
+    nominal_bits: ClassVar[int] = 0
     #: True when decode(encode(x)) is random given x (the codec draws from its RNG).
     stochastic: ClassVar[bool] = False
 
@@ -248,6 +250,7 @@ class Codec(ABC):
             other = _BY_WIRE_ID.get(header.wire_id)
             name = repr(other.codec_id) if other else f"unknown wire id {header.wire_id}"
             raise CodecError(f"buffer was encoded by codec {name}, not {self.codec_id!r}")
+        self._check_payload(header, buf[HEADER_SIZE:])
         if out is None:
             out = np.empty(header.n, np.float32)
         elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
@@ -265,6 +268,9 @@ class Codec(ABC):
         Return ``(bits, flags, param_a, param_b, payload_len)`` for the header.
         Raise CodecError if ``x`` holds a non-finite value.
         """
+
+    def _check_payload(self, header: Header, payload: np.ndarray) -> None:
+        """Reject header fields that disagree with the payload before ``decode`` allocates."""
 
     @abstractmethod
     def _decode_payload(self, header: Header, payload: np.ndarray, out: np.ndarray) -> None:

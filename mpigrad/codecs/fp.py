@@ -44,6 +44,7 @@ class Float32(_FloatCodec):
     codec_id = "fp32"
     wire_id = 1
     dtype = np.dtype(np.float32)
+    nominal_bits = 32
 
 
 @register_codec
@@ -53,3 +54,4 @@ class Float16(_FloatCodec):
     codec_id = "fp16"
     wire_id = 2
     dtype = np.dtype(np.float16)
+    nominal_bits = 16

@@ -20,7 +20,7 @@ import importlib
 from ..base import Codec
 
 _TWINS: dict[str, object] = {}
-_MODULES = ("fp",)
+_MODULES = ("fp", "uniform", "qsgd", "terngrad", "sign", "mcgq")
 
 
 def register_twin(codec_id: str):

@@ -1,0 +1,521 @@
+"""MCGQ: sampling, the Sec. 3.4 RLE scheme, the wire format, dynamic sampling.
+
+Golden fixtures tests/data/golden/mcgq_*.npz freeze the wire format; if a change is
+intended, bump the format and regenerate with ``python tests/test_mcgq.py --regenerate``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.stats
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from mpigrad.codecs import CodecError, get_codec, read_header
+from mpigrad.codecs.base import HEADER_SIZE, Header, _write_header
+from mpigrad.codecs.kernels import mcgq as kernels
+from mpigrad.codecs.mcgq import (K_LIMIT, MCGQ, DynamicSampling, rle_decode, rle_encode,
+                                 rle_stream_bits, sample_count, sampling_plan, wasserstein1,
+                                 weight_exponent, weight_factor)
+from mpigrad.codecs.reference import twin_of
+from mpigrad.codecs.reference import mcgq as twin
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+FUZZ = Path(__file__).with_name("fuzz_mcgq.py")
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# ---- the paper's worked example -------------------------------------------------------------------
+PAPER = np.array([2, -1, 0, 0, 0, 3, 0, 1])
+
+
+def bit_string(stream: np.ndarray, nbits: int) -> str:
+    return "".join(f"{b:08b}" for b in stream)[:nbits]
+
+
+def test_worked_example_costs_86_bits_and_has_the_papers_layout():
+    assert rle_stream_bits(PAPER) == 86
+    stream = rle_encode(PAPER)
+    assert stream.size == 11
+    expected = (f"{3:032b}" f"{2:032b}"       # B_g = 3, B_RLE = 2
+                "010" "101" "000" "11"        # 2, -1, zero run of 3
+                "011" "000" "01" "001")       # 3, zero run of 1, 1
+    assert bit_string(stream, 88) == expected + "00"
+    np.testing.assert_array_equal(rle_decode(stream, 8), PAPER)
+
+
+@pytest.mark.parametrize("values, widths, bits", [
+    ([], (1, 0), 64),                                  # empty: preamble only
+    ([0], (1, 1), 64 + 1 + 1),                         # one zero: a run of 1
+    ([0] * 1000, (1, 10), 64 + 1 + 10),                # all zero: B_g = 1, one run of n
+    ([5], (4, 0), 64 + 4),                             # no zeros: B_RLE = 0, no run codes
+    ([1, -1, 1, -1], (2, 0), 64 + 4 * 2),
+    ([-(2**55)] + [0] * 7, (57, 3), 64 + 57 + 57 + 3),  # widest magnitude
+    ([0, 0, 1] + [0] * 9, (2, 4), 64 + (2 + 4) + 2 + (2 + 4)),  # runs sized by the longest
+])
+def test_rle_edge_cases(values, widths, bits):
+    values = np.array(values, np.int64)
+    stream = rle_encode(values)
+    assert rle_stream_bits(values) == bits
+    assert stream.size == -(-bits // 8)
+    assert (int.from_bytes(stream[:4].tobytes(), "big"),
+            int.from_bytes(stream[4:8].tobytes(), "big")) == widths
+    np.testing.assert_array_equal(rle_decode(stream, values.size), values)
+    np.testing.assert_array_equal(twin.rle_write(values, *widths), stream)
+    np.testing.assert_array_equal(twin.rle_read(stream, *widths, values.size, 2**62), values)
+
+
+def test_rle_rejects_bad_values():
+    with pytest.raises(CodecError, match="below 2\\*\\*56"):
+        rle_encode(np.array([2**56]))
+    with pytest.raises(CodecError, match="integer array"):
+        rle_stream_bits(np.array([1.0]))
+
+
+int_vectors = st.integers(0, 300).flatmap(lambda n: st.lists(
+    st.one_of(st.just(0), st.just(0), st.integers(-3, 3), st.integers(-(2**55), 2**55)),
+    min_size=n, max_size=n)).map(lambda v: np.array(v, np.int64))
+
+
+@FAST
+@given(int_vectors)
+def test_rle_round_trip_and_twins(values):
+    stream = rle_encode(values)
+    bits = rle_stream_bits(values)
+    assert 8 * stream.size - 8 < bits <= 8 * stream.size
+    stats = twin.rle_stats(values)
+    assert kernels.int_stats(values) == stats
+    narrow = values.astype(np.int32) if np.abs(values).max(initial=0) < 2**31 else values
+    assert kernels.int_stats(narrow) == stats                      # the int32 specialisation
+    widths = (1 + stats[0].bit_length(), stats[1].bit_length())
+    np.testing.assert_array_equal(twin.rle_write(values, *widths), stream)
+    np.testing.assert_array_equal(rle_decode(stream, values.size), values)
+    np.testing.assert_array_equal(twin.rle_read(stream, *widths, values.size, 2**62), values)
+
+
+def test_rle_decode_rejects_malformed_streams():
+    stream = rle_encode(PAPER)
+    last_bit = np.zeros(11, np.uint8)
+    last_bit[-1] = 1
+    cases = [
+        (stream[:9], 8, "ends inside a code"),
+        (np.append(stream, np.uint8(0)), 8, "follow the last element"),
+        (stream ^ last_bit, 8, "follow the last element"),                # a padding bit set
+        (stream, 7, "follow the last element"),
+        (stream, 9, "ends inside a code"),
+    ]
+    for buf, n, message in cases:
+        with pytest.raises(CodecError, match=message):
+            rle_decode(buf, n)
+        with pytest.raises(CodecError):
+            twin.rle_read(buf, 3, 2, n, 2**62)
+    bad_preambles = [
+        (stream[:5], "preamble"),
+        (np.concatenate((np.zeros(4, np.uint8), stream[4:])), "B_g = 0"),
+        (np.concatenate((stream[:4], np.uint8([0, 0, 0, 9]), stream[8:])), "B_RLE = 9 for 8"),
+    ]
+    for buf, message in bad_preambles:
+        with pytest.raises(CodecError, match=message):
+            rle_decode(buf, 8)
+    # B_g = 4 is wider than the data needs: the twin reads it, the checked decoder refuses it.
+    wide = twin.pack_codes(np.array([4, 2, 2, 1 | 8, 0, 3, 3, 0, 1, 1], np.uint64),
+                           np.array([32, 32, 4, 4, 4, 2, 4, 4, 2, 4]))
+    np.testing.assert_array_equal(twin.rle_read(wide, 4, 2, 8, 2**62), PAPER)
+    with pytest.raises(CodecError, match="do not match the data"):
+        rle_decode(wide, 8)
+    # Codes the format cannot contain: two zero runs in a row, an empty run, a negative zero.
+    for codes, widths, n in [([3, 2, 0, 1, 0, 2, 2], [32, 32, 3, 2, 3, 2, 3], 4),
+                             ([3, 2, 0, 0], [32, 32, 3, 2], 3),
+                             ([3, 2, 4], [32, 32, 3], 3)]:
+        buf = twin.pack_codes(np.array(codes, np.uint64), np.array(widths))
+        with pytest.raises(CodecError, match="cannot contain"):
+            rle_decode(buf, n)
+        with pytest.raises(CodecError):
+            twin.rle_read(buf, 3, 2, n, 2**62)
+
+
+# ---- sampling kernels vs their NumPy twins ----------------------------------------------------------
+def sampled(x: np.ndarray, K: float, seed: int = 0, counter: int = 0):
+    """(counts from the kernels, exact expected counts N p_k as Fractions, N)."""
+    n = x.size
+    top = int(kernels.max_abs_bits(x.view(np.uint32)))
+    factor = weight_factor(n, top)
+    weights = twin.weights(x, factor)
+    total = int(kernels.weight_total(x, factor))
+    assert total == int(weights.sum())
+    n_samples, ratio, _ = sampling_plan(n, K, top, total)
+    xi = float(kernels.sampling_offset(seed, counter))
+    assert xi == twin.sampling_offset(seed, counter)
+    counts = np.empty(n, np.int64)
+    kernels.sample_counts(x, factor, np.int64(total), ratio, xi, np.int64(n_samples), counts)
+    np.testing.assert_array_equal(counts, twin.sampled_counts(x, factor, total, ratio, xi, n_samples))
+    expected = [Fraction(n_samples * int(w), total) if total else Fraction(0) for w in weights]
+    return counts, expected, n_samples
+
+
+float_vectors = st.integers(1, 400).flatmap(lambda n: st.one_of(
+    st.lists(st.floats(-1e3, 1e3, width=32), min_size=n, max_size=n),
+    st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-45, -3e38, 3e38, 1e-30, 7.5]), min_size=n, max_size=n),
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=n, max_size=n),
+)).map(lambda v: np.array(v, np.float32))
+
+
+@FAST
+@given(float_vectors, st.sampled_from([0.001, 0.1, 0.5, 1.0, 3.3, 64.0]), st.integers(0, 2**63 - 1))
+def test_counts_are_stratified_floor_or_ceil(x, K, seed):
+    counts, expected, n_samples = sampled(x, K, seed)
+    assert int(np.abs(counts).sum()) == n_samples
+    assert all(abs(abs(int(c)) - e) < 1 for c, e in zip(counts, expected))
+    signs = np.sign(counts)
+    assert np.all((signs == 0) | (signs == np.sign(x)))
+
+
+def test_sampling_offset_is_uniform_and_counter_based():
+    xi = np.array([kernels.sampling_offset(5, c) for c in range(4000)])
+    assert scipy.stats.kstest(xi, "uniform").pvalue > 1e-3
+    assert kernels.sampling_offset(5, 17) == kernels.sampling_offset(5, 17) != kernels.sampling_offset(6, 17)
+
+
+def test_sample_count_reads_K_as_a_decimal():
+    assert sample_count(100, 0.07) == 7            # 100 * 0.07 == 7.000000000000001 in floats
+    assert sample_count(3, 0.1) == 1 and sample_count(0, 0.5) == 0 and sample_count(1, 1e-9) == 1
+    assert sample_count(2**34, K_LIMIT) == 2**44
+
+
+def test_counts_are_unbiased():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(200) * rng.exponential(size=200)).astype(np.float32)
+    runs = 2000
+    codec = MCGQ(K=0.3, seed=11)
+    total = np.zeros(200)
+    for _ in range(runs):
+        buf = codec.encode(x)
+        total += rle_decode(buf[HEADER_SIZE + 4:], x.size)
+    _, expected, _ = sampled(x, 0.3)
+    expected = np.array([float(e) for e in expected]) * np.sign(x)
+    fraction = np.abs(expected) % 1
+    sigma = np.sqrt(fraction * (1 - fraction) / runs) + 1e-12
+    assert np.all(np.abs(total / runs - expected) <= 5 * sigma + 1e-9)
+    assert np.abs((total / runs - expected) / sigma).mean() < 1.2   # mean |z| of N(0, 1) is 0.8
+
+
+# ---- the codec ---------------------------------------------------------------------------------------
+def encode_or_error(codec, x, **kwargs):
+    try:
+        return codec.encode(x, **kwargs).copy()
+    except CodecError as exc:
+        return str(exc)
+
+
+@FAST
+@given(float_vectors, st.sampled_from([0.001, 0.1, 0.5, 1.0, 3.3, 64.0]), st.integers(0, 2**63 - 1),
+       st.integers(0, 5))
+def test_codec_matches_twin_and_bounds_the_error(x, K, seed, calls):
+    codec = MCGQ(K=K, seed=seed)
+    codec.load_state_dict({"calls": calls})
+    reference = twin_of(codec)
+    buf = encode_or_error(codec, x)
+    other = encode_or_error(reference, x)
+    if isinstance(buf, str):
+        assert buf == other and "exceeds float32" in buf
+        return
+    np.testing.assert_array_equal(buf, other)
+    assert codec.calls == reference.calls == calls + 1
+    assert buf.size <= codec.max_encoded_size(x.size)
+    decoded = codec.decode(buf)
+    np.testing.assert_array_equal(decoded, reference.decode(buf))
+    # |count_k - N p_k| < 1, so |decoded_k - x_k| <= s, plus the roundings: weights to
+    # integers (unit / 2), s to float32 (may underflow), decoded values to float32.
+    counts = rle_decode(buf[HEADER_SIZE + 4:], x.size).astype(np.float64)
+    s32 = float(buf[HEADER_SIZE:HEADER_SIZE + 4].view("<f4")[0])
+    n_samples = read_header(buf).param_a | read_header(buf).param_b << 32
+    unit = float(np.abs(x).max()) * 2.0 ** -weight_exponent(x.size)
+    s64 = float(twin.weights(x, weight_factor(x.size, int(np.abs(x).view(np.uint32).max()))).sum()) \
+        * unit / max(n_samples, 1)
+    error = np.abs(decoded.astype(np.float64) - x)
+    bound = s64 * 1.000001 + np.abs(counts) * abs(s32 - s64) + 1e-6 * np.abs(x) + unit + 1.5e-45
+    assert np.all(error <= bound)
+
+
+@pytest.mark.parametrize("x", [
+    np.zeros(0, np.float32), np.zeros(17, np.float32), np.full(17, -0.0, np.float32),
+    np.array([-3.5], np.float32), np.full(64, 0.25, np.float32),
+], ids=["empty", "zeros", "negative-zeros", "one", "constant"])
+def test_edge_inputs(x):
+    codec = MCGQ(K=0.5, seed=1)
+    buf = codec.encode(x)
+    header = read_header(buf)
+    decoded = codec.decode(buf)
+    if not np.any(x):
+        assert header.param_a == header.param_b == 0 and header.bits == 1
+        np.testing.assert_array_equal(decoded, np.zeros_like(x))
+        assert not np.signbit(decoded).any()
+    elif x.size == 1:
+        np.testing.assert_array_equal(decoded, x)      # one sample, scale |x|
+    else:
+        # 32 samples over 64 equal elements: every other element gets one hit of 2 * 0.25.
+        assert sorted(set(decoded.tolist())) == [0.0, 0.5] and decoded.sum() == x.sum()
+
+
+def test_header_and_sizes():
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    codec = MCGQ(K=0.2, seed=3)
+    buf = codec.encode(x)
+    header = read_header(buf)
+    counts = rle_decode(buf[HEADER_SIZE + 4:], x.size)
+    assert header.param_a == 200 and header.param_b == 0
+    assert header.bits == 1 + int(np.abs(counts).max()).bit_length()
+    assert buf.size == HEADER_SIZE + 4 + -(-rle_stream_bits(counts) // 8)
+    scale = buf[HEADER_SIZE:HEADER_SIZE + 4].view("<f4")[0]
+    assert scale == pytest.approx(np.abs(x.astype(np.float64)).sum() / 200, rel=1e-6)
+    # A bound for K covers adversarial patterns (alternating zeros, one huge value).
+    for K in (0.01, 0.5, 1.0, 8.0):
+        for pattern in (np.tile(np.float32([1, 0]), 500), np.r_[np.float32(1e6), np.ones(999, np.float32)]):
+            assert codec.encode(pattern, K=K).size <= codec.max_encoded_size(pattern.size, K=K)
+
+
+def test_config_seed_state_and_per_call_K():
+    codec = get_codec({"id": "mcgq", "K": 0.25, "seed": 9})
+    assert isinstance(codec, MCGQ) and codec.stochastic and not codec.accepts_bits
+    assert codec.get_config() == {"id": "mcgq", "K": 0.25, "seed": 9}
+    assert get_codec(json.loads(json.dumps(codec.get_config()))) == codec
+    x = np.random.default_rng(1).standard_normal(500).astype(np.float32)
+    first, second = codec.encode(x).copy(), codec.encode(x).copy()
+    assert not np.array_equal(first, second)
+    codec.load_state_dict({"calls": 0})
+    np.testing.assert_array_equal(codec.encode(x), first)
+    other = MCGQ(K=0.25, seed=10)
+    assert not np.array_equal(other.encode(x), first)
+    buf = codec.encode(x, K=2.0)
+    assert read_header(buf).param_a == 1000 and codec.K == 0.25 and codec.sampling_amount() == 0.25
+    assert read_header(codec.encode(x)).param_a == 125
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"K": 0}, "K must be"), ({"K": -1}, "K must be"), ({"K": 1025}, "K must be"),
+    ({"K": float("nan")}, "K must be"), ({"K": True}, "K must be"), ({"K": "0.1"}, "K must be"),
+    ({"seed": -1}, "seed"), ({"bits": 4}, "bad options"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(CodecError, match=message):
+        get_codec({"id": "mcgq", **options})
+    with pytest.raises(CodecError, match="K must be"):
+        MCGQ().encode(np.ones(3, np.float32), K=0)
+
+
+def test_bad_input_is_rejected():
+    codec = MCGQ(seed=1)
+    for bad in (np.float32([1, np.nan]), np.float32([np.inf, 0]), np.float32([-np.inf])):
+        with pytest.raises(CodecError, match="NaN or infinity"):
+            codec.encode(bad)
+        with pytest.raises(CodecError, match="NaN or infinity"):
+            twin_of(codec).encode(bad)
+    with pytest.raises(CodecError, match="exceeds float32"):
+        codec.encode(np.full(4, 3e38, np.float32), K=0.25)    # ||g||_1 / N = 1.2e39
+    with pytest.raises(CodecError, match="1-D"):
+        codec.encode(np.ones((2, 2), np.float32))
+
+
+# ---- damaged buffers ----------------------------------------------------------------------------------
+def reheader(buf: np.ndarray, payload: np.ndarray | None = None, **fields) -> np.ndarray:
+    """``buf`` with header fields replaced (and a valid header CRC), optionally a new payload."""
+    header = read_header(buf)._asdict()
+    payload = buf[HEADER_SIZE:] if payload is None else payload
+    header.update(payload_len=payload.size, **fields)
+    out = np.concatenate((np.zeros(HEADER_SIZE, np.uint8), payload))
+    _write_header(out, Header(**header), False)
+    return out
+
+
+def test_damaged_buffers_raise_codec_error():
+    x = np.random.default_rng(2).standard_normal(300).astype(np.float32)
+    codec = MCGQ(K=0.5, seed=4)
+    buf = codec.encode(x).copy()
+    header = read_header(buf)
+    payload = buf[HEADER_SIZE:]
+    assert header.bits >= 3                 # a count >= 2: a scale of 3e38 overflows float32
+
+    def with_payload_bytes(offset, values):
+        p = payload.copy()
+        p[offset:offset + len(values)] = values
+        return reheader(buf, p)
+
+    def widths_of(p):
+        return int.from_bytes(p[4:8].tobytes(), "big"), int.from_bytes(p[8:12].tobytes(), "big")
+
+    def with_widths(value_bits, run_bits):
+        widths = np.frombuffer(value_bits.to_bytes(4, "big") + run_bits.to_bytes(4, "big"), np.uint8)
+        return with_payload_bytes(4, widths)
+
+    cases = [
+        (buf[:-1], "truncated or padded"),
+        (np.append(buf, np.uint8(0)), "truncated or padded"),
+        (get_codec({"id": "fp32"}).encode(x), "encoded by codec 'fp32'"),
+        (reheader(buf, flags=1), "unknown codec flags"),
+        (reheader(buf, payload[:11]), "shorter than the 12-byte preamble"),
+        (with_payload_bytes(0, np.float32([-1.0]).view(np.uint8)), "negative or non-finite"),
+        (with_payload_bytes(0, np.float32([np.nan]).view(np.uint8)), "negative or non-finite"),
+        (with_payload_bytes(0, np.float32([3e38]).view(np.uint8)), "overflow float32"),
+        (reheader(buf, param_a=header.param_a + 1), "counts sum to"),
+        (reheader(buf, param_b=1), "samples for 300 elements"),
+        (reheader(buf, param_a=0), "without samples"),
+        (reheader(buf, bits=header.bits + 1), "header says B_g"),
+        (with_widths(header.bits + 1, widths_of(payload)[1]), "header says B_g"),
+        (reheader(with_widths(header.bits + 1, widths_of(payload)[1]), bits=header.bits + 1),
+         "corrupted payload"),
+        (with_widths(header.bits, 10), "B_RLE = 10 for 300"),
+        (reheader(buf, n=299), "corrupted payload"),
+        (reheader(buf, n=301), "corrupted payload"),
+        (reheader(buf, np.append(payload, np.uint8(0))), "follow the last element"),
+        (reheader(buf, payload[:-1]), "corrupted payload"),
+    ]
+    for damaged, message in cases:
+        with pytest.raises(CodecError, match=message):
+            codec.decode(damaged)
+        with pytest.raises(CodecError):
+            twin_of(codec).decode(damaged)
+    # Counts 3 and 3 where the header allows N = 3 samples: the kernel stops at the excess.
+    excess = np.concatenate((np.float32([1.0]).view(np.uint8),
+                             twin.pack_codes(np.array([3, 0, 3, 3], np.uint64), np.array([32, 32, 3, 3]))))
+    excess = reheader(buf, excess, n=2, bits=3, param_a=3, param_b=0)
+    for decoder in (codec, twin_of(codec)):
+        with pytest.raises(CodecError, match="exceed the sample count"):
+            decoder.decode(excess)
+    with pytest.raises(CodecError, match="payload CRC"):
+        checked = MCGQ(K=0.5, checksum=True).encode(x).copy()
+        checked[-1] ^= 1
+        codec.decode(checked)
+
+
+def test_fuzz_in_subprocess():
+    result = subprocess.run([sys.executable, str(FUZZ), "--seed", "7", "--mutations", "2500"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, (f"fuzzer exited with {result.returncode} (negative: a signal)\n"
+                                    f"stdout: {result.stdout}\nstderr: {result.stderr[-4000:]}")
+    tally = dict(item.split("=") for item in result.stdout.split())
+    outcomes = {key.split(":")[1] for key in tally}
+    assert outcomes == {"ok", "error"}
+    assert int(tally.get("checksum:error", 0)) > 100 and "checksum:ok" not in tally
+
+
+# ---- golden fixtures ----------------------------------------------------------------------------------
+def golden_cases() -> dict[str, tuple[dict, int, np.ndarray]]:
+    i = np.arange(1000, dtype=np.int64)
+    smooth = (((i * 2654435761) % 2001 - 1000).astype(np.float32) / np.float32(1000.0)) * np.float32(1e-3)
+    sparse = smooth.copy()
+    sparse[(i % 7) != 0] = 0
+    return {
+        "mcgq_k01": ({"id": "mcgq", "K": 0.1, "seed": 7}, 0, smooth),
+        "mcgq_k1_checksum": ({"id": "mcgq", "K": 1.0, "seed": 123, "checksum": True}, 3, smooth[:257]),
+        "mcgq_k25_sparse": ({"id": "mcgq", "K": 2.5, "seed": 1}, 1, sparse),
+        "mcgq_zeros": ({"id": "mcgq", "K": 0.5, "seed": 0}, 0, np.zeros(17, np.float32)),
+    }
+
+
+def make_golden(config: dict, calls: int, x: np.ndarray) -> dict[str, np.ndarray]:
+    codec = get_codec(config)
+    codec.load_state_dict({"calls": calls})
+    encoded = codec.encode(x).copy()
+    return {"config": np.array(json.dumps(config)), "calls": np.array(calls), "x": x,
+            "encoded": encoded, "decoded": codec.decode(encoded)}
+
+
+@pytest.mark.parametrize("name", sorted(golden_cases()))
+def test_wire_format_is_frozen(name):
+    config, calls, x = golden_cases()[name]
+    stored = np.load(GOLDEN / f"{name}.npz")
+    assert json.loads(str(stored["config"])) == config and int(stored["calls"]) == calls
+    np.testing.assert_array_equal(stored["x"], x)
+    codec = get_codec(config)
+    codec.load_state_dict({"calls": calls})
+    np.testing.assert_array_equal(codec.encode(x), stored["encoded"])
+    np.testing.assert_array_equal(codec.decode(stored["encoded"]), stored["decoded"])
+    np.testing.assert_array_equal(twin_of(codec).decode(stored["encoded"]), stored["decoded"])
+
+
+def test_worked_example_stream_is_frozen():
+    np.testing.assert_array_equal(np.load(GOLDEN / "mcgq_paper_example.npy"), rle_encode(PAPER))
+
+
+# ---- Wasserstein-1 and dynamic sampling ---------------------------------------------------------------
+@FAST
+@given(st.integers(1, 200).flatmap(lambda n: st.tuples(
+    st.lists(st.floats(-10, 10, width=32), min_size=n, max_size=n),
+    st.lists(st.integers(-3, 3), min_size=n, max_size=n))))
+def test_wasserstein1_matches_scipy_and_twin(pair):
+    g = np.array(pair[0], np.float32)
+    q = np.array(pair[1], np.float32)
+    assume(np.any(g) and np.any(q))
+    d = wasserstein1(g, q)
+    n = g.size
+    points = np.arange(n) / n
+    reference = scipy.stats.wasserstein_distance(points, points, np.abs(g.astype(np.float64)), np.abs(q))
+    assert d == pytest.approx(reference, abs=1e-12, rel=1e-9)
+    assert d == pytest.approx(twin.wasserstein1_index(g, q), abs=1e-12, rel=1e-9)
+    assert 0 <= d < 1
+
+
+def test_wasserstein1_cases():
+    assert wasserstein1(np.float32([1, 0]), np.float32([0, 1])) == 0.5
+    assert wasserstein1(np.float32([2, -1]), np.float32([-4, 2])) == 0.0     # same |.| shape
+    assert wasserstein1(np.zeros(3, np.float32), np.zeros(3)) == 0.0
+    assert wasserstein1(np.zeros(3, np.float32), np.ones(3)) == 1.0
+    with pytest.raises(CodecError, match="3 elements, q has 2"):
+        wasserstein1(np.ones(3), np.ones(2))
+    with pytest.raises(CodecError, match="NaN"):
+        wasserstein1(np.float32([np.nan]), np.ones(1))
+
+
+def test_dynamic_sampling_follows_algorithm_3():
+    sampler = DynamicSampling(K_init=0.2, step=500.0, K_min=0.05, K_max=0.8)
+    codec = MCGQ(seed=5)
+    rng = np.random.default_rng(4)
+    history = []
+    for _ in range(12):
+        for key, size in (("fc1", 4000), ("fc2", 1000)):
+            g = rng.standard_normal(size).astype(np.float32)
+            K = sampler.sampling_amount(key)
+            buf = codec.encode(g, K=K)
+            assert read_header(buf).param_a == sample_count(size, K)
+            decoded = codec.decode(buf)
+            before = sampler.distance(key)
+            new_K = sampler.update(key, g, decoded)
+            d = wasserstein1(g, decoded)
+            expected = K if before is None else min(max(K + 500.0 * (before - d), 0.05), 0.8)
+            assert new_K == pytest.approx(expected, rel=1e-12) and sampler.distance(key) == d
+            history.append((key, new_K))
+    assert len({k for key, k in history if key == "fc1"}) > 3          # K moved
+    state = sampler.state_dict()
+    restored = DynamicSampling(K_init=0.2, step=500.0, K_min=0.05, K_max=0.8)
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    g = rng.standard_normal(1000).astype(np.float32)
+    decoded = codec.decode(codec.encode(g, K=sampler.sampling_amount("fc2")))
+    assert restored.update("fc2", g, decoded) == sampler.update("fc2", g, decoded)
+
+
+def test_dynamic_sampling_rejects_bad_settings_and_state():
+    with pytest.raises(CodecError, match="K_min <= K_init <= K_max"):
+        DynamicSampling(K_init=2.0, K_max=1.0)
+    with pytest.raises(CodecError, match="step"):
+        DynamicSampling(step=-1)
+    with pytest.raises(CodecError, match="K must be"):
+        DynamicSampling(K_min=0)
+    sampler = DynamicSampling()
+    with pytest.raises(CodecError, match="outside"):
+        sampler.load_state_dict({"K": {"a": 5.0}, "distance": {"a": 0.1}})
+    with pytest.raises(CodecError, match="different layers"):
+        sampler.load_state_dict({"K": {"a": 0.1}, "distance": {}})
+    assert sampler.state_dict() == {"K": {}, "distance": {}}
+
+
+if __name__ == "__main__" and "--regenerate" in sys.argv:
+    for fixture, case in golden_cases().items():
+        np.savez(GOLDEN / f"{fixture}.npz", **make_golden(*case))
+    np.save(GOLDEN / "mcgq_paper_example.npy", rle_encode(PAPER))
+    print(f"wrote {len(golden_cases()) + 1} fixtures to {GOLDEN}")
