@@ -1,0 +1,280 @@
+"""Bit-selection policy base class, the observation it sees, option checks and the registry.
+
+A policy is a plain object that knows nothing of MPI: rank 0 builds one with
+``get_policy(config, n_layers, seed)`` and calls ``decide(observation)`` once per
+iteration, in order, before the workers quantize. ``decide`` returns the bits of each
+quantized layer for that iteration. Policies that learn or adapt log one row per
+decision in ``drain_records()``; ``state_dict()`` / ``load_state_dict()`` carry
+everything a resumed run needs to make the same decisions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = [
+    "Policy", "PolicyError", "Observation", "BITS_LIMITS", "register_policy", "get_policy",
+    "available", "policy_class", "policy_options", "parse_policy_options",
+]
+
+#: Widest bits range any policy accepts; a codec may support less (see ``Policy.check_codec``).
+BITS_LIMITS = (1, 32)
+
+
+class PolicyError(ValueError):
+    """A policy config, observation or state that a policy cannot accept."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What rank 0 knows when it chooses the bits of iteration ``iteration``."""
+
+    iteration: int                          # m, 0-based
+    loss: float                             # global loss L^m: mean of the workers' losses
+    last_iteration_ms: float                # duration of iteration m-1 on the run's clock (0.0 at m=0)
+    gradients: Sequence[np.ndarray] = ()    # averaged float32 gradient of iteration m-1, per layer
+    codec: object | None = None             # the run's codec (accepts_bits) for error-based policies
+
+    def __post_init__(self):
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, (int, np.integer)) \
+                or self.iteration < 0:
+            raise PolicyError(f"observation iteration must be an integer >= 0, got {self.iteration!r}")
+        ms = self.last_iteration_ms
+        if not isinstance(ms, (int, float, np.floating, np.integer)) or not math.isfinite(ms) or ms < 0:
+            raise PolicyError(f"observation last_iteration_ms must be finite and >= 0, got {ms!r}")
+
+
+_REGISTRY: dict[str, type["Policy"]] = {}
+
+
+def register_policy(cls: type["Policy"]) -> type["Policy"]:
+    """Class decorator: make ``cls`` reachable through ``get_policy({"id": cls.policy_id})``."""
+    if cls.policy_id in _REGISTRY and _REGISTRY[cls.policy_id] is not cls:
+        raise ValueError(f"policy id {cls.policy_id!r} registered twice")
+    _REGISTRY[cls.policy_id] = cls
+    return cls
+
+
+def available() -> list[str]:
+    """Sorted ids of the registered policies."""
+    return sorted(_REGISTRY)
+
+
+def policy_class(policy_id: str) -> type["Policy"]:
+    try:
+        return _REGISTRY[policy_id]
+    except (KeyError, TypeError):
+        raise PolicyError(f"unknown policy {policy_id!r}; available: {', '.join(available())}") from None
+
+
+def policy_options(policy_id: str) -> dict[str, Any]:
+    """The hyperparameters of a policy and their defaults, in signature order."""
+    cls = policy_class(policy_id)
+    params = inspect.signature(cls.__init__).parameters
+    return {name: p.default for name, p in params.items()
+            if p.kind is p.KEYWORD_ONLY and name not in _RUN_ARGS}
+
+
+def get_policy(config: dict[str, Any], n_layers: int = 1, seed: int = 0) -> "Policy":
+    """Build a policy from a JSON-able config such as ``{"id": "mqgrad", "T": 5}``.
+
+    ``n_layers`` is the number of quantized layers, ``seed`` the run's seed. Unknown ids,
+    unknown option names and bad values raise PolicyError with a one-line message.
+    """
+    if not isinstance(config, dict) or "id" not in config:
+        raise PolicyError("policy config must be a dict with an 'id' key")
+    params = dict(config)
+    policy_id = params.pop("id")
+    known = policy_options(policy_id)
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise PolicyError(f"policy {policy_id!r}: unknown option(s) {', '.join(unknown)}; "
+                          f"valid: {', '.join(known)}")
+    return policy_class(policy_id)(**params, n_layers=n_layers, seed=seed)
+
+
+def parse_policy_options(policy_id: str, pairs: Sequence[str]) -> dict[str, Any]:
+    """Turn command-line ``NAME=VALUE`` strings into typed options of ``policy_id``.
+
+    Each value is converted to the option's annotated type (bool accepts true/false/1/0/
+    yes/no; an optional option accepts ``none``). The result still goes through
+    ``get_policy``, which checks ranges.
+    """
+    cls = policy_class(policy_id)
+    hints = typing.get_type_hints(cls.__init__)
+    known = policy_options(policy_id)
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = str(pair).partition("=")
+        name = name.strip()
+        if not sep or name not in known:
+            raise PolicyError(f"policy {policy_id!r}: expected NAME=VALUE with NAME one of "
+                              f"{', '.join(known)}, got {pair!r}")
+        options[name] = _parse_value(policy_id, name, text.strip(), hints.get(name, str))
+    return options
+
+
+def _parse_value(policy_id: str, name: str, text: str, hint: Any) -> Any:
+    kinds = typing.get_args(hint) or (hint,)
+    if type(None) in kinds and text.lower() in ("none", "null", ""):
+        return None
+    kind = next(k for k in kinds if k is not type(None))
+    try:
+        if kind is bool:
+            return {"true": True, "1": True, "yes": True,
+                    "false": False, "0": False, "no": False}[text.lower()]
+        if kind in (int, float):
+            return kind(text)
+        if kind is str:
+            return text
+        return json.loads(text)
+    except (KeyError, ValueError):
+        raise PolicyError(f"policy {policy_id!r}: option {name} expects {getattr(kind, '__name__', kind)}, "
+                          f"got {text!r}") from None
+
+
+# ---- option checks, shared by the policies' __init__ ---------------------------------
+
+def check_int(policy_id: str, name: str, value: Any, low: int | None = None,
+              high: int | None = None) -> int:
+    """``value`` as an int in [low, high]; PolicyError otherwise (bools and floats rejected)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+            or (low is not None and value < low) or (high is not None and value > high):
+        bounds = _bounds_text(low, high)
+        raise PolicyError(f"policy {policy_id!r}: {name} must be an integer{bounds}, got {value!r}")
+    return int(value)
+
+
+def check_float(policy_id: str, name: str, value: Any, low: float, high: float = math.inf,
+                low_open: bool = False) -> float:
+    """``value`` as a finite float in [low, high] ((low, high] when ``low_open``)."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+          and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        lo = f"> {low}" if low_open else f">= {low}"
+        hi = "" if high == math.inf else f" and <= {high}"
+        raise PolicyError(f"policy {policy_id!r}: {name} must be a number {lo}{hi}, got {value!r}")
+    return float(value)
+
+
+def check_choice(policy_id: str, name: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise PolicyError(f"policy {policy_id!r}: {name} must be one of {', '.join(map(repr, choices))}, "
+                          f"got {value!r}")
+    return value
+
+
+def check_bool(policy_id: str, name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise PolicyError(f"policy {policy_id!r}: {name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def check_bits_range(policy_id: str, min_bits: Any, max_bits: Any) -> tuple[int, int]:
+    lo = check_int(policy_id, "min_bits", min_bits, *BITS_LIMITS)
+    hi = check_int(policy_id, "max_bits", max_bits, *BITS_LIMITS)
+    if lo > hi:
+        raise PolicyError(f"policy {policy_id!r}: bits range is empty (min_bits={lo} > max_bits={hi})")
+    return lo, hi
+
+
+def _bounds_text(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        return f" in [{low}, {high}]"
+    if low is not None:
+        return f" >= {low}"
+    return f" <= {high}" if high is not None else ""
+
+
+_RUN_ARGS = ("n_layers", "seed")
+
+
+class Policy(ABC):
+    """Chooses the bits of every quantized layer, once per iteration.
+
+    Subclasses set ``policy_id``, take their hyperparameters as keyword-only ``__init__``
+    arguments (checked there, PolicyError for bad values) followed by ``n_layers`` and
+    ``seed``, list them in ``_config`` and implement ``decide``. Stateful subclasses
+    override ``state_dict`` / ``load_state_dict``; recording ones override
+    ``record_columns`` / ``drain_records``.
+    """
+
+    policy_id: ClassVar[str]
+    #: True when ``decide`` reads ``Observation.gradients`` and ``Observation.codec``.
+    uses_gradients: ClassVar[bool] = False
+
+    def __init__(self, *, n_layers: int = 1, seed: int = 0):
+        self.n_layers = check_int(self.policy_id, "n_layers", n_layers, 1)
+        self.seed = check_int(self.policy_id, "seed", seed, 0, 2**63 - 1)
+
+    # ---- configuration ------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        """JSON-able config; ``get_policy(p.get_config(), p.n_layers, p.seed) == p``."""
+        return {"id": self.policy_id, **self._config()}
+
+    @abstractmethod
+    def _config(self) -> dict[str, Any]:
+        """Policy hyperparameters, JSON-able."""
+
+    @abstractmethod
+    def bits_range(self) -> tuple[int, int]:
+        """The lowest and highest bits ``decide`` can return."""
+
+    def check_codec(self, codec: Any) -> None:
+        """Raise PolicyError unless ``codec`` can be set to every bits this policy may choose.
+
+        The runtime calls this at start-up so that a bits range the codec cannot honour
+        fails before the first iteration rather than in the middle of a run.
+        """
+        if not getattr(codec, "accepts_bits", False):
+            raise PolicyError(f"policy {self.policy_id!r} chooses bits, but codec "
+                              f"{getattr(codec, 'codec_id', codec)!r} has no 'bits' option")
+        lo, hi = self.bits_range()
+        for bits in range(lo, hi + 1):
+            try:
+                codec.with_bits(bits)
+            except ValueError as exc:
+                raise PolicyError(f"policy {self.policy_id!r} may choose {bits} bits, which codec "
+                                  f"{codec.codec_id!r} rejects: {exc}") from None
+
+    def __eq__(self, other: object) -> bool:
+        return (type(self) is type(other) and self.get_config() == other.get_config()
+                and (self.n_layers, self.seed) == (other.n_layers, other.seed))
+
+    def __hash__(self) -> int:
+        return hash((json.dumps(self.get_config(), sort_keys=True), self.n_layers, self.seed))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        return f"{type(self).__name__}({args}, n_layers={self.n_layers}, seed={self.seed})"
+
+    # ---- decisions ----------------------------------------------------------------
+    @abstractmethod
+    def decide(self, obs: Observation) -> tuple[int, ...]:
+        """Bits of each quantized layer for iteration ``obs.iteration`` (length ``n_layers``)."""
+
+    def record_columns(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Columns of this policy's trace rows: name -> (numpy dtype string, shape)."""
+        return {"iteration": ("i8", ()), "layer": ("i4", ()), "bits": ("i4", ())}
+
+    def drain_records(self) -> list[dict[str, Any]]:
+        """Rows (keys == ``record_columns()``) logged since the last drain; [] by default."""
+        return []
+
+    # ---- checkpoints --------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain python/numpy state, picklable. Undrained records are not part of it."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise PolicyError(f"policy {self.policy_id!r} is stateless; got state keys {sorted(state)}")
