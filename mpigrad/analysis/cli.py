@@ -1,0 +1,131 @@
+"""`mpigrad trace ACTION`: info, summary, table, plot and export for HDF5 traces.
+
+Reads trace files only: never imports mpi4py, torch or numba.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from ..errors import UsageError
+from ..trace import Trace, TraceError, load
+from .tables import CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, parse_points, render
+
+_FORMATS = ("text", "csv", "markdown")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    info = actions.add_parser("info", help="config, versions, length and status of one run")
+    info.add_argument("file")
+
+    summary = actions.add_parser("summary", help="one row per run: losses, accuracy, traffic, overhead")
+    summary.add_argument("files", nargs="+", metavar="FILE")
+    summary.add_argument("--target-loss", type=float, help="also report the time to reach this loss")
+    summary.add_argument("--clock", choices=sorted(CLOCKS), default="sim",
+                         help="clock for the quantization overhead fraction (default: sim)")
+    _add_smooth(summary)
+    _add_format(summary)
+
+    table = actions.add_parser("table", help="test accuracy at given times (the paper's Tables 1-2)")
+    table.add_argument("files", nargs="+", metavar="FILE")
+    table.add_argument("--at", required=True, metavar="POINTS",
+                       help="comma-separated durations (5h,15h,30h; units s, m, h, d) or iterations (100,500)")
+    table.add_argument("--iterations", action="store_true", help="read --at as iteration numbers only")
+    table.add_argument("--clock", choices=sorted(CLOCKS), default="sim",
+                       help="clock that durations refer to (default: sim)")
+    table.add_argument("--metric", choices=sorted(METRICS), default="accuracy",
+                       help="test accuracy in %% (default) or test loss")
+    _add_format(table)
+
+    plot = actions.add_parser("plot", help="loss, accuracy and bits against time or iteration")
+    plot.add_argument("files", nargs="+", metavar="FILE")
+    plot.add_argument("-o", "--output", required=True, help="image file (.png, .pdf or .svg)")
+    plot.add_argument("--x", choices=("sim", "wall", "iteration"), default="sim",
+                      help="x axis: simulated time (default), wall-clock time or iteration")
+    plot.add_argument("--no-accuracy", action="store_true", help="leave out the test accuracy panel")
+    plot.add_argument("--title")
+    _add_smooth(plot)
+
+    export = actions.add_parser("export", help="write every table as CSV and the attributes as JSON")
+    export.add_argument("file")
+    export.add_argument("--csv", required=True, metavar="DIR", help="output folder (created if needed)")
+    export.add_argument("--force", action="store_true", help="overwrite existing files in DIR")
+
+
+def _add_smooth(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smooth", type=int, default=1, metavar="N",
+                        help="average the training loss over the last N iterations (default: 1)")
+
+
+def _add_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=_FORMATS, default="text", help="output format (default: text)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _ACTIONS[args.action](args)
+    except (TraceError, AnalysisError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _load_runs(paths: list[str]) -> tuple[list[Trace], list[str]]:
+    from .summary import require_steps, unique_labels
+
+    traces = [load(path) for path in paths]
+    for trace in traces:
+        require_steps(trace)
+    return traces, unique_labels(traces)
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .summary import describe
+
+    lines = describe(load(args.file))
+    width = max(len(key) for key, _ in lines)
+    for key, text in lines:
+        indented = text.replace("\n", "\n" + " " * (width + 2))
+        print(f"{key:<{width}}  {indented}")
+    return 0
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from .summary import summarize, summary_columns
+
+    traces, labels = _load_runs(args.files)
+    rows = [summarize(trace, label, target_loss=args.target_loss, clock=args.clock, smooth=args.smooth)
+            for trace, label in zip(traces, labels)]
+    print(render(rows, summary_columns(target_loss=args.target_loss, clock=args.clock), args.format), end="")
+    return 0
+
+
+def _table(args: argparse.Namespace) -> int:
+    points = parse_points(args.at, iterations=args.iterations)
+    traces, labels = _load_runs(args.files)
+    rows, columns = accuracy_table(traces, labels, points, clock=args.clock, metric=args.metric)
+    print(render(rows, columns, args.format), end="")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plots import plot_traces
+
+    traces, labels = _load_runs(args.files)
+    output = plot_traces(traces, labels, args.output, x=args.x, smooth=args.smooth,
+                         accuracy=not args.no_accuracy, title=args.title)
+    print(f"wrote {output}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    (trace,), _ = _load_runs([args.file])
+    for path in export_csv(trace, args.csv, force=args.force):
+        print(f"wrote {path}")
+    return 0
+
+
+_ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "info": _info, "summary": _summary, "table": _table, "plot": _plot, "export": _export,
+}

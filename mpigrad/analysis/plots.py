@@ -1,0 +1,100 @@
+"""Paper-style figures: training loss, test accuracy and bits against time or iteration.
+
+matplotlib is imported only here, inside ``plot_traces``, and drawn through the Agg canvas
+directly (no pyplot, no global backend switch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..trace import Trace
+from .summary import require_steps, smoothed_loss
+from .tables import AnalysisError
+
+__all__ = ["plot_traces", "X_AXES", "FORMATS"]
+
+#: --x choice -> (steps/eval column, axis name)
+X_AXES = {"sim": ("sim_time", "Simulated time"), "wall": ("wall_time", "Wall-clock time"),
+          "iteration": ("iteration", "Iteration")}
+FORMATS = (".png", ".pdf", ".svg")
+_MAX_POINTS = 4000   # per line; longer runs are thinned evenly
+_MAX_MARKERS = 40    # evaluations drawn as dots up to this many per run
+
+
+def _time_unit(longest_seconds: float) -> tuple[str, float]:
+    if longest_seconds >= 2 * 3600:
+        return "h", 3600.0
+    if longest_seconds >= 2 * 60:
+        return "min", 60.0
+    return "s", 1.0
+
+
+def _thin(n: int) -> slice:
+    return slice(None, None, max(1, n // _MAX_POINTS))
+
+
+def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Path, *, x: str = "sim",
+                smooth: int = 1, accuracy: bool = True, title: str | None = None) -> Path:
+    """Draw loss, test accuracy (when evaluated) and bits, one line per run, into ``output``."""
+    output = Path(output)
+    if output.suffix.lower() not in FORMATS:
+        raise AnalysisError(f"output {output} must end in {', '.join(FORMATS)}")
+    if not output.parent.is_dir():
+        raise AnalysisError(f"cannot write {output}: folder {output.parent} does not exist")
+    if x not in X_AXES:
+        raise AnalysisError(f"unknown x axis {x!r} ({', '.join(X_AXES)})")
+    for trace in traces:
+        require_steps(trace)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    column, axis_name = X_AXES[x]
+    if x == "iteration":
+        unit, scale, xlabel = "", 1.0, axis_name
+    else:
+        unit, scale = _time_unit(max(float(t.steps[column].iloc[-1]) for t in traces))
+        xlabel = f"{axis_name} ({unit})"
+    with_accuracy = accuracy and any(len(t.eval) and "test_accuracy" in t.eval for t in traces)
+    panels = ["loss"] + (["accuracy"] if with_accuracy else []) + ["bits"]
+    heights = {"loss": 3.0, "accuracy": 2.2, "bits": 1.6}
+    figure = Figure(figsize=(6.4, sum(heights[p] for p in panels) + 0.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = dict(zip(panels, figure.subplots(len(panels), 1, sharex=True,
+                                            gridspec_kw={"height_ratios": [heights[p] for p in panels]})))
+    for k, (trace, label) in enumerate(zip(traces, labels)):
+        color = f"C{k % 10}"
+        steps = trace.steps
+        xs = steps[column].to_numpy(dtype=np.float64) / scale
+        loss = smoothed_loss(trace, smooth)
+        keep = _thin(len(xs))
+        axes["loss"].plot(xs[keep], loss[keep], color=color, lw=1.4, label=label)
+        axes["bits"].plot(xs[keep], steps["bits"].to_numpy()[keep], color=color, lw=1.2,
+                          drawstyle="steps-post", label=label)
+        if with_accuracy and len(trace.eval):
+            evals = trace.eval
+            axes["accuracy"].plot(evals[column].to_numpy(dtype=np.float64) / scale,
+                                  100 * evals["test_accuracy"].to_numpy(), color=color, lw=1.4,
+                                  marker="o" if len(evals) <= _MAX_MARKERS else None, ms=3, label=label)
+    loss_label = "Training loss" + (f" (mean of {smooth} it.)" if smooth > 1 else "")
+    axes["loss"].set_ylabel(loss_label)
+    axes["loss"].legend(title="method", frameon=False)
+    if with_accuracy:
+        axes["accuracy"].set_ylabel("Test accuracy (%)")
+    axes["bits"].set_ylabel("Bits")
+    low = min(int(t.steps["bits"].min()) for t in traces)
+    high = max(int(t.steps["bits"].max()) for t in traces)
+    axes["bits"].set_ylim(low - 0.5, high + 0.5)
+    axes["bits"].yaxis.set_major_locator(MaxNLocator(nbins=min(high - low + 1, 6), integer=True))
+    axes["bits"].set_xlabel(xlabel)
+    for ax in axes.values():
+        ax.grid(True, alpha=0.3)
+        ax.set_xlim(left=0)
+    if title:
+        figure.suptitle(title)
+    figure.savefig(output, dpi=150)
+    return output

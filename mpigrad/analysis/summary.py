@@ -1,0 +1,157 @@
+"""Per-run figures: the `summary` table (one row per run) and the `info` description.
+
+Definitions (all sums run over the rows of the ``steps`` table):
+
+- total bytes = sum(bytes_up + bytes_down);
+- compression ratio against float32 = iterations * attrs["float32_bytes_per_iteration"] / total bytes;
+- time to target loss = the clock at the first iteration whose loss (trailing mean over
+  ``smooth`` iterations) is at or below the target;
+- quantization overhead fraction = sum(t_encode + t_decode + t_policy) / the clock's value at
+  the last iteration (sim_time by default, i.e. the run's length on the simulated clock).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..trace import STEPS_COLUMNS, Trace
+from .tables import CLOCKS, AnalysisError, Column
+
+__all__ = ["require_steps", "smoothed_loss", "time_to_target", "overhead_fraction",
+           "compression_ratio", "summarize", "summary_columns", "unique_labels", "describe"]
+
+
+def require_steps(trace: Trace) -> None:
+    """AnalysisError unless ``trace`` has at least one steps row with the standard columns."""
+    steps = trace.steps
+    missing = [name for name in STEPS_COLUMNS if name not in steps.columns]
+    if "steps" in trace.tables and missing:
+        raise AnalysisError(f"{trace.path}: steps table lacks columns {missing}")
+    if len(steps) == 0:
+        raise AnalysisError(f"{trace.path}: the run recorded no iterations (status {trace.status})")
+
+
+def smoothed_loss(trace: Trace, smooth: int = 1) -> np.ndarray:
+    """Training loss per iteration, averaged over the last ``smooth`` iterations (fewer at the start)."""
+    if smooth < 1:
+        raise AnalysisError(f"smoothing window must be at least 1 iteration, got {smooth}")
+    loss = trace.steps["loss"]
+    return (loss if smooth == 1 else loss.rolling(smooth, min_periods=1).mean()).to_numpy(dtype=np.float64)
+
+
+def time_to_target(trace: Trace, target: float, clock: str = "sim", smooth: int = 1) -> float | None:
+    """Seconds on ``clock`` until the (smoothed) loss first reaches ``target``; None if never."""
+    reached = np.flatnonzero(smoothed_loss(trace, smooth) <= target)
+    return None if reached.size == 0 else float(trace.steps[CLOCKS[clock]].iloc[reached[0]])
+
+
+def overhead_fraction(trace: Trace, clock: str = "sim") -> float | None:
+    """Share of the run's time on ``clock`` spent encoding, decoding and choosing bits."""
+    steps = trace.steps
+    total = float(steps[CLOCKS[clock]].iloc[-1])
+    spent = float((steps["t_encode"] + steps["t_decode"] + steps["t_policy"]).sum())
+    return spent / total if total > 0 else None
+
+
+def compression_ratio(trace: Trace) -> float | None:
+    """float32 traffic over actual traffic; None without ``float32_bytes_per_iteration``."""
+    per_iteration = trace.attrs.get("float32_bytes_per_iteration")
+    sent = int((trace.steps["bytes_up"] + trace.steps["bytes_down"]).sum())
+    if not isinstance(per_iteration, (int, float)) or isinstance(per_iteration, bool) or sent <= 0:
+        return None
+    return float(per_iteration) * len(trace.steps) / sent
+
+
+def summarize(trace: Trace, label: str | None = None, *, target_loss: float | None = None,
+              clock: str = "sim", smooth: int = 1) -> dict[str, Any]:
+    """One summary row (raw values; None where not available)."""
+    if clock not in CLOCKS:
+        raise AnalysisError(f"unknown clock {clock!r} (sim, wall)")
+    require_steps(trace)
+    steps, evals = trace.steps, trace.eval
+    loss = smoothed_loss(trace, smooth)
+    accuracy = evals["test_accuracy"].to_numpy() if "test_accuracy" in evals else np.empty(0)
+    row = {
+        "run": trace.name, "method": label or trace.label, "status": trace.status,
+        "iterations": len(steps), "final_loss": float(loss[-1]),
+        "best_loss": float(np.nanmin(loss)) if not np.isnan(loss).all() else None,
+        "best_accuracy": float(np.nanmax(accuracy)) * 100 if accuracy.size and not np.isnan(accuracy).all() else None,
+        "total_mb": float((steps["bytes_up"] + steps["bytes_down"]).sum()) / 1e6,
+        "ratio_fp32": compression_ratio(trace),
+        "sim_time": float(steps["sim_time"].iloc[-1]), "wall_time": float(steps["wall_time"].iloc[-1]),
+        "overhead": _percent(overhead_fraction(trace, clock)),
+    }
+    if target_loss is not None:
+        row["target_sim"] = time_to_target(trace, target_loss, "sim", smooth)
+        row["target_wall"] = time_to_target(trace, target_loss, "wall", smooth)
+    return row
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
+
+
+def summary_columns(*, target_loss: float | None = None, clock: str = "sim") -> list[Column]:
+    columns = [Column("run", "run", left=True), Column("method", "method", left=True),
+               Column("status", "status", left=True),
+               Column("iterations", "iterations"), Column("final_loss", "final_loss"),
+               Column("best_loss", "best_loss"), Column("best_accuracy", "best_acc_%", ".1f"),
+               Column("total_mb", "total_MB", ".1f"), Column("ratio_fp32", "ratio_vs_fp32", ".2f"),
+               Column("sim_time", "sim_time_s", ".1f"), Column("wall_time", "wall_time_s", ".1f")]
+    if target_loss is not None:
+        columns += [Column("target_sim", f"sim_s_to_{target_loss:g}", ".1f"),
+                    Column("target_wall", f"wall_s_to_{target_loss:g}", ".1f")]
+    return columns + [Column("overhead", f"quant_%_{clock}", ".2f")]
+
+
+def unique_labels(traces: Sequence[Trace]) -> list[str]:
+    """Method labels, with the run name appended where two runs share a label."""
+    labels = [trace.label for trace in traces]
+    return [f"{label} ({trace.name})" if labels.count(label) > 1 else label
+            for label, trace in zip(labels, traces)]
+
+
+def describe(trace: Trace) -> list[tuple[str, str]]:
+    """(key, text) lines for `mpigrad trace info`."""
+    attrs, steps = trace.attrs, trace.steps
+    status = {"complete": "complete (ended cleanly)", "stopped": "stopped (checkpointed, can be resumed)",
+              "failed": "failed (the run raised an error)",
+              "running": "running, or its writer died (rows up to the last flush are readable)"}
+    lines = [("file", str(trace.path)), ("method", trace.label),
+             ("status", status.get(trace.status, trace.status)),
+             ("schema", f"version {trace.schema_version}, written by mpigrad {attrs.get('mpigrad_version', '?')}"),
+             ("started", str(attrs.get("start_time", "?"))), ("ended", str(attrs.get("end_time", "-")))]
+    if len(steps):
+        lines += [("iterations", f"{len(steps)} (iteration {int(steps['iteration'].iloc[0])} to "
+                                 f"{int(steps['iteration'].iloc[-1])})"),
+                  ("duration", f"{steps['sim_time'].iloc[-1]:.1f} s simulated, "
+                               f"{steps['wall_time'].iloc[-1]:.1f} s wall clock"),
+                  ("loss", f"first {steps['loss'].iloc[0]:.4g}, last {steps['loss'].iloc[-1]:.4g}")]
+    else:
+        lines.append(("iterations", "0 (no rows were flushed)"))
+    lines.append(("tables", ", ".join(f"{name} {len(frame)} rows" for name, frame in trace.tables.items())))
+    for resume in attrs.get("resumes", []):
+        lines.append(("resumed", f"at iteration {resume.get('at_iteration')} on {resume.get('time')}"))
+    for key in ("argv", "hostnames", "hosts", "ranks", "slurm", "seed"):
+        if key in attrs:
+            value = attrs[key]
+            lines.append((key, " ".join(map(str, value)) if key == "argv" and isinstance(value, list)
+                          else _compact(value)))
+    versions = attrs.get("versions")
+    if isinstance(versions, dict):
+        lines.append(("versions", ", ".join(f"{k} {str(v).splitlines()[0] if str(v) else v}"
+                                            for k, v in versions.items())))
+    shown = {"format", "schema_version", "mpigrad_version", "start_time", "end_time", "complete",
+             "status", "config", "resumes", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
+    lines += [(key, _compact(value)) for key, value in attrs.items() if key not in shown]
+    lines.append(("config", json.dumps(trace.config, indent=2, sort_keys=True)))
+    return lines
+
+
+def _compact(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True)
+    return str(value.tolist() if hasattr(value, "tolist") else value)

@@ -1,0 +1,247 @@
+"""Reading traces: ``load(path) -> Trace`` with pandas DataFrames, and ``read_raw`` (numpy only).
+
+A file is opened normally first, so HDF5 checks it fully (a truncated file is caught there);
+a file still marked as being written (a live writer, or one that was killed) is then
+opened in SWMR-read mode. Only the committed rows of each table are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import h5py
+import numpy as np
+
+from .attrs import read_attrs
+from .schema import (FORMAT_NAME, ROWS_DATASET, SCHEMA_VERSION, TABLE_NAMES, TraceError, column_spec,
+                     flat_names)
+
+__all__ = ["Trace", "load", "read_raw", "method_label"]
+
+_TABLE_ORDER = {name: k for k, name in enumerate(TABLE_NAMES)}  # standard tables first
+
+
+class RawTrace(NamedTuple):
+    path: Path
+    schema_version: int
+    attrs: dict[str, Any]
+    specs: dict[str, dict[str, tuple[np.dtype, tuple[int, ...]]]]
+    arrays: dict[str, dict[str, np.ndarray]]
+
+
+def read_raw(path: str | os.PathLike) -> RawTrace:
+    """Attributes, table specs and committed rows (numpy arrays of shape (rows, *shape))."""
+    path = Path(path)
+    h5file = _open(path)
+    with h5file:
+        try:
+            attrs = read_attrs(h5file)
+        except (ValueError, OSError) as exc:  # undecodable JSON or an unreadable attribute
+            raise TraceError(f"{path}: damaged trace attributes ({_first_line(exc)})") from None
+        if attrs.get("format") != FORMAT_NAME:
+            raise TraceError(f"{path} is an HDF5 file but not an mpigrad trace "
+                             f"(no format={FORMAT_NAME!r} root attribute)")
+        version = attrs.get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise TraceError(f"{path}: damaged trace (bad schema_version {version!r})")
+        if version > SCHEMA_VERSION:
+            raise TraceError(f"{path} has trace schema version {version}, newer than this "
+                             f"mpigrad reads ({SCHEMA_VERSION}); upgrade mpigrad")
+        specs, arrays = {}, {}
+        try:
+            names = sorted(h5file, key=lambda name: (_TABLE_ORDER.get(name, len(_TABLE_ORDER)), name))
+            for table in names:
+                group = h5file[table]
+                if isinstance(group, h5py.Group) and "columns" in group.attrs:
+                    specs[table], arrays[table] = _read_table(path, table, group)
+        except (OSError, KeyError, ValueError) as exc:
+            if isinstance(exc, TraceError):
+                raise
+            raise TraceError(f"{path}: truncated or damaged trace ({_first_line(exc)})") from None
+    return RawTrace(path, version, attrs, specs, arrays)
+
+
+def _open(path: Path) -> h5py.File:
+    if not path.exists():
+        raise TraceError(f"{path}: no such file")
+    if path.is_dir():
+        raise TraceError(f"{path} is a directory, not a trace file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        reason = _first_line(exc)
+    if "already open for write" in reason:  # a live writer, or one that was killed
+        try:
+            return h5py.File(path, "r", swmr=True)
+        except OSError as exc:
+            reason = _first_line(exc)
+            if "not already open for SWMR" in reason:
+                raise TraceError(f"{path} was left open by a non-SWMR writer; "
+                                 f"`h5clear -s {path}` clears the mark") from None
+    if "signature not found" in reason:
+        raise TraceError(f"{path} is not an HDF5 file (so not an mpigrad trace)")
+    if "truncated file" in reason:
+        sizes = re.search(r"eof = (\d+).*stored_eof = (\d+)", reason)
+        detail = f": {sizes.group(1)} of {sizes.group(2)} bytes present" if sizes else ""
+        raise TraceError(f"{path} is truncated{detail} (an interrupted copy?)")
+    if "lock" in reason:
+        reason += " (on file systems without locking, set HDF5_USE_FILE_LOCKING=FALSE)"
+    raise TraceError(f"cannot open {path}: {reason}")
+
+
+def _read_table(path: Path, table: str, group: h5py.Group):
+    columns = json.loads(group.attrs["columns"])
+    specs = {name: column_spec(table, name, spec) for name, spec in columns.items()}
+    rows = int(group[ROWS_DATASET][()])
+    arrays = {}
+    for name in specs:
+        dataset = group[name]
+        if dataset.shape[0] < rows:
+            raise TraceError(f"{path}: table {table!r} column {name!r} holds {dataset.shape[0]} "
+                             f"rows, {rows} were committed (damaged trace)")
+        arrays[name] = dataset[:rows]
+    return specs, arrays
+
+
+def _first_line(exc: BaseException) -> str:
+    """The useful part of an h5py error: "Unable to ... open file (REASON)" -> REASON."""
+    text = str(exc).strip()
+    text = text.splitlines()[0] if text else type(exc).__name__
+    match = re.fullmatch(r"Unable to (?:\w+ )?open file \((.*)\)", text)
+    return match.group(1) if match else text
+
+
+# ---- labels -------------------------------------------------------------------------------
+_POLICY_LABELS = {"adaptive": "Adaptive", "mqgrad": "MQGrad"}
+_PLAIN_CODECS = {"fp32": "FP32", "fp16": "FP16"}
+_DEFAULT_CODEC = "uniform"
+
+
+def method_label(config: dict[str, Any]) -> str:
+    """The paper's method label: "Fix (2-bit)", "Adaptive", "MQGrad" (plus "[codec]" when
+    the codec is not the paper's uniform quantizer); ``config["label"]`` overrides."""
+    if not isinstance(config, dict):
+        return "unknown"
+    if isinstance(config.get("label"), str) and config["label"]:
+        return config["label"]
+    codec = _component(config, "codec")
+    policy = _component(config, "policy")
+    codec_id = str(codec.get("id", _DEFAULT_CODEC))
+    if codec_id in _PLAIN_CODECS:
+        return _PLAIN_CODECS[codec_id]
+    policy_id = str(policy.get("id", "fixed"))
+    if policy_id == "fixed":
+        bits = policy.get("bits", codec.get("bits"))
+        label = f"Fix ({bits}-bit)" if bits is not None else "Fix"
+    else:
+        label = _POLICY_LABELS.get(policy_id, policy_id)
+    return label if codec_id == _DEFAULT_CODEC else f"{label} [{codec_id}]"
+
+
+def _component(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """A codec or policy config, from the nested form ({"codec": {"id": ...}}) or from
+    ``mpigrad train``'s flat one ("codec": "uniform", "codec_opts": {...}, "bits": 4)."""
+    value = config.get(name)
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        return {}
+    options = config.get(f"{name}_opts") if isinstance(config.get(f"{name}_opts"), dict) else {}
+    resolved = {"id": value, **options}
+    if isinstance(config.get("bits"), int):
+        resolved.setdefault("bits", config["bits"])
+    return resolved
+
+
+# ---- the Trace object -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Trace:
+    """A loaded trace. Tables are DataFrames with one row per record; a vector column
+    ``x`` of shape (k,) appears as columns ``x_0 .. x_{k-1}`` (see ``array`` for the raw
+    numpy layout). Missing tables are empty DataFrames."""
+
+    path: Path
+    schema_version: int
+    config: dict[str, Any]
+    attrs: dict[str, Any]
+    tables: dict[str, Any]
+    arrays: dict[str, dict[str, np.ndarray]] = field(repr=False)
+
+    @property
+    def steps(self):
+        return self._table("steps")
+
+    @property
+    def workers(self):
+        return self._table("workers")
+
+    @property
+    def eval(self):
+        return self._table("eval")
+
+    @property
+    def policy(self):
+        return self._table("policy")
+
+    @property
+    def checksums(self):
+        return self._table("checksums")
+
+    def _table(self, name: str):
+        import pandas as pd
+
+        return self.tables.get(name, pd.DataFrame())
+
+    def array(self, table: str, column: str) -> np.ndarray:
+        """A column as stored: shape (rows, *per-row shape)."""
+        try:
+            return self.arrays[table][column]
+        except KeyError:
+            raise TraceError(f"{self.path}: no column {table}/{column}") from None
+
+    @property
+    def status(self) -> str:
+        """"complete", "stopped", "failed", or "running" (still running, or its writer died)."""
+        return str(self.attrs.get("status", "running"))
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.attrs.get("complete", False))
+
+    @property
+    def label(self) -> str:
+        return method_label(self.config)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Read the trace at ``path``; TraceError (one line) for anything that is not a readable trace."""
+    try:
+        import pandas as pd
+    except ImportError:
+        raise TraceError("reading traces needs pandas: pip install 'mpigrad[analysis]'") from None
+    raw = read_raw(path)
+    tables = {}
+    for table, specs in raw.specs.items():
+        columns = {}
+        for name, (_, shape) in specs.items():
+            values = raw.arrays[table][name]
+            if not shape:
+                columns[name] = values
+            else:
+                flat = values.reshape(len(values), int(np.prod(shape)))
+                for k, flat_name in enumerate(flat_names({name: specs[name]})):
+                    columns[flat_name] = flat[:, k]
+        tables[table] = pd.DataFrame(columns)
+    config = raw.attrs.get("config")
+    return Trace(raw.path, raw.schema_version, config if isinstance(config, dict) else {},
+                 raw.attrs, tables, raw.arrays)
+

@@ -1,0 +1,160 @@
+"""The trace file layout: schema version, standard tables and column validation.
+
+A trace is one HDF5 file. Root attributes hold the run's metadata; each table is a group
+whose columns are resizable, chunked, compressed datasets of shape ``(rows, *per_row_shape)``.
+A table is described by a dict ``{column name: (numpy dtype string, per-row shape)}``;
+every table has an integer ``iteration`` column (used to truncate rows on resume).
+
+Units: times are seconds (float64); ``wall_time`` and ``sim_time`` are cumulative since
+the run started (at the end of the row's iteration); ``t_*`` are per-iteration durations.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import numpy as np
+
+__all__ = [
+    "SCHEMA_VERSION", "FORMAT_NAME", "TraceError", "Columns", "STEPS_COLUMNS", "EVAL_COLUMNS",
+    "TABLE_NAMES", "step_columns", "workers_columns", "checksum_columns", "default_tables",
+    "validate_tables", "column_spec", "flat_names",
+]
+
+#: Bumped whenever a reader of the previous version would misread a new file.
+SCHEMA_VERSION = 1
+#: Value of the root attribute ``format`` that marks an HDF5 file as an mpigrad trace.
+FORMAT_NAME = "mpigrad-trace"
+#: Name of the scalar dataset in every table group that counts its committed rows.
+ROWS_DATASET = "_rows"
+
+Columns = Mapping[str, "tuple[str, tuple[int, ...]]"]
+
+
+class TraceError(ValueError):
+    """A trace that cannot be written or read as asked; the message says why, in one line."""
+
+
+STEPS_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "iteration": ("i8", ()),
+    "wall_time": ("f8", ()),    # s since start, measured
+    "sim_time": ("f8", ()),     # s since start, with the modelled network
+    "loss": ("f8", ()),         # global training loss (mean of the workers' losses)
+    "bits": ("i4", ()),         # bits the gradients were quantized with
+    "bytes_up": ("i8", ()),     # worker -> server bytes, all workers together
+    "bytes_down": ("i8", ()),   # server -> worker bytes, all workers together
+    "t_compute": ("f8", ()),
+    "t_encode": ("f8", ()),
+    "t_decode": ("f8", ()),
+    "t_comm": ("f8", ()),       # modelled communication time
+    "t_policy": ("f8", ()),     # time the bit policy took to decide
+}
+
+EVAL_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "iteration": ("i8", ()),
+    "wall_time": ("f8", ()),
+    "sim_time": ("f8", ()),
+    "test_loss": ("f8", ()),
+    "test_accuracy": ("f8", ()),  # fraction in [0, 1]
+}
+
+#: Tables that ``mpigrad.trace.load`` exposes as attributes of a Trace.
+TABLE_NAMES = ("steps", "workers", "eval", "policy", "checksums")
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_DTYPE_KINDS = "biuf"
+
+
+def step_columns(extra: Columns | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """STEPS_COLUMNS plus ``extra`` columns (e.g. per-layer bits); a name clash is an error."""
+    columns = dict(STEPS_COLUMNS)
+    for name, spec in (extra or {}).items():
+        if name in columns:
+            raise TraceError(f"extra steps column {name!r} clashes with a standard column")
+        columns[name] = spec
+    return columns
+
+
+def workers_columns(workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Per-iteration, per-worker values; index k of each vector is worker k (MPI rank k + 1)."""
+    _check_count("workers", workers)
+    return {"iteration": ("i8", ()), "loss": ("f8", (workers,)),
+            "t_compute": ("f8", (workers,)), "bytes_sent": ("i8", (workers,))}
+
+
+def checksum_columns(ranks: int, dtype: str = "u8") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Parameter checksums, one per rank (index r is MPI rank r), every N iterations."""
+    _check_count("ranks", ranks)
+    return {"iteration": ("i8", ()), "checksum": (dtype, (ranks,))}
+
+
+def default_tables(workers: int, policy_columns: Columns | None = None,
+                   checksum_ranks: int | None = None) -> dict[str, dict]:
+    """The standard table set: steps, workers, eval, plus policy and checksums when given."""
+    tables: dict[str, dict] = {"steps": dict(STEPS_COLUMNS), "workers": workers_columns(workers),
+                               "eval": dict(EVAL_COLUMNS)}
+    if policy_columns is not None:
+        tables["policy"] = dict(policy_columns)
+    if checksum_ranks is not None:
+        tables["checksums"] = checksum_columns(checksum_ranks)
+    return tables
+
+
+def _check_count(what: str, value: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise TraceError(f"{what} must be a positive integer, got {value!r}")
+
+
+def validate_tables(tables: Mapping[str, Columns]) -> dict[str, dict[str, tuple[np.dtype, tuple[int, ...]]]]:
+    """Check a table set and return it normalised to ``{table: {column: (dtype, shape)}}``."""
+    if not isinstance(tables, Mapping) or not tables:
+        raise TraceError("tables must be a non-empty dict {table: {column: (dtype, shape)}}")
+    result = {}
+    for table, columns in tables.items():
+        if not isinstance(table, str) or not _NAME.match(table):
+            raise TraceError(f"bad table name {table!r} (letters, digits and _, starting with a letter)")
+        if not isinstance(columns, Mapping) or not columns:
+            raise TraceError(f"table {table!r} must map column names to (dtype, shape)")
+        specs = {}
+        for name, spec in columns.items():
+            specs[name] = column_spec(table, name, spec)
+        if "iteration" not in specs or specs["iteration"][0].kind not in "iu" or specs["iteration"][1]:
+            raise TraceError(f"table {table!r} needs a scalar integer 'iteration' column")
+        flat = flat_names(specs)
+        if len(set(flat)) != len(flat):
+            raise TraceError(f"table {table!r}: column names clash once vectors are flattened "
+                             f"(a vector 'x' becomes x_0, x_1, ...)")
+        result[table] = specs
+    return result
+
+
+def column_spec(table: str, name: object, spec: object) -> tuple[np.dtype, tuple[int, ...]]:
+    """Validate one column's ``(dtype string, shape)``; return ``(numpy dtype, shape tuple)``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise TraceError(f"table {table!r}: bad column name {name!r}")
+    try:
+        if not (isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[1], (tuple, list))):
+            raise TypeError
+        dtype = np.dtype(spec[0])
+        shape = tuple(int(n) for n in spec[1])
+    except (TypeError, ValueError):
+        raise TraceError(f"column {table}/{name}: spec must be (numpy dtype string, shape tuple), "
+                         f"got {spec!r}") from None
+    if dtype.kind not in _DTYPE_KINDS:
+        raise TraceError(f"column {table}/{name}: dtype {dtype} is not bool, integer or float")
+    if any(n < 1 for n in shape):
+        raise TraceError(f"column {table}/{name}: shape {shape} has a dimension below 1")
+    return dtype.newbyteorder("="), shape
+
+
+def flat_names(specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> list[str]:
+    """DataFrame column names: a scalar keeps its name; a vector ``x`` of shape (k,) becomes
+    ``x_0 .. x_{k-1}``; a matrix of shape (k, l) becomes ``x_0_0 .. x_{k-1}_{l-1}``."""
+    names = []
+    for name, (_, shape) in specs.items():
+        if not shape:
+            names.append(name)
+        else:
+            names.extend(f"{name}_" + "_".join(map(str, index)) for index in np.ndindex(*shape))
+    return names
