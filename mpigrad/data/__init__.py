@@ -1,0 +1,49 @@
+"""Datasets the runtime trains on, in a registry keyed by name, and per-worker sharding::
+
+    ds = load_dataset("digits")                        # bundled, no download
+    ds = load_dataset("cifar10", data_dir="~/cifar")   # the python batches, local
+    ds = load_dataset("synthetic", shape=(3, 32, 32), train_size=4096)
+    sampler = ShardSampler(ds.train_size, worker_index, num_workers, batch_size, seed)
+    x, y = ds.train_x[idx], ds.train_y[idx] where idx = sampler.next_batch()
+
+Loaders share the signature ``loader(*, data_dir=None, seed=0, **options) -> Dataset`` and
+raise ``DataError`` (a ValueError) with a one-line cause. This package needs only NumPy
+(and scikit-learn for digits, imported when used).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from .cifar10 import load_cifar10
+from .datasets import DataError, Dataset
+from .digits import load_digits
+from .sharding import ShardSampler
+from .synthetic import make_synthetic
+
+__all__ = ["Dataset", "DataError", "ShardSampler", "available_datasets", "load_dataset"]
+
+_LOADERS: dict[str, Callable[..., Dataset]] = {
+    "digits": load_digits,
+    "cifar10": load_cifar10,
+    "synthetic": make_synthetic,
+}
+
+
+def available_datasets() -> list[str]:
+    """Sorted names accepted by ``load_dataset``."""
+    return sorted(_LOADERS)
+
+
+def load_dataset(name: str, data_dir=None, seed: int = 0, **options: Any) -> Dataset:
+    """Load dataset ``name``; DataError for an unknown name, bad options or bad files."""
+    try:
+        loader = _LOADERS[name]
+    except (KeyError, TypeError):
+        raise DataError(f"unknown dataset {name!r}; available: {', '.join(available_datasets())}") from None
+    try:
+        inspect.signature(loader).bind(data_dir=data_dir, seed=seed, **options)
+    except TypeError as exc:
+        raise DataError(f"bad options for dataset {name!r}: {exc}") from None
+    return loader(data_dir=data_dir, seed=seed, **options)
