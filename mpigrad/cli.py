@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from . import __version__
@@ -21,6 +22,28 @@ COMMANDS = {
     "data": ("mpigrad.data.cli", "fetch and verify datasets on a login node"),
     "doctor": ("mpigrad.runtime.doctor", "check the MPI launch, threads and versions"),
 }
+
+
+#: Environment variables through which MPI launchers tell a process its rank.
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launch_rank() -> int:
+    """This process's MPI rank as the launcher announced it (0 when not launched by MPI)."""
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse with one-line errors, printed by rank 0 only when launched under MPI."""
+
+    def error(self, message: str):
+        if launch_rank() == 0:
+            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -42,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     module_name, text = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"mpigrad {name}", description=text)
+    parser = CommandParser(prog=f"mpigrad {name}", description=text)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:
@@ -50,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"mpigrad {name}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into head and the like
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"mpigrad {name}: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,108 @@
+"""``mpigrad train``: parse options on every rank, check the launch, dispatch by rank.
+
+Launch with ``mpiexec -n P+1 python -m mpi4py -m mpigrad train [options]`` (or ``srun``):
+rank 0 is the parameter server, ranks 1..P are workers. ``python -m mpi4py`` makes an
+uncaught exception abort every rank instead of leaving the others hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from ..config import RunConfig, parse_assignments
+from ..errors import UsageError
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options mirror RunConfig; every default is None so a --config file is not overridden."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.epilog = ("Defaults follow the MQGrad paper (uniform codec, mqgrad policy from 2 bits, "
+                     "batch 32, lr 0.2, 10 MB/s). Launch: mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+    d = RunConfig()
+    g = parser.add_argument_group("run")
+    g.add_argument("--config", metavar="FILE", help="TOML file whose keys mirror these options")
+    g.add_argument("--iterations", type=int, help=f"SGD iterations (default {d.iterations})")
+    g.add_argument("--batch-size", type=int, help=f"per-worker batch size (default {d.batch_size})")
+    g.add_argument("--lr", type=float, help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic)")
+    g.add_argument("--weight-decay", type=float, help=f"l2 coefficient on the big FC layers (default {d.weight_decay})")
+    g.add_argument("--seed", type=int, help="seeds data order, model init, codecs and policy (default 0)")
+    g.add_argument("--device", choices=["cpu", "cuda", "auto"], help="torch device (default cpu)")
+    g.add_argument("--threads", type=int, help="threads per rank (default SLURM_CPUS_PER_TASK or 1)")
+    g = parser.add_argument_group("model and data")
+    g.add_argument("--model", help=f"model (default {d.model})")
+    g.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model option, e.g. fc_sizes=[256,256]")
+    g.add_argument("--data", help="digits (embedded, default) | cifar10 | synthetic")
+    g.add_argument("--data-dir", help="directory of the CIFAR-10 python batches")
+    g.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="dataset option, e.g. shape=[3,32,32]")
+    g.add_argument("--eval-every", type=int, help=f"evaluate on the test split every N iterations, 0 = never (default {d.eval_every})")
+    g.add_argument("--eval-samples", type=int, help="evaluate on the first N test examples (default all)")
+    g = parser.add_argument_group("quantization")
+    g.add_argument("--codec", help=f"gradient codec (default {d.codec})")
+    g.add_argument("--codec-opt", action="append", metavar="KEY=VALUE", help="codec option, e.g. bucket_size=512")
+    g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits})")
+    g.add_argument("--policy", help=f"bit policy: fixed | schedule | adaptive | mqgrad (default {d.policy})")
+    g.add_argument("--policy-opt", action="append", metavar="KEY=VALUE", help="policy option, e.g. epsilon=0.1")
+    g.add_argument("--min-quantize-size", type=int, help=f"layers with fewer elements travel as float32 (default {d.min_quantize_size})")
+    g.add_argument("--error-feedback", choices=["none", "residual", "accumulate"], help="error-feedback memory (default none)")
+    g = parser.add_argument_group("network model")
+    g.add_argument("--bandwidth", help="link bandwidth, e.g. 10MB/s, 1Gbit/s (default 10MB/s)")
+    g.add_argument("--latency", help="per-message latency, e.g. 0.5ms (default 0)")
+    g.add_argument("--net-mode", choices=["virtual", "sleep", "off"], help="virtual clock, real sleeps, or no model (default virtual)")
+    g.add_argument("--broadcast", choices=["star", "tree"], help="broadcast model (default star)")
+    g.add_argument("--compute-time", help="charge this per iteration for local work instead of measured CPU time, e.g. 50ms")
+    g = parser.add_argument_group("output")
+    g.add_argument("--trace", metavar="PATH", help=f"HDF5 trace file (default {d.trace})")
+    g.add_argument("--force", action="store_true", default=None, help="overwrite an existing trace")
+    g.add_argument("--trace-flush", type=int, help=f"flush the trace every N iterations (default {d.trace_flush})")
+    g.add_argument("--progress-every", type=int, help=f"progress line every N iterations, 0 = never (default {d.progress_every})")
+    g.add_argument("--checksum-every", type=int, help=f"compare parameter checksums every N iterations (default {d.checksum_every})")
+    g = parser.add_argument_group("robustness")
+    g.add_argument("--timeout", help=f"seconds to wait for a rank before aborting (default {d.timeout:g})")
+    g.add_argument("--walltime", help="stop, checkpoint and exit 75 before this much time has passed, e.g. 2h")
+    g.add_argument("--checkpoint", metavar="PATH", help="checkpoint file (default TRACE.ckpt)")
+    g.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    overrides = {key: value for key, value in vars(args).items()
+                 if key not in ("config",) and not key.endswith("_opt")}
+    for name in ("model", "data", "codec", "policy"):
+        overrides[f"{name}_opts"] = parse_assignments(getattr(args, f"{name}_opt"), f"--{name}-opt")
+    return RunConfig.from_sources(args.config, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from .environment import apply_thread_settings, threads_per_rank
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    try:
+        config = config_from_args(args)
+        # Before Numba and torch start their thread pools.
+        apply_thread_settings(threads_per_rank(config.threads))
+        from .session import check_launch, run_rank
+        check_launch(config, comm)
+    except UsageError as exc:
+        if rank == 0:
+            print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    try:
+        return run_rank(config, comm, sys.argv)
+    except UsageError as exc:
+        if rank == 0:
+            print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
+        comm.Abort(EXIT_USAGE)
+    except Exception as exc:  # noqa: BLE001 - every rank must end, not hang
+        if os.environ.get("MPIGRAD_DEBUG"):
+            traceback.print_exc()
+        print(f"mpigrad train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        comm.Abort(EXIT_FAILURE)
+    return EXIT_FAILURE

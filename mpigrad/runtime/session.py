@@ -1,0 +1,147 @@
+"""One training session on one rank: launch checks, warm-up, resume, run, checkpoint, exit code."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from ..codecs import CodecError, get_codec
+from ..errors import UsageError
+from ..policies import PolicyError, get_policy
+from . import checkpoint
+from . import EXIT_REQUEUE
+from .common import base_codec
+from .environment import check_world_size
+from .stopping import StopFlag
+
+
+def check_launch(config, comm: MPI.Comm) -> None:
+    """Every check that can fail before work starts; rank 0 decides, all ranks agree."""
+    message = None
+    if comm.Get_rank() == 0:
+        message = _launch_problem(config, comm.Get_size())
+    message = comm.bcast(message, root=0)
+    if message:
+        raise UsageError(message)
+
+
+def _launch_problem(config, size: int) -> str | None:
+    try:
+        if size < 2:
+            raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the server, ranks 1.. "
+                             "are workers): launch with mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+        check_world_size(size)
+        codec = base_codec(config)
+        policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
+        lowest, highest = policy.bits_range()
+        if codec.accepts_bits:
+            policy.check_codec(codec)
+        elif lowest != highest:
+            raise UsageError(f"policy {config.policy!r} chooses bits, but codec {config.codec!r} has no "
+                             "bits option: use --policy fixed, or a codec such as uniform or qsgd")
+        trace = Path(config.trace)
+        if config.resume:
+            if not config.checkpoint_path.exists():
+                raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
+            if not trace.exists():
+                raise UsageError(f"--resume: the trace {trace} to continue does not exist")
+        elif trace.exists() and not config.force:
+            raise UsageError(f"trace {trace} exists; pass --force to overwrite it or --trace to choose another")
+        if not trace.parent.exists() and str(trace.parent):
+            raise UsageError(f"directory {trace.parent} for the trace does not exist")
+    except (UsageError, CodecError, PolicyError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def warm_up(config) -> None:
+    """Compile the Numba kernels (into the cache) by one encode/decode of a small array."""
+    codec = base_codec(config)
+    x = np.linspace(-1.0, 1.0, 4096, dtype=np.float32)
+    for c in (codec, get_codec({"id": "fp32"})):
+        c.decode(c.encode(x))
+
+
+def run_rank(config, comm: MPI.Comm, argv: list[str]) -> int:
+    rank = comm.Get_rank()
+    # Rank 0 compiles first, so the others load from the Numba cache.
+    if rank == 0:
+        warm_up(config)
+    comm.Barrier()
+    if rank != 0:
+        warm_up(config)
+    stop = StopFlag(config.walltime).install()
+    if rank == 0:
+        return _run_server(config, comm, stop, argv)
+    return _run_worker(config, comm)
+
+
+def _run_server(config, comm: MPI.Comm, stop: StopFlag, argv: list[str]) -> int:
+    from .server import Server
+    from .tracing import RunTrace
+
+    log = lambda message: print(message, flush=True)  # noqa: E731
+    server = Server(config, comm, stop, log=log)
+    ident = checkpoint.identity(config.to_dict(), comm.Get_size())
+    start = 0
+    if config.resume:
+        state = checkpoint.load(config.checkpoint_path, ident)
+        server.load_state_dict(state["server"])
+        start = server.iteration
+        comm.scatter([None] + [(w, state["server"]["replica"]) for w in state["workers"]], root=0)
+        log(f"mpigrad: resuming from {config.checkpoint_path} at iteration {start}")
+    hosts = comm.gather(socket.gethostname(), root=0)
+    comm.bcast(start, root=0)
+    trace = RunTrace.open(config, server, hosts, argv, resume_at=start if config.resume else None)
+    if not config.resume:
+        describe_run(config, server, comm.Get_size(), log)
+    try:
+        stopped = server.run(trace, start)
+    except BaseException:
+        trace.close("failed")
+        raise
+    if stopped:
+        workers = comm.gather(None, root=0)[1:]
+        checkpoint.save(config.checkpoint_path, ident, server.state_dict(), workers)
+        trace.close("stopped")
+        log(f"mpigrad: {stop.reason}: stopped after iteration {server.iteration}, checkpoint "
+            f"{config.checkpoint_path}; exit {EXIT_REQUEUE} (resume with --resume)")
+        return EXIT_REQUEUE
+    trace.close("complete")
+    log(trace.final_summary())
+    return 0
+
+
+def _run_worker(config, comm: MPI.Comm) -> int:
+    from .worker import Worker
+
+    worker = Worker(config, comm)
+    if config.resume:
+        worker_state, replica_state = comm.scatter(None, root=0)
+        worker.load_state_dict(worker_state, replica_state)
+    comm.gather(socket.gethostname(), root=0)
+    start = comm.bcast(None, root=0)
+    stopped = worker.run(start)
+    if stopped:
+        comm.gather(worker.state_dict(), root=0)
+        return EXIT_REQUEUE
+    return 0
+
+
+def describe_run(config, server, size: int, log) -> None:
+    layout = server.replica.layout
+    quantized = sum(s.size for s in layout.quantized)
+    log(f"mpigrad {_version()}: {size - 1} workers + server, MPI: {MPI.Get_library_version().splitlines()[0]}")
+    log(f"model {config.model} on {server.dataset.describe()}: {layout.total:,} parameters, "
+        f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
+    log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__

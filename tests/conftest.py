@@ -1,0 +1,50 @@
+"""Shared test helpers: launching real mpiexec runs with timeouts and a shared Numba cache."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def find_mpiexec() -> str:
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.fail("mpiexec not found: install the MPI wheel with pip install mpich")
+    return found
+
+
+@pytest.fixture(scope="session")
+def mpi_env(tmp_path_factory) -> dict[str, str]:
+    """Environment for subprocess runs: one thread per rank, one Numba cache for the session."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba-cache")),
+               PYTHONUNBUFFERED="1", HDF5_USE_FILE_LOCKING="FALSE")
+    for key in ("SLURM_NTASKS", "SLURM_JOB_ID", "MPIGRAD_INJECT_FAULT"):
+        env.pop(key, None)
+    return env
+
+
+def run_mpi(ranks: int, args: list[str], env: dict[str, str], timeout: float = 180,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``mpiexec -n RANKS python -m mpi4py -m mpigrad ARGS``; a hang fails the test."""
+    command = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "mpigrad", *args]
+    try:
+        return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpiexec run did not finish within {timeout} s: {' '.join(args)}\n"
+                    f"stdout: {exc.stdout}\nstderr: {exc.stderr}")
+
+
+#: Small but real: the paper CNN on the embedded digits with narrow FC layers, so the two
+#: FC layers are still the quantized ones and an iteration takes milliseconds.
+SMALL_RUN = ["--model-opt", "fc_sizes=[256,256]", "--min-quantize-size", "10000",
+             "--eval-every", "10", "--progress-every", "10"]

@@ -1,0 +1,138 @@
+"""Stop on a real signal, checkpoint, resume: the same trace as a run that never stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMALL_RUN, find_mpiexec, run_mpi
+from mpigrad.errors import UsageError
+from mpigrad.runtime import EXIT_REQUEUE, checkpoint
+from mpigrad.trace import load
+
+pytestmark = pytest.mark.mpi
+
+# Deterministic mode, and every kind of state a resume must restore: a learning policy,
+# a stochastic codec (RNG counters), error-feedback memories, data order, both clocks.
+RUN = [*SMALL_RUN, "--iterations", "120", "--net-mode", "virtual", "--compute-time", "20ms",
+       "--codec", "qsgd", "--codec-opt", "bucket_size=256", "--policy", "mqgrad", "--bits", "2",
+       "--error-feedback", "residual", "--seed", "3", "--progress-every", "5", "--trace-flush", "7"]
+
+
+def start(trace, env, *extra) -> subprocess.Popen:
+    command = [find_mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train",
+               "--trace", str(trace), *RUN, *extra]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if needle in line:
+            return
+        if not line and process.poll() is not None:
+            break
+    os.killpg(process.pid, signal.SIGKILL)
+    pytest.fail(f"run never printed {needle!r}: {process.stderr.read()}")
+
+
+def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("run did not end after the signal")
+    return process.returncode, out, err
+
+
+def test_signal_checkpoint_resume_gives_the_straight_trace(tmp_path, mpi_env):
+    straight = tmp_path / "straight.h5"
+    result = run_mpi(3, ["train", "--trace", str(straight), *RUN], mpi_env)
+    assert result.returncode == 0, result.stderr
+
+    stopped = tmp_path / "stopped.h5"
+    process = start(stopped, mpi_env)
+    wait_for_line(process, "iter  20/120")
+    os.killpg(process.pid, signal.SIGUSR1)  # what Slurm's --signal=B:USR1 forwarding does
+    code, out, err = finish(process)
+    assert code == EXIT_REQUEUE, err
+    assert "received SIGUSR1: stopped after iteration" in out
+    partial = load(stopped)
+    assert partial.status == "stopped" and not partial.complete
+    assert 20 <= len(partial.steps) < 120
+    assert (tmp_path / "stopped.h5.ckpt").exists()
+
+    resumed = run_mpi(3, ["train", "--trace", str(stopped), *RUN, "--resume"], mpi_env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {stopped}.ckpt at iteration {len(partial.steps)}" in resumed.stdout
+
+    a, b = load(straight), load(stopped)
+    assert b.complete
+    for table in ("steps", "workers", "eval", "policy", "checksums"):
+        left, right = getattr(a, table), getattr(b, table)
+        columns = [c for c in left.columns if not c.startswith(("wall_time", "t_compute", "t_encode",
+                                                                 "t_decode", "t_policy"))]
+        assert len(left) == len(right), table
+        for column in columns:
+            np.testing.assert_array_equal(left[column].to_numpy(), right[column].to_numpy(),
+                                          err_msg=f"{table}.{column}")
+    assert (a.steps["bits"].diff().fillna(0) >= 0).all()
+
+
+def test_resume_with_a_different_config_is_refused(tmp_path, mpi_env):
+    trace = tmp_path / "run.h5"
+    process = start(trace, mpi_env)
+    wait_for_line(process, "iter  10/120")
+    os.killpg(process.pid, signal.SIGUSR1)
+    assert finish(process)[0] == EXIT_REQUEUE
+    before = (tmp_path / "run.h5.ckpt").read_bytes()
+    result = run_mpi(3, ["train", "--trace", str(trace), *RUN, "--resume", "--lr", "0.5"], mpi_env)
+    assert result.returncode == 2
+    assert "from a different configuration (lr: 0.01 -> 0.5)" in result.stderr
+    result = run_mpi(4, ["train", "--trace", str(trace), *RUN, "--resume"], mpi_env)
+    assert result.returncode == 2
+    assert "written by 3 ranks, this run has 4" in result.stderr
+    assert (tmp_path / "run.h5.ckpt").read_bytes() == before
+
+
+def test_sigkill_leaves_a_trace_with_every_flushed_row(tmp_path, mpi_env):
+    trace = tmp_path / "killed.h5"
+    process = start(trace, mpi_env)
+    wait_for_line(process, "iter  30/120")
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=30)
+    tr = load(trace)
+    assert tr.status == "running" and not tr.complete
+    # Flushed every 7 iterations: at least rows 0..27 made it, in order and whole.
+    assert len(tr.steps) >= 28 and len(tr.steps) % 7 == 0
+    assert list(tr.steps["iteration"]) == list(range(len(tr.steps)))
+    assert np.isfinite(tr.steps["loss"]).all()
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    path = tmp_path / "run.ckpt"
+    ident = {"config": {"lr": 0.1}, "world_size": 3}
+    checkpoint.save(path, ident, {"iteration": 5, "w": torch.ones(3)}, [{}, {}])
+    before = path.read_bytes()
+
+    class Exploding:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        checkpoint.save(path, ident, {"iteration": 6, "bad": Exploding()}, [{}, {}])
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt"]
+    assert checkpoint.load(path, ident)["server"]["iteration"] == 5
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UsageError, match="unreadable"):
+        checkpoint.load(tmp_path / "junk.ckpt", ident)

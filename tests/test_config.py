@@ -1,0 +1,89 @@
+"""RunConfig: units, TOML, precedence, validation messages; the network model's arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mpigrad.cli import main
+from mpigrad.config import RunConfig, parse_assignments, parse_duration, parse_rate
+from mpigrad.errors import UsageError
+from mpigrad.runtime.network import LinkModel
+
+
+@pytest.mark.parametrize("text, value", [
+    ("10MB/s", 1e7), ("1Gbit/s", 1.25e8), ("125MiB/s", 125 * 2**20), ("2.5e6", 2.5e6), (42, 42.0),
+])
+def test_rates(text, value):
+    assert parse_rate(text) == value
+
+
+@pytest.mark.parametrize("text, value", [("50ms", 0.05), ("2h", 7200.0), ("30", 30.0), ("250us", 2.5e-4)])
+def test_durations(text, value):
+    assert math.isclose(parse_duration(text), value)
+
+
+@pytest.mark.parametrize("bad", ["fast", "-5MB/s", "10 parsecs/s"])
+def test_bad_rate_says_how_to_write_one(bad):
+    with pytest.raises(UsageError, match="use e.g. 10MB/s"):
+        parse_rate(bad)
+
+
+def test_toml_then_command_line_precedence(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('iterations = 50\nbandwidth = "1Gbit/s"\ncodec = "qsgd"\nbits = 4\n'
+                    '[codec_opts]\nbucket_size = 256\nnorm = "l2"\n[policy_opts]\nepsilon = 0.2\n')
+    config = RunConfig.from_sources(str(path), {"iterations": 7, "codec_opts": {"norm": "max"}, "lr": None})
+    assert config.iterations == 7 and config.bandwidth == 1.25e8
+    assert config.codec_opts == {"bucket_size": 256, "norm": "max"}
+    assert config.policy_config() == {"id": "mqgrad", "initial_bits": 4, "epsilon": 0.2}
+    assert config.lr == 0.01  # digits' default learning rate
+    assert RunConfig.from_sources(None, {"policy": "fixed", "bits": 8}).policy_config() == {"id": "fixed", "bits": 8}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("iterations = 'many'", "iterations must be an integer"),
+    ("itterations = 5", "unknown option 'itterations'"),
+    ("latency = '3 fortnights'", "cannot read duration"),
+    ("net_mode = 'warp'", "net_mode must be one of virtual, sleep, off"),
+    ("iterations = [", "is not valid TOML"),
+    ("codec_opts = 3", "codec_opts must be a table"),
+])
+def test_bad_config_files(tmp_path, content, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(content + "\n")
+    with pytest.raises(UsageError, match=message):
+        RunConfig.from_sources(str(path), {})
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        RunConfig.from_sources(str(tmp_path / "nope.toml"), {})
+
+
+def test_assignments():
+    assert parse_assignments(["fc_sizes=[64,64]", "norm=l2", "flag=true", "bucket-size=8"], "--x") == \
+        {"fc_sizes": [64, 64], "norm": "l2", "flag": True, "bucket_size": 8}
+    with pytest.raises(UsageError, match="expects KEY=VALUE"):
+        parse_assignments(["oops"], "--codec-opt")
+
+
+def test_train_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for field in RunConfig.__dataclass_fields__:
+        if not field.endswith("_opts"):
+            assert "--" + field.replace("_", "-") in out, field
+
+
+def test_star_and_tree_link_models():
+    star = LinkModel(bandwidth=1e6, latency=1e-3)
+    assert star.message(1000) == pytest.approx(2e-3)
+    assert star.gather([1000, 3000]) == pytest.approx(2e-3 + 4e-3)
+    assert star.bcast(1000, workers=8) == pytest.approx(8 * 2e-3)
+    tree = LinkModel(bandwidth=1e6, latency=1e-3, broadcast="tree")
+    assert tree.bcast(1000, workers=8) == pytest.approx(4 * 2e-3)  # ceil(log2(9)) rounds
+    assert LinkModel(1e6, 0.0, mode="off").charge(5.0) == 0.0

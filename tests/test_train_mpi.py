@@ -1,0 +1,126 @@
+"""End-to-end training runs under a real mpiexec: protocol, determinism, failures, bad input."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import SMALL_RUN, run_mpi
+from mpigrad.trace import load
+
+pytestmark = pytest.mark.mpi
+
+DETERMINISTIC = ["--net-mode", "virtual", "--compute-time", "20ms", "--seed", "7"]
+
+
+def train(tmp_path, env, *extra, ranks=3, name="run.h5", timeout=180):
+    trace = tmp_path / name
+    result = run_mpi(ranks, ["train", "--trace", str(trace), *SMALL_RUN, *extra], env, timeout=timeout)
+    return result, trace
+
+
+def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
+    result, trace = train(tmp_path, mpi_env, "--iterations", "150", "--policy", "fixed", "--bits", "4",
+                          "--lr", "0.1", "--weight-decay", "0", "--eval-every", "50")
+    assert result.returncode == 0, result.stderr
+    assert "iter 150/150" in result.stdout
+    tr = load(trace)
+    assert tr.complete and tr.label == "Fix (4-bit)"
+    steps = tr.steps
+    assert list(steps["iteration"]) == list(range(150))
+    assert (steps["bits"] == 4).all()
+    # Real digits, 4-bit gradients: the loss falls and the test accuracy is far above chance.
+    assert steps["loss"].iloc[-10:].mean() < 0.6 * steps["loss"].iloc[:5].mean()
+    assert list(tr.eval["iteration"]) == [49, 99, 149]
+    assert tr.eval["test_accuracy"].iloc[-1] > 0.6
+    # Each worker sent a frame every iteration; the modelled clock moved every iteration.
+    assert (tr.workers.filter(like="bytes").to_numpy() > 0).all()
+    assert (steps["bytes_down"] > 0).all() and (steps["sim_time"].diff().iloc[1:] > 0).all()
+    # Replica checksums were recorded for every rank at iterations 0, 50, 100 (and agreed).
+    assert list(tr.checksums["iteration"]) == [0, 50, 100]
+    assert tr.checksums.filter(like="checksum").nunique(axis=1).eq(1).all()
+
+
+def test_same_seed_virtual_clock_gives_identical_traces(tmp_path, mpi_env):
+    args = ["--iterations", "25", "--policy", "mqgrad", *DETERMINISTIC]
+    first, trace_a = train(tmp_path, mpi_env, *args, name="a.h5")
+    second, trace_b = train(tmp_path, mpi_env, *args, name="b.h5")
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    a, b = load(trace_a).steps, load(trace_b).steps
+    for column in ("loss", "bits", "bytes_up", "bytes_down", "sim_time", "t_comm"):
+        np.testing.assert_array_equal(a[column].to_numpy(), b[column].to_numpy(), err_msg=column)
+
+
+def test_network_model_charges_bytes_over_bandwidth(tmp_path, mpi_env):
+    result, trace = train(tmp_path, mpi_env, "--iterations", "5", "--policy", "fixed", "--bits", "8",
+                          "--bandwidth", "1MB/s", "--latency", "1ms", "--compute-time", "0")
+    assert result.returncode == 0, result.stderr
+    steps = load(trace).steps
+    workers = 2
+    # Star model: every message costs latency + bytes / bandwidth, serialised on rank 0's link.
+    expected = (steps["bytes_up"] + steps["bytes_down"]) / 1e6 + 1e-3 * 4 * workers
+    np.testing.assert_allclose(steps["t_comm"], expected, rtol=1e-9)
+    np.testing.assert_allclose(np.diff(steps["sim_time"]), steps["t_comm"].iloc[1:], rtol=1e-9)
+
+
+def test_existing_trace_is_not_overwritten_without_force(tmp_path, mpi_env):
+    trace = tmp_path / "keep.h5"
+    trace.write_bytes(b"precious results")
+    result = run_mpi(3, ["train", "--trace", str(trace), "--iterations", "2"], mpi_env, timeout=120)
+    assert result.returncode == 2
+    assert "exists; pass --force" in result.stderr
+    assert trace.read_bytes() == b"precious results"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bandwidth=-5MB/s"], "cannot read bandwidth '-5MB/s'"),
+    (["--bandwidth"], "argument --bandwidth: expected one argument"),
+    (["--net-mode", "warp"], "argument --net-mode: invalid choice"),
+    (["--codec", "nope"], "unknown codec 'nope'"),
+    (["--bits", "40"], "bits must be in"),
+    (["--policy", "mqgrad", "--codec", "sign"], "has no bits option"),
+])
+def test_bad_options_fail_before_work_with_one_line(tmp_path, mpi_env, args, message):
+    result = run_mpi(3, ["train", "--trace", str(tmp_path / "x.h5"), "--iterations", "2", *args],
+                     mpi_env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mpigrad train: error")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    # Nothing else but the MPI library's own note that python -m mpi4py aborted with code 2.
+    others = [line for line in result.stderr.strip().splitlines() if line not in errors]
+    assert all(line.startswith("Abort(2)") for line in others), result.stderr
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_one_rank_is_refused(tmp_path, mpi_env):
+    result = run_mpi(1, ["train", "--trace", str(tmp_path / "x.h5")], mpi_env, timeout=120)
+    assert result.returncode == 2
+    assert "at least 2 MPI ranks" in result.stderr
+
+
+def test_world_size_must_match_slurm_ntasks(tmp_path, mpi_env):
+    env = dict(mpi_env, SLURM_NTASKS="4")
+    result = run_mpi(3, ["train", "--trace", str(tmp_path / "x.h5")], env, timeout=120)
+    assert result.returncode == 2
+    assert "SLURM_NTASKS" in result.stderr
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("raise:2:3", "rank 2: error: injected fault at iteration 3"),
+    ("nan-loss:1:4", "worker rank 1 computed a non-finite loss (nan) at iteration 4"),
+    ("nan-grad:2:2", "worker rank 2 computed a non-finite gradient at iteration 2"),
+    ("hang:1:3", "worker rank(s) 1 sent no loss for iteration 3 within 5 s"),
+])
+def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, message):
+    env = dict(mpi_env, MPIGRAD_INJECT_FAULT=fault)
+    result, trace = train(tmp_path, env, "--iterations", "50", "--timeout", "5", timeout=90)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    # MPI_Abort SIGKILLs rank 0, so its trace stays marked as running; it still opens,
+    # with every row up to the last flush (none here: the run died before the first flush).
+    if trace.exists():
+        tr = load(trace)
+        assert not tr.complete and tr.status in ("failed", "running")
+        with h5py.File(trace, "r", swmr=True) as f:
+            assert f["steps/iteration"].shape[0] == len(tr.steps)
