@@ -1,0 +1,162 @@
+"""``mpigrad doctor``: check an MPI launch before spending an allocation on it.
+
+Run it exactly as the training run will be launched::
+
+    srun python -m mpi4py -m mpigrad doctor
+    mpiexec -n 4 python -m mpi4py -m mpigrad doctor
+
+Rank 0 gathers from every rank its host, pid, CPU affinity, thread variables, torch and
+Numba pool sizes and library versions, and prints one report: the MPI library, world
+size, ranks per host, versions, the ``SLURM_NTASKS`` check and oversubscription warnings.
+Exit 0 when the launch is usable (warnings included), 2 when the world size does not
+match ``SLURM_NTASKS`` or an option or variable is invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from dataclasses import asdict
+
+from ..errors import UsageError
+from .environment import (
+    THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
+    probe_rank, ranks_per_host, threads_per_rank,
+)
+
+_SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK",
+                    "SLURM_JOB_NUM_NODES", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="threads per rank the run will use "
+                             "(default: SLURM_CPUS_PER_TASK if set, else 1)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as one JSON object instead of text")
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries a training run depends on, as this process loads them."""
+    import h5py
+    import mpi4py
+    import numba
+    import numpy
+    import torch
+
+    from .. import __version__
+
+    return {"python": platform.python_version(), "numpy": numpy.__version__,
+            "numba": numba.__version__, "torch": torch.__version__, "h5py": h5py.__version__,
+            "hdf5": h5py.version.hdf5_version, "mpi4py": mpi4py.__version__,
+            "mpigrad": __version__}
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    try:
+        threads, error = threads_per_rank(args.threads), None
+    except UsageError as exc:
+        threads, error = 1, str(exc)
+    gathered = comm.gather((probe_rank(rank), library_versions(), error), root=0)
+    outcome = None
+    if rank == 0:
+        report = _report(MPI, gathered, size, threads)
+        print(json.dumps(report, indent=1) if args.json else _format(report), flush=True)
+        outcome = report["error"]
+    outcome = comm.bcast(outcome, root=0)
+    if outcome is None:
+        return 0
+    # Every rank agreed to fail. Finalize first: mpi4py's runner turns a non-zero exit
+    # into MPI_Abort, whose banner would follow the one-line error.
+    MPI.Finalize()
+    if rank == 0:
+        raise UsageError(outcome)
+    return 2
+
+
+def _report(mpi, gathered: list, size: int, threads: int) -> dict:
+    ranks = [info for info, _, _ in gathered]
+    mismatches = _version_mismatches([versions for _, versions, _ in gathered])
+    errors = [error for _, _, error in gathered if error]
+    if not errors:
+        try:
+            check_world_size(size)
+        except UsageError as exc:
+            errors.append(str(exc))
+    return {
+        "mpi_library": mpi.Get_library_version().strip(),
+        "mpi_standard": "%d.%d" % mpi.Get_version(),
+        "world_size": size,
+        "threads_per_rank": threads,
+        "slurm": {name: os.environ[name] for name in _SLURM_VARIABLES if name in os.environ},
+        "versions": gathered[0][1],
+        "version_mismatches": mismatches,
+        "ranks": [asdict(info) for info in ranks],
+        "warnings": _warnings(ranks, size, threads) + [
+            f"ranks load different {name} versions: {', '.join(seen)}" for name, seen in mismatches.items()],
+        "error": errors[0] if errors else None,
+    }
+
+
+def _version_mismatches(per_rank: list[dict[str, str]]) -> dict[str, list[str]]:
+    """Libraries whose version differs between ranks -> the distinct versions seen."""
+    return {name: sorted({v[name] for v in per_rank})
+            for name in per_rank[0] if len({v[name] for v in per_rank}) > 1}
+
+
+def _warnings(ranks: list[RankInfo], size: int, threads: int) -> list[str]:
+    warnings = oversubscription_warnings(ranks, threads)
+    if size < 2:
+        warnings.append("world size 1: mpigrad train needs at least 2 ranks "
+                        "(rank 0 is the server, ranks 1.. are workers)")
+    capped = [info.rank for info in ranks if info.numba_threads < threads]
+    if capped:
+        warnings.append(f"Numba runs fewer than {threads} threads on ranks {format_ranks(capped)}: "
+                        f"its pool was sized by NUMBA_NUM_THREADS or the CPU count at import")
+    return warnings
+
+
+def _format(report: dict) -> str:
+    ranks = [RankInfo(**{**info, "cpus": tuple(info["cpus"])}) for info in report["ranks"]]
+    library = " ".join(report["mpi_library"].splitlines()[0].split())
+    slurm = report["slurm"]
+    if "SLURM_NTASKS" not in slurm:
+        slurm_line = "not under Slurm (SLURM_NTASKS unset)"
+    else:
+        verdict = ("matches world size" if slurm["SLURM_NTASKS"].strip() == str(report["world_size"])
+                   else "MISMATCH")
+        slurm_line = f"job {slurm.get('SLURM_JOB_ID', '?')}, SLURM_NTASKS={slurm['SLURM_NTASKS']} ({verdict})"
+    workers = report["world_size"] - 1
+    lines = [
+        "mpigrad doctor",
+        f"  MPI library      {library} (MPI {report['mpi_standard']})",
+        f"  world size       {report['world_size']} (rank 0 server, {workers} worker{'s' * (workers != 1)})",
+        f"  Slurm            {slurm_line}",
+        f"  threads/rank     {report['threads_per_rank']}",
+        "  versions         " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "hosts",
+    ]
+    for host, infos in ranks_per_host(ranks).items():
+        cpus = set().union(*(info.cpus for info in infos))
+        lines.append(f"  {host}: {len(infos)} rank{'s' * (len(infos) != 1)} "
+                     f"({format_ranks([i.rank for i in infos])}) on {len(cpus)} CPUs "
+                     f"[{format_ranks(sorted(cpus))}]")
+    lines.append("ranks")
+    lines.append("  rank  host                  pid      cpus          torch  numba  "
+                 + "  ".join(name.split("_")[0] for name in THREAD_VARIABLES))
+    for info in ranks:
+        env = "  ".join(f"{info.thread_env.get(name, '-'):>{len(name.split('_')[0])}}"
+                        for name in THREAD_VARIABLES)
+        lines.append(f"  {info.rank:>4}  {info.host[:20]:<20}  {info.pid:<7}  "
+                     f"{format_ranks(info.cpus)[:12]:<12}  {info.torch_threads:>5}  "
+                     f"{info.numba_threads:>5}  {env}")
+    lines.extend(f"warning: {text}" for text in report["warnings"])
+    if report["error"] is None:
+        lines.append("launch OK" + (" (with warnings)" if report["warnings"] else ""))
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""``mpigrad doctor`` under a real mpiexec, and the environment checks it shares with train."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import numba
+import numpy
+import pytest
+import torch
+
+from mpigrad.errors import UsageError
+from mpigrad.runtime.environment import (
+    SKIP_NTASKS_CHECK, RankInfo, apply_thread_settings, check_world_size, format_ranks,
+    oversubscription_warnings, probe_rank, ranks_per_host, threads_per_rank,
+)
+
+MPIEXEC = shutil.which("mpiexec")
+TIMEOUT = 120
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+CPUS = len(os.sched_getaffinity(0))
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MPIGRAD_", "OMP_", "MKL_", "OPENBLAS_", "NUMBA_NUM"))}
+    return {**env, **extra}
+
+
+def _doctor(ranks: int | None, *args: str, **env: str) -> subprocess.CompletedProcess:
+    launch = [MPIEXEC, "-n", str(ranks)] if ranks else []
+    return subprocess.run([*launch, sys.executable, "-m", "mpi4py", "-m", "mpigrad", "doctor", *args],
+                          env=_clean_env(**env), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+# --- the command, for real ----------------------------------------------------------
+
+@pytest.mark.mpi
+@needs_mpiexec
+def test_doctor_json_report_of_two_ranks_under_slurm_variables():
+    result = _doctor(2, "--json", OMP_NUM_THREADS="1", SLURM_NTASKS="2", SLURM_JOB_ID="5")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["world_size"] == 2 and report["error"] is None
+    assert report["mpi_library"] and report["mpi_standard"][0].isdigit()
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert len({r["pid"] for r in ranks}) == 2 and os.getpid() not in {r["pid"] for r in ranks}
+    assert {r["host"] for r in ranks} == {socket.gethostname()}
+    assert all(set(r["cpus"]) <= set(range(os.cpu_count())) and r["cpus"] for r in ranks)
+    assert all(r["thread_env"] == {"OMP_NUM_THREADS": "1"} for r in ranks)
+    versions = report["versions"]
+    assert versions["numpy"] == numpy.__version__ and versions["torch"] == torch.__version__
+    assert versions["numba"] == numba.__version__ and report["version_mismatches"] == {}
+    assert report["slurm"] == {"SLURM_NTASKS": "2", "SLURM_JOB_ID": "5"}
+    assert report["threads_per_rank"] == 1
+    if CPUS >= 2:
+        assert report["warnings"] == []
+
+
+@pytest.mark.mpi
+@needs_mpiexec
+def test_doctor_text_report_warns_about_oversubscription():
+    threads = CPUS + 1
+    result = _doctor(2, f"--threads={threads}", OMP_NUM_THREADS=str(threads + 1))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "world size       2 (rank 0 server, 1 worker)" in out
+    assert "not under Slurm (SLURM_NTASKS unset)" in out
+    assert f"{socket.gethostname()}: 2 ranks (0-1) on " in out
+    assert f"warning: host {socket.gethostname()}: 2 ranks x {threads} threads = {2 * threads} threads " \
+           f"on {CPUS} CPUs: oversubscribed" in out
+    assert f"warning: OMP_NUM_THREADS exceeds {threads} thread(s) per rank on ranks 0-1" in out
+    assert out.rstrip().endswith("launch OK (with warnings)")
+
+
+@pytest.mark.mpi
+def test_doctor_fails_on_a_pmi_mismatch_with_one_line():
+    """A task that srun started without a matching PMI is an MPI world of size 1."""
+    result = _doctor(None, SLURM_NTASKS="4", SLURM_JOB_ID="77")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "mpigrad doctor: error: world size 1 but SLURM_NTASKS=4: srun's PMI does not match this "
+        "MPI; use srun --mpi=pmix or --mpi=pmi2 (see srun --mpi=list), or launch with the MPI's "
+        "own mpiexec -n 4"]
+    assert "job 77, SLURM_NTASKS=4 (MISMATCH)" in result.stdout
+
+
+@pytest.mark.mpi
+@needs_mpiexec
+def test_doctor_bad_cpus_per_task_is_one_line_from_rank_0():
+    bad = _doctor(2, SLURM_CPUS_PER_TASK="two")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "mpigrad doctor: error: SLURM_CPUS_PER_TASK='two' is not a whole number"]
+
+
+# --- the shared checks ----------------------------------------------------------------
+
+def test_check_world_size():
+    check_world_size(4, {"SLURM_NTASKS": "4"})
+    check_world_size(3, {})
+    check_world_size(3, {"SLURM_NTASKS": "4", SKIP_NTASKS_CHECK: "1"})
+    with pytest.raises(UsageError, match=r"^world size 1 but SLURM_NTASKS=12: srun's PMI"):
+        check_world_size(1, {"SLURM_NTASKS": "12"})
+    with pytest.raises(UsageError, match=r"^world size 8 but SLURM_NTASKS=4: .*mpiexec -n 4"):
+        check_world_size(8, {"SLURM_NTASKS": "4"})
+    with pytest.raises(UsageError, match="SLURM_NTASKS='x' is not a whole number"):
+        check_world_size(2, {"SLURM_NTASKS": "x"})
+
+
+def test_threads_per_rank():
+    assert threads_per_rank(None, {}) == 1
+    assert threads_per_rank(None, {"SLURM_CPUS_PER_TASK": "4"}) == 4
+    assert threads_per_rank(2, {"SLURM_CPUS_PER_TASK": "4"}) == 2
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(UsageError, match="threads per rank must be a whole number >= 1"):
+            threads_per_rank(bad, {})
+    with pytest.raises(UsageError, match="SLURM_CPUS_PER_TASK=0 must be at least 1"):
+        threads_per_rank(None, {"SLURM_CPUS_PER_TASK": "0"})
+
+
+def test_apply_thread_settings_sets_torch_numba_and_variables():
+    before = torch.get_num_threads(), numba.get_num_threads()
+    env: dict[str, str] = {}
+    try:
+        wanted = numba.config.NUMBA_NUM_THREADS + 1
+        applied = apply_thread_settings(wanted, env)
+        assert applied == {"torch": wanted, "numba": numba.config.NUMBA_NUM_THREADS}
+        assert torch.get_num_threads() == wanted
+        # Numba is loaded here, and rejects a changed NUMBA_NUM_THREADS once its pool runs.
+        assert env == dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"),
+                                    str(wanted))
+        assert apply_thread_settings(1, env) == {"torch": 1, "numba": 1}
+        with pytest.raises(UsageError):
+            apply_thread_settings(0, env)
+    finally:
+        torch.set_num_threads(before[0])
+        numba.set_num_threads(before[1])
+
+
+def test_probe_rank_describes_this_process():
+    info = probe_rank(3, {"OMP_NUM_THREADS": "2", "UNRELATED": "x"})
+    assert (info.rank, info.pid, info.host) == (3, os.getpid(), socket.gethostname())
+    assert info.cpus == tuple(sorted(os.sched_getaffinity(0)))
+    assert info.thread_env == {"OMP_NUM_THREADS": "2"}
+    assert info.torch_threads == torch.get_num_threads()
+
+
+def _rank(rank, host, cpus, **env):
+    return RankInfo(rank=rank, host=host, pid=100 + rank, cpus=tuple(cpus), thread_env=env,
+                    torch_threads=1, numba_threads=1)
+
+
+def test_oversubscription_warnings():
+    fits = [_rank(0, "a", range(4)), _rank(1, "a", range(4)), _rank(2, "b", range(2))]
+    assert oversubscription_warnings(fits, threads=2) == []
+    assert list(ranks_per_host(fits)) == ["a", "b"]
+
+    crowded = [_rank(r, "n1", range(4)) for r in range(3)]
+    assert oversubscription_warnings(crowded, threads=2) == [
+        "host n1: 3 ranks x 2 threads = 6 threads on 4 CPUs: oversubscribed; lower "
+        "--threads/--cpus-per-task or run fewer ranks per node"]
+
+    pinned = [_rank(r, "n1", [r]) for r in range(4)] + [_rank(4, "n1", range(4, 12))]
+    assert oversubscription_warnings(pinned, threads=2) == [
+        "host n1: ranks 0-3 are bound to fewer CPUs than their 2 threads; check srun "
+        "--cpus-per-task / --cpu-bind"]
+
+    same_core = [_rank(r, "n1", [0]) for r in range(2)]
+    assert oversubscription_warnings(same_core, threads=1)[0].startswith(
+        "host n1: 2 ranks x 1 threads = 2 threads on 1 CPUs: oversubscribed")
+
+    variables = [_rank(0, "a", range(8), OMP_NUM_THREADS="8"),
+                 _rank(1, "a", range(8), OMP_NUM_THREADS="4,2"),
+                 _rank(2, "a", range(8), MKL_NUM_THREADS="1", OMP_NUM_THREADS="junk")]
+    assert oversubscription_warnings(variables, threads=2) == [
+        "OMP_NUM_THREADS exceeds 2 thread(s) per rank on ranks 0-1: libraries that read it "
+        "will oversubscribe; export OMP_NUM_THREADS=2"]
+
+
+def test_format_ranks():
+    assert format_ranks([5, 0, 1, 2, 2]) == "0-2,5"
+    assert format_ranks([7]) == "7"
+    assert format_ranks([]) == ""
+    assert format_ranks([1, 3, 4, 5, 9, 10]) == "1,3-5,9-10"
+
+
+def test_report_flags_ranks_with_different_library_versions():
+    from types import SimpleNamespace
+
+    from mpigrad.runtime import doctor
+
+    mpi = SimpleNamespace(Get_library_version=lambda: "Some MPI 1.0\n", Get_version=lambda: (4, 1))
+    versions = doctor.library_versions()
+    gathered = [(_rank(0, "a", range(4)), versions, None),
+                (_rank(1, "b", range(4)), {**versions, "torch": "0.0-other"}, None)]
+    report = doctor._report(mpi, gathered, size=2, threads=1)
+    assert report["version_mismatches"] == {"torch": sorted([versions["torch"], "0.0-other"])}
+    assert report["warnings"] == [f"ranks load different torch versions: "
+                                  f"{', '.join(sorted([versions['torch'], '0.0-other']))}"]
+    text = doctor._format(report)
+    assert "  MPI library      Some MPI 1.0 (MPI 4.1)" in text
+    assert "  a: 1 rank (0) on 4 CPUs [0-3]" in text and "  b: 1 rank (1) on 4 CPUs [0-3]" in text
+    assert text.endswith("launch OK (with warnings)")
