@@ -6,6 +6,7 @@ intended, bump the format and regenerate with ``python tests/test_mcgq.py --rege
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -513,6 +514,247 @@ def test_dynamic_sampling_rejects_bad_settings_and_state():
         sampler.load_state_dict({"K": {"a": 0.1}, "distance": {}})
     assert sampler.state_dict() == {"K": {}, "distance": {}}
 
+
+# ---- dynamic sampling inside the codec (dynamic=True) -------------------------------------------------
+DYNAMIC = {"id": "mcgq", "K": 0.2, "seed": 5, "dynamic": True, "step": 500.0, "K_min": 0.05, "K_max": 0.8}
+
+
+def layer_gradients(rng, sizes=(4000, 1000), steps=12):
+    return [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(steps)]
+
+
+def test_dynamic_codec_follows_algorithm_3_and_equals_the_external_sampler():
+    codecs = [get_codec(DYNAMIC), get_codec(DYNAMIC)]               # one instance per layer
+    sampler = DynamicSampling(K_init=0.2, step=500.0, K_min=0.05, K_max=0.8)
+    plain = [MCGQ(K=0.2, seed=5), MCGQ(K=0.2, seed=5)]
+    seen = set()
+    for step_grads in layer_gradients(np.random.default_rng(4)):
+        for layer, (codec, g) in enumerate(zip(codecs, step_grads)):
+            K, previous = codec.sampling_amount(), codec.distance()
+            assert codec.max_encoded_size(g.size) == codec.max_encoded_size(g.size, K=K)
+            buf = codec.encode(g).copy()
+            assert read_header(buf).param_a == sample_count(g.size, K)      # this call used K
+            d = wasserstein1(g, codec.decode(buf))
+            expected = K if previous is None else min(max(K + 500.0 * (previous - d), 0.05), 0.8)
+            assert codec.distance() == d and codec.sampling_amount() == pytest.approx(expected, rel=1e-12)
+            # Bit for bit what DynamicSampling plus encode(x, K=...) gives on a plain codec.
+            reference = plain[layer].encode(g, K=sampler.sampling_amount(layer))
+            np.testing.assert_array_equal(buf, reference)
+            assert sampler.update(layer, g, plain[layer].decode(reference)) == codec.sampling_amount()
+            seen.add(codec.sampling_amount())
+    assert len(seen) > 6 and all(0.05 <= K <= 0.8 for K in seen)
+    assert codecs[0].K == 0.2 and codecs[0].get_config() == DYNAMIC    # the config never changes
+
+
+def test_dynamic_codec_moves_K_by_the_distance_difference():
+    """Alg. 3's sign: K grows when the distance shrank, falls when it grew, stays within the bounds."""
+    codec = get_codec({**DYNAMIC, "step": 10.0, "K_min": 0.01, "K_max": 1.0})
+    g = np.float32([4, 0, 0, 0, 1, 0, 0, 3, 0, 2] * 10)
+    codec.encode(g)
+    d = codec.distance()
+    assert codec.sampling_amount() == 0.2 and 0 < d < 0.05          # the first call only records d
+
+    def after(K, previous):
+        codec.load_state_dict({"calls": 1, "K": K, "distance": previous})
+        codec.encode(g)
+        return codec.sampling_amount(), codec.distance()
+
+    previous = d + 0.05                         # the previous call was further off: K grows
+    K, d = after(0.2, previous)
+    assert K == pytest.approx(0.2 + 10.0 * (previous - d), rel=1e-12) and K > 0.2
+    K, d = after(0.5, 0.0)                      # the distance grew from 0: K falls
+    assert K == pytest.approx(0.5 - 10.0 * d, rel=1e-12) and K < 0.5
+    assert after(0.02, 0.0)[0] == 0.01         # clipped at K_min
+    assert after(0.9, 1.0)[0] == 1.0           # clipped at K_max
+
+
+def test_dynamic_codec_allocates_nothing_gradient_sized_per_call():
+    import tracemalloc
+    codec = get_codec(DYNAMIC)
+    g = np.random.default_rng(2).standard_normal(200_000).astype(np.float32)
+    out = np.empty(codec.max_encoded_size(g.size, K=0.8), np.uint8)
+    codec.encode(g, out=out)                    # the first call sizes the scratch arrays
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            codec.encode(g, out=out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < g.nbytes // 8
+
+
+def test_dynamic_state_round_trip_continues_exactly():
+    grads = layer_gradients(np.random.default_rng(7), sizes=(3000,), steps=10)
+    codec = get_codec(DYNAMIC)
+    assert codec.state_dict() == {"calls": 0, "K": 0.2, "distance": None}
+    for (g,) in grads[:5]:
+        codec.encode(g)
+    state = codec.state_dict()
+    assert set(state) == {"calls", "K", "distance"} and state["calls"] == 5 and state["K"] != 0.2
+    restored = get_codec(json.loads(json.dumps(codec.get_config())))
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    # Restoring the counter alone (what a resume without the adaptive state would be) samples
+    # with the initial K again: another N on the wire.
+    counter_only = get_codec(DYNAMIC)
+    counter_only.calls = state["calls"]
+    assert sample_count(3000, state["K"]) != sample_count(3000, 0.2)
+    assert read_header(counter_only.encode(grads[5][0])).param_a == sample_count(3000, 0.2)
+    for (g,) in grads[5:]:
+        np.testing.assert_array_equal(restored.encode(g), codec.encode(g))
+    assert restored.state_dict() == codec.state_dict()
+
+
+@pytest.mark.parametrize("config, state, message", [
+    (DYNAMIC, {"calls": 1}, "needs the 'K' and 'distance'"),
+    (DYNAMIC, {"calls": 1, "K": 0.9, "distance": 0.1}, "outside"),
+    (DYNAMIC, {"calls": 1, "K": float("nan"), "distance": 0.1}, "outside"),
+    (DYNAMIC, {"calls": 1, "K": 0.3, "distance": -0.1}, "distance must be"),
+    (DYNAMIC, {"calls": 1, "K": 0.3, "distance": "x"}, "distance must be"),
+    ({"id": "mcgq"}, {"calls": 1, "K": 0.3, "distance": 0.1}, "dynamic=false"),
+])
+def test_dynamic_state_is_checked(config, state, message):
+    codec = get_codec(config)
+    before = codec.state_dict()
+    with pytest.raises(CodecError, match=message):
+        codec.load_state_dict(state)
+    assert codec.state_dict() == before
+
+
+def test_dynamic_config_round_trip_and_defaults():
+    codec = get_codec({"id": "mcgq", "dynamic": True})
+    defaults = DynamicSampling()
+    assert codec.get_config() == {"id": "mcgq", "K": 0.1, "dynamic": True, "step": defaults.step,
+                                  "K_min": defaults.K_min, "K_max": defaults.K_max, "seed": 0}
+    for config in (DYNAMIC, {**DYNAMIC, "checksum": True}, codec.get_config()):
+        built = get_codec(config)
+        assert get_codec(json.loads(json.dumps(built.get_config()))) == built
+        assert built.get_config() == get_codec(built.get_config()).get_config()
+    assert get_codec(DYNAMIC) != get_codec({**DYNAMIC, "step": 1.0})
+    assert get_codec({"id": "mcgq", "dynamic": False}) == MCGQ()
+    # How `mpigrad train --codec mcgq --codec-opt dynamic=true` builds it.
+    from mpigrad.config import parse_value
+    assert get_codec({"id": "mcgq", "dynamic": parse_value("true"), "step": parse_value("1000")}).dynamic
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"dynamic": "yes"}, "dynamic must be true or false"),
+    ({"dynamic": 1}, "dynamic must be true or false"),
+    ({"step": 2.0}, "step only apply with dynamic=true"),
+    ({"K_min": 0.05, "K_max": 0.5}, "K_min, K_max only apply"),
+    ({"dynamic": True, "K": 2.0}, "K_min <= K <= K_max"),
+    ({"dynamic": True, "K_min": 0.2}, "K_min <= K <= K_max"),
+    ({"dynamic": True, "step": -1}, "step must be"),
+    ({"dynamic": True, "K_max": 2000}, "K must be"),
+])
+def test_dynamic_bad_options(options, message):
+    with pytest.raises(CodecError, match=message):
+        get_codec({"id": "mcgq", **options})
+
+
+def test_dynamic_codec_refuses_per_call_K_and_keeps_state_on_errors():
+    codec = get_codec(DYNAMIC)
+    with pytest.raises(CodecError, match="chooses K itself"):
+        codec.encode(np.ones(10, np.float32), K=0.5)
+    with pytest.raises(CodecError, match="NaN or infinity"):
+        codec.encode(np.float32([1, np.nan]))
+    assert codec.state_dict() == {"calls": 1, "K": 0.2, "distance": None}
+    codec.encode(np.zeros(5, np.float32))          # zero in, zero out: distance 0
+    assert codec.distance() == 0.0 and codec.sampling_amount() == 0.2
+    other = copy.deepcopy(codec)
+    x = np.random.default_rng(1).standard_normal(300)
+    np.testing.assert_array_equal(codec.encode(x), other.encode(x.astype(np.float32)))  # float64 in
+    assert codec.state_dict() == other.state_dict() and codec.sampling_amount() != 0.2
+
+
+def test_dynamic_off_keeps_config_and_bytes():
+    config, calls, x = golden_cases()["mcgq_k01"]
+    stored = np.load(GOLDEN / "mcgq_k01.npz")
+    for codec in (get_codec(config), get_codec({**config, "dynamic": False})):
+        assert codec.get_config() == config and codec.state_dict() == {"calls": 0}
+        codec.load_state_dict({"calls": calls})
+        np.testing.assert_array_equal(codec.encode(x), stored["encoded"])
+    # Dynamic sampling changes no byte of the format: its first call (K = the initial K)
+    # is the plain codec's buffer, and any codec instance decodes every later one.
+    dynamic = get_codec({**config, "dynamic": True})
+    np.testing.assert_array_equal(dynamic.encode(x), stored["encoded"])
+    for _ in range(3):
+        buf = dynamic.encode(x)
+        np.testing.assert_array_equal(MCGQ().decode(buf), twin_of(MCGQ()).decode(buf))
+
+
+def test_dynamic_codec_matches_its_numpy_twin():
+    codec = get_codec(DYNAMIC)
+    reference = twin_of(codec)
+    for (g,) in layer_gradients(np.random.default_rng(9), sizes=(700,), steps=6):
+        np.testing.assert_array_equal(codec.encode(g), reference.encode(g))
+        assert codec.state_dict() == reference.state_dict()
+
+
+# ---- the training runtime's per-layer codecs and their checkpoint state -------------------------------
+def frame_encoder(codec_config: dict, sizes=(3000, 2000), rest: int = 10, feedback: bool = False):
+    from mpigrad.feedback import ErrorFeedback
+    from mpigrad.runtime.replica import FrameEncoder, Layout, Segment
+    segments, offset = [], 0
+    for i, n in enumerate(sizes):
+        segments.append(Segment(f"fc{i}", offset, n))
+        offset += n
+    layout = Layout(tuple(segments), Segment("small layers", offset, rest), offset + rest)
+    return FrameEncoder(layout, get_codec(codec_config), seeds=[11 + i for i in range(len(sizes))],
+                        feedback=ErrorFeedback("residual") if feedback else None)
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_frame_encoder_checkpoints_each_layer_codec_state(feedback):
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(5010).astype(np.float32) for _ in range(8)]
+    encoder = frame_encoder(DYNAMIC, feedback=feedback)
+    for g in grads[:4]:
+        encoder.encode(g, [0, 0])
+    state = encoder.state_dict()
+    layer_states = {layer: s for layer, _, s in state["codecs"]}
+    assert sorted(layer_states) == [0, 1] and state["calls"] == [4, 4]
+    assert all(s["K"] != 0.2 and s["distance"] is not None for s in layer_states.values())
+    assert layer_states[0]["K"] != layer_states[1]["K"]              # each layer adapts on its own
+
+    resumed = frame_encoder(DYNAMIC, feedback=feedback)
+    saved = {**copy.deepcopy(state), "codecs": json.loads(json.dumps(state["codecs"]))}
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict()["codecs"] == saved["codecs"]
+    for g in grads[4:]:
+        np.testing.assert_array_equal(resumed.encode(g, [0, 0]), encoder.encode(g, [0, 0]))
+    # Restoring the counters alone (an older checkpoint without "codecs" still loads) starts
+    # again from the initial K, so the next frame differs.
+    counters_only = frame_encoder(DYNAMIC, feedback=feedback)
+    counters_only.load_state_dict(copy.deepcopy({k: v for k, v in state.items() if k != "codecs"}))
+    assert counters_only.state_dict()["calls"] == state["calls"]
+    assert sample_count(3000, layer_states[0]["K"]) != sample_count(3000, 0.2)
+    again = frame_encoder(DYNAMIC, feedback=feedback)
+    again.load_state_dict(copy.deepcopy(state))
+    assert not np.array_equal(counters_only.encode(grads[4], [0, 0]), again.encode(grads[4], [0, 0]))
+    with pytest.raises(ValueError, match="quantized layer 5"):
+        frame_encoder(DYNAMIC).load_state_dict({"calls": [0, 0], "codecs": [[5, 0, {"calls": 0}]]})
+
+
+def test_frame_encoder_keeps_the_shared_counter_across_bit_changes():
+    rng = np.random.default_rng(5)
+    grads = [rng.standard_normal(5010).astype(np.float32) for _ in range(6)]
+    bits = [[2, 2], [3, 2], [3, 4], [2, 4], [4, 4], [2, 3]]
+    config = {"id": "qsgd", "bits": 2, "seed": 1}
+    straight = frame_encoder(config)
+    frames = [straight.encode(g, b).copy() for g, b in zip(grads, bits)]
+    assert straight.calls == [6, 6]
+    stopped = frame_encoder(config)
+    for g, b in zip(grads[:3], bits[:3]):
+        stopped.encode(g, b)
+    state = stopped.state_dict()
+    assert sorted((layer, b) for layer, b, _ in state["codecs"]) == [(0, 2), (0, 3), (1, 2), (1, 4)]
+    assert all(set(s) == {"calls"} for _, _, s in state["codecs"])   # base behaviour for others
+    resumed = frame_encoder(config)
+    resumed.load_state_dict(state)
+    for g, b, frame in zip(grads[3:], bits[3:], frames[3:]):
+        np.testing.assert_array_equal(resumed.encode(g, b), frame)
 
 if __name__ == "__main__" and "--regenerate" in sys.argv:
     for fixture, case in golden_cases().items():

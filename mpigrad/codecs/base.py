@@ -153,6 +153,11 @@ class Codec(ABC):
 
     Stochastic codecs take a ``seed``; each ``encode`` call consumes one counter value,
     so the same seed and call count give the same bytes. ``state_dict`` carries it.
+
+    ``state_dict()`` is everything an instance holds beyond its config, for checkpoints:
+    ``{"calls": n}`` here, and a codec that adapts between calls (e.g. ``mcgq`` with
+    ``dynamic=True``) extends both methods with its own JSON-able entries, so that
+    ``load_state_dict(state_dict())`` on a codec of the same config continues exactly.
     """
 
     codec_id: ClassVar[str]
@@ -204,11 +209,13 @@ class Codec(ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
         return f"{type(self).__name__}({args})"
 
-    # ---- state (RNG counter) ------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
+    # ---- state (RNG counter, plus a subclass's adaptive state) ------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Per-instance state: ``{"calls": n}``; adaptive codecs add their own entries."""
         return {"calls": self.calls}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (subclasses check and take their entries)."""
         self.calls = int(state["calls"])
 
     def _next_stream(self) -> tuple[int, int]:

@@ -26,8 +26,11 @@ Buffer: header bits = B_g, param_a/param_b = low/high 32 bits of N; payload = fl
 code against the stream end and the element count, that the magnitudes sum to N, and that
 B_g and B_RLE are exactly the widths the data needs.
 
-Dynamic sampling (Alg. 3) lives in ``DynamicSampling``; per-call K goes to
-``encode(x, K=...)``.
+Dynamic sampling (Alg. 3): ``MCGQ(dynamic=True, step=..., K_min=..., K_max=...)`` adapts its
+own K after every encode from ``wasserstein1(x, decode(buffer))`` (K is the initial amount;
+``state_dict`` carries the current K and the last distance). ``DynamicSampling`` applies the
+same rule to many layers from outside a plain codec, with per-call K in ``encode(x, K=...)``.
+The buffer is the same either way: decoding needs neither K nor the adaptive state.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from .base import (HEADER_SIZE, MAX_ELEMENTS, Codec, CodecError, Header, non_finite_error,
-                   register_codec)
+from .base import (HEADER_SIZE, MAX_ELEMENTS, Codec, CodecError, Header, _as_float32_vector,
+                   non_finite_error, register_codec)
 from .kernels import common, mcgq as kernels
 
 __all__ = ["MCGQ", "DynamicSampling", "rle_stream_bits", "rle_encode", "rle_decode",
@@ -196,8 +199,13 @@ def wasserstein1(g: np.ndarray, q: np.ndarray) -> float:
     q = _float_vector(q, "q")
     if g.size != q.size:
         raise CodecError(f"wasserstein1: g has {g.size} elements, q has {q.size}")
-    g_zero = not np.any(g)
-    q_zero = not np.any(q)
+    return _wasserstein1(g, q)
+
+
+def _wasserstein1(g: np.ndarray, q: np.ndarray) -> float:
+    """``wasserstein1`` of finite contiguous vectors of one size, unchecked and allocation-free."""
+    g_zero = not g.any()
+    q_zero = not q.any()
     if g_zero or q_zero:
         return 0.0 if g_zero and q_zero else 1.0
     return float(kernels.wasserstein1_index(g, q))
@@ -217,8 +225,15 @@ class MCGQ(Codec):
     """Monte Carlo gradient quantization with RLE: ceil(n * K) stratified samples.
 
     ``K`` in (0, 1024] is the default sampling amount; ``encode(x, K=k)`` overrides it
-    for one call (dynamic sampling). Each encode consumes one RNG counter value. An
-    instance keeps a scratch array of counts between calls: use one per thread.
+    for one call. Each encode consumes one RNG counter value. An instance keeps scratch
+    arrays between calls: use one per thread.
+
+    ``dynamic=True`` turns on dynamic sampling (Alg. 3) inside the instance: ``K`` becomes
+    the initial amount, each encode samples with the current amount, then decodes its own
+    buffer and moves the amount by ``step * (d' - d)`` within [``K_min``, ``K_max``]
+    (``DynamicSampling``'s rule and defaults). Use one instance per layer. ``step``,
+    ``K_min`` and ``K_max`` apply only with ``dynamic=True``; ``state_dict`` then also
+    holds the current amount and the last distance.
     """
 
     codec_id = "mcgq"
@@ -226,26 +241,101 @@ class MCGQ(Codec):
     accepts_bits = False
     stochastic = True
 
-    def __init__(self, *, K: float = 0.1, seed: int = 0, checksum: bool = False):
+    def __init__(self, *, K: float = 0.1, seed: int = 0, checksum: bool = False, dynamic: bool = False,
+                 step: float | None = None, K_min: float | None = None, K_max: float | None = None):
         super().__init__(checksum=checksum, seed=seed)
         self.K = check_sampling_amount(K)
+        if not isinstance(dynamic, (bool, np.bool_)):
+            raise CodecError(f"mcgq: dynamic must be true or false, got {dynamic!r}")
+        self.dynamic = bool(dynamic)
+        given = {name: v for name, v in (("step", step), ("K_min", K_min), ("K_max", K_max)) if v is not None}
+        self._rule: DynamicSampling | None = None
+        if self.dynamic:
+            defaults = DynamicSampling()
+            low = check_sampling_amount(given.get("K_min", defaults.K_min))
+            high = check_sampling_amount(given.get("K_max", defaults.K_max))
+            if not low <= self.K <= high:
+                raise CodecError(f"mcgq: dynamic sampling needs K_min <= K <= K_max (K is the initial "
+                                 f"amount), got {low} <= {self.K} <= {high}")
+            self._rule = DynamicSampling(K_init=self.K, **given)
+        elif given:
+            raise CodecError(f"mcgq: {', '.join(given)} only apply with dynamic=true")
+        self._K_now = self.K
+        self._distance: float | None = None
         self._call_K: float | None = None
         self._counts = np.empty(0, np.int32)
+        self._decoded = np.empty(0, np.float32)
 
     def _config(self) -> dict[str, Any]:
-        return {"K": self.K}
+        if not self.dynamic:
+            return {"K": self.K}
+        rule = self._rule
+        return {"K": self.K, "dynamic": True, "step": rule.step, "K_min": rule.K_min, "K_max": rule.K_max}
 
     def encode(self, x: np.ndarray, out: np.ndarray | None = None, *, K: float | None = None) -> np.ndarray:
-        """As ``Codec.encode``; ``K`` overrides the sampling amount for this call only."""
-        self._call_K = self.K if K is None else check_sampling_amount(K)
+        """As ``Codec.encode``; ``K`` overrides the sampling amount for this call only.
+
+        With ``dynamic=True`` the instance chooses K itself (passing ``K`` is an error) and
+        updates it after the call; a call that raises leaves the adaptive state unchanged.
+        """
+        if self.dynamic and K is not None:
+            raise CodecError("mcgq: with dynamic=true the codec chooses K itself; encode(x, K=...) "
+                             "is for codecs without dynamic sampling")
+        self._call_K = self._K_now if K is None else check_sampling_amount(K)
         try:
-            return super().encode(x, out)
+            if not self.dynamic:
+                return super().encode(x, out)
+            x = _as_float32_vector(x)
+            buf = super().encode(x, out)
         finally:
             self._call_K = None
+        self._adapt(x, buf)
+        return buf
+
+    def _adapt(self, x: np.ndarray, buf: np.ndarray) -> None:
+        """Alg. 3 after an encode: d = W1(x, decode(buf)), K <- K + step * (d' - d), clipped."""
+        if self._decoded.size < x.size:
+            self._decoded = np.empty(x.size, np.float32)
+        decoded = self.decode(buf, out=self._decoded[:x.size])
+        d = _wasserstein1(x, decoded)
+        self._K_now = self._rule.next_amount(self._K_now, self._distance, d)
+        self._distance = d
 
     def sampling_amount(self) -> float:
-        """K of the encode call in progress, else the configured K."""
-        return self.K if self._call_K is None else self._call_K
+        """K of the encode call in progress, else the one the next encode will use
+        (the configured K, or with ``dynamic=True`` the current adapted amount)."""
+        return self._K_now if self._call_K is None else self._call_K
+
+    def distance(self) -> float | None:
+        """The last encode's W1 distance with ``dynamic=True`` (None before the first)."""
+        return self._distance
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"calls"}``, plus with ``dynamic=True`` the current ``K`` and last ``distance``."""
+        state = super().state_dict()
+        if self.dynamic:
+            state.update(K=self._K_now, distance=self._distance)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        adaptive = {"K", "distance"} & set(state)
+        if not self.dynamic:
+            if adaptive:
+                raise CodecError("mcgq state: holds dynamic sampling state, but this codec has dynamic=false")
+            super().load_state_dict(state)
+            return
+        if adaptive != {"K", "distance"}:
+            raise CodecError("mcgq state: dynamic=true needs the 'K' and 'distance' entries")
+        K, distance = state["K"], state["distance"]
+        rule = self._rule
+        if isinstance(K, bool) or not isinstance(K, Real) or not rule.K_min <= K <= rule.K_max:
+            raise CodecError(f"mcgq state: K = {K!r} lies outside [{rule.K_min}, {rule.K_max}]")
+        if distance is not None and (isinstance(distance, bool) or not isinstance(distance, Real)
+                                     or not 0 <= distance <= 1):
+            raise CodecError(f"mcgq state: distance must be None or a number in [0, 1], got {distance!r}")
+        super().load_state_dict(state)
+        self._K_now = float(K)
+        self._distance = None if distance is None else float(distance)
 
     def max_encoded_size(self, n: int, K: float | None = None) -> int:
         return HEADER_SIZE + self.max_payload_size(n, K)
@@ -365,11 +455,16 @@ class DynamicSampling:
     def update(self, key: Hashable, g: np.ndarray, decoded: np.ndarray) -> float:
         """Record this call's distance and return the layer's next K."""
         d = wasserstein1(g, decoded)
-        previous = self._distance.get(key, d)
-        K = self.sampling_amount(key) + self.step * (previous - d)
-        self._K[key] = min(max(K, self.K_min), self.K_max)
+        self._K[key] = self.next_amount(self.sampling_amount(key), self._distance.get(key), d)
         self._distance[key] = d
         return self._K[key]
+
+    def next_amount(self, K: float, previous: float | None, d: float) -> float:
+        """Alg. 3 for one layer: K + step * (previous - d) clipped to [K_min, K_max];
+        K itself when there is no previous distance (the layer's first call)."""
+        if previous is None:
+            previous = d
+        return min(max(K + self.step * (previous - d), self.K_min), self.K_max)
 
     def state_dict(self) -> dict[str, dict]:
         return {"K": dict(self._K), "distance": dict(self._distance)}
