@@ -79,16 +79,17 @@ class RunConfig:
         """Defaults, then the TOML file, then non-None ``overrides`` (already typed)."""
         values: dict[str, Any] = {}
         if config_file:
-            values.update(load_toml(config_file))
+            values.update({k: coerce(k, v) for k, v in load_toml(config_file).items()})
         for key, value in overrides.items():
             if value is None:
                 continue
+            value = coerce(key, value)
             if key.endswith("_opts") and key in values:
                 values[key] = {**values[key], **value}
             else:
                 values[key] = value
         try:
-            config = cls(**{k: coerce(k, v) for k, v in values.items()})
+            config = cls(**values)
         except TypeError as exc:
             raise UsageError(str(exc)) from None
         if config.lr is None:

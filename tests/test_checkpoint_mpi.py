@@ -136,3 +136,15 @@ def test_checkpoint_write_is_atomic(tmp_path):
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(UsageError, match="unreadable"):
         checkpoint.load(tmp_path / "junk.ckpt", ident)
+
+
+def test_walltime_deadline_stops_at_a_boundary_with_a_checkpoint(tmp_path, mpi_env):
+    trace = tmp_path / "deadline.h5"
+    result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "100000",
+                         "--walltime", "10s"], mpi_env)
+    assert result.returncode == EXIT_REQUEUE, result.stderr
+    assert "walltime deadline near: stopped after iteration" in result.stdout
+    assert result.stderr == ""  # every rank finalized cleanly: no MPI_Abort noise
+    tr = load(trace)
+    assert tr.status == "stopped" and 1 <= len(tr.steps) < 100000
+    assert (tmp_path / "deadline.h5.ckpt").exists()

@@ -43,9 +43,10 @@ def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
 
 
 def test_same_seed_virtual_clock_gives_identical_traces(tmp_path, mpi_env):
+    # Three workers: frames arrive in any order, and the float sum must not depend on it.
     args = ["--iterations", "25", "--policy", "mqgrad", *DETERMINISTIC]
-    first, trace_a = train(tmp_path, mpi_env, *args, name="a.h5")
-    second, trace_b = train(tmp_path, mpi_env, *args, name="b.h5")
+    first, trace_a = train(tmp_path, mpi_env, *args, name="a.h5", ranks=4)
+    second, trace_b = train(tmp_path, mpi_env, *args, name="b.h5", ranks=4)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     a, b = load(trace_a).steps, load(trace_b).steps
     for column in ("loss", "bits", "bytes_up", "bytes_down", "sim_time", "t_comm"):
@@ -87,9 +88,7 @@ def test_bad_options_fail_before_work_with_one_line(tmp_path, mpi_env, args, mes
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("mpigrad train: error")]
     assert len(errors) == 1 and message in errors[0], result.stderr
-    # Nothing else but the MPI library's own note that python -m mpi4py aborted with code 2.
-    others = [line for line in result.stderr.strip().splitlines() if line not in errors]
-    assert all(line.startswith("Abort(2)") for line in others), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # no MPI_Abort banner
     assert not (tmp_path / "x.h5").exists()
 
 
@@ -124,3 +123,56 @@ def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, messag
         assert not tr.complete and tr.status in ("failed", "running")
         with h5py.File(trace, "r", swmr=True) as f:
             assert f["steps/iteration"].shape[0] == len(tr.steps)
+
+
+def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(tmp_path, mpi_env):
+    """With lossless fp32 frames, 2 workers equal one process stepping on the mean gradient."""
+    import zlib
+
+    import torch
+
+    from mpigrad.data import ShardSampler, load_dataset
+    from mpigrad.models import build_model
+    from mpigrad.runtime.replica import Replica
+
+    seed, lr, steps = 5, 0.05, 6
+    result, trace = train(tmp_path, mpi_env, "--codec", "fp32", "--policy", "fixed", "--iterations",
+                          str(steps), "--seed", str(seed), "--lr", str(lr), "--checksum-every", "5")
+    assert result.returncode == 0, result.stderr
+    recorded = load(trace).checksums.set_index("iteration")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks ran with one thread each: same reduction order
+    try:
+        data = load_dataset("digits", seed=seed)
+        torch.manual_seed(seed)
+        model = build_model("paper-cnn", input_shape=data.input_shape, num_classes=data.num_classes,
+                            fc_sizes=[256, 256])
+        replica = Replica(model, 10000, torch.device("cpu"))
+        samplers = [ShardSampler(len(data.train_y), w, 2, 32, seed) for w in range(2)]
+        checksums = {}
+        for m in range(steps):
+            checksums[m] = zlib.crc32(replica.flat.detach().numpy().view(np.uint8))
+            grads = []
+            for sampler in samplers:
+                idx = sampler.next_batch()
+                replica.flat_grad.zero_()
+                model.loss(model(torch.from_numpy(data.train_x[idx])), torch.from_numpy(data.train_y[idx]),
+                           0.004).backward()
+                grads.append(replica.flat_grad.numpy().copy())
+            mean = (grads[0] + grads[1]) * np.float32(0.5)
+            replica.flat.add_(torch.from_numpy(mean), alpha=-lr)
+    finally:
+        torch.set_num_threads(threads)
+    for m in (0, 5):
+        assert (recorded.loc[m].to_numpy() == checksums[m]).all(), m
+
+
+def test_a_worker_that_dies_ends_the_run_instead_of_hanging(tmp_path, mpi_env):
+    # The launcher sees the dead process and kills every rank (MPICH's mpiexec reports the
+    # dead process's exit code, or the SIGKILL it sent the others, and "BAD TERMINATION");
+    # rank 0's --timeout covers a worker that hangs instead.
+    env = dict(mpi_env, MPIGRAD_INJECT_FAULT="exit:2:3")
+    result, _ = train(tmp_path, env, "--iterations", "500", "--timeout", "5", timeout=90)
+    assert result.returncode in (3, 9), result.stdout + result.stderr
+    assert "iter 500/500" not in result.stdout

@@ -30,10 +30,12 @@ class _FloatCodec(Codec):
             raise non_finite_error(self.codec_id)
         return 0, 0, 0, 0, nbytes
 
-    def _decode_payload(self, header: Header, payload, out):
+    def _check_payload(self, header: Header, payload) -> None:
         if header.payload_len != header.n * self.dtype.itemsize:
             raise CodecError(f"{self.codec_id}: payload of {header.payload_len} bytes cannot hold "
                              f"{header.n} values")
+
+    def _decode_payload(self, header: Header, payload, out):
         np.copyto(out, payload.view(self.dtype), casting="same_kind")
 
 

@@ -21,7 +21,7 @@ FORMAT = 1
 # Options that may differ between the run that wrote a checkpoint and the one resuming it.
 MAY_CHANGE = {"iterations", "trace_flush", "eval_every", "eval_samples", "progress_every",
               "checksum_every", "timeout", "walltime", "resume", "force", "threads", "device",
-              "checkpoint", "net_mode"}
+              "checkpoint", "trace", "data_dir"}
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:

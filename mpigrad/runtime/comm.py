@@ -65,26 +65,29 @@ def send(comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int, timeout: float,
     wait(comm.Isend(buf, dest=dest, tag=tag), timeout, describe)
 
 
-def iter_gradient_frames(comm: MPI.Comm, workers: int, timeout: float, buffer: list[np.ndarray],
+def iter_gradient_frames(comm: MPI.Comm, workers: int, timeout: float, buffers: list[np.ndarray],
                          iteration: int):
     """Yield (rank, frame view) for each worker's gradient frame, in arrival order.
 
-    ``buffer`` is a one-element list holding the reusable receive buffer; it is grown when a
-    frame is larger. The frame view is valid until the next iteration of the generator.
+    ``buffers[rank - 1]`` is that rank's reusable receive buffer, replaced by a larger one
+    when a frame does not fit; a yielded view stays valid until the next iteration's call.
     """
     waiting = set(range(1, workers + 1))
     status = MPI.Status()
-    backoff = _Backoff(timeout, lambda: (
-        f"worker rank(s) {', '.join(map(str, sorted(waiting)))} sent no gradient for iteration "
-        f"{iteration}"))
+
+    def describe() -> str:
+        return (f"worker rank(s) {', '.join(map(str, sorted(waiting)))} sent no gradient for "
+                f"iteration {iteration}")
+
+    backoff = _Backoff(timeout, describe)
     while waiting:
         if not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_GRAD, status=status):
             backoff.sleep()
             continue
         source, count = status.Get_source(), status.Get_count(MPI.BYTE)
-        if buffer[0].size < count:
-            buffer[0] = np.empty(count, np.uint8)
-        comm.Recv([buffer[0], count, MPI.BYTE], source=source, tag=TAG_GRAD)
+        if buffers[source - 1].size < count:
+            buffers[source - 1] = np.empty(count, np.uint8)
+        comm.Recv([buffers[source - 1], count, MPI.BYTE], source=source, tag=TAG_GRAD)
         waiting.discard(source)
-        backoff = _Backoff(timeout, backoff.describe)
-        yield source, buffer[0][:count]
+        backoff = _Backoff(timeout, describe)
+        yield source, buffers[source - 1][:count]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -36,8 +38,17 @@ def base_codec(config: RunConfig) -> Codec:
     return codec
 
 
+_loaded: dict[str, Dataset] = {}
+
+
 def load_data(config: RunConfig) -> Dataset:
-    return load_dataset(config.data, data_dir=config.data_dir, seed=config.seed, **config.data_opts)
+    """The run's dataset; loaded once per process (the launch check and the run share it)."""
+    key = json.dumps([config.data, config.data_dir, config.seed, config.data_opts], sort_keys=True)
+    if key not in _loaded:
+        _loaded.clear()
+        _loaded[key] = load_dataset(config.data, data_dir=config.data_dir, seed=config.seed,
+                                    **config.data_opts)
+    return _loaded[key]
 
 
 def build_replica(config: RunConfig, dataset: Dataset) -> Replica:

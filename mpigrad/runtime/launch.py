@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 from ..config import RunConfig, parse_assignments
@@ -21,7 +22,6 @@ EXIT_USAGE = 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options mirror RunConfig; every default is None so a --config file is not overridden."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.epilog = ("Defaults follow the MQGrad paper (uniform codec, mqgrad policy from 2 bits, "
                      "batch 32, lr 0.2, 10 MB/s). Launch: mpiexec -n P+1 python -m mpi4py -m mpigrad train")
     d = RunConfig()
@@ -78,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     from mpi4py import MPI
 
     from .environment import apply_thread_settings, threads_per_rank
@@ -91,11 +92,13 @@ def run(args: argparse.Namespace) -> int:
         from .session import check_launch, run_rank
         check_launch(config, comm)
     except UsageError as exc:
+        # Every rank gets here together (the checks are deterministic or broadcast).
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return _end_together(comm, EXIT_USAGE)
     try:
-        return run_rank(config, comm, sys.argv)
+        code = run_rank(config, comm, sys.argv, started)
+        return _end_together(comm, code) if code else code  # e.g. 75 after a checkpoint
     except UsageError as exc:
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
@@ -106,3 +109,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"mpigrad train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         comm.Abort(EXIT_FAILURE)
     return EXIT_FAILURE
+
+
+def _end_together(comm, code: int) -> int:
+    """Finalize every rank cleanly, then let each return ``code``.
+
+    Once MPI is finalized, python -m mpi4py passes a non-zero exit code on instead of
+    calling MPI_Abort (whose banner would follow the one-line error, and which kills ranks
+    that may still be writing). Only for paths that every rank reaches together.
+    """
+    from mpi4py import MPI
+
+    comm.Barrier()
+    MPI.Finalize()
+    return code

@@ -72,7 +72,3 @@ class Clocks:
 
     def state_dict(self) -> dict[str, float]:
         return {"wall": self.now_wall(), "sim": self.sim}
-
-    @classmethod
-    def from_state(cls, state: dict[str, float]) -> "Clocks":
-        return cls(wall=state["wall"], sim=state["sim"])

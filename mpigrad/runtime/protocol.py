@@ -23,7 +23,6 @@ import numpy as np
 
 TAG_LOSS = 11
 TAG_GRAD = 12
-TAG_STATE = 13
 
 # Control commands.
 CONTINUE = 1
@@ -33,7 +32,6 @@ CONTROL_FIXED = 3
 # Loss message status.
 STATUS_OK = 0.0
 STATUS_NONFINITE_LOSS = 1.0
-STATUS_NONFINITE_GRAD = 2.0
 LOSS_FIELDS = 5
 
 _FRAME_MAGIC = b"MGFR"
@@ -70,13 +68,13 @@ def read_frame(frame: np.ndarray, n_segments: int) -> tuple[float, list[np.ndarr
     if magic != _FRAME_MAGIC or count != n_segments:
         raise FrameError(f"bad gradient frame header (magic {magic!r}, {count} segments, "
                          f"expected {n_segments})")
-    lengths = np.frombuffer(frame[_FRAME_HEAD.size:frame_segments_offset(count)].tobytes(), "<u8")
+    lengths = [int(n) for n in np.frombuffer(frame[_FRAME_HEAD.size:frame_segments_offset(count)].tobytes(), "<u8")]
     offset = frame_segments_offset(count)
-    if int(lengths.sum()) != frame.size - offset:
-        raise FrameError(f"gradient frame segments add up to {int(lengths.sum())} bytes, "
-                         f"frame carries {frame.size - offset}")
+    if min(lengths, default=1) == 0 or sum(lengths) != frame.size - offset:
+        raise FrameError(f"gradient frame segments of {lengths} bytes do not fill the "
+                         f"{frame.size - offset} bytes the frame carries")
     segments = []
-    for length in lengths.tolist():
+    for length in lengths:
         segments.append(frame[offset:offset + length])
         offset += length
     return encode_seconds, segments

@@ -61,20 +61,29 @@ class Replica:
         n_big = len(big)
         rest_offset = segments[n_big].offset if n_big < len(segments) else total
         self.layout = Layout(tuple(segments[:n_big]), Segment("small layers", rest_offset, total - rest_offset), total)
-        on_cpu = device.type == "cpu"
-        self.grad_host = self.flat_grad.numpy() if on_cpu else np.empty(total, np.float32)
-        self.update_host = self.grad_host if on_cpu else np.empty(total, np.float32)
+        if device.type == "cpu":
+            # Zero-copy: the codecs read the gradient and write the update in place.
+            self.grad_host = self.flat_grad.numpy()
+            self.update_host = self.grad_host
+            self._device_update = None
+        else:
+            # Pinned host buffers and one device buffer, allocated once.
+            self._host_grad = torch.empty(total, dtype=torch.float32, pin_memory=True)
+            self._host_update = torch.empty(total, dtype=torch.float32, pin_memory=True)
+            self._device_update = torch.empty(total, dtype=torch.float32, device=device)
+            self.grad_host = self._host_grad.numpy()
+            self.update_host = self._host_update.numpy()
 
     def gradient_to_host(self) -> np.ndarray:
-        if self.device.type != "cpu":
-            self.grad_host[:] = self.flat_grad.cpu().numpy()
+        if self._device_update is not None:
+            self._host_grad.copy_(self.flat_grad)
         return self.grad_host
 
     def apply_update(self, grad: np.ndarray, lr: float) -> None:
         """w <- w - lr * grad, for ``grad`` a host array in the flat layout."""
         update = torch.from_numpy(grad)
-        if self.device.type != "cpu":
-            update = update.to(self.device, non_blocking=False)
+        if self._device_update is not None:
+            update = self._device_update.copy_(update)
         self.flat.add_(update, alpha=-lr)
 
     def checksum(self) -> int:
@@ -96,13 +105,16 @@ class FrameEncoder:
 
     Follows GRACE's order on each quantized layer: compensate -> encode -> update memory.
     Each layer keeps its own RNG stream (seeded from ``seeds[i]``) whose call counter
-    survives bit changes. Buffers are allocated once and grown only when more bits need more room.
+    survives bit changes. Each (layer, bits) codec instance keeps any adaptive state of its
+    own (e.g. mcgq's dynamic K), and checkpoints carry every instance's ``state_dict``.
+    Buffers are allocated once and grown only when more bits need more room.
     """
 
     def __init__(self, layout: Layout, codec: Codec, seeds: list[int], feedback=None):
         self.layout = layout
         self.base_config = codec.get_config()
-        self.accepts_bits = codec.accepts_bits
+        # A codec configured by its levels keeps them: the policy's bits do not apply.
+        self.accepts_bits = codec.accepts_bits and "levels" not in self.base_config
         self.seeds = seeds
         self.calls = [0] * len(layout.quantized)
         self.feedback = feedback
@@ -156,7 +168,10 @@ class FrameEncoder:
         return frame[:write_frame_header(frame, lengths, 0.0)]
 
     def state_dict(self) -> dict:
-        state = {"calls": list(self.calls)}
+        # "calls" is the per-layer counter shared by all bit widths (it overrides each
+        # instance's own count at encode); "codecs" is each instance's full state.
+        state = {"calls": list(self.calls),
+                 "codecs": [[layer, bits, codec.state_dict()] for (layer, bits), codec in self._codecs.items()]}
         if self.feedback:
             state["feedback"] = self.feedback.state_dict()
         return state
@@ -165,6 +180,11 @@ class FrameEncoder:
         if len(state["calls"]) != len(self.calls):
             raise ValueError("checkpoint has a different number of quantized layers")
         self.calls = list(state["calls"])
+        for layer, bits, codec_state in state.get("codecs", ()):
+            if not 0 <= layer < len(self.calls):
+                raise ValueError(f"checkpoint holds codec state for quantized layer {layer}, "
+                                 f"the model has {len(self.calls)}")
+            self.codec_for(layer, bits).load_state_dict(codec_state)
         if self.feedback:
             self.feedback.load_state_dict(state["feedback"])
 

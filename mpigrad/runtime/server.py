@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import time
 
 import numpy as np
@@ -15,10 +14,10 @@ from ..config import RunConfig
 from ..policies import Observation, get_policy
 from . import comm as mpi
 from .common import base_codec, build_encoder, build_replica, load_data
+from .environment import threads_per_rank
 from .network import Clocks, LinkModel
-from .protocol import (CONTINUE, CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_GRAD,
-                       STATUS_NONFINITE_LOSS, STOP_AFTER, TAG_LOSS, FrameError, LossMessage,
-                       is_error_frame)
+from .protocol import (CONTINUE, CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STOP_AFTER,
+                       TAG_LOSS, FrameError, LossMessage, is_error_frame)
 from .replica import FrameDecoder
 from .stopping import StopFlag
 from .tracing import RunTrace
@@ -38,7 +37,11 @@ class Server:
         self.stop = stop
         self.log = log
         self.dataset = load_data(config)
+        self.data_description = self.dataset.describe()
         self.replica = build_replica(config, self.dataset)
+        # Rank 0 evaluates on the test split only: let the training split go.
+        self.dataset.train_x = self.dataset.train_x[:0]
+        self.dataset.train_y = self.dataset.train_y[:0]
         self.codec = base_codec(config)
         layout = self.replica.layout
         self.n_layers = len(layout.quantized)
@@ -46,9 +49,19 @@ class Server:
                                  seed=config.seed)
         self.encoder = build_encoder(config, self.replica, self.codec, rank=0)
         self.decoder = FrameDecoder(layout, self.codec)
+        # What the trace's bits column says when the codec ignores the policy's bits.
+        self.fixed_bits = int(getattr(self.codec, "bits", None) or self.codec.nominal_bits)
         self.link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
         self.clocks = Clocks()
+        self.saved_clocks = {"wall": 0.0, "sim": 0.0}
         self.iteration = 0
+        # Compute time on the simulated clock is CPU time when a rank computes on one CPU
+        # thread (oversubscribed ranks then do not inflate it), wall time otherwise (CPU time
+        # adds up threads, and misses GPU kernels).
+        self.cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
+        # Time kept in hand for the stop itself: gathering worker state and writing it.
+        state_bytes = 4 * self.replica.layout.total * (2 + self.workers * (config.error_feedback != "none"))
+        self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
         # Reused buffers: nothing gradient-sized is allocated per iteration.
         total = layout.total
@@ -59,7 +72,7 @@ class Server:
         self.loss_rows = np.zeros((self.workers, LOSS_FIELDS), np.float64)
         self.control = np.zeros(CONTROL_FIXED + max(self.n_layers, 1), np.int64)
         self.frame_len = np.zeros(1, np.int64)
-        self.recv_buffer = [np.empty(0, np.uint8)]
+        self.recv_buffers = [np.empty(0, np.uint8) for _ in range(self.workers)]
         self.trace: RunTrace | None = None
 
     # ---- one iteration ------------------------------------------------------------------
@@ -95,24 +108,37 @@ class Server:
                            gradients=grads, codec=self.codec if self.codec.accepts_bits else None)
 
     def _aggregate(self, m: int) -> tuple[list[int], float, float]:
-        """Receive, decode and sum every worker's frame; return (bytes per worker, worker encode max, decode s)."""
-        self.grad_sum.fill(0.0)
+        """Receive, decode and sum every worker's frame; return (bytes per worker, worker encode max, decode s).
+
+        Frames are decoded as they arrive but added in rank order (a frame that overtakes
+        a lower rank's waits, still encoded, in its receive buffer), so the float sum, and
+        with it the whole run, does not depend on arrival order. Rank 1 decodes straight
+        into the sum, the others into a scratch buffer added to it.
+        """
         sizes = [0] * self.workers
         encode_max = 0.0
         decode_seconds = 0.0
+        arrived: dict[int, np.ndarray] = {}
+        next_rank = 1
         for rank, frame in mpi.iter_gradient_frames(self.comm, self.workers, self.config.timeout,
-                                                     self.recv_buffer, m):
+                                                     self.recv_buffers, m):
             if is_error_frame(frame):
                 raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
-            start = time.process_time()
-            try:
-                encode_seconds = self.decoder.decode(frame, self.scratch)
-            except (CodecError, FrameError) as exc:
-                raise TrainingError(f"bad gradient frame from worker rank {rank} at iteration {m}: {exc}") from None
-            np.add(self.grad_sum, self.scratch, out=self.grad_sum)
-            decode_seconds += time.process_time() - start
             sizes[rank - 1] = frame.size
-            encode_max = max(encode_max, encode_seconds)
+            arrived[rank] = frame
+            while next_rank in arrived:
+                start = time.process_time()
+                target = self.grad_sum if next_rank == 1 else self.scratch
+                try:
+                    encode_seconds = self.decoder.decode(arrived.pop(next_rank), target)
+                except (CodecError, FrameError) as exc:
+                    raise TrainingError(f"bad gradient frame from worker rank {next_rank} at iteration "
+                                        f"{m}: {exc}") from None
+                if next_rank > 1:
+                    np.add(self.grad_sum, self.scratch, out=self.grad_sum)
+                decode_seconds += time.process_time() - start
+                encode_max = max(encode_max, encode_seconds)
+                next_rank += 1
         return sizes, encode_max, decode_seconds
 
     def step(self, m: int) -> bool:
@@ -127,8 +153,9 @@ class Server:
         policy_start = time.process_time()
         bits = list(self.policy.decide(self._observation(m, loss)))
         t_policy = time.process_time() - policy_start
-        traced_bits = bits if self.codec.accepts_bits else [self.codec.nominal_bits] * len(bits)
-        stop_after = self.stop.requested(self.clocks.now_wall(), self._mean_iteration_seconds(m))
+        traced_bits = bits if self.encoder.accepts_bits else [self.fixed_bits] * len(bits)
+        last = m + 1 == config.iterations
+        stop_after = not last and self.stop.requested(self._mean_iteration_seconds(m), self.checkpoint_reserve)
         self.control[0] = STOP_AFTER if stop_after else CONTINUE
         self.control[1] = m
         self.control[CONTROL_FIXED:CONTROL_FIXED + len(bits)] = bits
@@ -151,12 +178,13 @@ class Server:
         self.replica.apply_update(self.update, config.lr)
         self.has_previous = True
 
-        t_compute = max(msg.compute_cpu for msg in messages)
+        t_compute = max(msg.compute_cpu if self.cpu_clock else msg.compute_wall for msg in messages)
         t_encode = worker_encode + server_encode
         wall_now = self.clocks.now_wall()
         sim_before = self.clocks.sim
         if not link.modelled:
-            t_comm = max(0.0, (wall_now - wall_start) - (t_decode + server_encode + t_policy))
+            local = max(msg.compute_wall for msg in messages) + t_encode + t_decode + t_policy
+            t_comm = max(0.0, (wall_now - wall_start) - local)
             self.clocks.sim = wall_now
         elif config.compute_time is not None:
             self.clocks.sim += config.compute_time + t_comm
@@ -172,14 +200,16 @@ class Server:
             t_compute=t_compute, t_encode=t_encode, t_decode=t_decode, t_comm=t_comm,
             t_policy=t_policy),
             workers=dict(iteration=m, loss=[msg.loss for msg in messages],
-                         t_compute=[msg.compute_cpu for msg in messages], bytes_sent=sizes),
+                         t_compute=[msg.compute_cpu if self.cpu_clock else msg.compute_wall
+                                    for msg in messages], bytes_sent=sizes),
             checksums=checksums, policy_rows=self.policy.drain_records())
         self.bytes_total += bytes_up + bytes_down
         return stop_after
 
     def _mean_iteration_seconds(self, m: int) -> float:
+        """Mean wall seconds per iteration in this session (0 before the first one ends)."""
         done = m - self.start_iteration
-        return self.clocks.now_wall() / max(done, 1) if done else 0.0
+        return (time.perf_counter() - self.session_started) / done if done else 0.0
 
     # ---- evaluation and progress ----------------------------------------------------------
     def evaluate(self, m: int) -> None:
@@ -190,12 +220,11 @@ class Server:
                              test_loss=test_loss, test_accuracy=accuracy))
         self.last_eval = (test_loss, accuracy)
 
-    def progress(self, m: int, final: bool = False) -> None:
+    def progress(self, m: int) -> None:
         config = self.config
         done = m + 1
         wall = self.clocks.now_wall()
-        rate = (done - self.start_iteration) / wall if wall > 0 else 0.0
-        eta = (config.iterations - done) / rate if rate > 0 else 0.0
+        eta = (config.iterations - done) * self._mean_iteration_seconds(done)
         row = self.trace.last_step
         acc = f"  acc {self.last_eval[1]:.3f}" if self.last_eval else ""
         self.log(f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss {row['loss']:.4f}  "
@@ -207,6 +236,8 @@ class Server:
         """Iterate to the end or to a stop request; return True when stopped for requeue."""
         self.trace = trace
         self.start_iteration = start_iteration
+        self.clocks = Clocks(**self.saved_clocks)  # start-up time stays off both clocks
+        self.session_started = time.perf_counter()
         self.bytes_total = 0
         self.last_eval = None
         config = self.config
@@ -235,7 +266,7 @@ class Server:
         self.replica.load_state_dict(state["replica"])
         self.policy.load_state_dict(state["policy"])
         self.encoder.load_state_dict(state["encoder"])
-        self.clocks = Clocks.from_state(state["clocks"])
+        self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
         if state["previous_update"] is not None:
             self.update[:] = state["previous_update"].numpy()
@@ -268,7 +299,3 @@ def format_seconds(seconds: float) -> str:
         return f"{minutes}m{sec:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
-
-
-def log_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -7,15 +7,17 @@ import socket
 import sys
 from pathlib import Path
 
+import h5py
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from ..codecs import CodecError, get_codec
 from ..errors import UsageError
 from ..policies import PolicyError, get_policy
-from . import checkpoint
-from . import EXIT_REQUEUE
-from .common import base_codec
+from ..models import build_model
+from . import EXIT_REQUEUE, checkpoint
+from .common import base_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
 
@@ -32,24 +34,38 @@ def check_launch(config, comm: MPI.Comm) -> None:
 
 def _launch_problem(config, size: int) -> str | None:
     try:
+        check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
         if size < 2:
             raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the server, ranks 1.. "
                              "are workers): launch with mpiexec -n P+1 python -m mpi4py -m mpigrad train")
-        check_world_size(size)
+        if "bits" in config.codec_opts:
+            raise UsageError("set the bits with --bits (bits = N at the top of a config file), "
+                             "not as a codec option: the policy starts from it")
         codec = base_codec(config)
         policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
         lowest, highest = policy.bits_range()
-        if codec.accepts_bits:
-            policy.check_codec(codec)
-        elif lowest != highest:
+        moving = lowest != highest
+        if moving and not codec.accepts_bits:
             raise UsageError(f"policy {config.policy!r} chooses bits, but codec {config.codec!r} has no "
                              "bits option: use --policy fixed, or a codec such as uniform or qsgd")
+        if moving and "levels" in config.codec_opts:
+            raise UsageError(f"codec option levels fixes the quantization, but policy {config.policy!r} "
+                             "chooses bits: use --policy fixed, or drop levels")
+        if codec.accepts_bits and "levels" not in config.codec_opts:
+            policy.check_codec(codec)
+        dataset = load_data(config)
+        with torch.device("meta"):
+            build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                        **config.model_opts)
         trace = Path(config.trace)
         if config.resume:
-            if not config.checkpoint_path.exists():
-                raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
             if not trace.exists():
                 raise UsageError(f"--resume: the trace {trace} to continue does not exist")
+            if trace_status(trace) == "complete":
+                raise UsageError(f"--resume: trace {trace} is complete, there is nothing to resume "
+                                 "(start a new run with another --trace, or --force without --resume)")
+            if not config.checkpoint_path.exists():
+                raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
         elif trace.exists() and not config.force:
             raise UsageError(f"trace {trace} exists; pass --force to overwrite it or --trace to choose another")
         if not trace.parent.exists() and str(trace.parent):
@@ -57,6 +73,16 @@ def _launch_problem(config, size: int) -> str | None:
     except (UsageError, CodecError, PolicyError, ValueError) as exc:
         return str(exc)
     return None
+
+
+def trace_status(path: Path) -> str | None:
+    """The status a trace file records ("complete", "stopped", ...), None if unreadable."""
+    try:
+        with h5py.File(path, "r", swmr=True) as f:
+            status = f.attrs.get("status")
+    except OSError:
+        return None
+    return status.decode() if isinstance(status, bytes) else status
 
 
 def warm_up(config) -> None:
@@ -67,7 +93,8 @@ def warm_up(config) -> None:
         c.decode(c.encode(x))
 
 
-def run_rank(config, comm: MPI.Comm, argv: list[str]) -> int:
+def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = None) -> int:
+    """Run this rank's part; ``started`` (time.monotonic) is when the process began, for --walltime."""
     rank = comm.Get_rank()
     # Rank 0 compiles first, so the others load from the Numba cache.
     if rank == 0:
@@ -75,7 +102,7 @@ def run_rank(config, comm: MPI.Comm, argv: list[str]) -> int:
     comm.Barrier()
     if rank != 0:
         warm_up(config)
-    stop = StopFlag(config.walltime).install()
+    stop = StopFlag(config.walltime, started).install()
     if rank == 0:
         return _run_server(config, comm, stop, argv)
     return _run_worker(config, comm)
@@ -93,6 +120,9 @@ def _run_server(config, comm: MPI.Comm, stop: StopFlag, argv: list[str]) -> int:
         state = checkpoint.load(config.checkpoint_path, ident)
         server.load_state_dict(state["server"])
         start = server.iteration
+        if start >= config.iterations:
+            raise UsageError(f"--resume: the checkpoint is at iteration {start}, --iterations is "
+                             f"{config.iterations}: raise --iterations to continue")
         comm.scatter([None] + [(w, state["server"]["replica"]) for w in state["workers"]], root=0)
         log(f"mpigrad: resuming from {config.checkpoint_path} at iteration {start}")
     hosts = comm.gather(socket.gethostname(), root=0)
@@ -113,6 +143,7 @@ def _run_server(config, comm: MPI.Comm, stop: StopFlag, argv: list[str]) -> int:
             f"{config.checkpoint_path}; exit {EXIT_REQUEUE} (resume with --resume)")
         return EXIT_REQUEUE
     trace.close("complete")
+    config.checkpoint_path.unlink(missing_ok=True)  # a finished run has nothing to resume
     log(trace.final_summary())
     return 0
 
@@ -137,7 +168,7 @@ def describe_run(config, server, size: int, log) -> None:
     layout = server.replica.layout
     quantized = sum(s.size for s in layout.quantized)
     log(f"mpigrad {_version()}: {size - 1} workers + server, MPI: {MPI.Get_library_version().splitlines()[0]}")
-    log(f"model {config.model} on {server.dataset.describe()}: {layout.total:,} parameters, "
+    log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
         f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
 

@@ -13,9 +13,9 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class StopFlag:
-    def __init__(self, walltime: float | None = None):
+    def __init__(self, walltime: float | None = None, started: float | None = None):
         self.walltime = walltime
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.signal_name: str | None = None
 
     def install(self) -> "StopFlag":
@@ -26,14 +26,15 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
 
-    def requested(self, _wall_now: float = 0.0, mean_iteration_seconds: float = 0.0) -> bool:
-        """True once a stop signal arrived, or when two more iterations would pass the walltime."""
+    def requested(self, mean_iteration_seconds: float = 0.0, reserve: float = 0.0) -> bool:
+        """True once a stop signal arrived, or when two more iterations plus ``reserve``
+        seconds (for writing the checkpoint) would pass the walltime."""
         if self.signal_name:
             return True
         if self.walltime is None:
             return False
         elapsed = time.monotonic() - self.started
-        return elapsed + 2 * mean_iteration_seconds >= self.walltime
+        return elapsed + 2 * mean_iteration_seconds + reserve >= self.walltime
 
     @property
     def reason(self) -> str:

@@ -16,7 +16,7 @@ class RunTrace:
         self.workers = workers
         self.last_step: dict | None = None
         self.rows = 0
-        self.seconds = 0.0  # time spent tracing, flushes included
+        self.seconds = 0.0  # CPU time spent tracing, flushes included
 
 
 
@@ -47,7 +47,7 @@ class RunTrace:
             "quantized_parameters": sum(s.size for s in layout.quantized),
             "quantized_layers": [s.name for s in layout.quantized],
             "float32_bytes_per_iteration": float32_bytes,
-            "dataset": server.dataset.describe(),
+            "dataset": server.data_description,
             **collect_versions(),
             **slurm_ids(os.environ),
         }
@@ -56,7 +56,7 @@ class RunTrace:
         return cls(writer, workers)
 
     def step(self, row: dict, workers: dict, checksums: list[int] | None, policy_rows: list[dict]) -> None:
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: oversubscribed ranks must not inflate it
         self.writer.append("steps", row)
         self.writer.append("workers", workers)
         if checksums is not None:
@@ -65,7 +65,7 @@ class RunTrace:
             self.writer.append("policy", policy_row)
         self.last_step = row
         self.rows += 1
-        self.seconds += time.perf_counter() - start
+        self.seconds += time.process_time() - start
 
     def eval(self, row: dict) -> None:
         self.writer.append("eval", row)

@@ -27,10 +27,12 @@ class Worker:
         self.rank = comm.Get_rank()
         workers = comm.Get_size() - 1
         dataset = load_data(config)
-        self.train_x = dataset.train_x
-        self.train_y = dataset.train_y
         self.sampler = ShardSampler(len(dataset.train_y), self.rank - 1, workers, config.batch_size,
                                     config.seed)
+        # Keep only this worker's shard (sorted global indices -> rows of the copy).
+        self.shard = self.sampler.shard
+        self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
+        self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
         self.replica = build_replica(config, dataset)
         codec = base_codec(config)
         self.encoder = build_encoder(config, self.replica, codec, rank=self.rank)
@@ -46,7 +48,7 @@ class Worker:
     def _compute(self) -> tuple[float, float, float]:
         """Forward and backward on the next batch; return (loss, CPU s, wall s)."""
         cpu, wall = time.process_time(), time.perf_counter()
-        idx = self.sampler.next_batch()
+        idx = np.searchsorted(self.shard, self.sampler.next_batch())
         device = self.replica.device
         x = torch.from_numpy(self.train_x[idx]).to(device)
         y = torch.from_numpy(self.train_y[idx]).to(device)
