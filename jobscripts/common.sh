@@ -11,7 +11,7 @@
 #   NUMBA_CACHE_DIR        default ${TMPDIR:-/tmp}/mpigrad-numba-$SLURM_JOB_ID (per job, per node)
 #   HDF5_USE_FILE_LOCKING  default FALSE (one writer per trace; Lustre/NFS may lack flock)
 
-# EXIT_REQUEUE of mpigrad/runtime/common.py: the run stopped at an iteration boundary after writing a
+# EXIT_REQUEUE of mpigrad/runtime/__init__.py: the run stopped at an iteration boundary after writing a
 # checkpoint and flushing its trace; run it again with --resume to continue.
 MPIGRAD_EXIT_REQUEUE=75
 
