@@ -5,7 +5,10 @@
 of float32 gradient processed, the ratio to ``np.copyto`` of the same vector measured in
 the same run, the speed-up over the codec's NumPy twin, and the bits per element actually
 produced (header and scales included). Encode writes into and decode reads into reused
-buffers (``out=``), as the runtime does.
+buffers (``out=``), as the runtime does. ``acc ns/el`` times ``decode(buf, out,
+accumulate=True)`` (add to a running sum, what the parameter server does for every worker
+after the first), ``dec+add ns/el`` the same sum the unfused way: decode into a scratch
+array, then ``np.add``.
 
 ``mpigrad bench iteration`` (mpigrad.bench_iteration) times whole training iterations.
 """
@@ -109,7 +112,7 @@ def _codec_table(args: argparse.Namespace, chosen: list[str]) -> None:
           f"{4 * n / copy_s / 1e9:.1f} GB/s; x copy = time / copy time; "
           f"twin speed-up measured on the first {twin_n} values")
     columns = ("codec config", "bits/el", "enc ns/el", "enc GB/s", "x copy", "dec ns/el", "dec GB/s",
-               "x copy", "twin enc", "twin dec")
+               "x copy", "acc ns/el", "dec+add ns/el", "twin enc", "twin dec")
     print(_row(columns))
     for codec_id in chosen:
         for raw in BENCH_CONFIGS.get(codec_id, [{}]):
@@ -121,6 +124,7 @@ def _codec_table(args: argparse.Namespace, chosen: list[str]) -> None:
             label = " ".join(f"{k}={v}" for k, v in raw.items()) or "default"
             print(_row((f"{codec_id} {label}", f"{stats['bits']:.3f}",
                         *_speed(stats["enc"], n, copy_s), *_speed(stats["dec"], n, copy_s),
+                        f"{stats['acc'] * 1e9 / n:.3f}", f"{stats['dec_add'] * 1e9 / n:.3f}",
                         f"{stats['twin_enc']:.1f}x", f"{stats['twin_dec']:.1f}x")))
 
 
@@ -137,6 +141,10 @@ def _measure(codec, twin, x: np.ndarray, twin_n: int, repeat: int) -> dict[str, 
     enc = _best(lambda: codec.encode(x, out=buf), repeat)
     encoded = codec.encode(x, out=buf)
     dec = _best(lambda: codec.decode(encoded, out=y), repeat)
+    total = np.zeros_like(x)
+    codec.decode(encoded, out=total, accumulate=True)  # sizes a scratch array where one is used
+    acc = _best(lambda: codec.decode(encoded, out=total, accumulate=True), repeat)
+    dec_add = _best(lambda: np.add(total, codec.decode(encoded, out=y), out=total), repeat)
 
     head = x[:twin_n]
     small_buf = np.empty(codec.max_encoded_size(twin_n), np.uint8)
@@ -147,7 +155,7 @@ def _measure(codec, twin, x: np.ndarray, twin_n: int, repeat: int) -> dict[str, 
     fast_dec = _best(lambda: codec.decode(small, out=small_y), repeat)
     slow_enc = _best(lambda: twin.encode(head, out=small_buf), twin_repeat)
     slow_dec = _best(lambda: twin.decode(small, out=small_y), twin_repeat)
-    return {"bits": 8 * encoded.size / x.size, "enc": enc, "dec": dec,
+    return {"bits": 8 * encoded.size / x.size, "enc": enc, "dec": dec, "acc": acc, "dec_add": dec_add,
             "twin_enc": slow_enc / fast_enc, "twin_dec": slow_dec / fast_dec}
 
 
@@ -161,5 +169,5 @@ def _best(call: Callable[[], object], repeat: int) -> float:
 
 
 def _row(cells) -> str:
-    widths = (52, 8, 10, 9, 7, 10, 9, 7, 9, 9)
+    widths = (52, 8, 10, 9, 7, 10, 9, 7, 10, 13, 9, 9)
     return "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths)))

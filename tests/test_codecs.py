@@ -137,6 +137,190 @@ def _check_error_bound(codec, x, y, buf):
             assert np.all((ys < 0) == (xs < 0))
 
 
+# ---- decode(accumulate=True): fused kernels against out + decode, bit for bit -------------
+ACC_CONFIGS = CONFIGS + [{"id": "fp32"}, {"id": "fp16"}, {"id": "qsgd", "levels": 100},
+                         {"id": "uniform", "bits": 2, "bucket_size": 4096}]
+ACC_IDS = [json.dumps(c, separators=(",", ":")) for c in ACC_CONFIGS]
+
+
+def running_sum(n: int, seed: int = 0) -> np.ndarray:
+    """A plausible float32 running sum with signed zeros, tiny and huge values in it."""
+    rng = np.random.default_rng(seed)
+    out = rng.standard_normal(n).astype(np.float32)
+    picks = rng.integers(0, 5, n)
+    out[picks == 0] = -0.0
+    out[picks == 1] = 0.0
+    out[picks == 2] *= np.float32(1e-40)
+    out[picks == 3] *= np.float32(1e30)
+    return out
+
+
+def check_accumulate(codec, buf: np.ndarray, before: np.ndarray) -> None:
+    """codec's fused accumulate, the twin's scratch + add, and out + decode agree bit for bit."""
+    with np.errstate(over="ignore"):
+        expect = before + codec.decode(buf)
+    got = before.copy()
+    assert codec.decode(buf, got, accumulate=True) is got
+    assert bits_identical(got, expect), np.flatnonzero(got.view(np.int32) != expect.view(np.int32))[:5]
+    reference = before.copy()
+    with np.errstate(over="ignore"):
+        twin_of(codec).decode(buf, reference, accumulate=True)
+    assert bits_identical(reference, expect)
+
+
+@pytest.mark.parametrize("config", ACC_CONFIGS, ids=ACC_IDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_accumulate_equals_out_plus_decode(config, n):
+    for name, x in edge_inputs(n).items():
+        codec = get_codec(config)
+        try:
+            buf = codec.encode(x).copy()
+        except CodecError:
+            continue
+        check_accumulate(codec, buf, running_sum(n, seed=n))
+        check_accumulate(codec, buf, np.zeros(n, np.float32))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_accumulate_equals_out_plus_decode(data):
+    """Random fused-kernel configs, sizes (blocks and tails) and buckets."""
+    codec_id = data.draw(st.sampled_from(["uniform", "qsgd", "terngrad", "sign"]))
+    config = {"id": codec_id, "bucket_size": data.draw(st.one_of(st.none(), st.integers(1, 5000)))}
+    if codec_id == "uniform":
+        config["bits"] = data.draw(st.integers(1, 8))
+    elif codec_id == "qsgd":
+        if data.draw(st.booleans()):
+            config["bits"] = data.draw(st.integers(2, 8))
+        else:
+            config["levels"] = data.draw(st.integers(1, 127))
+    n = data.draw(st.integers(0, 3 * common.BLOCK + 9))
+    seed = data.draw(st.integers(0, 2**16))
+    x = (np.random.default_rng(seed).standard_normal(n) * 10.0 ** (seed % 9 - 4)).astype(np.float32)
+    codec = get_codec(config)
+    check_accumulate(codec, codec.encode(x).copy(), running_sum(n, seed))
+
+
+def test_accumulate_needs_a_float32_out_of_the_right_size():
+    codec = get_codec({"id": "uniform"})
+    buf = codec.encode(np.ones(100, np.float32))
+    with pytest.raises(CodecError, match="accumulate=True.* needs out="):
+        codec.decode(buf, accumulate=True)
+    for bad in (np.zeros(99, np.float32), np.zeros(100, np.float64), np.zeros(200, np.float32)[::2]):
+        before = bad.copy()
+        with pytest.raises(CodecError, match="out="):
+            codec.decode(buf, bad, accumulate=True)
+        assert np.array_equal(bad, before)
+    out = np.ones(100, np.float32)
+    assert codec.decode(buf, out, accumulate=False) is out and np.array_equal(out, np.ones(100))
+
+
+def _corrupted_buffers(x: np.ndarray):
+    """(codec config, good buffer, damaged copy, message) for damage found only by the checks
+    next to the kernels, or inside them (codes and streams)."""
+    def encoded(config):
+        return get_codec(config).encode(x).copy()
+
+    def shortened(buf, nbytes):
+        """``buf`` less its last ``nbytes``, with a header that agrees."""
+        short = buf[:-nbytes].copy()
+        _write_header(short, read_header(buf)._replace(payload_len=short.size - HEADER_SIZE), False)
+        return short
+
+    def with_byte(buf, at, value):
+        bad = buf.copy()
+        bad[at] = value
+        return bad
+
+    nan = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    last = 4 * (-(-x.size // 1000) - 1)  # the last bucket's scale (uniform: its lo)
+    for config in ({"id": "uniform"}, {"id": "qsgd"}, {"id": "terngrad"}, {"id": "sign"},
+                   {"id": "qsgd", "coding": "elias"}):
+        config = {**config, "bucket_size": 1000}
+        good = encoded(config)
+        bad = good.copy()
+        at = HEADER_SIZE + (2 * last if config["id"] == "uniform" else last)
+        bad[at:at + 4] = nan
+        yield config, good, bad, "scale"
+    good = encoded({"id": "uniform", "bucket_size": 1000})
+    bad = good.copy()
+    bad[HEADER_SIZE + 16:HEADER_SIZE + 24] = np.frombuffer(np.float32([1.0, -1.0]).tobytes(), np.uint8)
+    yield {"id": "uniform"}, good, bad, "out of order"
+    # Bad codes at the first element (the kernel would write everything after it) and the last.
+    tern = encoded({"id": "terngrad"})
+    yield {"id": "terngrad"}, tern, with_byte(tern, HEADER_SIZE + 4, 0x03), "cannot contain"
+    yield {"id": "terngrad"}, tern, with_byte(tern, -1, tern[-1] | 0xC0 >> (2 * ((x.size - 1) % 4))), \
+        "cannot contain"
+    levels = encoded({"id": "qsgd", "levels": 5, "bucket_size": None})  # 4-bit codes, levels <= 5
+    yield {"id": "qsgd"}, levels, with_byte(levels, HEADER_SIZE + 4, 0x07), "cannot contain"
+    yield {"id": "qsgd"}, levels, with_byte(levels, -1, 0x77), "cannot contain"
+    elias = encoded({"id": "qsgd", "coding": "elias"})
+    yield {"id": "qsgd"}, elias, reheader(elias, b"\0", payload_len=elias.size - 39), "corrupted payload"
+    yield {"id": "qsgd"}, elias, shortened(elias, 3), "corrupted payload"
+    half = encoded({"id": "fp16"})
+    yield {"id": "fp16"}, half, shortened(half, 2), "cannot hold"
+
+
+def test_corrupted_buffer_with_accumulate_raises_and_leaves_out_unchanged():
+    n = 2 * common.BLOCK + 1234
+    x = np.random.default_rng(6).standard_normal(n).astype(np.float32)
+    for config, good, bad, message in _corrupted_buffers(x):
+        codec = get_codec(config)
+        for decoder in (codec, twin_of(codec)):
+            out = running_sum(n)
+            before = out.copy()
+            with pytest.raises(CodecError, match=message):
+                decoder.decode(bad, out, accumulate=True)
+            assert bits_identical(out, before), (config, message)
+        # The same instance (its scratch, where it has one) then adds a good buffer right.
+        check_accumulate(codec, good, running_sum(n, 1))
+
+
+def test_mutated_buffers_with_accumulate_raise_before_writing():
+    """The fuzzer's mutations (tests/fuzz_codecs.py), decoded with accumulate=True in a
+    subprocess: CodecError with ``out`` untouched, or exactly ``out + decode(buf)``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = f"""
+import sys
+import numpy as np
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from fuzz_codecs import CONFIGS, SIZES, mutate
+from mpigrad.codecs import CodecError, get_codec, read_header
+rng = np.random.default_rng(99)
+valid = [(c, get_codec(c).encode((rng.standard_normal(n) * 1e-2).astype(np.float32)).copy())
+         for c in CONFIGS for n in SIZES]
+seen = {{"ok": 0, "error": 0}}
+for i in range(1500):
+    config, buf = valid[rng.integers(len(valid))]
+    kind, bad = mutate(rng, buf)
+    try:
+        n = read_header(bad).n
+    except CodecError:
+        n = read_header(buf).n
+    if n > 1 << 20:
+        continue
+    codec = get_codec({{"id": config["id"]}})
+    out = rng.standard_normal(n).astype(np.float32)
+    before = out.copy()
+    try:
+        codec.decode(bad, out, accumulate=True)
+    except CodecError:
+        assert np.array_equal(out.view(np.int32), before.view(np.int32)), (i, kind, config)
+        seen["error"] += 1
+        continue
+    expect = before + codec.decode(bad)
+    assert np.array_equal(out.view(np.int32), expect.view(np.int32)), (i, kind, config)
+    seen["ok"] += 1
+print(seen["ok"], seen["error"])
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-4000:]}"
+    ok, errors = map(int, result.stdout.split())
+    assert ok > 100 and errors > 100
+
+
 # ---- the shared primitives against their NumPy versions -------------------------------
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_pack_unpack_match_numpy(bits):
@@ -405,15 +589,44 @@ def test_decode_into_out_allocates_nothing_gradient_sized():
     n = 1 << 20
     x = np.random.default_rng(7).standard_normal(n).astype(np.float32)
     out = np.empty(n, np.float32)
-    for config in CONFIGS:
+    for config in ACC_CONFIGS:
         codec = get_codec(config)
         buf = codec.encode(x).copy()
-        codec.decode(buf, out=out)
-        tracemalloc.start()
-        codec.decode(buf, out=out)
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        assert peak < n // 16, (config, peak)
+        for accumulate in (False, True):
+            codec.decode(buf, out=out, accumulate=accumulate)  # sizes Elias's scratch, once
+            tracemalloc.start()
+            codec.decode(buf, out=out, accumulate=accumulate)
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            assert peak < n // 16, (config, accumulate, peak)
+    # Only the codecs that find corruption while decoding keep a scratch array.
+    fused = [c for c in ACC_CONFIGS if c.get("coding") != "elias"]
+    for config in fused:
+        codec = get_codec(config)
+        codec.decode(codec.encode(x), out=out, accumulate=True)
+        assert codec._scratch.size == 0, config
+
+
+def test_frame_decoder_accumulates_every_segment():
+    from mpigrad.runtime.replica import FrameDecoder, FrameEncoder, Layout, Segment
+    sizes, rest = (5000, 3 * common.BLOCK + 7), 33
+    segments, offset = [], 0
+    for i, size in enumerate(sizes):
+        segments.append(Segment(f"layer{i}", offset, size))
+        offset += size
+    layout = Layout(tuple(segments), Segment("small layers", offset, rest), offset + rest)
+    rng = np.random.default_rng(4)
+    for config in ({"id": "qsgd", "bits": 3}, {"id": "qsgd", "coding": "elias"}, {"id": "sign"}):
+        codec = get_codec(config)
+        encoder = FrameEncoder(layout, codec, seeds=[1, 2])
+        decoder = FrameDecoder(layout, codec)
+        frame = encoder.encode(rng.standard_normal(layout.total).astype(np.float32), [3, 3]).copy()
+        decoded = np.empty(layout.total, np.float32)
+        decoder.decode(frame, decoded)
+        before = running_sum(layout.total)
+        total = before.copy()
+        decoder.decode(frame, total, accumulate=True)
+        assert bits_identical(total, before + decoded), config
 
 
 # ---- semantics worth pinning -------------------------------------------------------

@@ -243,6 +243,51 @@ def test_codec_matches_twin_and_bounds_the_error(x, K, seed, calls):
     assert np.all(error <= bound)
 
 
+def assert_bits_equal(a: np.ndarray, b: np.ndarray) -> None:
+    np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
+
+
+@FAST
+@given(float_vectors, st.sampled_from([0.001, 0.1, 1.0, 64.0]), st.integers(0, 2**32 - 1))
+def test_accumulate_equals_out_plus_decode(x, K, seed):
+    """decode(accumulate=True): scratch + add inside the codec, ``out + decode`` bit for bit."""
+    codec = MCGQ(K=K, seed=seed)
+    buf = encode_or_error(codec, x)
+    assume(not isinstance(buf, str))
+    rng = np.random.default_rng(seed)
+    before = rng.standard_normal(x.size).astype(np.float32)
+    before[rng.random(x.size) < 0.3] = -0.0               # -0.0 + 0.0 is +0.0: no sparse shortcut
+    with np.errstate(over="ignore"):
+        expect = before + codec.decode(buf)
+    for decoder in (codec, twin_of(codec), MCGQ()):
+        total = before.copy()
+        with np.errstate(over="ignore"):
+            assert decoder.decode(buf, total, accumulate=True) is total
+        assert_bits_equal(total, expect)
+
+
+def test_accumulate_keeps_one_scratch_array():
+    import tracemalloc
+    codec = MCGQ(K=0.3)
+    big = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
+    small_buf = codec.encode(big[:1000]).copy()
+    buf = codec.encode(big).copy()
+    total = np.zeros(big.size, np.float32)
+    codec.decode(buf, total, accumulate=True)
+    scratch = codec._scratch
+    assert scratch.size == big.size
+    tracemalloc.start()
+    try:
+        codec.decode(buf, total, accumulate=True)
+        codec.decode(small_buf, total[:1000], accumulate=True)   # a smaller layer: a view of it
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < big.nbytes // 8 and codec._scratch is scratch
+    with pytest.raises(CodecError, match="needs out="):
+        codec.decode(buf, accumulate=True)
+
+
 @pytest.mark.parametrize("x", [
     np.zeros(0, np.float32), np.zeros(17, np.float32), np.full(17, -0.0, np.float32),
     np.array([-3.5], np.float32), np.full(64, 0.25, np.float32),
@@ -380,6 +425,7 @@ def test_damaged_buffers_raise_codec_error():
             codec.decode(damaged)
         with pytest.raises(CodecError):
             twin_of(codec).decode(damaged)
+        assert_accumulate_refuses(codec, damaged, message)
     # Counts 3 and 3 where the header allows N = 3 samples: the kernel stops at the excess.
     excess = np.concatenate((np.float32([1.0]).view(np.uint8),
                              twin.pack_codes(np.array([3, 0, 3, 3], np.uint64), np.array([32, 32, 3, 3]))))
@@ -387,10 +433,25 @@ def test_damaged_buffers_raise_codec_error():
     for decoder in (codec, twin_of(codec)):
         with pytest.raises(CodecError, match="exceed the sample count"):
             decoder.decode(excess)
+    assert_accumulate_refuses(codec, excess, "exceed the sample count")
     with pytest.raises(CodecError, match="payload CRC"):
         checked = MCGQ(K=0.5, checksum=True).encode(x).copy()
         checked[-1] ^= 1
         codec.decode(checked)
+
+
+def assert_accumulate_refuses(codec, damaged: np.ndarray, message: str) -> None:
+    """decode(accumulate=True) of a damaged buffer raises and leaves the running sum as it was
+    (most of these cases are found only while the RLE stream is read: after a scratch decode)."""
+    try:
+        n = read_header(damaged).n
+    except CodecError:
+        n = 300
+    out = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    before = out.copy()
+    with pytest.raises(CodecError, match=message):
+        codec.decode(damaged, out, accumulate=True)
+    assert_bits_equal(out, before)
 
 
 def test_fuzz_in_subprocess():

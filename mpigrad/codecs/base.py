@@ -149,7 +149,11 @@ class Codec(ABC):
 
     ``encode(x, out=None)`` writes into ``out`` (uint8, at least ``max_encoded_size(x.size)``
     bytes) when given, and returns a view of the bytes used. ``decode(buf, out=None)``
-    writes into ``out`` (float32, exactly the element count) when given.
+    writes into ``out`` (float32, exactly the element count) when given;
+    ``decode(buf, out, accumulate=True)`` adds the decoded values to ``out`` instead, with
+    the float32 result of ``out + decode(buf)`` bit for bit, and leaves ``out`` untouched
+    when it raises. Codecs with a fused kernel override ``_accumulate_payload``; the default
+    decodes into a scratch array that the instance keeps, then adds.
 
     Stochastic codecs take a ``seed``; each ``encode`` call consumes one counter value,
     so the same seed and call count give the same bytes. ``state_dict`` carries it.
@@ -175,6 +179,7 @@ class Codec(ABC):
         self.checksum = bool(checksum)
         self.seed = int(seed)
         self.calls = 0
+        self._scratch = np.empty(0, np.float32)
 
     # ---- configuration ------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -251,13 +256,24 @@ class Codec(ABC):
         _write_header(out, header, self.checksum)
         return out[:HEADER_SIZE + header.payload_len]
 
-    def decode(self, buf: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def decode(self, buf: np.ndarray, out: np.ndarray | None = None, *,
+               accumulate: bool = False) -> np.ndarray:
+        """Decode ``buf`` into ``out`` (allocated when None) and return ``out``.
+
+        With ``accumulate=True`` (``out`` required) add the decoded values to ``out``:
+        ``out[i] += value`` in float32, bit for bit ``out + decode(buf)``. Either way the
+        header and payload are checked before anything is written; with ``accumulate``
+        a buffer found corrupt at any point leaves ``out`` unchanged.
+        """
+        if accumulate and out is None:
+            raise CodecError("decode(accumulate=True) needs out=, the float32 array to add to")
         header = read_header(buf)
         if header.wire_id != self.wire_id:
             other = _BY_WIRE_ID.get(header.wire_id)
             name = repr(other.codec_id) if other else f"unknown wire id {header.wire_id}"
             raise CodecError(f"buffer was encoded by codec {name}, not {self.codec_id!r}")
-        self._check_payload(header, buf[HEADER_SIZE:])
+        payload = buf[HEADER_SIZE:]
+        self._check_payload(header, payload)
         if out is None:
             out = np.empty(header.n, np.float32)
         elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
@@ -265,7 +281,10 @@ class Codec(ABC):
             raise CodecError("out= must be a writeable contiguous 1-D float32 array")
         elif out.size != header.n:
             raise CodecError(f"out= holds {out.size} elements, buffer encodes {header.n}")
-        self._decode_payload(header, buf[HEADER_SIZE:], out)
+        if accumulate:
+            self._accumulate_payload(header, payload, out)
+        else:
+            self._decode_payload(header, payload, out)
         return out
 
     @abstractmethod
@@ -285,6 +304,26 @@ class Codec(ABC):
 
         Validate every header field and payload-internal length before any kernel runs.
         """
+
+    def _accumulate_payload(self, header: Header, payload: np.ndarray, out: np.ndarray) -> None:
+        """Add the decoded ``payload`` to ``out`` (float32: ``out + decode`` bit for bit).
+
+        Every CodecError must be raised before the first write to ``out``. This default
+        suits any codec: it decodes into the instance's scratch array (so corruption found
+        only while decoding, as in a variable-length stream, leaves ``out`` untouched) and
+        adds. A codec whose checks all run before its kernel writes overrides it with a
+        fused kernel that adds as it decodes.
+        """
+        scratch = self._decode_scratch(header.n)
+        self._decode_payload(header, payload, scratch)
+        np.add(out, scratch, out=out)
+
+    def _decode_scratch(self, n: int) -> np.ndarray:
+        """A float32 scratch array of ``n`` elements, allocated once and grown as needed
+        (one per instance: an instance decodes on one thread at a time)."""
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, np.float32)
+        return self._scratch[:n]
 
 
 def _as_float32_vector(x: Any) -> np.ndarray:

@@ -22,9 +22,10 @@ class _FloatCodec(Codec):
     def _encode_payload(self, x, payload):
         nbytes = x.size * self.dtype.itemsize
         values = payload[:nbytes].view(self.dtype)
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             np.copyto(values, x, casting="same_kind")
-        if not np.isfinite(values.sum(dtype=np.float32)) and not np.isfinite(values).all():
+            finite_sum = np.isfinite(values.sum(dtype=np.float32))
+        if not finite_sum and not np.isfinite(values).all():
             if np.isfinite(x).all():
                 raise CodecError(f"{self.codec_id}: a value exceeds the format's range")
             raise non_finite_error(self.codec_id)
@@ -37,6 +38,10 @@ class _FloatCodec(Codec):
 
     def _decode_payload(self, header: Header, payload, out):
         np.copyto(out, payload.view(self.dtype), casting="same_kind")
+
+    def _accumulate_payload(self, header: Header, payload, out):
+        # float16 widens to float32 exactly, then one float32 add: out + decode bit for bit.
+        np.add(out, payload.view(self.dtype), out=out, casting="same_kind")
 
 
 @register_codec

@@ -91,12 +91,26 @@ class QSGD(Codec):
         parse_payload(header, payload)
 
     def _decode_payload(self, header: Header, payload, out):
+        self._decode(header, payload, out, False)
+
+    def _accumulate_payload(self, header: Header, payload, out):
+        if header.flags & FLAG_ELIAS:
+            # The stream's errors show only while decoding it: scratch, then add.
+            super()._accumulate_payload(header, payload, out)
+        else:
+            self._decode(header, payload, out, True)
+
+    def _decode(self, header: Header, payload, out, accumulate: bool) -> None:
         bucket, scales, rest, nonzero = parse_payload(header, payload)
         raise_status(self.codec_id, kernels.check_scales(scales))
+        s, bits = header.param_b, header.bits
         if header.flags & FLAG_ELIAS:
-            status = elias.decode(rest, nonzero, bucket, header.param_b, scales, out)
+            status = elias.decode(rest, nonzero, bucket, s, scales, out)
         else:
-            status = kernels.decode_fixed(rest, bucket, header.bits, header.param_b, scales, out)
+            if accumulate and s < 2 ** (bits - 1) - 1:
+                # Codes can hold levels above s, which the kernel finds only after writing.
+                raise_status(self.codec_id, kernels.check_levels(rest, header.n, bits, s))
+            status = kernels.decode_fixed(rest, bucket, bits, s, scales, out, accumulate)
         raise_status(self.codec_id, status)
 
 

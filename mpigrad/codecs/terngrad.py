@@ -60,9 +60,17 @@ class TernGrad(Codec):
         parse_payload(header, payload)
 
     def _decode_payload(self, header: Header, payload, out):
+        self._decode(header, payload, out, False)
+
+    def _accumulate_payload(self, header: Header, payload, out):
+        self._decode(header, payload, out, True)
+
+    def _decode(self, header: Header, payload, out, accumulate: bool) -> None:
         bucket, scales, codes = parse_payload(header, payload)
         raise_status(self.codec_id, qsgd_kernels.check_scales(scales))
-        raise_status(self.codec_id, kernels.decode(codes, bucket, scales, out))
+        if accumulate:  # the kernel meets a code 3 only after writing: look for one first
+            raise_status(self.codec_id, kernels.check_codes(codes, header.n))
+        raise_status(self.codec_id, kernels.decode(codes, bucket, scales, out, accumulate))
 
 
 def payload_size(n: int, param_a: int) -> int:

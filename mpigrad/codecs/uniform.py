@@ -61,9 +61,15 @@ class Uniform(Codec):
         parse_payload(header, payload)
 
     def _decode_payload(self, header: Header, payload, out):
+        self._decode(header, payload, out, False)
+
+    def _accumulate_payload(self, header: Header, payload, out):
+        self._decode(header, payload, out, True)
+
+    def _decode(self, header: Header, payload, out, accumulate: bool) -> None:
         bucket, lohi, codes = parse_payload(header, payload)
         raise_status(self.codec_id, kernels.check_ranges(lohi))
-        kernels.decode(codes, bucket, header.bits, lohi, out)
+        kernels.decode(codes, bucket, header.bits, lohi, out, accumulate)
 
 
 def payload_size(n: int, bits: int, param_a: int) -> int:

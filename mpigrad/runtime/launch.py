@@ -102,13 +102,23 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
-        comm.Abort(EXIT_USAGE)
+        _abort(comm, EXIT_USAGE)
     except Exception as exc:  # noqa: BLE001 - every rank must end, not hang
         if os.environ.get("MPIGRAD_DEBUG"):
             traceback.print_exc()
         print(f"mpigrad train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-        comm.Abort(EXIT_FAILURE)
+        _abort(comm, EXIT_FAILURE)
     return EXIT_FAILURE
+
+
+def _abort(comm, code: int) -> None:
+    """MPI_Abort every rank, after giving the launcher a moment to forward our last message
+    (an abort can kill its output forwarding before the line gets out)."""
+    time.sleep(_FORWARD_SECONDS)
+    comm.Abort(code)
+
+
+_FORWARD_SECONDS = 0.5
 
 
 def _end_together(comm, code: int) -> int:

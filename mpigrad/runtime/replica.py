@@ -197,13 +197,21 @@ class FrameDecoder:
         self.codec = codec
         self.rest_codec = get_codec({"id": "fp32"})
 
-    def decode(self, frame: np.ndarray, out: np.ndarray) -> float:
-        """Decode into ``out`` (flat float32); return the sender's encode seconds."""
+    def decode(self, frame: np.ndarray, out: np.ndarray, *, accumulate: bool = False) -> float:
+        """Decode into ``out`` (flat float32), or with ``accumulate`` add to it (each segment's
+        ``codec.decode(..., accumulate=True)``: ``out + decoded`` bit for bit, no scratch pass);
+        return the sender's encode seconds.
+
+        A bad segment raises before it writes, but with ``accumulate`` the segments before it
+        have already been added: a caller that gets an error must not use ``out``.
+        """
         encode_seconds, buffers = read_frame(frame, len(self.layout.segments))
         for segment, buf in zip(self.layout.quantized, buffers):
-            self.codec.decode(buf, out=out[segment.offset:segment.offset + segment.size])
+            self.codec.decode(buf, out=out[segment.offset:segment.offset + segment.size],
+                              accumulate=accumulate)
         rest = self.layout.rest
-        self.rest_codec.decode(buffers[-1], out=out[rest.offset:rest.offset + rest.size])
+        self.rest_codec.decode(buffers[-1], out=out[rest.offset:rest.offset + rest.size],
+                               accumulate=accumulate)
         return encode_seconds
 
 

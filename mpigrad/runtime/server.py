@@ -66,7 +66,6 @@ class Server:
         # Reused buffers: nothing gradient-sized is allocated per iteration.
         total = layout.total
         self.grad_sum = np.zeros(total, np.float32)
-        self.scratch = np.empty(total, np.float32)
         self.update = self.replica.update_host
         self.has_previous = False
         self.loss_rows = np.zeros((self.workers, LOSS_FIELDS), np.float64)
@@ -113,7 +112,8 @@ class Server:
         Frames are decoded as they arrive but added in rank order (a frame that overtakes
         a lower rank's waits, still encoded, in its receive buffer), so the float sum, and
         with it the whole run, does not depend on arrival order. Rank 1 decodes straight
-        into the sum, the others into a scratch buffer added to it.
+        into the sum, the others add to it as they decode (``accumulate=True``: the same
+        float32 sum as decoding into scratch and adding, in one pass).
         """
         sizes = [0] * self.workers
         encode_max = 0.0
@@ -128,14 +128,12 @@ class Server:
             arrived[rank] = frame
             while next_rank in arrived:
                 start = time.process_time()
-                target = self.grad_sum if next_rank == 1 else self.scratch
                 try:
-                    encode_seconds = self.decoder.decode(arrived.pop(next_rank), target)
+                    encode_seconds = self.decoder.decode(arrived.pop(next_rank), self.grad_sum,
+                                                         accumulate=next_rank > 1)
                 except (CodecError, FrameError) as exc:
                     raise TrainingError(f"bad gradient frame from worker rank {next_rank} at iteration "
                                         f"{m}: {exc}") from None
-                if next_rank > 1:
-                    np.add(self.grad_sum, self.scratch, out=self.grad_sum)
                 decode_seconds += time.process_time() - start
                 encode_max = max(encode_max, encode_seconds)
                 next_rank += 1

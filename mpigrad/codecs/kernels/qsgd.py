@@ -10,7 +10,7 @@ from numba import njit
 
 from .common import (BLOCK, ERR_BAD_CODE, ERR_BAD_SCALE, ERR_NONFINITE, ERR_RANGE, GROUPS,
                      OK, SUM_SQUARES, lane_sum, max_abs_bits, pack_block, pack_tail,
-                     scaled_reciprocal, stream_key, uniform01, unpack_block, unpack_tail)
+                     scaled_reciprocal, store, stream_key, uniform01, unpack_block, unpack_tail)
 
 _F32_MAX_BITS = np.int32(0x7F7FFFFF)
 
@@ -92,10 +92,12 @@ def check_scales(scales):
 
 
 @njit(cache=True)
-def decode_fixed(src, bucket, bits, levels, scales, out):
-    """Unpack codes and write sign * level * scale / s to ``out``.
+def decode_fixed(src, bucket, bits, levels, scales, out, accumulate):
+    """Unpack codes and write sign * level * scale / s to ``out``, or with ``accumulate``
+    add it to ``out`` (float32 adds: ``out + decode`` bit for bit).
 
-    Returns ERR_BAD_CODE (after writing ``out``) if a level exceeds ``levels``.
+    Returns ERR_BAD_CODE (after writing ``out``) if a level exceeds ``levels``: where that
+    can happen (s < 2**(bits-1) - 1), an accumulating caller runs ``check_levels`` first.
     """
     n = out.size
     level_mask = np.uint8((1 << (bits - 1)) - 1)
@@ -123,6 +125,28 @@ def decode_fixed(src, bucket, bits, levels, scales, out):
                 q = c & level_mask
                 worst = max(worst, q)
                 v = np.float32(q) * step
-                dst[i] = -v if c & sign_bit else v
+                store(dst, i, -v if c & sign_bit else v, accumulate)
             seg = seg_stop
+    return OK if worst <= levels else ERR_BAD_CODE
+
+
+@njit(cache=True)
+def check_levels(src, n, bits, levels):
+    """OK when no level of the ``n`` bits-wide codes at ``src`` exceeds ``levels``, else
+    ERR_BAD_CODE; reads the codes only (the check ``decode_fixed`` makes after writing)."""
+    level_mask = np.uint8((1 << (bits - 1)) - 1)
+    worst = np.uint8(0)
+    codes = np.empty(BLOCK, np.uint8)
+    words = np.empty(GROUPS, np.uint64)
+    pos = 0
+    for start in range(0, n, BLOCK):
+        count = min(BLOCK, n - start)
+        if count == BLOCK:
+            unpack_block(src, pos, bits, codes, words)
+            pos += bits * GROUPS
+        else:
+            unpack_tail(src, pos, count, bits, codes)
+        cs = codes[:count]
+        for i in range(cs.size):
+            worst = max(worst, cs[i] & level_mask)
     return OK if worst <= levels else ERR_BAD_CODE

@@ -4,7 +4,7 @@ import numpy as np
 from numba import njit
 
 from .common import (BLOCK, ERR_NONFINITE, GROUPS, OK, SUM_ABS, lane_sum, max_abs_bits,
-                     pack_block, pack_tail, unpack_block, unpack_tail)
+                     pack_block, pack_tail, store, unpack_block, unpack_tail)
 
 _F32_MAX_BITS = np.int32(0x7F7FFFFF)
 
@@ -41,7 +41,9 @@ def encode(x, out):
 
 
 @njit(cache=True)
-def decode(src, bucket, scales, out):
+def decode(src, bucket, scales, out, accumulate):
+    """Write -scale (bit 1) or +scale to ``out``, or with ``accumulate`` add it to ``out``
+    (float32 adds: ``out + decode`` bit for bit)."""
     n = out.size
     codes = np.empty(BLOCK, np.uint8)
     words = np.empty(GROUPS, np.uint64)
@@ -61,5 +63,5 @@ def decode(src, bucket, scales, out):
             dst = out[seg:seg_stop]
             cs = codes[seg - start:seg_stop - start]
             for i in range(dst.size):
-                dst[i] = -scale if cs[i] else scale
+                store(dst, i, -scale if cs[i] else scale, accumulate)
             seg = seg_stop

@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from .common import (BLOCK, ERR_BAD_SCALE, ERR_NONFINITE, ERR_RANGE, GROUPS, OK, key_float,
-                     key_range, keys_finite, pack_block, pack_tail, scaled_reciprocal,
+                     key_range, keys_finite, pack_block, pack_tail, scaled_reciprocal, store,
                      stream_key, uniform01, unpack_block, unpack_tail)
 
 
@@ -90,8 +90,9 @@ def check_ranges(lohi):
 
 
 @njit(cache=True)
-def decode(src, bucket, bits, lohi, out):
-    """Unpack codes from ``src`` and write lo + q * (hi - lo) / R (at most hi) to ``out``."""
+def decode(src, bucket, bits, lohi, out, accumulate):
+    """Unpack codes from ``src`` and write lo + q * (hi - lo) / R (at most hi) to ``out``,
+    or with ``accumulate`` add it to ``out`` (float32 adds: ``out + decode`` bit for bit)."""
     n = out.size
     levels = np.float32((1 << bits) - 1)
     codes = np.empty(BLOCK, np.uint8)
@@ -112,7 +113,7 @@ def decode(src, bucket, bits, lohi, out):
             hi = lohi[2 * b + 1]
             step = (hi - lo) / levels
             dst = out[seg:seg_stop]
-            src_codes = codes[seg - start:seg_stop - start]
+            cs = codes[seg - start:seg_stop - start]
             for i in range(dst.size):
-                dst[i] = min(lo + np.float32(src_codes[i]) * step, hi)
+                store(dst, i, min(lo + np.float32(cs[i]) * step, hi), accumulate)
             seg = seg_stop

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import importlib
 
+import numpy as np
+
 from ..base import Codec
 
 _TWINS: dict[str, object] = {}
@@ -42,6 +44,11 @@ def twin_of(codec: Codec) -> Codec:
     twin = copy.copy(codec)
     twin._encode_payload = lambda x, payload: impl.encode_payload(twin, x, payload)
     twin._decode_payload = lambda header, payload, out: impl.decode_payload(twin, header, payload, out)
+    # decode(accumulate=True) on a twin: the twin's decode into scratch, then np.add,
+    # i.e. literally ``out + decode(buf)``, the reference for the fused kernels.
+    twin._accumulate_payload = lambda header, payload, out: Codec._accumulate_payload(
+        twin, header, payload, out)
+    twin._scratch = np.empty(0, np.float32)
     return twin
 
 
