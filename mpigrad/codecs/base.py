@@ -34,7 +34,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 __all__ = [
-    "Codec", "CodecError", "Header", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
+    "Codec", "CodecError", "FusedCodec", "Header", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
     "register_codec", "get_codec", "available", "codec_class", "read_header",
 ]
 
@@ -325,6 +325,21 @@ class Codec(ABC):
             self._scratch = np.empty(n, np.float32)
         return self._scratch[:n]
 
+
+
+class FusedCodec(Codec):
+    """A codec whose kernel adds as it decodes: implement ``_decode(header, payload, out,
+    accumulate)``, raising every CodecError before the kernel's first write to ``out``."""
+
+    @abstractmethod
+    def _decode(self, header: Header, payload: np.ndarray, out: np.ndarray, accumulate: bool) -> None:
+        """Decode ``payload`` into ``out``, or add it to ``out`` when ``accumulate``."""
+
+    def _decode_payload(self, header: Header, payload: np.ndarray, out: np.ndarray) -> None:
+        self._decode(header, payload, out, False)
+
+    def _accumulate_payload(self, header: Header, payload: np.ndarray, out: np.ndarray) -> None:
+        self._decode(header, payload, out, True)
 
 def _as_float32_vector(x: Any) -> np.ndarray:
     """float32 C-contiguous 1-D view or copy of ``x``; CodecError for anything else."""

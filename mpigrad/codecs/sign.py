@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from .base import Codec, CodecError, Header, register_codec
+from .base import CodecError, FusedCodec, Header, register_codec
 from .checks import bucket_layout, check_bucket_size, expect_payload, raise_status
 from .kernels import qsgd as qsgd_kernels, sign as kernels
 
 
 @register_codec
-class Sign(Codec):
+class Sign(FusedCodec):
     """g' = scale * sgn(g) with scale = mean |g| per bucket (1-bit SGD / EF-signSGD scaling).
 
     sgn(0) = +1: zeros (and -0.0) decode to +scale; error feedback carries the difference.
@@ -46,12 +46,6 @@ class Sign(Codec):
 
     def _check_payload(self, header: Header, payload):
         parse_payload(header, payload)
-
-    def _decode_payload(self, header: Header, payload, out):
-        self._decode(header, payload, out, False)
-
-    def _accumulate_payload(self, header: Header, payload, out):
-        self._decode(header, payload, out, True)
 
     def _decode(self, header: Header, payload, out, accumulate: bool) -> None:
         bucket, scales, codes = parse_payload(header, payload)

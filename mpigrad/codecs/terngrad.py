@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Codec, CodecError, Header, register_codec
+from .base import CodecError, FusedCodec, Header, register_codec
 from .checks import bucket_layout, check_bucket_size, expect_payload, raise_status
 from .kernels import qsgd as qsgd_kernels, terngrad as kernels
 
@@ -20,7 +20,7 @@ BITS = kernels.BITS
 
 
 @register_codec
-class TernGrad(Codec):
+class TernGrad(FusedCodec):
     """g' = scale * sign(g) * Bernoulli(|g| / scale), scale = min(max|g|, clip * std(g)).
 
     ``clip`` (default 2.5, the paper's 2.5 sigma; 0 disables clipping). When every value
@@ -58,12 +58,6 @@ class TernGrad(Codec):
 
     def _check_payload(self, header: Header, payload):
         parse_payload(header, payload)
-
-    def _decode_payload(self, header: Header, payload, out):
-        self._decode(header, payload, out, False)
-
-    def _accumulate_payload(self, header: Header, payload, out):
-        self._decode(header, payload, out, True)
 
     def _decode(self, header: Header, payload, out, accumulate: bool) -> None:
         bucket, scales, codes = parse_payload(header, payload)

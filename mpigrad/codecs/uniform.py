@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Codec, CodecError, Header, register_codec
+from .base import CodecError, FusedCodec, Header, register_codec
 from .checks import bucket_layout, check_bucket_size, check_choice, check_int, expect_payload, raise_status
 from .kernels import uniform as kernels
 
@@ -20,7 +20,7 @@ ROUNDINGS = ("nearest", "stochastic")
 
 
 @register_codec
-class Uniform(Codec):
+class Uniform(FusedCodec):
     """Min/max quantizer: q = round((x - lo) * R / (hi - lo)), x' = lo + q * (hi - lo) / R.
 
     ``bits`` 1..8 (R = 2**bits - 1); ``rounding`` "nearest" (half to even) or
@@ -59,12 +59,6 @@ class Uniform(Codec):
 
     def _check_payload(self, header: Header, payload):
         parse_payload(header, payload)
-
-    def _decode_payload(self, header: Header, payload, out):
-        self._decode(header, payload, out, False)
-
-    def _accumulate_payload(self, header: Header, payload, out):
-        self._decode(header, payload, out, True)
 
     def _decode(self, header: Header, payload, out, accumulate: bool) -> None:
         bucket, lohi, codes = parse_payload(header, payload)
