@@ -2,7 +2,8 @@
 
 Honours the train command's contract as the jobscripts rely on it:
 
-- ``--config FILE --trace PATH [--resume]``; ``iterations`` is read from the TOML config;
+- ``--config FILE --trace PATH [--resume]``, ``--walltime`` and ``--checkpoint-every`` (accepted,
+  not acted on); ``iterations`` is read from the TOML config;
 - every rank turns SIGUSR1/SIGTERM into a flag; rank 0 stops all ranks at the next
   iteration boundary, writes a checkpoint next to the trace and every rank exits 75;
 - ``--resume`` continues from that checkpoint (exit 2 without one); without ``--resume``
@@ -75,6 +76,9 @@ def main() -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--trace", required=True)
     parser.add_argument("--resume", action="store_true")
+    # Added by the jobscripts; accepted (and recorded in argv) as mpigrad train does.
+    parser.add_argument("--walltime")
+    parser.add_argument("--checkpoint-every")
     args = parser.parse_args()
     signal.signal(signal.SIGUSR1, _request_stop)
     signal.signal(signal.SIGTERM, _request_stop)
