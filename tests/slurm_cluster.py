@@ -16,6 +16,7 @@ Run as a script to keep a cluster up for manual experiments:
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import shutil
@@ -101,12 +102,13 @@ def _free_port() -> int:
 
 
 class PrivateSlurm:
-    """One node, one partition, root as SlurmUser; every file under ``root``."""
+    """One node, one partition, this user as SlurmUser; every file under ``root``."""
 
-    def __init__(self, root: Path, cpus: int = NODE_CPUS, mpi_default: str = "none",
-                 kill_wait: int = 10):
+    def __init__(self, root: Path, cpus: int = NODE_CPUS, gpus: int = 2, mpi_default: str = "none",
+                 kill_wait: int = 30):
         self.root = Path(root)
         self.cpus = cpus
+        self.gpus = gpus      # stand-in GPU devices (empty files): Slurm binds them to tasks
         self.mpi_default = mpi_default
         self.kill_wait = kill_wait
         self.node = socket.gethostname().split(".")[0]
@@ -128,14 +130,23 @@ class PrivateSlurm:
             key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
         self.socket = self.root / "munge" / "munge.socket"
+        gres = ""
+        if self.gpus:
+            devices = self.root / "dev"
+            devices.mkdir(exist_ok=True)
+            for i in range(self.gpus):
+                (devices / f"gpu{i}").touch()
+            (self.root / "gres.conf").write_text(
+                f"NodeName={self.node} Name=gpu File={devices}/gpu[0-{self.gpus - 1}]\n")
+            gres = f" Gres=gpu:{self.gpus}"
         self.conf.write_text(f"""\
 # Private single-node test cluster written by tests/slurm_cluster.py
 ClusterName=mpigradtest
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
-SlurmUser=root
-SlurmdUser=root
+SlurmUser={getpass.getuser()}
+SlurmdUser={getpass.getuser()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.socket}
@@ -161,7 +172,8 @@ KillWait={self.kill_wait}
 InactiveLimit=0
 MinJobAge=600
 SchedulerType=sched/backfill
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
+GresTypes=gpu
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus}{gres} State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
@@ -250,7 +262,7 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def stop(self, timeout: float = 30) -> None:
         """Cancel every job left, then end the daemons this object started (slurmd first)."""
         if "slurmctld" in self.processes and self.processes["slurmctld"].poll() is None:
-            self.run(["scancel", "--full", "--user", "root"], check=False, timeout=15)
+            self.run(["scancel", "--full", "--user", getpass.getuser()], check=False, timeout=15)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 queue = self.run(["squeue", "-h", "-o", "%i"], check=False, timeout=15)

@@ -253,22 +253,50 @@ def test_scancel_stops_at_a_checkpoint_and_the_trace_says_so(submit):
     assert "after SIGTERM (scancel or preemption): not requeueing" in text
 
 
-def _has_trace_repair() -> bool:
-    import mpigrad.cli
-    return "repair" in Path(mpigrad.cli.__file__).read_text()
-
-
-@pytest.mark.skipif(not _has_trace_repair(), reason="needs `mpigrad trace repair` (issue 13): srun "
-                    "--kill-on-bad-exit SIGKILLs rank 0 before it can mark the trace failed")
 def test_dead_worker_fails_the_job_and_the_trace_says_failed(submit):
-    job = submit.sbatch("--ntasks=4", "--time=20", "jobscripts/train.sbatch", "examples/quick/mqgrad.toml",
-                        "--iterations", "40", "--eval-every", "0", *TINY, "--trace-flush", "5",
-                        MPIGRAD_INJECT_FAULT="exit:1:12")
+    """A worker that dies without a word (os._exit, as a segfault or the OOM killer would):
+    rank 0 names it within --timeout, the job fails without requeueing, the trace says so."""
+    (submit.dir / "det.toml").write_text(DETERMINISTIC)
+    job = submit.sbatch("--ntasks=2", "--time=20", "jobscripts/train.sbatch", "det.toml",
+                        "--net-mode", "virtual", "--iterations", "40", "--eval-every", "0",
+                        "--trace-flush", "5", "--timeout", "30s", MPIGRAD_INJECT_FAULT="exit:1:12")
     log = f"mpigrad-train-{job}.out"
     record = submit.wait(job, ("FAILED", "COMPLETED", "CANCELLED", "TIMEOUT"), 600, log)
     text = submit.log(log)
     assert record["JobState"] == "FAILED" and record["ExitCode"] != "0:0", text
     assert record["Restarts"] == "0" and "run failed with exit status" in text
-    trace = _load(submit.dir / f"runs/mqgrad-{job}.h5")
+    assert re.search(r"rank.{0,4} 1\b.*iteration 12", text), "rank 0 names the dead rank"
+    trace = _load(submit.dir / f"runs/det-{job}.h5")
     assert trace.status == "failed" and not trace.complete, text
     assert len(trace.steps) <= 12
+
+
+# --- the multi-node and GPU examples -------------------------------------------------------
+
+def _steps(path: Path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("script, options", [
+    ("multinode.sbatch", ["--nodes=1", "--ntasks-per-node=2"]),
+    ("gpu.sbatch", ["--ntasks=2", "--cpus-per-task=1"]),
+])
+def test_multinode_and_gpu_examples(submit, script, options):
+    """Both run train.sbatch's job; gpu.sbatch gives each rank a GPU of its own (stand-in
+    devices of the private cluster; tests/fake_step.py as the step records what it saw)."""
+    (submit.dir / "fake.toml").write_text("iterations = 3\n")
+    steps = submit.dir / "steps.jsonl"
+    job = submit.sbatch(*options, "--time=10", f"jobscripts/{script}", "fake.toml",
+                        MPIGRAD_TRAIN_CMD=f"{sys.executable} {REPO / 'tests' / 'fake_step.py'}",
+                        FAKE_STEP_LOG=str(steps), FAKE_STEP_SECONDS="0.01")
+    log = f"mpigrad-{script.removesuffix('.sbatch')}-{job}.out"      # --output=%x-%j.out
+    record = submit.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300, log)
+    text = submit.log(log)
+    assert record["JobState"] == "COMPLETED", text
+    assert f"rank 0 (the server) runs on {submit.cluster.node}, the first of 1 node(s)" in text
+    ranks = sorted(_steps(steps), key=lambda step: step["rank"])
+    assert [(s["rank"], s["size"], s["exit"]) for s in ranks] == [(0, 2, 0), (1, 2, 0)], text
+    assert [s["env"]["SLURMD_NODENAME"] for s in ranks] == [submit.cluster.node] * 2
+    if script == "gpu.sbatch":
+        assert sorted(s["env"]["CUDA_VISIBLE_DEVICES"] for s in ranks) == ["0", "1"], ranks
