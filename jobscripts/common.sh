@@ -182,14 +182,18 @@ _mpigrad_pending=""       # a signal that arrived before the step had a pid
 _mpigrad_signal=""        # the last stop signal the batch shell received: USR1 or TERM
 _mpigrad_interrupted=0
 
+# The step is always asked to stop with USR1 (mpigrad treats USR1 and TERM alike). A TERM
+# from scancel, preemption or the time limit reaches every process of the job at once, srun
+# included, and srun takes a second TERM within a second as "kill the tasks now": passing
+# TERM on made it SIGKILL rank 0 while it wrote the checkpoint.
 _mpigrad_on_signal() {
     _mpigrad_signal=$1
     _mpigrad_interrupted=1
     if [[ -n $_mpigrad_step_pid ]]; then
-        mpigrad_log "batch shell got SIG$1: forwarding it to the job step (pid $_mpigrad_step_pid)"
-        kill -s "$1" "$_mpigrad_step_pid" 2>/dev/null || true
+        mpigrad_log "batch shell got SIG$1: asking the job step (pid $_mpigrad_step_pid) to stop with SIGUSR1"
+        kill -s USR1 "$_mpigrad_step_pid" 2>/dev/null || true
     else
-        _mpigrad_pending=$1
+        _mpigrad_pending=USR1
     fi
 }
 

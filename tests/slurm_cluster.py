@@ -116,6 +116,10 @@ class PrivateSlurm:
         self.logs = {name: self.root / f"{name}.log" for name in DAEMONS}
         self.processes: dict[str, subprocess.Popen] = {}
         self.env = {"SLURM_CONF": str(self.conf)}
+        # Job ids never repeat on a real cluster, and node-local leftovers of a killed job
+        # (MPI shared-memory files, caches) may be named after them: no two clusters started
+        # here begin at the same id.
+        self.first_job_id = 1000 + int(time.time() * 10) % 50_000_000
 
     # --- set-up ------------------------------------------------------------------------
 
@@ -142,6 +146,7 @@ class PrivateSlurm:
         self.conf.write_text(f"""\
 # Private single-node test cluster written by tests/slurm_cluster.py
 ClusterName=mpigradtest
+FirstJobId={self.first_job_id}
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}

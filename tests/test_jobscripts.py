@@ -106,7 +106,9 @@ for index, task in enumerate(tasks):
             if stop and when and restarts == 0 and (chosen is None or str(task) in chosen.split(",")):
                 ready = Path(when.format(job_id=job_id, array_job_id=array_id, task_id=task))
                 deadline = time.monotonic() + 60
-                while proc.poll() is None and not ready.exists() and time.monotonic() < deadline:
+                # Once it holds a row: an empty file may be opened before iteration 0 ran.
+                while proc.poll() is None and not (ready.exists() and ready.stat().st_size) \
+                        and time.monotonic() < deadline:
                     time.sleep(0.02)
                 if proc.poll() is None:
                     proc.send_signal(getattr(signal, "SIG" + stop.group(1)))
@@ -358,7 +360,7 @@ def test_walltime_signal_checkpoint_requeue_resume_under_srun(cluster):
     assert result.returncode == 0, result.stderr
     _check_signal_requeue_resume(cluster, trace, "1000", 12, size=1)
     log = (cluster.submit / "mpigrad-train-1000.out").read_text()
-    assert "batch shell got SIGUSR1: forwarding it to the job step" in log
+    assert "batch shell got SIGUSR1: asking the job step" in log
     assert "requeueing job 1000, the next start resumes" in log
     assert log.count("mpigrad-job: job 1000 restart") == 2, "--open-mode=append keeps both starts"
     assert "mpigrad-job: run finished" in log

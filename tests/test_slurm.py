@@ -187,7 +187,7 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
     record = submit.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600, log)
     text = submit.log(log)
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", text
-    assert "batch shell got SIGUSR1: forwarding it to the job step" in text
+    assert "batch shell got SIGUSR1: asking the job step" in text
     stopped = re.search(r"received SIGUSR1: stopped after iteration (\d+)", text)
     assert stopped, text
     assert 5 <= int(stopped[1]) < 250, "the run was meant to stop midway"
@@ -249,8 +249,10 @@ def test_scancel_stops_at_a_checkpoint_and_the_trace_says_so(submit):
     assert trace.status == "stopped" and not trace.complete, text
     assert 5 <= len(trace.steps) < 250
     assert (submit.dir / f"runs/det-{job}.h5.ckpt").exists()
-    assert "received SIGTERM: stopped after iteration" in text
+    assert "batch shell got SIGTERM: asking the job step" in text
+    assert re.search(r"received SIG(TERM|USR1): stopped after iteration", text), text
     assert "after SIGTERM (scancel or preemption): not requeueing" in text
+    assert "forcing job termination" not in text, "srun killed the tasks instead of letting them stop"
 
 
 def test_dead_worker_fails_the_job_and_the_trace_says_failed(submit):
