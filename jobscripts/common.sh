@@ -129,6 +129,8 @@ mpigrad_repair_trace() {
     output=$("${MPIGRAD_PYTHON:-python}" -m mpigrad trace repair "$trace" 2>&1) || status=$?
     if (( status == 0 )); then
         mpigrad_log "mpigrad trace repair $trace: ${output:-done}"
+    elif [[ $output == *"invalid choice: 'repair'"* ]]; then
+        mpigrad_log "this mpigrad has no \`mpigrad trace repair\`: $trace left as the run left it"
     else
         mpigrad_log "mpigrad trace repair $trace failed ($status): ${output##*$'\n'}"
     fi
