@@ -265,6 +265,17 @@ def test_batch_headers_ask_for_walltime_signal_requeue_and_append(name, output):
     assert opts["--cpus-per-task"] == "1"
 
 
+@pytest.mark.parametrize("name, asks", [
+    ("multinode.sbatch", {"--nodes": "3", "--ntasks-per-node": "4"}),
+    ("gpu.sbatch", {"--ntasks": "5", "--gpus-per-task": "1"}),
+])
+def test_multinode_and_gpu_examples_keep_the_stop_and_requeue_header(name, asks):
+    opts = _header(JOBSCRIPTS / name)
+    assert {key: opts.get(key) for key in asks} == asks
+    assert opts["--signal"] == "B:USR1@120" and "--requeue" in opts
+    assert opts["--open-mode"] == "append" and opts["--output"] == "%x-%j.out"
+
+
 def test_sweep_array_covers_the_five_methods():
     assert _methods() == ["fix2", "fix4", "fix8", "adaptive", "mqgrad"]
     assert _header(JOBSCRIPTS / "sweep.sbatch")["--array"] == f"0-{len(_methods()) - 1}"
