@@ -185,9 +185,8 @@ _mpigrad_signal=""        # the last stop signal the batch shell received: USR1 
 _mpigrad_interrupted=0
 
 # The step is always asked to stop with USR1 (mpigrad treats USR1 and TERM alike). A TERM
-# from scancel, preemption or the time limit reaches every process of the job at once, srun
-# included, and srun takes a second TERM within a second as "kill the tasks now": passing
-# TERM on made it SIGKILL rank 0 while it wrote the checkpoint.
+# from scancel, preemption or the time limit has reached every process of the job already,
+# srun and the ranks included: the shell adds a stop request, never a second TERM to srun.
 _mpigrad_on_signal() {
     _mpigrad_signal=$1
     _mpigrad_interrupted=1

@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -108,7 +109,7 @@ class PrivateSlurm:
                  kill_wait: int = 30):
         self.root = Path(root)
         self.cpus = cpus
-        self.gpus = gpus      # stand-in GPU devices (empty files): Slurm binds them to tasks
+        self.gpus = gpus      # stand-in GPU devices (as root): Slurm binds them to tasks
         self.mpi_default = mpi_default
         self.kill_wait = kill_wait
         self.node = socket.gethostname().split(".")[0]
@@ -135,11 +136,13 @@ class PrivateSlurm:
         os.chmod(key, 0o600)
         self.socket = self.root / "munge" / "munge.socket"
         gres = ""
-        if self.gpus:
+        if self.gpus and os.geteuid() == 0:
+            # slurmd wants character devices: nodes that behave like /dev/null (1, 3).
             devices = self.root / "dev"
             devices.mkdir(exist_ok=True)
             for i in range(self.gpus):
-                (devices / f"gpu{i}").touch()
+                if not (devices / f"gpu{i}").exists():
+                    os.mknod(devices / f"gpu{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
             (self.root / "gres.conf").write_text(
                 f"NodeName={self.node} Name=gpu File={devices}/gpu[0-{self.gpus - 1}]\n")
             gres = f" Gres=gpu:{self.gpus}"
