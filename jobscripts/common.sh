@@ -4,11 +4,19 @@
 #
 # Knobs (export them on the login node before sbatch; sbatch passes the environment on):
 #   MPIGRAD_ENV_SCRIPT     a file sourced first in the job (module loads, venv activation)
-#   MPIGRAD_LAUNCHER       srun (default) or mpiexec: who starts the ranks
+#   MPIGRAD_LAUNCHER       srun (default), mpiexec or mpirun: who starts the ranks
 #   MPIGRAD_SRUN_MPI       PMI for srun --mpi=... (pmix, pmi2; `srun --mpi=list`); default: site's
+#   MPIGRAD_SRUN_OPTS      more srun options, split at spaces (e.g. --gpu-bind=single:1)
 #   MPIGRAD_TRAIN_CMD      the training command (default: python -m mpi4py -m mpigrad train)
+#   MPIGRAD_PYTHON         the Python that has mpigrad, for probes and `trace repair` (default python)
 #   MPIGRAD_MAX_REQUEUES   give up requeueing after this many restarts (default 20)
-#   NUMBA_CACHE_DIR        default ${TMPDIR:-/tmp}/mpigrad-numba-$SLURM_JOB_ID (per job, per node)
+#   MPIGRAD_END_MARGIN     seconds kept free before the time limit (default 60); the run gets
+#                          --walltime <time left - margin> and stops two of its own measured
+#                          iterations (plus the checkpoint write) before that
+#   MPIGRAD_CHECKPOINT_EVERY  periodic checkpoints (default 30m; off: none)
+#   MPIGRAD_NUMBA_CACHE    persistent Numba cache root, one subdirectory per CPU type (default
+#                          ${XDG_CACHE_HOME:-$HOME/.cache}/mpigrad/numba); job: per job, node-local
+#   NUMBA_CACHE_DIR        set: exactly that directory
 #   HDF5_USE_FILE_LOCKING  default FALSE (one writer per trace; Lustre/NFS may lack flock)
 
 # EXIT_REQUEUE of mpigrad/runtime/__init__.py: the run stopped at an iteration boundary after writing a
@@ -30,26 +38,125 @@ mpigrad_setup_env() {
     export NUMBA_NUM_THREADS=$threads
     # srun >= 22.05 no longer inherits --cpus-per-task from the batch job: pass it on.
     export SRUN_CPUS_PER_TASK=$threads
-    # Node-local, per job: no two jobs (or nodes) write the same cache files.
-    export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-${TMPDIR:-/tmp}/mpigrad-numba-${SLURM_JOB_ID}}
+    mpigrad_numba_cache
     export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}
     export PYTHONUNBUFFERED=1
+}
+
+# A name for this node's CPU type: machine, model and instruction set flags (what Numba's
+# cache key records about the CPU), hashed.
+mpigrad_cpu_type() {
+    {
+        uname -m
+        grep -m1 -E '^(model name|cpu model|Processor)' /proc/cpuinfo
+        grep -m1 -E '^(flags|Features|isa)' /proc/cpuinfo
+    } 2>/dev/null | cksum | cut -d' ' -f1
+}
+
+_mpigrad_job_cache=""   # a per-job Numba cache this job made; removed when the job ends
+
+# Exports NUMBA_CACHE_DIR. Compiled kernels persist across requeues and jobs in
+# $MPIGRAD_NUMBA_CACHE/cpu-<CPU type>: Numba replaces its cache files atomically and keys
+# entries by source file, signature and CPU, and jobs on one CPU type write interchangeable
+# files, so jobs sharing the directory at once cost at worst a second compile, never a wrong
+# kernel. Where it cannot be written (read-only home on compute nodes), or with
+# MPIGRAD_NUMBA_CACHE=job: a per-job directory on node-local disk, removed at the end.
+mpigrad_numba_cache() {
+    if [[ -n ${NUMBA_CACHE_DIR:-} ]]; then
+        export NUMBA_CACHE_DIR
+        return 0
+    fi
+    local root=${MPIGRAD_NUMBA_CACHE:-${XDG_CACHE_HOME:-${HOME:-/nonexistent}/.cache}/mpigrad/numba}
+    if [[ $root != job ]]; then
+        local dir
+        dir=$root/cpu-$(mpigrad_cpu_type)
+        if mkdir -p -- "$dir" 2>/dev/null && [[ -w $dir ]]; then
+            export NUMBA_CACHE_DIR=$dir
+            return 0
+        fi
+        mpigrad_log "Numba cache $dir cannot be written: compiling into a per-job cache on this node"
+    fi
+    _mpigrad_job_cache=${TMPDIR:-/tmp}/mpigrad-numba-$(mpigrad_job_ref)
+    export NUMBA_CACHE_DIR=$_mpigrad_job_cache
+}
+
+# Seconds until this job's time limit (squeue's %L), nothing when unlimited or unknown.
+mpigrad_time_left() {
+    local left
+    left=$(squeue -h -j "$(mpigrad_job_ref)" -o %L 2>/dev/null | head -n 1) || return 0
+    if [[ $left =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]]; then
+        local days=${BASH_REMATCH[2]:-0} h=${BASH_REMATCH[4]:-0} m=${BASH_REMATCH[5]} s=${BASH_REMATCH[6]}
+        printf '%d\n' $(( ((10#$days * 24 + 10#$h) * 60 + 10#$m) * 60 + 10#$s ))
+    fi
+}
+
+# True when the installed mpigrad's run configuration has the key $1 (checkpoint_every).
+mpigrad_train_knows() {
+    "${MPIGRAD_PYTHON:-python}" -c 'import dataclasses, sys
+from mpigrad.config import RunConfig
+sys.exit(sys.argv[1] not in {f.name for f in dataclasses.fields(RunConfig)})' "$1" 2>/dev/null
+}
+
+# Fills the array MPIGRAD_OPTIONS with what the job adds before the user's train options:
+# --walltime from the job's time left minus MPIGRAD_END_MARGIN, so that the run stops two of
+# its own measured iterations (plus the checkpoint write) before the limit, however long an
+# iteration takes (--signal's warning comes at a fixed margin that a slow iteration can
+# outlast); and --checkpoint-every.
+mpigrad_job_options() {
+    MPIGRAD_OPTIONS=()
+    local left margin=${MPIGRAD_END_MARGIN:-60} every=${MPIGRAD_CHECKPOINT_EVERY:-30m}
+    [[ $margin =~ ^[0-9]+$ ]] || mpigrad_die "MPIGRAD_END_MARGIN='$margin' is not a whole number of seconds"
+    left=$(mpigrad_time_left)
+    if [[ -n $left ]]; then
+        (( left > margin )) ||
+            mpigrad_die "the job has ${left} s left, no more than MPIGRAD_END_MARGIN=$margin: ask for a longer --time or a smaller margin"
+        MPIGRAD_OPTIONS+=(--walltime "$(( left - margin ))s")
+    fi
+    if [[ $every != off ]]; then
+        if mpigrad_train_knows checkpoint_every; then
+            MPIGRAD_OPTIONS+=(--checkpoint-every "$every")
+        else
+            mpigrad_log "this mpigrad has no --checkpoint-every: no periodic checkpoints"
+        fi
+    fi
+}
+
+# After a failed step: `mpigrad trace repair` marks the trace failed and makes it readable
+# when a rank died before rank 0 could close it.
+mpigrad_repair_trace() {
+    local trace=$1 output status=0
+    [[ -f $trace ]] || return 0
+    output=$("${MPIGRAD_PYTHON:-python}" -m mpigrad trace repair "$trace" 2>&1) || status=$?
+    if (( status == 0 )); then
+        mpigrad_log "mpigrad trace repair $trace: ${output:-done}"
+    elif [[ $output == *"invalid choice: 'repair'"* ]]; then
+        mpigrad_log "this mpigrad has no \`mpigrad trace repair\`: $trace left as the run left it"
+    else
+        mpigrad_log "mpigrad trace repair $trace failed ($status): ${output##*$'\n'}"
+    fi
 }
 
 # Fills the array MPIGRAD_LAUNCH with the launcher command for SLURM_NTASKS ranks.
 mpigrad_launcher() {
     case ${MPIGRAD_LAUNCHER:-srun} in
         srun)
-            MPIGRAD_LAUNCH=(srun --kill-on-bad-exit=1)
+            # Not --kill-on-bad-exit=1 (nor a site's KillOnBadExit=1): after a stop every rank
+            # exits 75, and srun would kill rank 0 while it still writes the checkpoint when a
+            # worker's 75 came first. A rank that dies is named by rank 0 (--timeout) and an
+            # exception on any rank aborts them all (python -m mpi4py).
+            MPIGRAD_LAUNCH=(srun --kill-on-bad-exit=0)
             if [[ -n ${MPIGRAD_SRUN_MPI:-} ]]; then
                 MPIGRAD_LAUNCH+=("--mpi=$MPIGRAD_SRUN_MPI")
             fi
+            local extra=()
+            read -r -a extra <<< "${MPIGRAD_SRUN_OPTS:-}"
+            MPIGRAD_LAUNCH+=("${extra[@]}")
             ;;
-        mpiexec)
-            MPIGRAD_LAUNCH=(mpiexec -n "$SLURM_NTASKS")
+        mpiexec|mpirun)
+            MPIGRAD_LAUNCH=("$MPIGRAD_LAUNCHER" -n "$SLURM_NTASKS")
             ;;
         *)
-            mpigrad_die "MPIGRAD_LAUNCHER must be srun or mpiexec, not '${MPIGRAD_LAUNCHER}'"
+            mpigrad_die "MPIGRAD_LAUNCHER must be srun, mpiexec or mpirun, not '${MPIGRAD_LAUNCHER}'"
             ;;
     esac
 }
@@ -77,14 +184,17 @@ _mpigrad_pending=""       # a signal that arrived before the step had a pid
 _mpigrad_signal=""        # the last stop signal the batch shell received: USR1 or TERM
 _mpigrad_interrupted=0
 
+# The step is always asked to stop with USR1 (mpigrad treats USR1 and TERM alike). A TERM
+# from scancel, preemption or the time limit has reached every process of the job already,
+# srun and the ranks included: the shell adds a stop request, never a second TERM to srun.
 _mpigrad_on_signal() {
     _mpigrad_signal=$1
     _mpigrad_interrupted=1
     if [[ -n $_mpigrad_step_pid ]]; then
-        mpigrad_log "batch shell got SIG$1: forwarding it to the job step (pid $_mpigrad_step_pid)"
-        kill -s "$1" "$_mpigrad_step_pid" 2>/dev/null || true
+        mpigrad_log "batch shell got SIG$1: asking the job step (pid $_mpigrad_step_pid) to stop with SIGUSR1"
+        kill -s USR1 "$_mpigrad_step_pid" 2>/dev/null || true
     else
-        _mpigrad_pending=$1
+        _mpigrad_pending=USR1
     fi
 }
 
@@ -155,8 +265,9 @@ mpigrad_finish() {
         mpigrad_log "stopped at a checkpoint; restarted $restarts times already (MPIGRAD_MAX_REQUEUES): not requeueing; $(_mpigrad_resume_hint)"
         return "$status"
     fi
+    # Logged first: requeueing a running job ends this shell soon after.
+    mpigrad_log "stopped at a checkpoint; requeueing job $job, the next start resumes"
     if scontrol requeue "$job"; then
-        mpigrad_log "stopped at a checkpoint; requeued job $job, the next start resumes"
         return 0
     fi
     mpigrad_log "stopped at a checkpoint but scontrol requeue $job failed; $(_mpigrad_resume_hint)"
@@ -191,11 +302,20 @@ mpigrad_train() {
     if [[ -e $trace ]]; then
         resume=(--resume)
     fi
-    local cmd=("${MPIGRAD_LAUNCH[@]}" "${train_cmd[@]}" --config "$config" --trace "$trace" "${resume[@]}" "$@")
     mpigrad_log "job $(mpigrad_job_ref) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $SLURM_NTASKS ranks x $OMP_NUM_THREADS threads"
+    mpigrad_log "rank 0 (the server) runs on ${SLURMD_NODENAME:-$(hostname)}, the first of ${SLURM_JOB_NUM_NODES:-1} node(s)"
     mpigrad_log "NUMBA_CACHE_DIR=$NUMBA_CACHE_DIR HDF5_USE_FILE_LOCKING=$HDF5_USE_FILE_LOCKING"
+    mpigrad_job_options
+    local cmd=("${MPIGRAD_LAUNCH[@]}" "${train_cmd[@]}" --config "$config" --trace "$trace" "${resume[@]}"
+               "${MPIGRAD_OPTIONS[@]}" "$@")
     mpigrad_log "step: ${cmd[*]}"
     local status=0
     mpigrad_run_step "${cmd[@]}" || status=$?
+    if (( status != 0 && status != MPIGRAD_EXIT_REQUEUE )); then
+        mpigrad_repair_trace "$trace"
+    fi
+    if [[ -n $_mpigrad_job_cache ]]; then
+        rm -rf -- "$_mpigrad_job_cache"
+    fi
     mpigrad_finish "$status"
 }

@@ -48,3 +48,22 @@ def run_mpi(ranks: int, args: list[str], env: dict[str, str], timeout: float = 1
 #: FC layers are still the quantized ones and an iteration takes milliseconds.
 SMALL_RUN = ["--model-opt", "fc_sizes=[256,256]", "--min-quantize-size", "10000",
              "--eval-every", "10", "--progress-every", "10"]
+
+
+#: Columns that hold measured (wall-clock) durations: they differ between any two runs.
+WALL_CLOCK_COLUMNS = ("wall_time", "t_compute", "t_encode", "t_decode", "t_policy")
+
+
+def assert_same_trace(expected, actual) -> None:
+    """Two loaded traces hold the same rows in every table and every column but the
+    wall-clock ones (what a deterministic run stopped and resumed must give)."""
+    import numpy as np
+
+    for table in ("steps", "workers", "eval", "policy", "checksums"):
+        left, right = getattr(expected, table), getattr(actual, table)
+        assert len(left) == len(right), f"{table}: {len(left)} rows, then {len(right)}"
+        assert list(left.columns) == list(right.columns), table
+        for column in left.columns:
+            if not column.startswith(WALL_CLOCK_COLUMNS):
+                np.testing.assert_array_equal(left[column].to_numpy(), right[column].to_numpy(),
+                                              err_msg=f"{table}.{column}")

@@ -2,7 +2,8 @@
 
 Honours the train command's contract as the jobscripts rely on it:
 
-- ``--config FILE --trace PATH [--resume]``; ``iterations`` is read from the TOML config;
+- ``--config FILE --trace PATH [--resume]``, ``--walltime`` and ``--checkpoint-every`` (accepted,
+  not acted on); ``iterations`` is read from the TOML config;
 - every rank turns SIGUSR1/SIGTERM into a flag; rank 0 stops all ranks at the next
   iteration boundary, writes a checkpoint next to the trace and every rank exits 75;
 - ``--resume`` continues from that checkpoint (exit 2 without one); without ``--resume``
@@ -35,7 +36,8 @@ HOLD_SECONDS = 30.0
 RECORDED_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                       "NUMBA_NUM_THREADS", "SRUN_CPUS_PER_TASK", "NUMBA_CACHE_DIR",
                       "HDF5_USE_FILE_LOCKING", "PYTHONUNBUFFERED", "SLURM_JOB_ID",
-                      "SLURM_RESTART_COUNT", "SLURM_NTASKS")
+                      "SLURM_RESTART_COUNT", "SLURM_NTASKS", "SLURM_PROCID", "SLURMD_NODENAME",
+                      "CUDA_VISIBLE_DEVICES")
 
 stop_requested = False
 
@@ -75,6 +77,9 @@ def main() -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--trace", required=True)
     parser.add_argument("--resume", action="store_true")
+    # Added by the jobscripts; accepted (and recorded in argv) as mpigrad train does.
+    parser.add_argument("--walltime")
+    parser.add_argument("--checkpoint-every")
     args = parser.parse_args()
     signal.signal(signal.SIGUSR1, _request_stop)
     signal.signal(signal.SIGTERM, _request_stop)

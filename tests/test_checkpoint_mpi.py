@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL_RUN, find_mpiexec, run_mpi
+from conftest import SMALL_RUN, assert_same_trace, find_mpiexec, run_mpi
 from mpigrad.errors import UsageError
 from mpigrad.runtime import EXIT_REQUEUE, checkpoint
 from mpigrad.trace import load
@@ -77,14 +77,7 @@ def test_signal_checkpoint_resume_gives_the_straight_trace(tmp_path, mpi_env):
 
     a, b = load(straight), load(stopped)
     assert b.complete
-    for table in ("steps", "workers", "eval", "policy", "checksums"):
-        left, right = getattr(a, table), getattr(b, table)
-        columns = [c for c in left.columns if not c.startswith(("wall_time", "t_compute", "t_encode",
-                                                                 "t_decode", "t_policy"))]
-        assert len(left) == len(right), table
-        for column in columns:
-            np.testing.assert_array_equal(left[column].to_numpy(), right[column].to_numpy(),
-                                          err_msg=f"{table}.{column}")
+    assert_same_trace(a, b)
     assert (a.steps["bits"].diff().fillna(0) >= 0).all()
 
 

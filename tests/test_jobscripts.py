@@ -106,7 +106,9 @@ for index, task in enumerate(tasks):
             if stop and when and restarts == 0 and (chosen is None or str(task) in chosen.split(",")):
                 ready = Path(when.format(job_id=job_id, array_job_id=array_id, task_id=task))
                 deadline = time.monotonic() + 60
-                while proc.poll() is None and not ready.exists() and time.monotonic() < deadline:
+                # Once it holds a row: an empty file may be opened before iteration 0 ran.
+                while proc.poll() is None and not (ready.exists() and ready.stat().st_size) \
+                        and time.monotonic() < deadline:
                     time.sleep(0.02)
                 if proc.poll() is None:
                     proc.send_signal(getattr(signal, "SIG" + stop.group(1)))
@@ -148,6 +150,13 @@ else
 fi
 '''
 
+FAKE_SQUEUE = r'''#!/bin/bash
+# Fake squeue: only "squeue -h -j JOB -o %L" (time left), answered from $FAKE_SQUEUE_LEFT.
+echo "squeue $*" >> "$FAKE_SLURM_DIR/calls.log"
+[[ $* == "-h -j "*" -o %L" ]] || { echo "fake squeue: unsupported: $*" >&2; exit 99; }
+echo "${FAKE_SQUEUE_LEFT:-UNLIMITED}"
+'''
+
 FAKE_SCANCEL = r'''#!/bin/bash
 # Fake scancel JOB: SIGTERM to the job's batch shell, as slurmd sends it.
 echo "scancel $*" >> "$FAKE_SLURM_DIR/calls.log"
@@ -168,7 +177,7 @@ class FakeCluster:
         (self.submit / "jobscripts").symlink_to(JOBSCRIPTS)
         (self.submit / "examples").symlink_to(EXAMPLES)
         tools = {"sbatch": FAKE_SBATCH.format(python=sys.executable), "srun": FAKE_SRUN,
-                 "scontrol": FAKE_SCONTROL, "scancel": FAKE_SCANCEL}
+                 "scontrol": FAKE_SCONTROL, "scancel": FAKE_SCANCEL, "squeue": FAKE_SQUEUE}
         for name, text in tools.items():
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
@@ -177,7 +186,8 @@ class FakeCluster:
                     if not k.startswith(("SLURM_", "MPIGRAD_", "NUMBA_", "OMP_", "MKL_", "HDF5_"))}
         self.env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                         FAKE_SLURM_DIR=str(self.state), FAKE_STEP_LOG=str(self.step_log),
-                        FAKE_STEP_SECONDS="0.02",
+                        FAKE_STEP_SECONDS="0.02", MPIGRAD_NUMBA_CACHE=str(root / "numba"),
+                        MPIGRAD_CHECKPOINT_EVERY="off", MPIGRAD_PYTHON=sys.executable,
                         MPIGRAD_TRAIN_CMD=f"{sys.executable} {FAKE_STEP}")
 
     def config(self, name: str, iterations: int, ranks: int | None = None) -> str:
@@ -255,6 +265,17 @@ def test_batch_headers_ask_for_walltime_signal_requeue_and_append(name, output):
     assert opts["--cpus-per-task"] == "1"
 
 
+@pytest.mark.parametrize("name, asks", [
+    ("multinode.sbatch", {"--nodes": "3", "--ntasks-per-node": "4"}),
+    ("gpu.sbatch", {"--ntasks": "5", "--gpus-per-task": "1"}),
+])
+def test_multinode_and_gpu_examples_keep_the_stop_and_requeue_header(name, asks):
+    opts = _header(JOBSCRIPTS / name)
+    assert {key: opts.get(key) for key in asks} == asks
+    assert opts["--signal"] == "B:USR1@120" and "--requeue" in opts
+    assert opts["--open-mode"] == "append" and opts["--output"] == "%x-%j.out"
+
+
 def test_sweep_array_covers_the_five_methods():
     assert _methods() == ["fix2", "fix4", "fix8", "adaptive", "mqgrad"]
     assert _header(JOBSCRIPTS / "sweep.sbatch")["--array"] == f"0-{len(_methods()) - 1}"
@@ -308,10 +329,11 @@ def test_normal_run_under_srun(cluster):
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                  "NUMBA_NUM_THREADS", "SRUN_CPUS_PER_TASK"):
         assert env[name] == "2", name
-    assert env["NUMBA_CACHE_DIR"] == str(cluster.state / "node-tmp" / "mpigrad-numba-1000")
+    cache = Path(env["NUMBA_CACHE_DIR"])
+    assert cache.parent == cluster.root / "numba" and re.fullmatch(r"cpu-\d+", cache.name), cache
     assert env["HDF5_USE_FILE_LOCKING"] == "FALSE" and env["PYTHONUNBUFFERED"] == "1"
     srun = [c for c in cluster.calls() if c.startswith("srun")]
-    assert srun == [f"srun --kill-on-bad-exit=1 {sys.executable} {FAKE_STEP} --config {cfg} "
+    assert srun == [f"srun --kill-on-bad-exit=0 {sys.executable} {FAKE_STEP} --config {cfg} "
                     f"--trace {trace}"]
     log = (cluster.submit / "mpigrad-train-1000.out").read_text()
     assert "mpigrad-job: run finished" in log
@@ -321,7 +343,7 @@ def test_normal_run_under_srun(cluster):
 def test_srun_pmi_choice_is_passed_on(cluster):
     cfg = cluster.config("tiny", iterations=1)
     cluster.sbatch("jobscripts/train.sbatch", cfg, MPIGRAD_SRUN_MPI="pmix")
-    assert any(c.startswith("srun --kill-on-bad-exit=1 --mpi=pmix ") for c in cluster.calls())
+    assert any(c.startswith("srun --kill-on-bad-exit=0 --mpi=pmix ") for c in cluster.calls())
     assert cluster.jobs() == [("1000", 0, 0)]
 
 
@@ -349,24 +371,26 @@ def test_walltime_signal_checkpoint_requeue_resume_under_srun(cluster):
     assert result.returncode == 0, result.stderr
     _check_signal_requeue_resume(cluster, trace, "1000", 12, size=1)
     log = (cluster.submit / "mpigrad-train-1000.out").read_text()
-    assert "batch shell got SIGUSR1: forwarding it to the job step" in log
-    assert "requeued job 1000" in log
+    assert "batch shell got SIGUSR1: asking the job step" in log
+    assert "requeueing job 1000, the next start resumes" in log
     assert log.count("mpigrad-job: job 1000 restart") == 2, "--open-mode=append keeps both starts"
     assert "mpigrad-job: run finished" in log
 
 
-@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
-def test_walltime_cycle_through_real_mpiexec(cluster):
+@pytest.mark.parametrize("launcher", ["mpiexec", "mpirun"])
+def test_walltime_cycle_through_real_mpiexec(cluster, launcher):
+    if shutil.which(launcher) is None:
+        pytest.skip(f"no {launcher} on PATH")
     cfg = cluster.config("viampi", iterations=12, ranks=2)
     trace = "runs/viampi-1000.h5"
     result = cluster.sbatch("--ntasks=2", "jobscripts/train.sbatch", cfg,
-                            MPIGRAD_LAUNCHER="mpiexec", FAKE_SLURM_SIGNAL_WHEN=trace,
+                            MPIGRAD_LAUNCHER=launcher, FAKE_SLURM_SIGNAL_WHEN=trace,
                             FAKE_STEP_HOLD_TRACE=trace)
     assert result.returncode == 0, result.stderr
     assert not any(c.startswith("srun") for c in cluster.calls())
     _check_signal_requeue_resume(cluster, trace, "1000", 12, size=2)
     log = (cluster.submit / "mpigrad-train-1000.out").read_text()
-    assert f"step: mpiexec -n 2 {sys.executable}" in log
+    assert f"step: {launcher} -n 2 {sys.executable}" in log
 
 
 @pytest.mark.mpi
@@ -489,14 +513,21 @@ def test_failed_step_is_not_requeued(cluster):
     assert cluster.jobs() == [("1000", 0, 2)]
     assert not any(c.startswith("scontrol") for c in cluster.calls())
     assert (cluster.submit / "runs" / "broken-1000.h5").read_text() == ""
-    assert "run failed with exit status 2" in (cluster.submit / "mpigrad-train-1000.out").read_text()
+    log = (cluster.submit / "mpigrad-train-1000.out").read_text()
+    assert "run failed with exit status 2" in log
+    # After a failed step the job offers the trace to `mpigrad trace repair` (where mpigrad
+    # has it), which must leave a file that is no trace as it is (checked above).
+    assert "mpigrad trace repair runs/broken-1000.h5" in log or \
+        "has no `mpigrad trace repair`: runs/broken-1000.h5 left as the run left it" in log
 
 
 @pytest.mark.parametrize("args, env, message", [
     (["jobscripts/train.sbatch", "missing.toml"], {}, "config missing.toml not found"),
     (["jobscripts/train.sbatch"], {}, "usage: sbatch jobscripts/train.sbatch CONFIG.toml"),
     (["--ntasks=4", "jobscripts/train.sbatch", "CFG"], {"MPIGRAD_LAUNCHER": "ssh"},
-     "MPIGRAD_LAUNCHER must be srun or mpiexec, not 'ssh'"),
+     "MPIGRAD_LAUNCHER must be srun, mpiexec or mpirun, not 'ssh'"),
+    (["--ntasks=4", "jobscripts/train.sbatch", "CFG"], {"FAKE_SQUEUE_LEFT": "1:00"},
+     "the job has 60 s left, no more than MPIGRAD_END_MARGIN=60: ask for a longer --time"),
     (["--ntasks=2", "jobscripts/train.sbatch", "CFG"], {},
      "four.toml is written for 4 ranks but this job has SLURM_NTASKS=2; submit with sbatch --ntasks=4"),
     (["--ntasks=4", "--cpus-per-task=0", "jobscripts/train.sbatch", "CFG"], {},
@@ -552,3 +583,67 @@ echo "status=$status"
     assert time.monotonic() - started < 15
     assert "passing on SIGUSR1 that arrived while the step started" in result.stdout
     assert f"status={128 + signal.SIGUSR1}" in result.stdout, result.stdout + result.stderr
+
+
+def test_walltime_option_from_the_jobs_time_left(cluster):
+    """The run gets --walltime = time left - MPIGRAD_END_MARGIN, before the user's options."""
+    cfg = cluster.config("limited", iterations=2)
+    cluster.sbatch("jobscripts/train.sbatch", cfg, "--walltime", "1h", FAKE_SQUEUE_LEFT="1-02:03:04")
+    cluster.sbatch("jobscripts/train.sbatch", cfg, FAKE_SQUEUE_LEFT="05:00", MPIGRAD_END_MARGIN="30",
+                   MPIGRAD_RUN_ID="other")
+    cluster.sbatch("jobscripts/train.sbatch", cfg, MPIGRAD_RUN_ID="unlimited")
+    first, second, third = cluster.steps()
+    day = ((24 + 2) * 60 + 3) * 60 + 4
+    assert first["argv"] == ["--config", cfg, "--trace", "runs/limited-1000.h5",
+                             "--walltime", f"{day - 60}s", "--walltime", "1h"]
+    assert second["argv"][-2:] == ["--walltime", "270s"]
+    assert "--walltime" not in third["argv"]          # UNLIMITED
+    assert "squeue -h -j 1000 -o %L" in cluster.calls()
+
+
+def _mpigrad_has(key: str) -> bool:
+    import dataclasses
+
+    return key in {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def test_periodic_checkpoints_by_default_where_mpigrad_has_them(cluster):
+    cfg = cluster.config("periodic", iterations=2)
+    cluster.sbatch("jobscripts/train.sbatch", cfg, MPIGRAD_CHECKPOINT_EVERY="")
+    cluster.sbatch("jobscripts/train.sbatch", cfg, MPIGRAD_CHECKPOINT_EVERY="500", MPIGRAD_RUN_ID="b")
+    default, every = cluster.steps()
+    log = (cluster.submit / "mpigrad-train-1000.out").read_text()
+    if _mpigrad_has("checkpoint_every"):
+        assert default["argv"][-2:] == ["--checkpoint-every", "30m"]
+        assert every["argv"][-2:] == ["--checkpoint-every", "500"]
+    else:
+        assert "--checkpoint-every" not in default["argv"] + every["argv"]
+        assert "this mpigrad has no --checkpoint-every: no periodic checkpoints" in log
+
+
+@pytest.mark.parametrize("setting", ["job", "unwritable"])
+def test_per_job_numba_cache_on_node_local_disk_is_removed(cluster, setting):
+    root = "job"
+    if setting == "unwritable":
+        (cluster.root / "readonly").write_text("a file, not a directory")
+        root = str(cluster.root / "readonly")
+    cluster.sbatch("jobscripts/train.sbatch", cluster.config("local", iterations=2), MPIGRAD_NUMBA_CACHE=root)
+    [step] = cluster.steps()
+    local = cluster.state / "node-tmp" / "mpigrad-numba-1000"
+    assert step["env"]["NUMBA_CACHE_DIR"] == str(local) and step["exit"] == 0
+    assert not local.exists(), "a per-job cache is removed when the job ends"
+    log = (cluster.submit / "mpigrad-train-1000.out").read_text()
+    assert ("cannot be written: compiling into a per-job cache on this node" in log) == (setting == "unwritable")
+
+
+def test_numba_cache_dir_set_by_the_user_is_kept(cluster):
+    mine = cluster.root / "my-cache"
+    cluster.sbatch("jobscripts/train.sbatch", cluster.config("mine", iterations=1), NUMBA_CACHE_DIR=str(mine))
+    assert cluster.steps()[0]["env"]["NUMBA_CACHE_DIR"] == str(mine)
+
+
+def test_cpu_type_names_the_cache_directory(cluster):
+    result = subprocess.run(["bash", "-c", f"source {JOBSCRIPTS / 'common.sh'}; mpigrad_cpu_type; mpigrad_cpu_type"],
+                            capture_output=True, text=True, timeout=30, env=cluster.env)
+    first, second = result.stdout.split()
+    assert first == second and first.isdigit()
