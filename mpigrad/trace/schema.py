@@ -77,7 +77,7 @@ def step_columns(extra: Columns | None = None) -> dict[str, tuple[str, tuple[int
 
 
 def workers_columns(workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Per-iteration, per-worker values; index k of each vector is worker k (MPI rank k + 1)."""
+    """Per-iteration, per-worker values; index k of each vector is worker k (MPI rank S + k)."""
     _check_count("workers", workers)
     return {"iteration": ("i8", ()), "loss": ("f8", (workers,)),
             "t_compute": ("f8", (workers,)), "bytes_sent": ("i8", (workers,))}
