@@ -1,11 +1,15 @@
-"""``mpigrad bench iteration``: rank 0's time per iteration and the codec/policy/trace overhead.
+"""``mpigrad bench iteration``: time per iteration, server CPU time and the codec/policy/trace overhead.
 
-Runs real ``mpiexec -n P+1 ... mpigrad train`` jobs (the paper CNN on synthetic CIFAR-shaped
-data by default) for each P, then reads their traces. Reported per P:
+Runs real ``mpiexec -n P+S ... mpigrad train --servers S`` jobs (the paper CNN on synthetic
+CIFAR-shaped data by default) for each P and S, then reads their traces. Reported per run:
 
 - rank 0's wall time per iteration (median, first iterations skipped as warm-up);
+- server CPU ms: the busiest server's decode + re-encode CPU time per iteration (median;
+  rank 0's includes decoding every shard's broadcast), and its ratio to the S = 1 run of the
+  same P when that run is in the same invocation;
 - the overhead fraction: (encode + decode + policy + tracing) / iteration time, on the wall
-  clock with no network model and on the simulated clock at ``--bandwidth`` (the paper's regime).
+  clock with no network model and on the simulated clock at ``--bandwidth`` (the paper's regime);
+- trace us: rank 0's CPU time in the trace writer per iteration, flushes included.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from .errors import UsageError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts P (default 1,2,4,8)")
+    parser.add_argument("--servers", default="1", help="comma-separated server counts S (default 1)")
+    parser.add_argument("--shard-chunk", type=int, default=None, metavar="ELEMENTS",
+                        help="passed to train for S > 1 runs (cut big layers so S servers can balance)")
     parser.add_argument("--iterations", type=int, default=30, help="iterations per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="iterations skipped in the statistics (default 5)")
     parser.add_argument("--bandwidth", default="10MB/s", help="bandwidth for the simulated-clock column (default 10MB/s)")
@@ -45,40 +52,55 @@ def _mpiexec(explicit: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     from .trace import load
 
-    try:
-        counts = [int(p) for p in args.workers.split(",")]
-    except ValueError:
-        raise UsageError(f"--workers expects comma-separated integers, got {args.workers!r}") from None
-    if any(p < 1 for p in counts) or args.iterations <= args.warmup:
-        raise UsageError("--workers must be >= 1 and --iterations larger than --warmup")
+    counts = _counts(args.workers, "--workers")
+    server_counts = _counts(args.servers, "--servers")
+    if args.iterations <= args.warmup:
+        raise UsageError("--iterations must be larger than --warmup")
     extra = [a for a in args.train_args if a != "--"]
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1")
     print(f"mpigrad bench iteration: {os.cpu_count()} CPUs here; runs with more ranks than CPUs "
           "are oversubscribed (wall times then include waiting for a core)")
-    header = (f"{'P':>3} {'rank0 ms/it':>12} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
-              f"{'policy ms':>10} {'trace ms':>9} {'overhead wall':>14} {'overhead sim':>13}")
+    header = (f"{'P':>3} {'S':>3} {'rank0 ms/it':>12} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
+              f"{'server CPU ms':>14} {'x S=1':>6} {'policy ms':>10} {'trace us':>9} {'overhead wall':>14} "
+              f"{'overhead sim':>13}")
     print(header)
     results = []
     with tempfile.TemporaryDirectory(prefix="mpigrad-bench-") as tmp:
-        for p in counts:
-            trace = Path(tmp) / f"p{p}.h5"
-            command = [_mpiexec(args.mpiexec), "-n", str(p + 1), sys.executable, "-m", "mpi4py", "-m",
+        for p, servers in [(p, s) for p in counts for s in server_counts]:
+            trace = Path(tmp) / f"p{p}-s{servers}.h5"
+            sharding = ["--servers", str(servers)]
+            if servers > 1 and args.shard_chunk:
+                sharding += ["--shard-chunk", str(args.shard_chunk)]
+            command = [_mpiexec(args.mpiexec), "-n", str(p + servers), sys.executable, "-m", "mpi4py", "-m",
                        "mpigrad", "train", "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
                        "--policy", "fixed", "--bits", "2", "--iterations", str(args.iterations),
                        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0",
-                       "--trace", str(trace), *extra]
+                       "--trace", str(trace), *sharding, *extra]
             done = subprocess.run(command, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stderr, file=sys.stderr)
-                raise UsageError(f"the P={p} run failed (exit {done.returncode})")
+                raise UsageError(f"the P={p} S={servers} run failed (exit {done.returncode})")
             tr = load(trace)
-            results.append(_row(p, tr, args.warmup, args.bandwidth))
+            row = _row(p, servers, tr, args.warmup, args.bandwidth)
+            single = next((r for r in results if r["workers"] == p and r["servers"] == 1), None)
+            row["server_cpu_vs_one_server"] = row["server_cpu_ms"] / single["server_cpu_ms"] if single else None
+            results.append(row)
             print(_format(results[-1]), flush=True)
     print(json.dumps({"bench": "iteration", "results": results}))
     return 0
 
 
-def _row(p: int, tr, warmup: int, bandwidth: str) -> dict:
+def _counts(text: str, option: str) -> list[int]:
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{option} expects comma-separated integers, got {text!r}") from None
+    if any(n < 1 for n in counts):
+        raise UsageError(f"{option} must be >= 1")
+    return counts
+
+
+def _row(p: int, servers: int, tr, warmup: int, bandwidth: str) -> dict:
     from .config import parse_rate
 
     steps = tr.steps.iloc[warmup:]
@@ -90,8 +112,12 @@ def _row(p: int, tr, warmup: int, bandwidth: str) -> dict:
     rate = parse_rate(bandwidth)
     sim = (steps["t_compute"] + steps["t_encode"] + steps["t_decode"] + steps["t_policy"]).to_numpy() \
         + (steps["bytes_up"] + steps["bytes_down"]).to_numpy() / rate
+    busy = tr.servers.iloc[warmup:]
+    server_cpu = (busy.filter(like="t_decode").to_numpy() + busy.filter(like="t_encode").to_numpy()).max(axis=1)
     return {
         "workers": p,
+        "servers": servers,
+        "server_cpu_ms": 1e3 * float(np.median(server_cpu)),
         "rank0_ms_per_iteration": 1e3 * float(np.median(iteration)),
         "compute_ms": 1e3 * float(steps["t_compute"].median()),
         "encode_ms": 1e3 * float(steps["t_encode"].median()),
@@ -104,6 +130,9 @@ def _row(p: int, tr, warmup: int, bandwidth: str) -> dict:
 
 
 def _format(r: dict) -> str:
-    return (f"{r['workers']:>3} {r['rank0_ms_per_iteration']:>12.1f} {r['compute_ms']:>11.1f} "
-            f"{r['encode_ms']:>10.2f} {r['decode_ms']:>10.2f} {r['policy_ms']:>10.3f} {r['trace_ms']:>9.3f} "
+    ratio = r["server_cpu_vs_one_server"]
+    ratio = f"{ratio:>6.2f}" if ratio is not None else f"{'-':>6}"
+    return (f"{r['workers']:>3} {r['servers']:>3} {r['rank0_ms_per_iteration']:>12.1f} {r['compute_ms']:>11.1f} "
+            f"{r['encode_ms']:>10.2f} {r['decode_ms']:>10.2f} {r['server_cpu_ms']:>14.2f} {ratio} "
+            f"{r['policy_ms']:>10.3f} {1e3 * r['trace_ms']:>9.1f} "
             f"{r['overhead_fraction_wall']:>13.1%} {r['overhead_fraction_sim']:>13.1%}")

@@ -52,6 +52,8 @@ class RunConfig:
     policy: str = "mqgrad"
     policy_opts: dict[str, Any] = field(default_factory=dict)
     min_quantize_size: int = 10000
+    servers: int = 1                 # ranks 0..servers-1 are parameter servers, one shard each
+    shard_chunk: int = 0             # cut quantized layers into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
     bandwidth: float = 10e6
     latency: float = 0.0
@@ -132,6 +134,8 @@ class RunConfig:
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
             (self.min_quantize_size >= 1, "min_quantize_size must be at least 1"),
+            (self.servers >= 1, f"servers must be at least 1, got {self.servers}"),
+            (self.shard_chunk >= 0, f"shard_chunk must be >= 0 (0: never cut a layer), got {self.shard_chunk}"),
             (self.error_feedback in ERROR_FEEDBACK,
              f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}"),
             (self.bandwidth > 0 and math.isfinite(self.bandwidth), "bandwidth must be positive"),

@@ -607,8 +607,9 @@ def test_decode_into_out_allocates_nothing_gradient_sized():
         assert codec._scratch.size == 0, config
 
 
-def test_frame_decoder_accumulates_every_segment():
-    from mpigrad.runtime.replica import FrameDecoder, FrameEncoder, Layout, Segment
+def test_compressor_decode_accumulates_every_piece():
+    from mpigrad.runtime.compressor import GradientCompressor
+    from mpigrad.runtime.layout import Layout, Segment, plan_shards
     sizes, rest = (5000, 3 * common.BLOCK + 7), 33
     segments, offset = [], 0
     for i, size in enumerate(sizes):
@@ -618,14 +619,14 @@ def test_frame_decoder_accumulates_every_segment():
     rng = np.random.default_rng(4)
     for config in ({"id": "qsgd", "bits": 3}, {"id": "qsgd", "coding": "elias"}, {"id": "sign"}):
         codec = get_codec(config)
-        encoder = FrameEncoder(layout, codec, seeds=[1, 2])
-        decoder = FrameDecoder(layout, codec)
-        frame = encoder.encode(rng.standard_normal(layout.total).astype(np.float32), [3, 3]).copy()
+        (shard,) = plan_shards(layout, 1, len)
+        compressor = GradientCompressor(list(shard.pieces), codec, seeds={0: 1, 1: 2})
+        frame = compressor.encode(rng.standard_normal(layout.total).astype(np.float32), [3, 3], shard).copy()
         decoded = np.empty(layout.total, np.float32)
-        decoder.decode(frame, decoded)
+        compressor.decode(frame, shard, decoded)
         before = running_sum(layout.total)
         total = before.copy()
-        decoder.decode(frame, total, accumulate=True)
+        compressor.decode(frame, shard, total, accumulate=True)
         assert bits_identical(total, before + decoded), config
 
 

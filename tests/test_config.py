@@ -9,7 +9,7 @@ import pytest
 from mpigrad.cli import main
 from mpigrad.config import RunConfig, parse_assignments, parse_duration, parse_rate
 from mpigrad.errors import UsageError
-from mpigrad.runtime.network import LinkModel
+from mpigrad.runtime.clock import LinkModel
 
 
 @pytest.mark.parametrize("text, value", [

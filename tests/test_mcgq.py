@@ -756,14 +756,37 @@ def test_dynamic_codec_matches_its_numpy_twin():
 # ---- the training runtime's per-layer codecs and their checkpoint state -------------------------------
 def frame_encoder(codec_config: dict, sizes=(3000, 2000), rest: int = 10, feedback: bool = False):
     from mpigrad.feedback import ErrorFeedback
-    from mpigrad.runtime.replica import FrameEncoder, Layout, Segment
+    from mpigrad.runtime.compressor import GradientCompressor
+    from mpigrad.runtime.layout import Layout, Segment, plan_shards
     segments, offset = [], 0
     for i, n in enumerate(sizes):
         segments.append(Segment(f"fc{i}", offset, n))
         offset += n
     layout = Layout(tuple(segments), Segment("small layers", offset, rest), offset + rest)
-    return FrameEncoder(layout, get_codec(codec_config), seeds=[11 + i for i in range(len(sizes))],
-                        feedback=ErrorFeedback("residual") if feedback else None)
+    (shard,) = plan_shards(layout, 1, len)
+    return ShardEncoder(GradientCompressor(list(shard.pieces), get_codec(codec_config),
+                                           seeds={i: 11 + i for i in range(len(sizes))},
+                                           feedback=ErrorFeedback("residual") if feedback else None), shard)
+
+
+class ShardEncoder:
+    """A compressor with its one shard bound: encode(g, bits) -> frame."""
+
+    def __init__(self, compressor, shard):
+        self.compressor, self.shard = compressor, shard
+
+    @property
+    def calls(self):
+        return self.compressor.calls
+
+    def encode(self, g, bits):
+        return self.compressor.encode(g, bits, self.shard)
+
+    def state_dict(self):
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state):
+        self.compressor.load_state_dict(state)
 
 
 @pytest.mark.parametrize("feedback", [False, True])

@@ -55,7 +55,7 @@ def test_dynamic_sampling_state_survives_stop_and_resume(tmp_path, mpi_env):
 
     # The checkpoint holds each layer codec's adapted K and last distance, on every rank.
     state = torch.load(f"{stopped}.ckpt", map_location="cpu", weights_only=False)
-    encoders = [state["server"]["encoder"]] + [w["encoder"] for w in state["workers"]]
+    encoders = [state["server"]["compressor"]] + [w["compressor"] for w in state["workers"]]
     assert len(encoders) == 3
     for encoder in encoders:
         layers = sorted(layer for layer, _, _ in encoder["codecs"])

@@ -176,3 +176,30 @@ def test_a_worker_that_dies_ends_the_run_instead_of_hanging(tmp_path, mpi_env):
     result, _ = train(tmp_path, env, "--iterations", "500", "--timeout", "5", timeout=90)
     assert result.returncode in (3, 9), result.stdout + result.stderr
     assert "iter 500/500" not in result.stdout
+
+
+def test_two_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):
+    """--servers 2 (ranks 0, 1 servers; 2, 3 workers), layer-aligned shards: the same seed
+    gives the same losses and bit-identical parameters as one server with 2 workers."""
+    args = ["--iterations", "12", "--policy", "mqgrad", "--codec", "qsgd", "--error-feedback", "residual",
+            "--checksum-every", "4", *DETERMINISTIC]
+    one, trace_one = train(tmp_path, mpi_env, *args, name="s1.h5", ranks=3)
+    two, trace_two = train(tmp_path, mpi_env, *args, "--servers", "2", name="s2.h5", ranks=4)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "2 workers + 2 servers" in two.stdout
+    a, b = load(trace_one), load(trace_two)
+    np.testing.assert_array_equal(a.steps["loss"].to_numpy(), b.steps["loss"].to_numpy())
+    np.testing.assert_array_equal(a.steps["bits"].to_numpy(), b.steps["bits"].to_numpy())
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    # Both servers received frames and broadcast their shard every iteration.
+    assert b.attrs["servers"] == 2
+    assert (b.servers.filter(like="bytes_in").to_numpy() > 0).all()
+    assert (b.servers.filter(like="bytes_out").to_numpy() > 0).all()
+
+
+def test_a_shard_server_that_hangs_is_named_by_rank_0(tmp_path, mpi_env):
+    env = dict(mpi_env, MPIGRAD_INJECT_FAULT="hang:1:3")
+    result, _ = train(tmp_path, env, "--iterations", "50", "--timeout", "5", "--servers", "2",
+                      ranks=4, timeout=90)
+    assert result.returncode != 0
+    assert "server rank(s) 1 sent no report for iteration 3 within 5 s" in result.stderr, result.stderr

@@ -195,6 +195,17 @@ class Codec(ABC):
     def _config(self) -> dict[str, Any]:
         """Codec-specific hyperparameters, JSON-able."""
 
+    @property
+    def takes_policy_bits(self) -> bool:
+        """True when a bit policy sets this codec's bits: it has a bits option and was not
+        configured by its levels (levels fix the quantization, so the policy's bits do not apply)."""
+        return self.accepts_bits and "levels" not in self.get_config()
+
+    @property
+    def fixed_bits(self) -> int:
+        """The bits a trace records for a codec the policy does not drive."""
+        return int(getattr(self, "bits", None) or self.nominal_bits)
+
     def with_bits(self, bits: int) -> "Codec":
         """A codec of the same config with ``bits`` changed (for bit policies)."""
         if not self.accepts_bits:

@@ -47,13 +47,15 @@ def bucket_layout(param_a: int, n: int) -> tuple[int, int]:
     return param_a, -(-n // param_a)
 
 
-def raise_status(codec_id: str, status: int) -> None:
-    """Raise the CodecError that a kernel's status code stands for (nothing for OK)."""
+def raise_status(codec_id: str, status: int, messages: dict[int, str] | None = None) -> None:
+    """Raise the CodecError that a kernel's status code stands for (nothing for OK);
+    ``messages`` gives a codec's own wording of its statuses."""
     if status == common.OK:
         return
     if status == common.ERR_NONFINITE:
         raise non_finite_error(codec_id)
-    raise CodecError(f"{codec_id}: {_STATUS_MESSAGES.get(status, f'kernel status {status}')}")
+    message = (messages or _STATUS_MESSAGES).get(status, f"kernel status {status}")
+    raise CodecError(f"{codec_id}: {message}")
 
 
 def expect_payload(codec_id: str, header_payload_len: int, expected: int, what: str) -> None:

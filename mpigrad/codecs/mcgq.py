@@ -45,6 +45,7 @@ import numpy as np
 from .base import (HEADER_SIZE, MAX_ELEMENTS, Codec, CodecError, Header, _as_float32_vector,
                    non_finite_error, register_codec)
 from .kernels import common, mcgq as kernels
+from . import checks
 
 __all__ = ["MCGQ", "DynamicSampling", "rle_stream_bits", "rle_encode", "rle_decode",
            "wasserstein1", "sample_count", "K_LIMIT"]
@@ -121,10 +122,11 @@ _STATUS_MESSAGES = {
 }
 
 
+_MESSAGES = {code: f"corrupted payload ({detail})" for code, detail in _STATUS_MESSAGES.items()}
+
+
 def raise_status(status: int) -> None:
-    if status != common.OK:
-        detail = _STATUS_MESSAGES.get(status, f"kernel status {status}")
-        raise CodecError(f"mcgq: corrupted payload ({detail})")
+    checks.raise_status("mcgq", status, _MESSAGES)
 
 
 def stream_widths(stream: np.ndarray, n: int, max_value_bits: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """Checkpoints: one file written atomically by rank 0, refused when the run does not match.
 
 The file holds rank 0's state (model, policy, codec RNG counters, error-feedback memory,
-clocks, iteration) and every worker's (data order and position, codec counters, memories).
+clocks, iteration), every worker's (data order and position, codec counters, memories) and
+every other server's (its shard's codec counters and memories).
 It is written to a temporary file in the same directory, fsynced, then renamed over the old
 one: a crash while writing leaves the previous checkpoint whole.
 """
@@ -29,13 +30,15 @@ def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     return {"config": kept, "world_size": world_size}
 
 
-def save(path: Path, ident: dict[str, Any], server: dict, workers: list[dict]) -> None:
+def save(path: Path, ident: dict[str, Any], server: dict, workers: list[dict], servers: list[dict] = ()) -> None:
+    """Write rank 0's state, each worker's and each shard server's (ranks 1..S-1)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save({"format": FORMAT, "identity": ident, "server": server, "workers": workers}, handle)
+            torch.save({"format": FORMAT, "identity": ident, "server": server, "workers": workers,
+                        "servers": list(servers)}, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

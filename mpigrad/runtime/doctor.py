@@ -39,19 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def library_versions() -> dict[str, str]:
-    """Versions of the libraries a training run depends on, as this process loads them."""
-    import h5py
-    import mpi4py
-    import numba
-    import numpy
-    import torch
-
+    """Versions of the libraries a training run depends on (the trace's collector, less the
+    host-specific platform and MPI strings), plus mpigrad's own."""
     from .. import __version__
+    from ..trace import collect_versions
 
-    return {"python": platform.python_version(), "numpy": numpy.__version__,
-            "numba": numba.__version__, "torch": torch.__version__, "h5py": h5py.__version__,
-            "hdf5": h5py.version.hdf5_version, "mpi4py": mpi4py.__version__,
-            "mpigrad": __version__}
+    versions = {k: v for k, v in collect_versions().items() if k not in ("platform", "mpi_library")}
+    return {**versions, "mpigrad": __version__}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
 ``MPIGRAD_INJECT_FAULT=KIND:RANK:ITERATION`` makes worker RANK misbehave at ITERATION:
 ``raise`` (an exception), ``hang`` (stop answering), ``exit`` (die without MPI_Abort),
-``nan-loss`` (a non-finite loss) or ``nan-grad`` (a non-finite gradient). Unset, it costs
+``nan-loss`` (a non-finite loss) or ``nan-grad`` (a non-finite gradient). A shard server
+(rank 1..S-1 with ``--servers S``) takes ``raise``, ``hang`` and ``exit``, just before it
+reports to rank 0. Unset, it costs
 one dictionary lookup at start-up.
 """
 

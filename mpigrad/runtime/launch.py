@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--policy-opt", action="append", metavar="KEY=VALUE", help="policy option, e.g. epsilon=0.1")
     g.add_argument("--min-quantize-size", type=int, help=f"layers with fewer elements travel as float32 (default {d.min_quantize_size})")
     g.add_argument("--error-feedback", choices=["none", "residual", "accumulate"], help="error-feedback memory (default none)")
+    g = parser.add_argument_group("parameter servers")
+    g.add_argument("--servers", type=int, help="ranks 0..S-1 are servers, each aggregating a slice of the "
+                   "parameters balanced by bytes; rank 0 stays scheduler and MDP server (default 1)")
+    g.add_argument("--shard-chunk", type=int, metavar="ELEMENTS", help="cut quantized layers larger than this "
+                   "into pieces quantized on their own, so that S servers can balance a model with few "
+                   "big layers (changes each piece's min/max scaling; default 0: whole layers)")
     g = parser.add_argument_group("network model")
     g.add_argument("--bandwidth", help="link bandwidth, e.g. 10MB/s, 1Gbit/s (default 10MB/s)")
     g.add_argument("--latency", help="per-message latency, e.g. 0.5ms (default 0)")

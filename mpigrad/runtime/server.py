@@ -1,99 +1,311 @@
-"""Rank 0: scheduler, parameter server and MDP server (MQGrad Alg. 1, server side)."""
+"""Servers: rank 0 (scheduler, MDP server and server of shard 0) and ranks 1..S-1 (one shard each).
+
+Each server aggregates its shard (BytePS's layout): it receives that slice of every
+worker's gradient, decodes and adds the frames in rank order, averages, re-encodes with the
+iteration's bits and broadcasts the result to the workers and rank 0. Rank 0 alone gathers
+the losses, asks the policy for the bits, decides when to stop, decodes every shard's
+broadcast into its replica (for evaluation, checksums and checkpoints) and returns an
+:class:`~.record.IterationRecord` per iteration. The phase order is in :mod:`.iteration`.
+"""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..policies import Observation, get_policy
-from . import comm as mpi
-from .common import base_codec, build_encoder, build_replica, load_data
+from .build import SERVER_STREAM, base_codec, build_compressor, build_replica, build_shards, load_data, release_data
+from .clock import Clocks, IterationClock, LinkModel
 from .environment import threads_per_rank
-from .network import Clocks, LinkModel
-from .protocol import (CONTINUE, CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STOP_AFTER,
-                       TAG_LOSS, FrameError, LossMessage, is_error_frame)
-from .replica import FrameDecoder
+from .faults import Fault
+from .iteration import run_iteration, run_until_stopped
+from .record import IterationRecord
 from .stopping import StopFlag
-from .tracing import RunTrace
+from .wire import (CONTINUE, STOP_AFTER, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
+                   FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (non-finite values, diverged replicas, a bad frame)."""
 
 
-class Server:
-    """Drives the iterations: losses in, bits out, gradients in, averaged gradient out."""
+class ShardAggregator:
+    """One server's shard: receive, decode-add in rank order, average, re-encode."""
 
-    def __init__(self, config: RunConfig, comm: MPI.Comm, stop: StopFlag, log=print):
-        self.config = config
-        self.comm = comm
-        self.workers = comm.Get_size() - 1
-        self.stop = stop
-        self.log = log
-        self.dataset = load_data(config)
-        self.data_description = self.dataset.describe()
-        self.replica = build_replica(config, self.dataset)
-        # Rank 0 evaluates on the test split only: let the training split go.
-        self.dataset.train_x = self.dataset.train_x[:0]
-        self.dataset.train_y = self.dataset.train_y[:0]
+    def __init__(self, config: RunConfig, channel: Channel, shard, compressor, total: int):
+        self.config, self.channel, self.shard, self.compressor = config, channel, shard, compressor
+        self.workers = channel.workers
+        self.grad_sum = np.zeros(total, np.float32)
+        self.recv_buffers = {rank: np.empty(0, np.uint8) for rank in self.workers}
+        self.frame_len = FrameLength.buffer()
+        self.frame: np.ndarray | None = None
+
+    def aggregate(self, m: int) -> tuple[list[int], float, float]:
+        """Receive and sum every worker's frame of this shard; return (bytes per worker,
+        slowest worker's encode s, decode CPU s).
+
+        Frames are decoded as they arrive but added in rank order (a frame that overtakes a
+        lower rank's waits, still encoded, in its receive buffer), so the float sum, and with
+        it the whole run, does not depend on arrival order. The first worker decodes straight
+        into the sum, the others add to it as they decode (``accumulate=True``).
+        """
+        sizes = {}
+        encode_max = decode_seconds = 0.0
+        arrived: dict[int, np.ndarray] = {}
+        order = iter(self.workers)
+        next_rank = next(order)
+        first = next_rank
+        describe = lambda pending: (f"worker rank(s) {', '.join(map(str, pending))} sent no gradient "  # noqa: E731
+                                    f"for iteration {m}")
+        for rank, frame in self.channel.frames(self.workers, TAG_GRAD, self.recv_buffers, describe):
+            if is_error_frame(frame):
+                raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
+            sizes[rank] = frame.size
+            arrived[rank] = frame
+            while next_rank in arrived:
+                start = time.process_time()
+                try:
+                    encode_seconds = self.compressor.decode(arrived.pop(next_rank), self.shard, self.grad_sum,
+                                                            accumulate=next_rank != first)
+                except (CodecError, FrameError) as exc:
+                    raise TrainingError(f"bad gradient frame from worker rank {next_rank} at iteration "
+                                        f"{m}: {exc}") from None
+                decode_seconds += time.process_time() - start
+                encode_max = max(encode_max, encode_seconds)
+                next_rank = next(order, None)
+        return [sizes[rank] for rank in self.workers], encode_max, decode_seconds
+
+    def encode(self, bits: list[int]) -> float:
+        """Average the sum and re-encode it into ``self.frame``; return the CPU seconds."""
+        start = time.process_time()
+        for piece in self.shard.pieces:
+            part = self.grad_sum[piece.offset:piece.offset + piece.size]
+            np.multiply(part, np.float32(1.0 / len(self.workers)), out=part)
+        self.frame = self.compressor.encode(self.grad_sum, bits, self.shard)
+        self.frame_len[0] = self.frame.size
+        return time.process_time() - start
+
+
+def _stalled(m: int):
+    return lambda: f"gradient broadcast of iteration {m} stalled"
+
+
+class ShardServer:
+    """Rank s in 1..S-1: the server of shard s."""
+
+    def __init__(self, config: RunConfig, channel: Channel):
+        self.config, self.channel = config, channel
+        self.rank = channel.rank
+        replica = build_replica(config, load_data(config))
+        codec = base_codec(config)
+        layout = replica.layout
+        self.n_layers = len(layout.quantized)
+        shard = build_shards(config, layout, codec)[self.rank]
+        self.compressor = build_compressor(config, layout, codec, SERVER_STREAM)
+        self.aggregator = ShardAggregator(config, channel, shard, self.compressor, layout.total)
+        self.control_msg = Control(self.n_layers)
+        self.report = ServerReport.buffer(len(channel.workers))
+        self.iteration = 0
+        self.fault = Fault.from_environment(self.rank)
+
+    def begin(self, m: int) -> None:
+        pass
+
+    def losses(self, m: int) -> None:
+        pass
+
+    def control(self, m: int) -> None:
+        self.channel.broadcast([(self.control_msg.buf, WORLD)],
+                               lambda: f"rank 0 sent no bits for iteration {m}")
+        self.bits = self.control_msg.bits
+
+    def gradients(self, m: int) -> None:
+        self.sizes, _, self.t_decode = self.aggregator.aggregate(m)
+
+    def broadcast(self, m: int) -> None:
+        agg = self.aggregator
+        self.t_encode = agg.encode(self.bits)
+        self.channel.broadcast([(agg.frame_len, self.rank)], _stalled(m))
+        self.channel.broadcast([(agg.frame, self.rank)], _stalled(m))
+
+    def reports(self, m: int) -> None:
+        if self.fault:
+            self.fault.before_send(m, 0.0, None)
+        ServerReport(self.aggregator.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode,
+                     self.sizes).pack(self.report)
+        self.channel.send([(self.report, 0)], TAG_REPORT,
+                          lambda pending: f"rank 0 took no report for iteration {m}")
+
+    def end(self, m: int) -> bool:
+        self.iteration = m + 1
+        return self.control_msg.command == STOP_AFTER
+
+    def run(self, start_iteration: int = 0) -> bool:
+        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue."""
+        return run_until_stopped(self, start_iteration, self.config.iterations)
+
+    def state_dict(self) -> dict:
+        return {"compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.compressor.load_state_dict(state["compressor"])
+
+
+class ParameterServer:
+    """Rank 0: drives the iterations (losses in, bits out) and serves shard 0."""
+
+    def __init__(self, config: RunConfig, channel: Channel, stop: StopFlag, log=print):
+        self.config, self.channel, self.stop, self.log = config, channel, stop, log
+        self.servers = channel.servers
+        self.worker_ranks = channel.workers
+        self.workers = len(self.worker_ranks)
+        dataset = load_data(config)
+        self.data_description = dataset.describe()
+        self.replica = build_replica(config, dataset)
+        # Rank 0 evaluates on the test split only: let the training split go (in-process
+        # ranks build their own parts before rank 0 does).
+        self.dataset = dataclasses.replace(dataset, train_x=dataset.train_x[:0], train_y=dataset.train_y[:0])
+        release_data()
         self.codec = base_codec(config)
         layout = self.replica.layout
         self.n_layers = len(layout.quantized)
-        self.policy = get_policy(config.policy_config(), n_layers=max(self.n_layers, 1),
-                                 seed=config.seed)
-        self.encoder = build_encoder(config, self.replica, self.codec, rank=0)
-        self.decoder = FrameDecoder(layout, self.codec)
-        # What the trace's bits column says when the codec ignores the policy's bits.
-        self.fixed_bits = int(getattr(self.codec, "bits", None) or self.codec.nominal_bits)
-        self.link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
-        self.clocks = Clocks()
+        self.policy = get_policy(config.policy_config(), n_layers=max(self.n_layers, 1), seed=config.seed)
+        self.shards = build_shards(config, layout, self.codec)
+        self.compressor = build_compressor(config, layout, self.codec, SERVER_STREAM)
+        self.aggregator = ShardAggregator(config, channel, self.shards[0], self.compressor, layout.total)
+        link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
+        cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
+        self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time)
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
         self.iteration = 0
-        # Compute time on the simulated clock is CPU time when a rank computes on one CPU
-        # thread (oversubscribed ranks then do not inflate it), wall time otherwise (CPU time
-        # adds up threads, and misses GPU kernels).
-        self.cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         # Time kept in hand for the stop itself: gathering worker state and writing it.
-        state_bytes = 4 * self.replica.layout.total * (2 + self.workers * (config.error_feedback != "none"))
+        state_bytes = 4 * layout.total * (2 + self.workers * (config.error_feedback != "none"))
         self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
         # Reused buffers: nothing gradient-sized is allocated per iteration.
-        total = layout.total
-        self.grad_sum = np.zeros(total, np.float32)
         self.update = self.replica.update_host
         self.has_previous = False
-        self.loss_rows = np.zeros((self.workers, LOSS_FIELDS), np.float64)
-        self.control = np.zeros(CONTROL_FIXED + max(self.n_layers, 1), np.int64)
-        self.frame_len = np.zeros(1, np.int64)
-        self.recv_buffers = [np.empty(0, np.uint8) for _ in range(self.workers)]
-        self.trace: RunTrace | None = None
+        self.loss_rows = LossReport.buffer(self.workers)
+        self.control_msg = Control(self.n_layers)
+        self.report_rows = ServerReport.buffer(self.workers, self.servers - 1) if self.servers > 1 else None
+        self.lengths = {s: FrameLength.buffer() for s in range(1, self.servers)}
+        self.frames = {s: np.empty(0, np.uint8) for s in range(1, self.servers)}
+        self.bytes_total = 0
+        self.start_iteration = 0
+        self.session_started = time.perf_counter()
 
-    # ---- one iteration ------------------------------------------------------------------
-    def _gather_losses(self, m: int) -> list[LossMessage]:
-        requests = [self.comm.Irecv(self.loss_rows[w], source=w + 1, tag=TAG_LOSS)
-                    for w in range(self.workers)]
-        mpi.wait_all(requests, self.config.timeout, lambda pending: (
-            f"worker rank(s) {', '.join(str(i + 1) for i in pending)} sent no loss for iteration {m}"))
-        messages = [LossMessage.unpack(row) for row in self.loss_rows]
-        for rank, msg in enumerate(messages, start=1):
-            if msg.status == STATUS_NONFINITE_LOSS or not math.isfinite(msg.loss):
-                raise TrainingError(f"worker rank {rank} computed a non-finite loss ({msg.loss}) "
+    # ---- the phases of one iteration (order: iteration.py) ----------------------------------
+    def begin(self, m: int) -> None:
+        self.clock.start()
+        self.it: dict = {}
+
+    def losses(self, m: int) -> None:
+        self.channel.recv([(row, rank) for row, rank in zip(self.loss_rows, self.worker_ranks)], TAG_LOSS,
+                          lambda pending: f"worker rank(s) {', '.join(map(str, pending))} sent no loss "
+                                          f"for iteration {m}")
+        reports = [LossReport.unpack(row) for row in self.loss_rows]
+        for rank, report in zip(self.worker_ranks, reports):
+            if not report.finite:
+                raise TrainingError(f"worker rank {rank} computed a non-finite loss ({report.loss}) "
                                     f"at iteration {m}; lower --lr or check the data")
-        return messages
+        self.it["reports"] = reports
+        self.it["checksums"] = self._check_replicas(m, reports)
+        self.it["loss"] = float(np.mean([r.loss for r in reports]))
+        self.clock.losses(LossReport.NBYTES)
 
-    def _check_replicas(self, m: int, messages: list[LossMessage]) -> list[int] | None:
+    def control(self, m: int) -> None:
+        start = time.process_time()
+        bits = list(self.policy.decide(self._observation(m, self.it["loss"])))
+        self.it["t_policy"] = time.process_time() - start
+        last = m + 1 == self.config.iterations
+        self.it["stop_after"] = not last and self.stop.requested(self._mean_iteration_seconds(m),
+                                                                 self.checkpoint_reserve)
+        self.control_msg.set(STOP_AFTER if self.it["stop_after"] else CONTINUE, m, bits)
+        self.channel.broadcast([(self.control_msg.buf, WORLD)],
+                               lambda: f"control broadcast of iteration {m} stalled")
+        self.clock.control(self.control_msg.buf.nbytes)
+        self.it["bits"] = bits
+
+    def gradients(self, m: int) -> None:
+        self.it["sizes"], self.it["worker_encode"], self.it["t_decode"] = self.aggregator.aggregate(m)
+
+    def broadcast(self, m: int) -> None:
+        agg = self.aggregator
+        self.it["t_encode"] = agg.encode(self.it["bits"])
+        others = range(1, self.servers)
+        self.channel.broadcast([(agg.frame_len, 0)] + [(self.lengths[s], s) for s in others], _stalled(m))
+        for s in others:
+            if self.frames[s].size < int(self.lengths[s][0]):
+                self.frames[s] = np.empty(int(self.lengths[s][0]), np.uint8)
+        received = {s: self.frames[s][:int(self.lengths[s][0])] for s in others}
+        self.channel.broadcast([(agg.frame, 0)] + [(received[s], s) for s in others], _stalled(m))
+        start = time.process_time()
+        for s, frame in [(0, agg.frame), *received.items()]:
+            try:
+                self.compressor.decode(frame, self.shards[s], self.update)
+            except (CodecError, FrameError) as exc:
+                raise TrainingError(f"bad broadcast frame from server rank {s} at iteration {m}: {exc}") from None
+        self.it["t_decode"] += time.process_time() - start
+        self.it["frame_bytes"] = [agg.frame.size] + [received[s].size for s in others]
+
+    def reports(self, m: int) -> None:
+        reports = [ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["sizes"])]
+        if self.servers > 1:
+            self.channel.recv([(row, s) for s, row in enumerate(self.report_rows, start=1)], TAG_REPORT,
+                              lambda pending: f"server rank(s) {', '.join(map(str, pending))} sent no "
+                                              f"report for iteration {m}")
+            reports += [ServerReport.unpack(row) for row in self.report_rows]
+        self.it["servers"] = reports
+        self.clock.gradients([r.sizes for r in reports])
+        self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
+
+    def end(self, m: int) -> IterationRecord:
+        it, P = self.it, self.workers
+        self.replica.apply_update(self.update, self.config.lr)
+        self.has_previous = True
+        reports, servers = it["reports"], it["servers"]
+        compute = [self.clock.compute_seconds(r.compute_cpu, r.compute_wall) for r in reports]
+        t_encode = it["worker_encode"] + max(s.t_encode for s in servers)
+        t_decode = max(s.t_decode for s in servers)
+        sim_before = self.clock.clocks.sim
+        wall_now, sim_now, t_comm = self.clock.finish(max(compute), max(r.compute_wall for r in reports),
+                                                      t_encode, t_decode, it["t_policy"])
+        self.last_iteration_ms = 1e3 * (sim_now - sim_before)
+        frames_down = [FrameLength.NBYTES + n for n in it["frame_bytes"]]
+        worker_bytes = [int(sum(s.sizes[w] for s in servers)) for w in range(P)]
+        bits = it["bits"] if self.codec.takes_policy_bits else [self.codec.fixed_bits] * len(it["bits"])
+        record = IterationRecord(
+            iteration=m, loss=it["loss"], bits=bits,
+            bytes_up=sum(worker_bytes) + P * LossReport.NBYTES,
+            bytes_down=(P + self.servers - 1) * self.control_msg.buf.nbytes
+            + sum((P + (s > 0)) * n for s, n in enumerate(frames_down)),
+            t_compute=max(compute), t_encode=t_encode, t_decode=t_decode, t_policy=it["t_policy"],
+            t_comm=t_comm, wall_time=wall_now, sim_time=sim_now,
+            worker_losses=[r.loss for r in reports], worker_compute=compute, worker_bytes=worker_bytes,
+            server_bytes_in=[int(sum(s.sizes)) for s in servers], server_bytes_out=frames_down,
+            server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
+            checksums=it["checksums"], policy_rows=self.policy.drain_records())
+        self.bytes_total += record.bytes_up + record.bytes_down
+        self.stop_after = it["stop_after"]
+        return record
+
+    def step(self, m: int) -> IterationRecord:
+        """Run iteration m; ``self.stop_after`` then says whether the run stops after it."""
+        return run_iteration(self, m)
+
+    # ---- helpers of the phases ----------------------------------------------------------------
+    def _check_replicas(self, m: int, reports: list[LossReport]) -> list[int] | None:
         every = self.config.checksum_every
         if not every or m % every:
             return None
         own = self.replica.checksum()
-        sums = [own] + [int(msg.checksum) for msg in messages]
-        diverged = [rank for rank, value in enumerate(sums) if value != own]
+        sums = [own] + [int(r.checksum) for r in reports]
+        diverged = [rank for rank, value in zip([0, *self.worker_ranks], sums) if value != own]
         if diverged:
             raise TrainingError(f"replicas diverged before iteration {m}: parameter checksum of "
                                 f"rank(s) {', '.join(map(str, diverged))} differs from rank 0's")
@@ -106,164 +318,66 @@ class Server:
         return Observation(iteration=m, loss=loss, last_iteration_ms=self.last_iteration_ms,
                            gradients=grads, codec=self.codec if self.codec.accepts_bits else None)
 
-    def _aggregate(self, m: int) -> tuple[list[int], float, float]:
-        """Receive, decode and sum every worker's frame; return (bytes per worker, worker encode max, decode s).
-
-        Frames are decoded as they arrive but added in rank order (a frame that overtakes
-        a lower rank's waits, still encoded, in its receive buffer), so the float sum, and
-        with it the whole run, does not depend on arrival order. Rank 1 decodes straight
-        into the sum, the others add to it as they decode (``accumulate=True``: the same
-        float32 sum as decoding into scratch and adding, in one pass).
-        """
-        sizes = [0] * self.workers
-        encode_max = 0.0
-        decode_seconds = 0.0
-        arrived: dict[int, np.ndarray] = {}
-        next_rank = 1
-        for rank, frame in mpi.iter_gradient_frames(self.comm, self.workers, self.config.timeout,
-                                                     self.recv_buffers, m):
-            if is_error_frame(frame):
-                raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
-            sizes[rank - 1] = frame.size
-            arrived[rank] = frame
-            while next_rank in arrived:
-                start = time.process_time()
-                try:
-                    encode_seconds = self.decoder.decode(arrived.pop(next_rank), self.grad_sum,
-                                                         accumulate=next_rank > 1)
-                except (CodecError, FrameError) as exc:
-                    raise TrainingError(f"bad gradient frame from worker rank {next_rank} at iteration "
-                                        f"{m}: {exc}") from None
-                decode_seconds += time.process_time() - start
-                encode_max = max(encode_max, encode_seconds)
-                next_rank += 1
-        return sizes, encode_max, decode_seconds
-
-    def step(self, m: int) -> bool:
-        """Run iteration m; return True when the run must stop after it (checkpoint)."""
-        config, link, P = self.config, self.link, self.workers
-        wall_start = self.clocks.now_wall()
-        messages = self._gather_losses(m)
-        checksums = self._check_replicas(m, messages)
-        loss = float(np.mean([msg.loss for msg in messages]))
-        t_comm = link.charge(link.gather([8 * LOSS_FIELDS] * P))
-
-        policy_start = time.process_time()
-        bits = list(self.policy.decide(self._observation(m, loss)))
-        t_policy = time.process_time() - policy_start
-        traced_bits = bits if self.encoder.accepts_bits else [self.fixed_bits] * len(bits)
-        last = m + 1 == config.iterations
-        stop_after = not last and self.stop.requested(self._mean_iteration_seconds(m), self.checkpoint_reserve)
-        self.control[0] = STOP_AFTER if stop_after else CONTINUE
-        self.control[1] = m
-        self.control[CONTROL_FIXED:CONTROL_FIXED + len(bits)] = bits
-        mpi.bcast(self.comm, self.control, config.timeout, lambda: f"control broadcast of iteration {m} stalled")
-        t_comm += link.charge(link.bcast(self.control.nbytes, P))
-
-        sizes, worker_encode, t_decode = self._aggregate(m)
-        t_comm += link.charge(link.gather(sizes))
-        start = time.process_time()
-        np.multiply(self.grad_sum, np.float32(1.0 / P), out=self.grad_sum)
-        frame = self.encoder.encode(self.grad_sum, bits)
-        server_encode = time.process_time() - start
-        self.frame_len[0] = frame.size
-        mpi.bcast(self.comm, self.frame_len, config.timeout, lambda: f"gradient broadcast of iteration {m} stalled")
-        mpi.bcast(self.comm, frame, config.timeout, lambda: f"gradient broadcast of iteration {m} stalled")
-        t_comm += link.charge(link.bcast(self.frame_len.nbytes + frame.size, P))
-        start = time.process_time()
-        self.decoder.decode(frame, self.update)
-        t_decode += time.process_time() - start
-        self.replica.apply_update(self.update, config.lr)
-        self.has_previous = True
-
-        t_compute = max(msg.compute_cpu if self.cpu_clock else msg.compute_wall for msg in messages)
-        t_encode = worker_encode + server_encode
-        wall_now = self.clocks.now_wall()
-        sim_before = self.clocks.sim
-        if not link.modelled:
-            local = max(msg.compute_wall for msg in messages) + t_encode + t_decode + t_policy
-            t_comm = max(0.0, (wall_now - wall_start) - local)
-            self.clocks.sim = wall_now
-        elif config.compute_time is not None:
-            self.clocks.sim += config.compute_time + t_comm
-        else:
-            self.clocks.sim += t_compute + t_encode + t_decode + t_policy + t_comm
-        self.last_iteration_ms = 1e3 * (self.clocks.sim - sim_before)
-
-        bytes_up = sum(sizes) + P * 8 * LOSS_FIELDS
-        bytes_down = P * (self.control.nbytes + self.frame_len.nbytes + frame.size)
-        self.trace.step(dict(
-            iteration=m, wall_time=wall_now, sim_time=self.clocks.sim, loss=loss,
-            bits=traced_bits[0], bits_layers=traced_bits, bytes_up=bytes_up, bytes_down=bytes_down,
-            t_compute=t_compute, t_encode=t_encode, t_decode=t_decode, t_comm=t_comm,
-            t_policy=t_policy),
-            workers=dict(iteration=m, loss=[msg.loss for msg in messages],
-                         t_compute=[msg.compute_cpu if self.cpu_clock else msg.compute_wall
-                                    for msg in messages], bytes_sent=sizes),
-            checksums=checksums, policy_rows=self.policy.drain_records())
-        self.bytes_total += bytes_up + bytes_down
-        return stop_after
-
     def _mean_iteration_seconds(self, m: int) -> float:
         """Mean wall seconds per iteration in this session (0 before the first one ends)."""
         done = m - self.start_iteration
         return (time.perf_counter() - self.session_started) / done if done else 0.0
 
-    # ---- evaluation and progress ----------------------------------------------------------
-    def evaluate(self, m: int) -> None:
-        self.clocks.pause()
-        test_loss, accuracy = evaluate(self.replica, self.dataset, self.config)
-        self.clocks.resume()
-        self.trace.eval(dict(iteration=m, wall_time=self.clocks.now_wall(), sim_time=self.clocks.sim,
-                             test_loss=test_loss, test_accuracy=accuracy))
-        self.last_eval = (test_loss, accuracy)
-
-    def progress(self, m: int) -> None:
-        config = self.config
-        done = m + 1
-        wall = self.clocks.now_wall()
-        eta = (config.iterations - done) * self._mean_iteration_seconds(done)
-        row = self.trace.last_step
-        acc = f"  acc {self.last_eval[1]:.3f}" if self.last_eval else ""
-        self.log(f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss {row['loss']:.4f}  "
-                 f"bits {row['bits']}  sent {self.bytes_total / 1e6:.1f} MB  sim {format_seconds(self.clocks.sim)}  "
-                 f"wall {format_seconds(wall)}  ETA {format_seconds(eta)}{acc}")
-
     # ---- the run ------------------------------------------------------------------------
-    def run(self, trace: RunTrace, start_iteration: int = 0) -> bool:
-        """Iterate to the end or to a stop request; return True when stopped for requeue."""
-        self.trace = trace
+    def run(self, trace, start_iteration: int = 0) -> bool:
+        """Iterate to the end or to a stop request; return True when stopped for requeue.
+        ``trace`` takes each record (``record``), evaluations (``eval``)."""
         self.start_iteration = start_iteration
-        self.clocks = Clocks(**self.saved_clocks)  # start-up time stays off both clocks
+        self.clock.clocks = Clocks(**self.saved_clocks)  # start-up time stays off both clocks
         self.session_started = time.perf_counter()
         self.bytes_total = 0
         self.last_eval = None
         config = self.config
         for m in range(start_iteration, config.iterations):
             self.iteration = m
-            stop_after = self.step(m)
+            record = self.step(m)
+            trace.record(record)
             self.iteration = m + 1
             last = m + 1 == config.iterations
             if config.eval_every and ((m + 1) % config.eval_every == 0 or last):
-                self.evaluate(m)
-            if config.progress_every and ((m + 1) % config.progress_every == 0 or last or stop_after):
-                self.progress(m)
-            if stop_after:
+                trace.eval(self.evaluate(m))
+            if config.progress_every and ((m + 1) % config.progress_every == 0 or last or self.stop_after):
+                self.log(self.progress_line(record))
+            if self.stop_after:
                 return True
         return False
+
+    # ---- evaluation and progress ----------------------------------------------------------
+    def evaluate(self, m: int) -> dict:
+        clocks = self.clock.clocks
+        clocks.pause()
+        test_loss, accuracy = evaluate(self.replica, self.dataset, self.config)
+        clocks.resume()
+        self.last_eval = (test_loss, accuracy)
+        return dict(iteration=m, wall_time=clocks.now_wall(), sim_time=clocks.sim,
+                    test_loss=test_loss, test_accuracy=accuracy)
+
+    def progress_line(self, record: IterationRecord) -> str:
+        config = self.config
+        done = record.iteration + 1
+        eta = (config.iterations - done) * self._mean_iteration_seconds(done)
+        acc = f"  acc {self.last_eval[1]:.3f}" if self.last_eval else ""
+        return (f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss {record.loss:.4f}  "
+                f"bits {record.bits[0]}  sent {self.bytes_total / 1e6:.1f} MB  sim {format_seconds(record.sim_time)}  "
+                f"wall {format_seconds(self.clock.clocks.now_wall())}  ETA {format_seconds(eta)}{acc}")
 
     # ---- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"iteration": self.iteration, "replica": self.replica.state_dict(),
-                "policy": self.policy.state_dict(), "encoder": self.encoder.state_dict(),
-                "clocks": self.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
+                "policy": self.policy.state_dict(), "compressor": self.compressor.state_dict(),
+                "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
                 "previous_update": torch.from_numpy(self.update.copy()) if self.has_previous else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
         self.replica.load_state_dict(state["replica"])
         self.policy.load_state_dict(state["policy"])
-        self.encoder.load_state_dict(state["encoder"])
+        self.compressor.load_state_dict(state["compressor"])
         self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
         if state["previous_update"] is not None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import socket
-import sys
 from pathlib import Path
 
 import h5py
@@ -17,7 +15,7 @@ from ..errors import UsageError
 from ..policies import PolicyError, get_policy
 from ..models import build_model
 from . import EXIT_REQUEUE, checkpoint
-from .common import base_codec, load_data
+from .build import base_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
 
@@ -38,6 +36,9 @@ def _launch_problem(config, size: int) -> str | None:
         if size < 2:
             raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the server, ranks 1.. "
                              "are workers): launch with mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+        if size < config.servers + 1:
+            raise UsageError(f"--servers {config.servers} needs at least {config.servers + 1} MPI ranks "
+                             f"(S servers and at least one worker), this run has {size}")
         if "bits" in config.codec_opts:
             raise UsageError("set the bits with --bits (bits = N at the top of a config file), "
                              "not as a codec option: the policy starts from it")
@@ -48,10 +49,10 @@ def _launch_problem(config, size: int) -> str | None:
         if moving and not codec.accepts_bits:
             raise UsageError(f"policy {config.policy!r} chooses bits, but codec {config.codec!r} has no "
                              "bits option: use --policy fixed, or a codec such as uniform or qsgd")
-        if moving and "levels" in config.codec_opts:
+        if moving and not codec.takes_policy_bits:
             raise UsageError(f"codec option levels fixes the quantization, but policy {config.policy!r} "
                              "chooses bits: use --policy fixed, or drop levels")
-        if codec.accepts_bits and "levels" not in config.codec_opts:
+        if codec.takes_policy_bits:
             policy.check_codec(codec)
         dataset = load_data(config)
         with torch.device("meta"):
@@ -95,6 +96,8 @@ def warm_up(config) -> None:
 
 def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = None) -> int:
     """Run this rank's part; ``started`` (time.monotonic) is when the process began, for --walltime."""
+    from .wire.mpi import MpiChannel
+
     rank = comm.Get_rank()
     # Rank 0 compiles first, so the others load from the Numba cache.
     if rank == 0:
@@ -103,18 +106,20 @@ def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = No
     if rank != 0:
         warm_up(config)
     stop = StopFlag(config.walltime, started).install()
+    channel = MpiChannel(comm, config.servers, config.timeout)
     if rank == 0:
-        return _run_server(config, comm, stop, argv)
-    return _run_worker(config, comm)
+        log = lambda message: print(message, flush=True)  # noqa: E731
+        return run_parameter_server(config, channel, stop, argv, log)
+    return run_other_rank(config, channel)
 
 
-def _run_server(config, comm: MPI.Comm, stop: StopFlag, argv: list[str]) -> int:
-    from .server import Server
+def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) -> int:
+    """Rank 0's session: resume, trace, iterate, then checkpoint (exit 75) or finish (0)."""
+    from .server import ParameterServer
     from .tracing import RunTrace
 
-    log = lambda message: print(message, flush=True)  # noqa: E731
-    server = Server(config, comm, stop, log=log)
-    ident = checkpoint.identity(config.to_dict(), comm.Get_size())
+    server = ParameterServer(config, channel, stop, log=log)
+    ident = checkpoint.identity(config.to_dict(), channel.size)
     start = 0
     if config.resume:
         state = checkpoint.load(config.checkpoint_path, ident)
@@ -123,21 +128,27 @@ def _run_server(config, comm: MPI.Comm, stop: StopFlag, argv: list[str]) -> int:
         if start >= config.iterations:
             raise UsageError(f"--resume: the checkpoint is at iteration {start}, --iterations is "
                              f"{config.iterations}: raise --iterations to continue")
-        comm.scatter([None] + [(w, state["server"]["replica"]) for w in state["workers"]], root=0)
+        replica = state["server"]["replica"]
+        channel.scatter_object([None] + list(state.get("servers", [])) + [(w, replica) for w in state["workers"]])
         log(f"mpigrad: resuming from {config.checkpoint_path} at iteration {start}")
-    hosts = comm.gather(socket.gethostname(), root=0)
-    comm.bcast(start, root=0)
-    trace = RunTrace.open(config, server, hosts, argv, resume_at=start if config.resume else None)
+    # Every rank has built its part once this gather returns: no timeout runs before.
+    hosts = channel.gather_object(socket.gethostname())
+    channel.bcast_object(start)
+    trace = RunTrace.open(config, layout=server.replica.layout, workers=server.workers, servers=server.servers,
+                          policy_columns=server.policy.record_columns(),
+                          data_description=server.data_description, hosts=hosts, argv=argv,
+                          resume_at=start if config.resume else None)
     if not config.resume:
-        describe_run(config, server, comm.Get_size(), log)
+        describe_run(config, server, channel.size, log)
     try:
         stopped = server.run(trace, start)
     except BaseException:
         trace.close("failed")
         raise
     if stopped:
-        workers = comm.gather(None, root=0)[1:]
-        checkpoint.save(config.checkpoint_path, ident, server.state_dict(), workers)
+        states = channel.gather_object(None)
+        checkpoint.save(config.checkpoint_path, ident, server.state_dict(), states[server.servers:],
+                        servers=states[1:server.servers])
         trace.close("stopped")
         log(f"mpigrad: {stop.reason}: stopped after iteration {server.iteration}, checkpoint "
             f"{config.checkpoint_path}; exit {EXIT_REQUEUE} (resume with --resume)")
@@ -148,18 +159,22 @@ def _run_server(config, comm: MPI.Comm, stop: StopFlag, argv: list[str]) -> int:
     return 0
 
 
-def _run_worker(config, comm: MPI.Comm) -> int:
-    from .worker import Worker
-
-    worker = Worker(config, comm)
-    if config.resume:
-        worker_state, replica_state = comm.scatter(None, root=0)
-        worker.load_state_dict(worker_state, replica_state)
-    comm.gather(socket.gethostname(), root=0)
-    start = comm.bcast(None, root=0)
-    stopped = worker.run(start)
-    if stopped:
-        comm.gather(worker.state_dict(), root=0)
+def run_other_rank(config, channel) -> int:
+    """A worker's or a shard server's session."""
+    if channel.rank < channel.servers:
+        from .server import ShardServer
+        role = ShardServer(config, channel)
+        if config.resume:
+            role.load_state_dict(channel.scatter_object(None))
+    else:
+        from .worker import Worker
+        role = Worker(config, channel)
+        if config.resume:
+            role.load_state_dict(*channel.scatter_object(None))
+    channel.gather_object(socket.gethostname())
+    start = channel.bcast_object(None)
+    if role.run(start):
+        channel.gather_object(role.state_dict())
         return EXIT_REQUEUE
     return 0
 
@@ -167,7 +182,8 @@ def _run_worker(config, comm: MPI.Comm) -> int:
 def describe_run(config, server, size: int, log) -> None:
     layout = server.replica.layout
     quantized = sum(s.size for s in layout.quantized)
-    log(f"mpigrad {_version()}: {size - 1} workers + server, MPI: {MPI.Get_library_version().splitlines()[0]}")
+    servers = "server" if server.servers == 1 else f"{server.servers} servers"
+    log(f"mpigrad {_version()}: {size - server.servers} workers + {servers}, MPI: {MPI.Get_library_version().splitlines()[0]}")
     log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
         f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))

@@ -1,33 +1,34 @@
-"""Ranks 1..P: compute loss and gradient on a shard, quantize, exchange, update (Alg. 1, worker)."""
+"""Workers (ranks S..S+P-1): compute loss and gradient on a shard of the data, send each
+server its slice, apply the averaged update (MQGrad Alg. 1, worker side). The phase order
+is in :mod:`.iteration`."""
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
-from . import comm as mpi
-from .common import base_codec, build_encoder, build_replica, load_data
-from .protocol import (CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER,
-                       TAG_GRAD, TAG_LOSS, LossMessage, error_frame)
+from .build import base_codec, build_compressor, build_replica, build_shards, load_data
 from .faults import Fault
-from .replica import FrameDecoder, set_frame_encode_seconds
+from .iteration import run_until_stopped
+from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
+                   Control, FrameHeader, FrameLength, LossReport, error_frame)
 
 
 class Worker:
-    def __init__(self, config: RunConfig, comm: MPI.Comm):
-        self.config = config
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        workers = comm.Get_size() - 1
+    def __init__(self, config: RunConfig, channel: Channel):
+        self.config, self.channel = config, channel
+        self.rank = channel.rank
+        self.servers = channel.servers
+        #: 1-based worker number: its data shard and RNG stream, whatever S is.
+        self.number = self.rank - self.servers + 1
+        workers = len(channel.workers)
         dataset = load_data(config)
-        self.sampler = ShardSampler(len(dataset.train_y), self.rank - 1, workers, config.batch_size,
+        self.sampler = ShardSampler(len(dataset.train_y), self.number - 1, workers, config.batch_size,
                                     config.seed)
         # Keep only this worker's shard (sorted global indices -> rows of the copy).
         self.shard = self.sampler.shard
@@ -35,15 +36,17 @@ class Worker:
         self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
         self.replica = build_replica(config, dataset)
         codec = base_codec(config)
-        self.encoder = build_encoder(config, self.replica, codec, rank=self.rank)
-        self.decoder = FrameDecoder(self.replica.layout, codec)
-        n_layers = max(len(self.replica.layout.quantized), 1)
-        self.loss_buf = np.zeros(LOSS_FIELDS, np.float64)
-        self.control = np.zeros(CONTROL_FIXED + n_layers, np.int64)
-        self.frame_len = np.zeros(1, np.int64)
-        self.bcast_frame = np.empty(0, np.uint8)
+        self.shards = build_shards(config, self.replica.layout, codec)
+        self.compressor = build_compressor(config, self.replica.layout, codec, self.number)
+        self.loss_buf = LossReport.buffer()
+        self.control_msg = Control(len(self.replica.layout.quantized))
+        self.lengths = [FrameLength.buffer() for _ in range(self.servers)]
+        self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
+        # Rank 0 detects and names a silent worker; workers give it twice as long before
+        # concluding that a server itself is gone.
+        self.timeout = 2 * config.timeout
 
     def _compute(self) -> tuple[float, float, float]:
         """Forward and backward on the next batch; return (loss, CPU s, wall s)."""
@@ -58,60 +61,74 @@ class Worker:
         loss.backward()
         return loss.item(), time.process_time() - cpu, time.perf_counter() - wall
 
-    def step(self, m: int) -> bool:
-        """Run iteration m; return True when rank 0 asked to stop after it."""
-        # Rank 0 detects and names a silent worker; workers give it twice as long before
-        # concluding that rank 0 itself is gone.
-        config, timeout = self.config, 2 * self.config.timeout
-        loss, cpu, wall = self._compute()
+    # ---- the phases of one iteration (order: iteration.py) ----------------------------------
+    def begin(self, m: int) -> None:
+        self.computed = self._compute()
+
+    def losses(self, m: int) -> None:
+        loss, cpu, wall = self.computed
         if self.fault:
             loss = self.fault.before_send(m, loss, self.replica.gradient_to_host())
         checksum = -1.0
-        if config.checksum_every and m % config.checksum_every == 0:
+        if self.config.checksum_every and m % self.config.checksum_every == 0:
             checksum = float(self.replica.checksum())
-        status = STATUS_OK if math.isfinite(loss) else STATUS_NONFINITE_LOSS
-        LossMessage(loss, cpu, wall, checksum, status).pack(self.loss_buf)
-        mpi.send(self.comm, self.loss_buf, 0, TAG_LOSS, timeout, lambda: f"rank 0 took no loss for iteration {m}")
-        mpi.bcast(self.comm, self.control, timeout, lambda: f"rank 0 sent no bits for iteration {m}")
-        if int(self.control[1]) != m:
-            raise RuntimeError(f"protocol out of step: rank 0 is at iteration {int(self.control[1])}, "
-                               f"rank {self.rank} at {m}")
-        bits = [int(b) for b in self.control[CONTROL_FIXED:]]
+        status = STATUS_OK if np.isfinite(loss) else STATUS_NONFINITE_LOSS
+        LossReport(loss, cpu, wall, checksum, status).pack(self.loss_buf)
+        self.channel.send([(self.loss_buf, 0)], TAG_LOSS, lambda _: f"rank 0 took no loss for iteration {m}")
 
+    def control(self, m: int) -> None:
+        self.channel.broadcast([(self.control_msg.buf, WORLD)], lambda: f"rank 0 sent no bits for iteration {m}")
+        if self.control_msg.iteration != m:
+            raise RuntimeError(f"protocol out of step: rank 0 is at iteration {self.control_msg.iteration}, "
+                               f"rank {self.rank} at {m}")
+
+    def gradients(self, m: int) -> None:
+        bits = self.control_msg.bits
         start = time.process_time()
         grad = self.replica.gradient_to_host()
         try:
-            frame = self.encoder.encode(grad, bits)
-            set_frame_encode_seconds(frame, time.process_time() - start)
+            frames = [self.compressor.encode(grad, bits, shard) for shard in self.shards]
+            seconds = time.process_time() - start
+            for frame in frames:
+                FrameHeader.set_encode_seconds(frame, seconds)
         except CodecError:
             if np.isfinite(grad).all():
                 raise
-            frame = error_frame()
-        mpi.send(self.comm, frame, 0, TAG_GRAD, timeout, lambda: f"rank 0 took no gradient for iteration {m}")
+            frames = [error_frame()] * self.servers
+        self.channel.send(list(zip(frames, range(self.servers))), TAG_GRAD,
+                          lambda pending: f"server rank(s) {', '.join(map(str, pending))} took no gradient "
+                                          f"for iteration {m}")
 
-        mpi.bcast(self.comm, self.frame_len, timeout, lambda: f"rank 0 sent no gradient for iteration {m}")
-        size = int(self.frame_len[0])
-        if self.bcast_frame.size < size:
-            self.bcast_frame = np.empty(size, np.uint8)
-        mpi.bcast(self.comm, self.bcast_frame[:size], timeout, lambda: f"rank 0 sent no gradient for iteration {m}")
+    def broadcast(self, m: int) -> None:
+        describe = lambda: f"the servers sent no gradient for iteration {m}"  # noqa: E731
+        self.channel.broadcast([(self.lengths[s], s) for s in range(self.servers)], describe)
+        views = []
+        for s in range(self.servers):
+            size = int(self.lengths[s][0])
+            if self.frames[s].size < size:
+                self.frames[s] = np.empty(size, np.uint8)
+            views.append(self.frames[s][:size])
+        self.channel.broadcast([(view, s) for s, view in enumerate(views)], describe)
         update = self.replica.update_host
-        self.decoder.decode(self.bcast_frame[:size], update)
-        self.replica.apply_update(update, config.lr)
-        return int(self.control[0]) == STOP_AFTER
+        for shard, view in zip(self.shards, views):
+            self.compressor.decode(view, shard, update)
+
+    def reports(self, m: int) -> None:
+        pass
+
+    def end(self, m: int) -> bool:
+        self.replica.apply_update(self.replica.update_host, self.config.lr)
+        self.iteration = m + 1
+        return self.control_msg.command == STOP_AFTER
 
     def run(self, start_iteration: int = 0) -> bool:
         """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue."""
-        for m in range(start_iteration, self.config.iterations):
-            stop_after = self.step(m)
-            self.iteration = m + 1
-            if stop_after:
-                return True
-        return False
+        return run_until_stopped(self, start_iteration, self.config.iterations)
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "encoder": self.encoder.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.encoder.load_state_dict(state["encoder"])
+        self.compressor.load_state_dict(state["compressor"])
         self.replica.load_state_dict(replica_state)

@@ -181,6 +181,10 @@ class Trace:
         return self._table("workers")
 
     @property
+    def servers(self):
+        return self._table("servers")
+
+    @property
     def eval(self):
         return self._table("eval")
 

@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = [
     "SCHEMA_VERSION", "FORMAT_NAME", "TraceError", "Columns", "STEPS_COLUMNS", "EVAL_COLUMNS",
-    "TABLE_NAMES", "step_columns", "workers_columns", "checksum_columns", "default_tables",
+    "TABLE_NAMES", "step_columns", "workers_columns", "servers_columns", "checksum_columns", "default_tables",
     "validate_tables", "column_spec", "flat_names",
 ]
 
@@ -60,7 +60,7 @@ EVAL_COLUMNS: dict[str, tuple[str, tuple[int, ...]]] = {
 }
 
 #: Tables that ``mpigrad.trace.load`` exposes as attributes of a Trace.
-TABLE_NAMES = ("steps", "workers", "eval", "policy", "checksums")
+TABLE_NAMES = ("steps", "workers", "servers", "eval", "policy", "checksums")
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _DTYPE_KINDS = "biuf"
@@ -77,10 +77,19 @@ def step_columns(extra: Columns | None = None) -> dict[str, tuple[str, tuple[int
 
 
 def workers_columns(workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Per-iteration, per-worker values; index k of each vector is worker k (MPI rank k + 1)."""
+    """Per-iteration, per-worker values; index k of each vector is worker k (MPI rank S + k)."""
     _check_count("workers", workers)
     return {"iteration": ("i8", ()), "loss": ("f8", (workers,)),
             "t_compute": ("f8", (workers,)), "bytes_sent": ("i8", (workers,))}
+
+
+def servers_columns(servers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Per-iteration, per-server values; index s is server rank s (rank 0 serves shard 0).
+    ``bytes_in``: the workers' frames the server received; ``bytes_out``: one copy of its
+    broadcast (length message included); ``t_decode``/``t_encode``: its CPU seconds."""
+    _check_count("servers", servers)
+    return {"iteration": ("i8", ()), "bytes_in": ("i8", (servers,)), "bytes_out": ("i8", (servers,)),
+            "t_decode": ("f8", (servers,)), "t_encode": ("f8", (servers,))}
 
 
 def checksum_columns(ranks: int, dtype: str = "u8") -> dict[str, tuple[str, tuple[int, ...]]]:

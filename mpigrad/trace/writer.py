@@ -173,7 +173,7 @@ class TraceWriter:
         try:
             for name, buffer, shape in columns:
                 value = row[name]
-                if shape and np.shape(value) != shape:
+                if shape and _shape(value) != shape:
                     raise TraceError(f"{table}/{name}: value of shape {np.shape(value)}, "
                                      f"expected {shape}")
                 buffer[n] = value
@@ -187,6 +187,33 @@ class TraceWriter:
             extra = sorted(set(row) - {name for name, _, _ in columns})
             raise TraceError(f"{table} row has unknown columns {extra}")
         self._pending[table] = n + 1
+
+    def extend(self, table: str, block: Mapping[str, Any]) -> None:
+        """Buffer n rows at once: ``block`` maps every column to an array of shape (n, *shape)
+        (one validation and one copy per column instead of per row)."""
+        try:
+            columns = self._columns[table]
+        except KeyError:
+            self._require_open()
+            raise TraceError(f"unknown table {table!r}; this trace has {', '.join(self._columns)}") from None
+        if set(block) != {name for name, _, _ in columns}:
+            raise TraceError(f"{table} block columns {sorted(block)} are not the table's "
+                             f"{sorted(name for name, _, _ in columns)}")
+        arrays = {name: np.asarray(block[name]) for name, _, _ in columns}
+        n = len(arrays["iteration"])
+        for name, _, shape in columns:
+            if arrays[name].shape != (n, *shape):
+                raise TraceError(f"{table}/{name}: block of shape {arrays[name].shape}, expected {(n, *shape)}")
+        done = 0
+        while done < n:
+            if self._pending[table] == self.flush_every:
+                self.flush()
+            start = self._pending[table]
+            take = min(n - done, self.flush_every - start)
+            for name, buffer, _ in columns:
+                buffer[start:start + take] = arrays[name][done:done + take]
+            self._pending[table] = start + take
+            done += take
 
     def flush(self) -> None:
         """Append every buffered row to the file; they survive the process being killed."""
@@ -257,6 +284,16 @@ class TraceWriter:
     def _require_open(self) -> None:
         if self._file is None:
             raise TraceError(f"trace writer for {self.path} is closed")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """np.shape without building an array from a flat list (the common per-row case: it is
+    most of an append's cost)."""
+    if isinstance(value, np.ndarray):
+        return value.shape
+    if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], (list, tuple, np.ndarray))):
+        return (len(value),)
+    return np.shape(value)
 
 
 def _user_attrs(attrs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""Building a rank's parts from the config: data, model replica, codec, shards, compressor, seeds."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import torch
+
+from ..codecs import Codec, get_codec
+from ..config import RunConfig
+from ..data import Dataset, load_dataset
+from ..errors import UsageError
+from ..feedback import ErrorFeedback
+from ..models import build_model
+from .compressor import GradientCompressor
+from .layout import Layout, Shard, pieces_of, plan_shards
+from .replica import Replica
+
+#: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
+SERVER_STREAM = 0
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from (run seed, stream, layer, ...), independent across parts."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for, but torch sees no CUDA device here")
+    return torch.device(name)
+
+
+def base_codec(config: RunConfig) -> Codec:
+    """The run's codec at the initial bits (a codec fixed by its levels keeps them)."""
+    codec = get_codec(config.codec_config())
+    return codec.with_bits(config.bits) if codec.takes_policy_bits else codec
+
+
+_loaded: dict[str, Dataset] = {}
+
+
+def load_data(config: RunConfig) -> Dataset:
+    """The run's dataset; loaded once per process (the launch check and the run share it)."""
+    key = json.dumps([config.data, config.data_dir, config.seed, config.data_opts], sort_keys=True)
+    if key not in _loaded:
+        _loaded.clear()
+        _loaded[key] = load_dataset(config.data, data_dir=config.data_dir, seed=config.seed,
+                                    **config.data_opts)
+    return _loaded[key]
+
+
+def release_data() -> None:
+    """Drop the loaded dataset (rank 0 keeps only the test split it evaluates on)."""
+    _loaded.clear()
+
+
+_seeding = threading.Lock()  # in-process ranks (loopback) share torch's global RNG
+
+
+def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
+    with _seeding:
+        torch.manual_seed(config.seed)
+        model = build_model(config.model, input_shape=dataset.input_shape,
+                            num_classes=dataset.num_classes, **config.model_opts)
+    return Replica(model, config.min_quantize_size, resolve_device(config.device))
+
+
+def build_shards(config: RunConfig, layout: Layout, codec: Codec) -> tuple[Shard, ...]:
+    """The run's shards, balanced by the bytes each piece takes at the initial bits."""
+    def piece_bytes(piece) -> int:
+        return codec.max_encoded_size(piece.size) if piece.quantized else 4 * piece.size
+    return plan_shards(layout, config.servers, piece_bytes, config.shard_chunk)
+
+
+def build_compressor(config: RunConfig, layout: Layout, codec: Codec, stream: int) -> GradientCompressor:
+    """A compressor over the run's pieces; ``stream`` is SERVER_STREAM or the worker's number."""
+    pieces = pieces_of(layout, config.shard_chunk)
+    seeds, chunk = {}, {}
+    for piece in pieces:
+        if piece.quantized:
+            k = chunk[piece.layer] = chunk.get(piece.layer, -1) + 1
+            parts = (config.seed, stream, piece.layer) + ((k,) if k else ())
+            seeds[piece.index] = derive_seed(*parts)
+    feedback = ErrorFeedback(mode=config.error_feedback) if config.error_feedback != "none" else None
+    return GradientCompressor(pieces, codec, seeds, feedback)

@@ -1,0 +1,42 @@
+"""The order of one iteration, written once.
+
+Ranks 0..S-1 are servers (rank 0 also the scheduler and MDP server), ranks S..S+P-1 workers.
+Every role (:class:`~.worker.Worker`, :class:`~.server.ShardServer` for ranks 1..S-1,
+:class:`~.server.ParameterServer` for rank 0) implements the phases below, and
+:func:`run_iteration` calls them in this order on every rank; the messages are laid out in
+:mod:`.wire.messages`.
+
+=============  ==============================  ===========================  ==============================
+phase          worker                          server s > 0                 rank 0
+=============  ==============================  ===========================  ==============================
+``begin``      forward + backward              -                            start the iteration's clock
+``losses``     send LossReport to rank 0       -                            gather the P losses, check them
+``control``    receive Control (world bcast)   receive Control              policy decides bits; broadcast
+``gradients``  encode one frame per shard,     receive + decode-add its     the same for shard 0
+               send frame s to server s        shard's P frames (rank order)
+``broadcast``  receive every shard's frame,    average, re-encode, bcast    the same for shard 0, and
+               decode it into the update       its shard                    receive + decode every shard
+``reports``    -                               send ServerReport to 0       gather the S - 1 reports
+``end``        SGD step; stop if told          stop if told                 SGD step; IterationRecord
+=============  ==============================  ===========================  ==============================
+"""
+
+from __future__ import annotations
+
+PHASES = ("losses", "control", "gradients", "broadcast", "reports")
+
+
+def run_iteration(role, m: int):
+    """Run iteration m on this rank; return what the role's ``end`` returns."""
+    role.begin(m)
+    for phase in PHASES:
+        getattr(role, phase)(m)
+    return role.end(m)
+
+
+def run_until_stopped(role, start: int, iterations: int) -> bool:
+    """A worker's or shard server's loop: True when rank 0 asked to stop (checkpoint)."""
+    for m in range(start, iterations):
+        if run_iteration(role, m):
+            return True
+    return False

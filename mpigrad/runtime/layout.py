@@ -1,0 +1,94 @@
+"""Where each communicated piece of the gradient sits, and which server owns it.
+
+The flat parameter buffer is laid out as [quantized layers in model order, then every small
+layer]. A *piece* is one codec buffer on the wire: a quantized layer (or, with
+``shard_chunk``, a chunk of one), or the small layers together as float32. A *shard* is the
+set of pieces one server aggregates; shards are balanced by bytes with whole pieces
+(layer-aligned unless ``shard_chunk`` cuts large layers, which changes the codec's min/max
+scaling because each chunk is quantized on its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each layer sits in the flat buffers."""
+
+    quantized: tuple[Segment, ...]
+    rest: Segment
+    total: int
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self.quantized + (self.rest,)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One codec buffer: ``layer`` is the quantized layer index (its bits), or -1 for the
+    float32 small layers; ``index`` numbers pieces across the whole layout (RNG stream,
+    error-feedback memory and codec state are per piece)."""
+
+    index: int
+    layer: int
+    offset: int
+    size: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.layer >= 0
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The pieces server ``server`` owns, in layout order (a frame carries them in this order)."""
+
+    server: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def elements(self) -> int:
+        return sum(p.size for p in self.pieces)
+
+
+def pieces_of(layout: Layout, chunk: int = 0) -> list[Piece]:
+    """The layout's pieces: each quantized layer (cut into ``chunk``-element pieces when
+    ``chunk`` > 0 and the layer is larger), then the small layers as one float32 piece."""
+    pieces: list[Piece] = []
+    for layer, segment in enumerate(layout.quantized):
+        step = chunk if chunk and segment.size > chunk else segment.size
+        for start in range(0, segment.size, step):
+            pieces.append(Piece(len(pieces), layer, segment.offset + start, min(step, segment.size - start)))
+    if layout.rest.size:
+        pieces.append(Piece(len(pieces), -1, layout.rest.offset, layout.rest.size))
+    return pieces
+
+
+def plan_shards(layout: Layout, servers: int, piece_bytes, chunk: int = 0) -> tuple[Shard, ...]:
+    """Split the layout over ``servers`` shards, balanced by ``piece_bytes(piece)``.
+
+    Largest piece first onto the least-loaded server (ties: the lower server), then each
+    shard's pieces back in layout order. With one server, shard 0 holds every piece and
+    frames are laid out exactly as a single server's. A server may own no piece when there
+    are fewer pieces than servers; its frames are then empty of segments.
+    """
+    pieces = pieces_of(layout, chunk)
+    if servers == 1:
+        return (Shard(0, tuple(pieces)),)
+    loads = [0] * servers
+    owned: list[list[Piece]] = [[] for _ in range(servers)]
+    for piece in sorted(pieces, key=lambda p: (-piece_bytes(p), p.index)):
+        target = min(range(servers), key=lambda s: (loads[s], s))
+        owned[target].append(piece)
+        loads[target] += piece_bytes(piece)
+    return tuple(Shard(s, tuple(sorted(owned[s], key=lambda p: p.index))) for s in range(servers))

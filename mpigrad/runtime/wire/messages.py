@@ -1,0 +1,201 @@
+"""Every message of one iteration, as a named layout over a preallocated numpy buffer.
+
+With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), per iteration m
+(the order is driven by :mod:`mpigrad.runtime.iteration`):
+
+1. ``LossReport``   worker -> rank 0, tag LOSS, float64[5]
+                    (loss, compute CPU s, compute wall s, parameter CRC-32 or -1, status).
+2. ``Control``      rank 0 -> every rank, broadcast on the world,
+                    int64[3 + L] (command, iteration, reserved, bits of each quantized layer).
+3. gradient frame   worker -> server s, tag GRAD, uint8: ``FrameHeader`` then one codec
+                    buffer per piece of shard s (see :mod:`mpigrad.runtime.layout`).
+                    A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
+4. ``FrameLength``  server s -> its broadcast group (rank 0 and the workers), int64[1],
+   then the frame  the averaged, re-encoded gradient of shard s, same layout as 3.
+5. ``ServerReport`` server s > 0 -> rank 0, tag REPORT, float64[3 + P]
+                    (bytes broadcast, decode CPU s, encode CPU s, each worker's frame bytes).
+
+Frame header (little-endian): magic b"MGFR" (4), piece count uint32 (4), the sender's encode
+seconds float64 (8), then each piece's byte length uint64 (8 per piece). A decoder checks the
+magic, the count and that the lengths fill the frame exactly before it hands any piece to a
+codec, which validates the piece again.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+TAG_LOSS = 11
+TAG_GRAD = 12
+TAG_REPORT = 13
+
+# Control commands.
+CONTINUE = 1
+STOP_AFTER = 2   # finish this iteration, then checkpoint and exit for requeue
+
+# Loss report status.
+STATUS_OK = 0.0
+STATUS_NONFINITE_LOSS = 1.0
+
+
+class FrameError(ValueError):
+    """A gradient frame that does not parse."""
+
+
+@dataclass
+class LossReport:
+    """Message 1: float64[FIELDS]."""
+
+    loss: float
+    compute_cpu: float
+    compute_wall: float
+    checksum: float
+    status: float
+
+    FIELDS = 5
+    NBYTES = 8 * FIELDS
+
+    @staticmethod
+    def buffer(rows: int | None = None) -> np.ndarray:
+        return np.zeros(LossReport.FIELDS if rows is None else (rows, LossReport.FIELDS), np.float64)
+
+    def pack(self, buf: np.ndarray) -> np.ndarray:
+        buf[:] = (self.loss, self.compute_cpu, self.compute_wall, self.checksum, self.status)
+        return buf
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray) -> "LossReport":
+        return cls(*(float(v) for v in buf[:cls.FIELDS]))
+
+    @property
+    def finite(self) -> bool:
+        return self.status != STATUS_NONFINITE_LOSS and math.isfinite(self.loss)
+
+
+class Control:
+    """Message 2: int64[FIXED + layers], one reused buffer per rank."""
+
+    COMMAND, ITERATION = 0, 1
+    FIXED = 3
+
+    def __init__(self, layers: int):
+        self.buf = np.zeros(self.FIXED + max(layers, 1), np.int64)
+
+    def set(self, command: int, iteration: int, bits: list[int]) -> None:
+        self.buf[self.COMMAND] = command
+        self.buf[self.ITERATION] = iteration
+        self.buf[self.FIXED:self.FIXED + len(bits)] = bits
+
+    @property
+    def command(self) -> int:
+        return int(self.buf[self.COMMAND])
+
+    @property
+    def iteration(self) -> int:
+        return int(self.buf[self.ITERATION])
+
+    @property
+    def bits(self) -> list[int]:
+        return [int(b) for b in self.buf[self.FIXED:]]
+
+
+class FrameHeader:
+    """Message 3/4 header: magic, piece count, encode seconds, piece lengths."""
+
+    MAGIC = b"MGFR"
+    _HEAD = struct.Struct("<4sId")
+    ENCODE_SECONDS = slice(8, 16)
+
+    @classmethod
+    def size(cls, pieces: int) -> int:
+        return cls._HEAD.size + 8 * pieces
+
+    @classmethod
+    def capacity(cls, piece_capacities: list[int]) -> int:
+        return cls.size(len(piece_capacities)) + sum(piece_capacities)
+
+    @classmethod
+    def write(cls, frame: np.ndarray, lengths: list[int], encode_seconds: float = 0.0) -> int:
+        """Write the header for pieces already placed back to back; return the frame length."""
+        frame[:cls._HEAD.size] = np.frombuffer(cls._HEAD.pack(cls.MAGIC, len(lengths), encode_seconds), np.uint8)
+        frame[cls._HEAD.size:cls.size(len(lengths))] = np.frombuffer(
+            np.asarray(lengths, dtype="<u8").tobytes(), np.uint8)
+        return cls.size(len(lengths)) + sum(lengths)
+
+    @classmethod
+    def set_encode_seconds(cls, frame: np.ndarray, seconds: float) -> None:
+        frame[cls.ENCODE_SECONDS] = np.frombuffer(np.float64(seconds).tobytes(), np.uint8)
+
+    @classmethod
+    def read(cls, frame: np.ndarray, pieces: int) -> tuple[float, list[np.ndarray]]:
+        """Split a frame into its piece buffers (views); FrameError if it does not add up."""
+        if frame.size < cls.size(pieces):
+            raise FrameError(f"gradient frame of {frame.size} bytes is shorter than its header")
+        magic, count, encode_seconds = cls._HEAD.unpack_from(frame[:cls._HEAD.size].tobytes())
+        if magic != cls.MAGIC or count != pieces:
+            raise FrameError(f"bad gradient frame header (magic {magic!r}, {count} segments, "
+                             f"expected {pieces})")
+        lengths = [int(n) for n in np.frombuffer(frame[cls._HEAD.size:cls.size(count)].tobytes(), "<u8")]
+        offset = cls.size(count)
+        if min(lengths, default=1) == 0 or sum(lengths) != frame.size - offset:
+            raise FrameError(f"gradient frame segments of {lengths} bytes do not fill the "
+                             f"{frame.size - offset} bytes the frame carries")
+        views = []
+        for length in lengths:
+            views.append(frame[offset:offset + length])
+            offset += length
+        return encode_seconds, views
+
+
+ERROR_MAGIC = b"MGER"
+
+
+def error_frame() -> np.ndarray:
+    """Message 3 when the worker's gradient is not finite."""
+    return np.frombuffer(ERROR_MAGIC + bytes(12), np.uint8).copy()
+
+
+def is_error_frame(frame: np.ndarray) -> bool:
+    return frame.size == 16 and frame[:4].tobytes() == ERROR_MAGIC
+
+
+class FrameLength:
+    """Message 4a: int64[1], the byte length of the broadcast frame that follows."""
+
+    NBYTES = 8
+
+    @staticmethod
+    def buffer() -> np.ndarray:
+        return np.zeros(1, np.int64)
+
+
+@dataclass
+class ServerReport:
+    """Message 5: float64[FIXED + P], what server s > 0 did this iteration (for the record):
+    its broadcast bytes (length message included), decode and encode CPU seconds, then the
+    byte size of each worker's frame it received."""
+
+    bytes_out: float
+    t_decode: float
+    t_encode: float
+    sizes: list
+
+    FIXED = 3
+
+    @staticmethod
+    def buffer(workers: int, rows: int | None = None) -> np.ndarray:
+        width = ServerReport.FIXED + workers
+        return np.zeros(width if rows is None else (rows, width), np.float64)
+
+    def pack(self, buf: np.ndarray) -> np.ndarray:
+        buf[:self.FIXED] = (self.bytes_out, self.t_decode, self.t_encode)
+        buf[self.FIXED:] = self.sizes
+        return buf
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray) -> "ServerReport":
+        return cls(float(buf[0]), float(buf[1]), float(buf[2]), [int(n) for n in buf[cls.FIXED:]])

@@ -1,0 +1,83 @@
+"""The MPI channel: nonblocking mpi4py buffer calls on numpy arrays, sleep-polled.
+
+MPI's blocking calls spin a core while they wait. With more ranks than cores (laptops, CI,
+oversubscribed nodes) a spinning rank steals the cycles the computing ranks need, so every
+wait here polls ``Test`` and sleeps between polls (:class:`~.channel.Backoff`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from .channel import WORLD, Backoff, Channel
+
+
+def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[list], str]) -> None:
+    pending = set(range(len(requests)))
+    backoff = Backoff(timeout, lambda: describe([keys[i] for i in sorted(pending)]))
+    while True:
+        for i in list(pending):
+            if requests[i].Test():
+                pending.discard(i)
+        if not pending:
+            return
+        backoff.sleep()
+
+
+class MpiChannel(Channel):
+    def __init__(self, comm: MPI.Comm, servers: int, timeout: float):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.servers = servers
+        self.timeout = timeout
+        self._groups: dict[Any, MPI.Comm] = {WORLD: comm}
+        if servers == 1:
+            self._groups[0] = comm
+        else:
+            world_group = comm.Get_group()
+            for s in range(servers):
+                members = self.members(s)
+                if self.rank in members:  # collective over the members only, root first
+                    self._groups[s] = comm.Create_group(world_group.Incl(members), tag=100 + s)
+            world_group.Free()
+
+    def send(self, items, tag, describe) -> None:
+        requests = [self.comm.Isend(buf, dest=dest, tag=tag) for buf, dest in items]
+        _wait_all(requests, [dest for _, dest in items], self.timeout, describe)
+
+    def recv(self, items, tag, describe) -> None:
+        requests = [self.comm.Irecv(buf, source=source, tag=tag) for buf, source in items]
+        _wait_all(requests, [source for _, source in items], self.timeout, describe)
+
+    def frames(self, sources, tag, buffers, describe) -> Iterator[tuple[int, np.ndarray]]:
+        waiting = set(sources)
+        status = MPI.Status()
+        backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
+        while waiting:
+            if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+                backoff.sleep()
+                continue
+            source, count = status.Get_source(), status.Get_count(MPI.BYTE)
+            if buffers[source].size < count:
+                buffers[source] = np.empty(count, np.uint8)
+            self.comm.Recv([buffers[source], count, MPI.BYTE], source=source, tag=tag)
+            waiting.discard(source)
+            backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
+            yield source, buffers[source][:count]
+
+    def broadcast(self, items, describe) -> None:
+        requests = [self._groups[group].Ibcast(buf, root=0) for buf, group in items]
+        _wait_all(requests, [group for _, group in items], self.timeout, lambda pending: describe())
+
+    def gather_object(self, obj):
+        return self.comm.gather(obj, root=0)
+
+    def scatter_object(self, objs):
+        return self.comm.scatter(objs, root=0)
+
+    def bcast_object(self, obj):
+        return self.comm.bcast(obj, root=0)

@@ -1,0 +1,171 @@
+"""Runtime v2 protocol tests without mpiexec: every rank an object on a thread of this
+process, talking through the loopback channel (the mpiexec tests run the MPI channel).
+
+The sessions run as under mpiexec (rank 0 writes a real HDF5 trace and checkpoint); only
+the channel differs. Configurations are tiny so that each test takes well under a second
+of work beyond the first Numba load.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from mpigrad.config import RunConfig
+from mpigrad.runtime import EXIT_REQUEUE
+from mpigrad.runtime.layout import Layout, Segment, pieces_of, plan_shards
+from mpigrad.runtime.session import run_other_rank, run_parameter_server
+from mpigrad.runtime.stopping import StopFlag
+from mpigrad.runtime.wire import FrameError, FrameHeader, PeerTimeout
+from mpigrad.runtime.wire.loopback import LoopbackNetwork
+from mpigrad.trace import load
+
+BASE = dict(model_opts={"fc_sizes": [64, 64]}, min_quantize_size=2000, iterations=6, batch_size=8,
+            net_mode="virtual", compute_time=0.01, eval_every=0, progress_every=0, checksum_every=2,
+            seed=5, lr=0.01)
+
+
+class StopAfter(StopFlag):
+    """A stop request that arrives when rank 0 asks for the ``calls``-th time."""
+
+    def __init__(self, calls: int):
+        super().__init__()
+        self.calls = calls
+        self.signal_name = None
+
+    def requested(self, *args) -> bool:
+        self.calls -= 1
+        if self.calls < 0:
+            self.signal_name = "SIGUSR1"
+        return self.signal_name is not None
+
+
+def run(tmp_path, servers=1, workers=2, stop=None, timeout=20.0, name="run.h5", **options):
+    """Run every rank's session on its own thread; return (rank 0's exit code, errors by rank)."""
+    config = RunConfig(**{**BASE, **options, "servers": servers, "trace": str(tmp_path / name)})
+    net = LoopbackNetwork(servers + workers, servers, timeout=timeout)
+    errors: dict[int, BaseException] = {}
+    codes: dict[int, int] = {}
+
+    def rank_main(rank):
+        try:
+            channel = net.channel(rank)
+            if rank == 0:
+                codes[0] = run_parameter_server(config, channel, stop or StopFlag(), ["test"],
+                                                lambda message: None)
+            else:
+                codes[rank] = run_other_rank(config, channel)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(net.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    return codes.get(0), errors, config
+
+
+def test_a_full_run_traces_every_iteration_with_bytes_per_server(tmp_path):
+    code, errors, config = run(tmp_path, servers=2, workers=2)
+    assert code == 0 and not errors, errors
+    tr = load(config.trace)
+    assert list(tr.steps["iteration"]) == list(range(6)) and tr.complete
+    servers = tr.servers
+    assert servers.filter(like="bytes_in").shape[1] == 2
+    # What the workers sent adds up to what the servers received, and to the steps' bytes_up.
+    np.testing.assert_array_equal(servers.filter(like="bytes_in").sum(axis=1),
+                                  tr.workers.filter(like="bytes_sent").sum(axis=1))
+    np.testing.assert_array_equal(tr.steps["bytes_up"], tr.workers.filter(like="bytes_sent").sum(axis=1) + 2 * 40)
+    assert (servers.filter(like="bytes_out").to_numpy() > 0).all()
+
+
+def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
+    options = dict(codec="qsgd", policy="adaptive", bits=3, error_feedback="residual")
+    code1, errors1, one = run(tmp_path, servers=1, workers=2, name="s1.h5", **options)
+    code2, errors2, two = run(tmp_path, servers=2, workers=2, name="s2.h5", **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(one.trace), load(two.trace)
+    np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
+    np.testing.assert_array_equal(a.workers.filter(like="loss"), b.workers.filter(like="loss"))
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    np.testing.assert_array_equal(a.policy.filter(like="error").to_numpy(), b.policy.filter(like="error").to_numpy())
+
+
+def test_stop_and_resume_continue_the_straight_run(tmp_path):
+    options = dict(codec="qsgd", policy="mqgrad", bits=2, error_feedback="residual", servers=2)
+    code, errors, straight = run(tmp_path, name="straight.h5", **options)
+    assert code == 0 and not errors, errors
+    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(2), **options)
+    assert code == EXIT_REQUEUE and not errors, errors
+    assert load(stopped.trace).status == "stopped" and stopped.checkpoint_path.exists()
+    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
+    assert code == 0 and not errors, errors
+    a, b = load(straight.trace), load(stopped.trace)
+    for column in ("loss", "bits", "bytes_up", "bytes_down", "sim_time"):
+        np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+
+
+def test_a_worker_that_dies_is_named_by_rank_0(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPIGRAD_INJECT_FAULT", "raise:3:2")
+    code, errors, config = run(tmp_path, servers=1, workers=3, timeout=1.0)
+    assert "injected fault at iteration 2" in str(errors[3])
+    assert isinstance(errors[0], PeerTimeout)
+    assert str(errors[0]) == "worker rank(s) 3 sent no loss for iteration 2 within 1 s"
+    assert load(config.trace).status == "failed"
+
+
+def test_a_shard_server_that_dies_is_named_by_rank_0(tmp_path, monkeypatch):
+    from mpigrad.runtime import server
+
+    original = server.ShardServer.reports
+
+    def dying(self, m):
+        if m == 1:
+            raise RuntimeError("server lost")
+        original(self, m)
+
+    monkeypatch.setattr(server.ShardServer, "reports", dying)
+    code, errors, _ = run(tmp_path, servers=2, workers=2, timeout=1.0)
+    assert str(errors[1]) == "server lost"
+    assert str(errors[0]) == "server rank(s) 1 sent no report for iteration 1 within 1 s"
+
+
+@pytest.mark.parametrize("fault, rank, message", [
+    ("nan-loss:2:1", 0, "worker rank 2 computed a non-finite loss (nan) at iteration 1"),
+    ("nan-grad:3:2", 1, "worker rank 3 computed a non-finite gradient at iteration 2"),
+])
+def test_non_finite_values_stop_the_run_naming_the_worker(tmp_path, monkeypatch, fault, rank, message):
+    monkeypatch.setenv("MPIGRAD_INJECT_FAULT", fault)
+    code, errors, _ = run(tmp_path, servers=2, workers=2, timeout=1.0)
+    assert message in str(errors[rank]), errors
+
+
+def test_frames_are_checked_before_any_codec_reads_them():
+    frame = np.zeros(FrameHeader.capacity([8, 8]), np.uint8)
+    length = FrameHeader.write(frame, [8, 8], 0.25)
+    encode_seconds, views = FrameHeader.read(frame[:length], 2)
+    assert encode_seconds == 0.25 and [v.size for v in views] == [8, 8]
+    with pytest.raises(FrameError, match="expected 3"):
+        FrameHeader.read(frame[:length], 3)
+    with pytest.raises(FrameError, match="do not fill"):
+        FrameHeader.read(frame[:length - 1], 2)
+    with pytest.raises(FrameError, match="shorter than its header"):
+        FrameHeader.read(frame[:10], 2)
+
+
+def test_shards_are_layer_aligned_and_balanced_by_bytes():
+    layout = Layout((Segment("a", 0, 600), Segment("b", 600, 300), Segment("c", 900, 300)),
+                    Segment("small layers", 1200, 50), 1250)
+    shards = plan_shards(layout, 2, lambda p: p.size)
+    assert [[p.layer for p in s.pieces] for s in shards] == [[0, -1], [1, 2]]   # largest first, ties to the lower server
+    assert sum(s.elements for s in shards) == 1250
+    one = plan_shards(layout, 1, lambda p: p.size)
+    assert [p.layer for p in one[0].pieces] == [0, 1, 2, -1]
+    # Cutting large layers is explicit, and then a 600-element layer can be split.
+    assert [p.size for p in pieces_of(layout, 250)] == [250, 250, 100, 250, 50, 250, 50, 50]
+    chunked = plan_shards(layout, 3, lambda p: p.size, chunk=250)
+    assert sorted(s.elements for s in chunked) == [350, 400, 500]
