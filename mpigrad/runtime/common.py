@@ -38,6 +38,21 @@ def base_codec(config: RunConfig) -> Codec:
     return codec
 
 
+def broadcast_codec(config: RunConfig) -> tuple[Codec, int | None]:
+    """The codec of rank 0's broadcast (``--broadcast-codec``) and its fixed bits, or None
+    when its bits follow the policy's. UsageError for a codec or bits it cannot take."""
+    codec_config, bits = config.broadcast_codec_config()
+    try:
+        codec = get_codec(codec_config)
+        if bits is not None:
+            codec = codec.with_bits(bits)
+        elif codec.accepts_bits and "levels" not in codec_config:
+            codec = codec.with_bits(config.bits)
+    except ValueError as exc:
+        raise UsageError(f"--broadcast-codec {config.broadcast_codec}: {exc}") from None
+    return codec, bits
+
+
 _loaded: dict[str, Dataset] = {}
 
 
@@ -59,6 +74,7 @@ def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
 
 
 def build_encoder(config: RunConfig, replica: Replica, codec: Codec, rank: int) -> FrameEncoder:
+    """Rank ``rank``'s frame encoder; rank 0's encodes the broadcast (pass its codec)."""
     n_layers = len(replica.layout.quantized)
     seeds = [derive_seed(config.seed, rank, layer) for layer in range(n_layers)]
     feedback = None

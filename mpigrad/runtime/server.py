@@ -13,7 +13,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..policies import Observation, get_policy
 from . import comm as mpi
-from .common import base_codec, build_encoder, build_replica, load_data
+from .common import base_codec, broadcast_codec, build_encoder, build_replica, load_data
 from .environment import threads_per_rank
 from .network import Clocks, LinkModel
 from .protocol import (CONTINUE, CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STOP_AFTER,
@@ -47,8 +47,10 @@ class Server:
         self.n_layers = len(layout.quantized)
         self.policy = get_policy(config.policy_config(), n_layers=max(self.n_layers, 1),
                                  seed=config.seed)
-        self.encoder = build_encoder(config, self.replica, self.codec, rank=0)
+        down_codec, self.broadcast_bits = broadcast_codec(config)
+        self.encoder = build_encoder(config, self.replica, down_codec, rank=0)
         self.decoder = FrameDecoder(layout, self.codec)
+        self.broadcast_decoder = FrameDecoder(layout, down_codec)
         # What the trace's bits column says when the codec ignores the policy's bits.
         self.fixed_bits = int(getattr(self.codec, "bits", None) or self.codec.nominal_bits)
         self.link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
@@ -63,7 +65,9 @@ class Server:
         state_bytes = 4 * self.replica.layout.total * (2 + self.workers * (config.error_feedback != "none"))
         self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
-        # Reused buffers: nothing gradient-sized is allocated per iteration.
+        # Reused buffers: nothing gradient-sized is allocated per iteration. After an
+        # iteration grad_sum holds the average of the workers' decoded gradients, before the
+        # broadcast's re-quantization: what the policies observe (docs/policies.rst).
         total = layout.total
         self.grad_sum = np.zeros(total, np.float32)
         self.update = self.replica.update_host
@@ -102,7 +106,7 @@ class Server:
     def _observation(self, m: int, loss: float) -> Observation:
         grads = ()
         if self.has_previous:
-            grads = tuple(self.update[s.offset:s.offset + s.size] for s in self.replica.layout.quantized)
+            grads = tuple(self.grad_sum[s.offset:s.offset + s.size] for s in self.replica.layout.quantized)
         return Observation(iteration=m, loss=loss, last_iteration_ms=self.last_iteration_ms,
                            gradients=grads, codec=self.codec if self.codec.accepts_bits else None)
 
@@ -164,17 +168,19 @@ class Server:
         t_comm += link.charge(link.gather(sizes))
         start = time.process_time()
         np.multiply(self.grad_sum, np.float32(1.0 / P), out=self.grad_sum)
-        frame = self.encoder.encode(self.grad_sum, bits)
+        bits_down = bits if self.broadcast_bits is None else [self.broadcast_bits] * len(bits)
+        frame = self.encoder.encode(self.grad_sum, bits_down)
         server_encode = time.process_time() - start
         self.frame_len[0] = frame.size
         mpi.bcast(self.comm, self.frame_len, config.timeout, lambda: f"gradient broadcast of iteration {m} stalled")
         mpi.bcast(self.comm, frame, config.timeout, lambda: f"gradient broadcast of iteration {m} stalled")
         t_comm += link.charge(link.bcast(self.frame_len.nbytes + frame.size, P))
         start = time.process_time()
-        self.decoder.decode(frame, self.update)
+        self.broadcast_decoder.decode(frame, self.update)
         t_decode += time.process_time() - start
         self.replica.apply_update(self.update, config.lr)
         self.has_previous = True
+        norm_ratio = self._norm_ratio()
 
         t_compute = max(msg.compute_cpu if self.cpu_clock else msg.compute_wall for msg in messages)
         t_encode = worker_encode + server_encode
@@ -194,7 +200,7 @@ class Server:
         bytes_down = P * (self.control.nbytes + self.frame_len.nbytes + frame.size)
         self.trace.step(dict(
             iteration=m, wall_time=wall_now, sim_time=self.clocks.sim, loss=loss,
-            bits=traced_bits[0], bits_layers=traced_bits, bytes_up=bytes_up, bytes_down=bytes_down,
+            bits=traced_bits[0], bits_layers=traced_bits, norm_ratio=norm_ratio, bytes_up=bytes_up, bytes_down=bytes_down,
             t_compute=t_compute, t_encode=t_encode, t_decode=t_decode, t_comm=t_comm,
             t_policy=t_policy),
             workers=dict(iteration=m, loss=[msg.loss for msg in messages],
@@ -203,6 +209,17 @@ class Server:
             checksums=checksums, policy_rows=self.policy.drain_records())
         self.bytes_total += bytes_up + bytes_down
         return stop_after
+
+    def _norm_ratio(self) -> list[float]:
+        """||Q(g)|| / ||g|| per quantized layer: g the average of the workers' decoded
+        gradients, Q(g) the decoded broadcast every rank applies (NaN where g = 0)."""
+        ratios = []
+        for s in self.replica.layout.quantized:
+            g = self.grad_sum[s.offset:s.offset + s.size]
+            u = self.update[s.offset:s.offset + s.size]
+            energy = float(np.dot(g, g))
+            ratios.append(math.sqrt(float(np.dot(u, u)) / energy) if energy > 0 else math.nan)
+        return ratios or [math.nan]
 
     def _mean_iteration_seconds(self, m: int) -> float:
         """Mean wall seconds per iteration in this session (0 before the first one ends)."""
@@ -257,7 +274,7 @@ class Server:
         return {"iteration": self.iteration, "replica": self.replica.state_dict(),
                 "policy": self.policy.state_dict(), "encoder": self.encoder.state_dict(),
                 "clocks": self.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
-                "previous_update": torch.from_numpy(self.update.copy()) if self.has_previous else None}
+                "previous_average": torch.from_numpy(self.grad_sum.copy()) if self.has_previous else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -266,8 +283,8 @@ class Server:
         self.encoder.load_state_dict(state["encoder"])
         self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
-        if state["previous_update"] is not None:
-            self.update[:] = state["previous_update"].numpy()
+        if state["previous_average"] is not None:
+            self.grad_sum[:] = state["previous_average"].numpy()
             self.has_previous = True
 
 

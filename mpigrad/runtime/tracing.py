@@ -26,7 +26,8 @@ class RunTrace:
         layout = server.replica.layout
         n_layers = max(len(layout.quantized), 1)
         tables = {
-            "steps": {**schema.STEPS_COLUMNS, "bits_layers": ("i4", (n_layers,))},
+            "steps": {**schema.STEPS_COLUMNS, "bits_layers": ("i4", (n_layers,)),
+                      "norm_ratio": ("f8", (n_layers,))},
             "workers": schema.workers_columns(workers),
             "eval": schema.EVAL_COLUMNS,
             "policy": server.policy.record_columns(),

@@ -13,7 +13,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
 from . import comm as mpi
-from .common import base_codec, build_encoder, build_replica, load_data
+from .common import base_codec, broadcast_codec, build_encoder, build_replica, load_data
 from .protocol import (CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER,
                        TAG_GRAD, TAG_LOSS, LossMessage, error_frame)
 from .faults import Fault
@@ -36,7 +36,7 @@ class Worker:
         self.replica = build_replica(config, dataset)
         codec = base_codec(config)
         self.encoder = build_encoder(config, self.replica, codec, rank=self.rank)
-        self.decoder = FrameDecoder(self.replica.layout, codec)
+        self.decoder = FrameDecoder(self.replica.layout, broadcast_codec(config)[0])
         n_layers = max(len(self.replica.layout.quantized), 1)
         self.loss_buf = np.zeros(LOSS_FIELDS, np.float64)
         self.control = np.zeros(CONTROL_FIXED + n_layers, np.int64)
