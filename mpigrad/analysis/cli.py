@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "compare", help="methods over seeds: time to a target loss with 95% CIs, loss/accuracy at times, bytes",
         description="Group runs by the config keys in which they differ (the seed excepted) and "
                     "report per group: runs, how many reached the target, mean time to target on "
-                    "the simulated clock with its 95%% confidence interval (Student t), the ratio to "
+                    "the simulated clock with its 95% confidence interval (Student t), the ratio to "
                     "the best fixed-bits group, megabytes sent, and loss and accuracy at given times. "
                     "Runs whose trace is not complete are flagged and left out.")
     compare.add_argument("files", nargs="+", metavar="RUN")
