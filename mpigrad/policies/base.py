@@ -41,7 +41,7 @@ class Observation:
     iteration: int                          # m, 0-based
     loss: float                             # global loss L^m: mean of the workers' losses
     last_iteration_ms: float                # duration of iteration m-1 on the run's clock (0.0 at m=0)
-    gradients: Sequence[np.ndarray] = ()    # averaged float32 gradient of iteration m-1, per layer
+    gradients: Sequence[np.ndarray] = ()    # workers' averaged gradient of m-1, per layer, before re-quantization
     codec: object | None = None             # the run's codec (accepts_bits) for error-based policies
 
     def __post_init__(self):
