@@ -29,6 +29,8 @@ NET_MODES = ("virtual", "sleep", "off")
 #: diverge at 0.2 and learn steadily at 0.01.
 DEFAULT_LR = {"cifar10": 0.2, "digits": 0.01, "synthetic": 0.05}
 BROADCASTS = ("star", "tree")
+#: ``broadcast_codec`` values besides a codec id (``fp16``) or ``CODEC:BITS`` (``uniform:8``).
+BROADCAST_CODECS = ("paper", "same")
 ERROR_FEEDBACK = ("none", "residual", "accumulate")
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -51,7 +53,7 @@ class RunConfig:
     bits: int = 2
     policy: str = "mqgrad"
     policy_opts: dict[str, Any] = field(default_factory=dict)
-    min_quantize_size: int = 10000
+    min_quantize_size: int | None = None   # None: the model's paper layers (quantized_parameters)
     servers: int = 1                 # ranks 0..servers-1 are parameter servers, one shard each
     shard_chunk: int = 0             # cut quantized layers into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
@@ -59,6 +61,7 @@ class RunConfig:
     latency: float = 0.0
     net_mode: str = "virtual"
     broadcast: str = "star"
+    broadcast_codec: str = "paper"
     compute_time: float | None = None
     seed: int = 0
     trace: str = "mpigrad-trace.h5"
@@ -110,6 +113,31 @@ class RunConfig:
         config = {"id": self.codec, **self.codec_opts}
         return config
 
+    def broadcast_codec_config(self) -> tuple[dict[str, Any], int | None]:
+        """(codec config, fixed bits or None) of the server's broadcast.
+
+        ``paper``: MQGrad's reading (Alg. 1 line 54: re-quantize the average with the workers'
+        codec and bits), except for ``mcgq``, whose paper merges the workers' samples by
+        all-reduce and never samples the average again: its average travels as float32.
+        ``same``: the workers' codec and bits. ``CODEC``: that codec with its default options,
+        following the policy's bits when it has a bits option. ``CODEC:BITS``: at fixed bits.
+        Bits None means: follow the policy's bits.
+        """
+        choice = self.broadcast_codec
+        if choice == "paper":
+            choice = "fp32" if self.codec == "mcgq" else "same"
+        if choice == "same":
+            return self.codec_config(), None
+        name, sep, bits_text = choice.partition(":")
+        if not sep:
+            return {"id": name}, None
+        try:
+            bits = int(bits_text)
+        except ValueError:
+            raise UsageError(f"broadcast_codec {self.broadcast_codec!r}: expected CODEC:BITS with "
+                             f"an integer BITS, e.g. uniform:8") from None
+        return {"id": name}, bits
+
     def policy_config(self) -> dict[str, Any]:
         """The policy's config; ``bits`` becomes its ``bits`` or ``initial_bits`` option."""
         from .policies import policy_options
@@ -133,7 +161,8 @@ class RunConfig:
             (self.lr is not None and self.lr > 0 and math.isfinite(self.lr), "lr must be a positive number"),
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
-            (self.min_quantize_size >= 1, "min_quantize_size must be at least 1"),
+            (self.min_quantize_size is None or self.min_quantize_size >= 1,
+             "min_quantize_size must be at least 1"),
             (self.servers >= 1, f"servers must be at least 1, got {self.servers}"),
             (self.shard_chunk >= 0, f"shard_chunk must be >= 0 (0: never cut a layer), got {self.shard_chunk}"),
             (self.error_feedback in ERROR_FEEDBACK,
@@ -142,6 +171,7 @@ class RunConfig:
             (self.latency >= 0, "latency must be >= 0"),
             (self.net_mode in NET_MODES, f"net_mode must be one of {', '.join(NET_MODES)}"),
             (self.broadcast in BROADCASTS, f"broadcast must be one of {', '.join(BROADCASTS)}"),
+            (bool(self.broadcast_codec), "broadcast_codec must not be empty"),
             (self.compute_time is None or self.compute_time >= 0, "compute_time must be >= 0"),
             (0 <= self.seed < 2**63, "seed must be a non-negative integer"),
             (self.trace_flush >= 1, "trace_flush must be at least 1"),
@@ -214,7 +244,8 @@ def parse_assignments(items: list[str] | None, what: str) -> dict[str, Any] | No
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
-_OPTIONAL_TYPES = {"threads": int, "eval_samples": int, "data_dir": str, "checkpoint": str, "lr": float}
+_OPTIONAL_TYPES = {"threads": int, "eval_samples": int, "data_dir": str, "checkpoint": str, "lr": float,
+                   "min_quantize_size": int}
 _CONVERTERS = {"bandwidth": parse_rate, "latency": parse_duration, "compute_time": parse_duration,
                "walltime": parse_duration, "timeout": parse_duration}
 

@@ -250,16 +250,34 @@ def bad_files(runs, tmp_path_factory) -> dict[str, Path]:
     ("newer", "newer than this mpigrad reads"), ("truncated", "truncated"),
     ("empty", "the run recorded no iterations"),
 ])
-@pytest.mark.parametrize("action", ["summary", "table", "plot", "export"])
-def test_bad_files_exit_2_with_one_line(bad_files, runs, tmp_path, capsys, kind, message, action):
+@pytest.mark.parametrize("action", ["summary", "table", "plot", "export", "compare"])
+def test_a_bad_file_alone_exits_2_with_one_line(bad_files, tmp_path, capsys, kind, message, action):
     extra = {"summary": [], "table": ["--at", "5h"], "plot": ["-o", tmp_path / "x.png"],
-             "export": ["--csv", tmp_path / "out"]}[action]
-    files = [bad_files[kind]] if action == "export" else [runs["fix2"], bad_files[kind]]
-    code, out, err = cli(capsys, action, *files, *extra)
+             "export": ["--csv", tmp_path / "out"], "compare": ["--target-loss", "1"]}[action]
+    code, out, err = cli(capsys, action, bad_files[kind], *extra)
     assert code == 2 and out == ""
     assert err.startswith(f"mpigrad trace: error: {bad_files[kind]}") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "x.png").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "no such file"), ("text", "not an HDF5 file"), ("truncated", "truncated"),
+    ("empty", "the run recorded no iterations"),
+])
+@pytest.mark.parametrize("action", ["summary", "table", "plot", "compare"])
+def test_a_bad_file_among_many_is_reported_and_the_rest_go_on(bad_files, runs, tmp_path, capsys, kind,
+                                                               message, action):
+    extra = {"summary": [], "table": ["--at", "5h"], "plot": ["-o", tmp_path / "x.png"],
+             "compare": ["--target-loss", "1.5"]}[action]
+    code, out, err = cli(capsys, action, runs["fix2"], bad_files[kind], runs["mqgrad"], *extra)
+    assert code == 1, err
+    assert err.startswith(f"mpigrad trace: error: {bad_files[kind]}") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    if action == "plot":
+        assert (tmp_path / "x.png").stat().st_size > 0
+    else:
+        assert "Fix (2-bit)" in out and "MQGrad" in out
 
 
 @pytest.mark.parametrize("args, message", [

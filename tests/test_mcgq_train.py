@@ -24,7 +24,9 @@ DYNAMIC = ["--codec", "mcgq", "--codec-opt", "dynamic=true", "--policy", "fixed"
 
 # A step large enough that K visibly moves (d is about 0.32 / (n K), so the default step
 # of 1.0 moves K by ~1e-5 on these layers), and deterministic clocks so that traces compare.
-RESUMABLE = [*SMALL_RUN, *DYNAMIC, "--codec-opt", "step=300", "--net-mode", "virtual",
+# The server re-samples its broadcast with MCGQ too (not the paper's float32 default), so
+# that every rank's encoder holds adapted codec state.
+RESUMABLE = [*SMALL_RUN, *DYNAMIC, "--broadcast-codec", "same", "--codec-opt", "step=300", "--net-mode", "virtual",
              "--compute-time", "20ms", "--seed", "3", "--progress-every", "5"]
 
 

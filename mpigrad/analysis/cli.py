@@ -6,6 +6,7 @@ Reads trace files only: never imports mpi4py, torch or numba.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable
 
 from ..errors import UsageError
@@ -49,6 +50,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plot.add_argument("--title")
     _add_smooth(plot)
 
+    compare = actions.add_parser(
+        "compare", help="methods over seeds: time to a target loss with 95% CIs, loss/accuracy at times, bytes",
+        description="Group runs by the config keys in which they differ (the seed excepted) and "
+                    "report per group: runs, how many reached the target, mean time to target on "
+                    "the simulated clock with its 95% confidence interval (Student t), the ratio to "
+                    "the best fixed-bits group, megabytes sent, and loss and accuracy at given times. "
+                    "Runs whose trace is not complete are flagged and left out.")
+    compare.add_argument("files", nargs="+", metavar="RUN")
+    compare.add_argument("--target-loss", type=float, required=True, help="training loss to reach")
+    compare.add_argument("--by", action="append", metavar="KEY",
+                         help="group by this config key only (repeatable; e.g. lr, policy, policy_opts.T)")
+    compare.add_argument("--at", metavar="TIMES", help="simulated times for loss and accuracy columns, e.g. 60s,5m")
+    compare.add_argument("--plot", metavar="FILE", help="also draw mean curves with 95%% bands (.png, .pdf, .svg)")
+    compare.add_argument("--include-incomplete", action="store_true",
+                         help="use stopped, failed or running traces in the statistics too")
+    _add_smooth(compare)
+    _add_format(compare)
+
     export = actions.add_parser("export", help="write every table as CSV and the attributes as JSON")
     export.add_argument("file")
     export.add_argument("--csv", required=True, metavar="DIR", help="output folder (created if needed)")
@@ -71,13 +90,41 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
 
 
-def _load_runs(paths: list[str]) -> tuple[list[Trace], list[str]]:
-    from .summary import require_steps, unique_labels
+class _Skipped:
+    """Files of a multi-file action that could not be read: reported, then a non-zero exit."""
 
-    traces = [load(path) for path in paths]
-    for trace in traces:
-        require_steps(trace)
-    return traces, unique_labels(traces)
+    def __init__(self):
+        self.count = 0
+
+    def exit_code(self, code: int) -> int:
+        return EXIT_SKIPPED if self.count and code == 0 else code
+
+
+#: Exit code of a multi-file action that skipped unreadable files and reported the rest.
+EXIT_SKIPPED = 1
+
+
+def _load_runs(paths: list[str], skipped: _Skipped | None = None) -> tuple[list[Trace], list[str]]:
+    """Traces and their labels (``labels.run_labels``). With ``skipped``, a file that cannot be
+    read is reported on stderr in one line and left out; without, it stops the action."""
+    from .labels import run_labels
+    from .summary import require_steps
+
+    traces = []
+    for path in paths:
+        try:
+            trace = load(path)
+            require_steps(trace)
+        except (TraceError, AnalysisError) as exc:
+            if skipped is None or len(paths) == 1:
+                raise
+            print(f"mpigrad trace: error: {exc} (skipped)", file=sys.stderr, flush=True)
+            skipped.count += 1
+            continue
+        traces.append(trace)
+    if not traces:
+        raise AnalysisError("none of the files could be read")
+    return traces, run_labels(traces)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -94,29 +141,50 @@ def _info(args: argparse.Namespace) -> int:
 def _summary(args: argparse.Namespace) -> int:
     from .summary import summarize, summary_columns
 
-    traces, labels = _load_runs(args.files)
+    skipped = _Skipped()
+    traces, labels = _load_runs(args.files, skipped)
     rows = [summarize(trace, label, target_loss=args.target_loss, clock=args.clock, smooth=args.smooth)
             for trace, label in zip(traces, labels)]
     print(render(rows, summary_columns(target_loss=args.target_loss, clock=args.clock), args.format), end="")
-    return 0
+    return skipped.exit_code(0)
 
 
 def _table(args: argparse.Namespace) -> int:
     points = parse_points(args.at, iterations=args.iterations)
-    traces, labels = _load_runs(args.files)
+    skipped = _Skipped()
+    traces, labels = _load_runs(args.files, skipped)
     rows, columns = accuracy_table(traces, labels, points, clock=args.clock, metric=args.metric)
     print(render(rows, columns, args.format), end="")
-    return 0
+    return skipped.exit_code(0)
 
 
 def _plot(args: argparse.Namespace) -> int:
     from .plots import plot_traces
 
-    traces, labels = _load_runs(args.files)
+    skipped = _Skipped()
+    traces, labels = _load_runs(args.files, skipped)
     output = plot_traces(traces, labels, args.output, x=args.x, smooth=args.smooth,
                          accuracy=not args.no_accuracy, title=args.title)
     print(f"wrote {output}")
-    return 0
+    return skipped.exit_code(0)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import compare_columns, compare_rows, group_runs, partial_note, plot_compare
+
+    points = parse_points(args.at) if args.at else []
+    if args.smooth < 1:
+        raise AnalysisError(f"smoothing window must be at least 1 iteration, got {args.smooth}")
+    skipped = _Skipped()
+    traces, _ = _load_runs(args.files, skipped)
+    groups = group_runs(traces, args.by, include_incomplete=args.include_incomplete)
+    rows = compare_rows(groups, args.target_loss, points, smooth=args.smooth)
+    print(render(rows, compare_columns(args.target_loss, points), args.format), end="")
+    if args.format != "csv":
+        print(partial_note(rows), end="")
+    if args.plot:
+        print(f"wrote {plot_compare(groups, args.plot, smooth=args.smooth)}")
+    return skipped.exit_code(0)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -127,5 +195,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 _ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "info": _info, "summary": _summary, "table": _table, "plot": _plot, "export": _export,
+    "info": _info, "summary": _summary, "table": _table, "plot": _plot, "compare": _compare,
+    "export": _export,
 }

@@ -40,11 +40,7 @@ def _thin(n: int) -> slice:
 def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Path, *, x: str = "sim",
                 smooth: int = 1, accuracy: bool = True, title: str | None = None) -> Path:
     """Draw loss, test accuracy (when evaluated) and bits, one line per run, into ``output``."""
-    output = Path(output)
-    if output.suffix.lower() not in FORMATS:
-        raise AnalysisError(f"output {output} must end in {', '.join(FORMATS)}")
-    if not output.parent.is_dir():
-        raise AnalysisError(f"cannot write {output}: folder {output.parent} does not exist")
+    output = check_output(output)
     if x not in X_AXES:
         raise AnalysisError(f"unknown x axis {x!r} ({', '.join(X_AXES)})")
     for trace in traces:
@@ -91,7 +87,22 @@ def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Pa
     axes["bits"].set_ylim(low - 0.5, high + 0.5)
     axes["bits"].yaxis.set_major_locator(MaxNLocator(nbins=min(high - low + 1, 6), integer=True))
     axes["bits"].set_xlabel(xlabel)
-    for ax in axes.values():
+    return finish(figure, axes.values(), output, title)
+
+
+def check_output(output: str | Path) -> Path:
+    """``output`` as a Path; AnalysisError unless it is a .png/.pdf/.svg in an existing folder."""
+    output = Path(output)
+    if output.suffix.lower() not in FORMATS:
+        raise AnalysisError(f"output {output} must end in {', '.join(FORMATS)}")
+    if not output.parent.is_dir():
+        raise AnalysisError(f"cannot write {output}: folder {output.parent} does not exist")
+    return output
+
+
+def finish(figure, axes, output: Path, title: str | None) -> Path:
+    """Grid and x from 0 on every panel, the title, then save."""
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.set_xlim(left=0)
     if title:

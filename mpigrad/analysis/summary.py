@@ -13,7 +13,7 @@ Definitions (all sums run over the rows of the ``steps`` table):
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from ..trace import STEPS_COLUMNS, Trace
 from .tables import CLOCKS, AnalysisError, Column
 
 __all__ = ["require_steps", "smoothed_loss", "time_to_target", "overhead_fraction",
-           "compression_ratio", "summarize", "summary_columns", "unique_labels", "describe"]
+           "compression_ratio", "summarize", "summary_columns", "describe"]
 
 
 def require_steps(trace: Trace) -> None:
@@ -105,13 +105,6 @@ def summary_columns(*, target_loss: float | None = None, clock: str = "sim") -> 
         columns += [Column("target_sim", f"sim_s_to_{target_loss:g}", ".1f"),
                     Column("target_wall", f"wall_s_to_{target_loss:g}", ".1f")]
     return columns + [Column("overhead", f"quant_%_{clock}", ".2f")]
-
-
-def unique_labels(traces: Sequence[Trace]) -> list[str]:
-    """Method labels, with the run name appended where two runs share a label."""
-    labels = [trace.label for trace in traces]
-    return [f"{label} ({trace.name})" if labels.count(label) > 1 else label
-            for label, trace in zip(labels, traces)]
 
 
 def describe(trace: Trace) -> list[tuple[str, str]]:

@@ -3,9 +3,10 @@
     model = build_model("paper-cnn", input_shape=(3, 32, 32), num_classes=10)
     loss = model.loss(model(x), y, weight_decay)     # cross-entropy + l2 term
     model.l2_parameters()                            # the tensors the l2 term covers
+    model.quantized_parameters()                     # the tensors the paper quantizes
 
-Every model is a ``torch.nn.Module`` with ``forward``, ``loss``, ``l2_parameters`` and
-``get_config``; nothing inside is device-specific (the runtime moves it) and nothing sets
+Every model is a ``torch.nn.Module`` with ``forward``, ``loss``, ``l2_parameters``,
+``quantized_parameters`` and ``get_config``; nothing inside is device-specific (the runtime moves it) and nothing sets
 torch's thread count.
 """
 

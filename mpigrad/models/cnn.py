@@ -127,6 +127,12 @@ class PaperCNN(nn.Module):
         """The tensors the l2 term covers: the weights of the two big fully connected layers."""
         return [self.fc1.weight, self.fc2.weight]
 
+    def quantized_parameters(self) -> list[nn.Parameter]:
+        """The tensors the paper quantizes (Sec. 4.1: "the third and fourth layers have about
+        99.2% of the network parameters"): the weights of the two big fully connected layers.
+        Their biases (fc_sizes[0] + fc_sizes[1] values) travel as float32 with the rest."""
+        return [self.fc1.weight, self.fc2.weight]
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, weight_decay: float) -> torch.Tensor:
         """Scalar: mean cross-entropy + ``weight_decay * sum(w**2) / 2`` over ``l2_parameters()``."""
         weight_decay = check_weight_decay(weight_decay)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import (Observation, Policy, PolicyError, check_bits_range, check_bool, check_choice,
-                   check_float, check_int, register_policy)
+from .base import (Observation, PeriodicPolicy, PolicyError, bits_codec, check_bits_range, check_bool,
+                   check_choice, check_float, check_int, layer_gradients, register_policy)
 
 ERRORS = ("relative", "mse")
 
@@ -88,7 +88,7 @@ class Workspace:
 
 
 @register_policy
-class AdaptivePolicy(Policy):
+class AdaptivePolicy(PeriodicPolicy):
     """Fewest bits whose estimated quantization error stays under ``threshold``."""
 
     policy_id = "adaptive"
@@ -109,11 +109,8 @@ class AdaptivePolicy(Policy):
             pid, "initial_bits", initial_bits, self.min_bits, self.max_bits)
         self.per_layer = check_bool(pid, "per_layer", per_layer)
         start = self.max_bits if self.initial_bits is None else self.initial_bits
-        self._bits: tuple[int, ...] = (start,) * self.n_layers
-        self._next_decision = 0      # first iteration at which a gradient triggers a decision
-        self._decisions = 0          # decisions taken (moves the subsample's offset)
-        self._records: list[dict[str, Any]] = []
         self._workspace = Workspace()
+        self._start((start,) * self.n_layers)   # _decisions also moves the subsample's offset
 
     def _config(self):
         return {"threshold": self.threshold, "error": self.error, "interval": self.interval,
@@ -124,26 +121,10 @@ class AdaptivePolicy(Policy):
     def bits_range(self):
         return self.min_bits, self.max_bits
 
-    def decide(self, obs: Observation) -> tuple[int, ...]:
-        if len(obs.gradients) and obs.iteration >= self._next_decision:
-            self._choose(obs)
-            self._next_decision = obs.iteration + self.interval
-        return self._bits
-
-    def _choose(self, obs: Observation) -> None:
-        if len(obs.gradients) != self.n_layers:
-            raise PolicyError(f"policy 'adaptive': got {len(obs.gradients)} gradients for "
-                              f"{self.n_layers} quantized layers")
-        codec = obs.codec
-        if codec is None or not getattr(codec, "accepts_bits", False):
-            raise PolicyError("policy 'adaptive' needs the run's codec, one with a 'bits' option, "
-                              f"in Observation.codec (got {codec!r})")
+    def _choose(self, obs: Observation) -> tuple[int, ...]:
+        codec = bits_codec(self.policy_id, obs)
         rows = []
-        for layer, gradient in enumerate(obs.gradients):
-            gradient = np.asarray(gradient)
-            if gradient.ndim != 1 or gradient.dtype.kind != "f":
-                raise PolicyError(f"policy 'adaptive': layer {layer} gradient must be a 1-D float "
-                                  f"array, got {gradient.dtype} of shape {gradient.shape}")
+        for layer, gradient in enumerate(layer_gradients(self.policy_id, obs, self.n_layers)):
             sample = strided_sample(gradient, self.sample_size, self._decisions,
                                     self._workspace.sample(self.sample_size or gradient.size))
             errors = np.full(self.max_bits - self.min_bits + 1, np.nan)
@@ -161,32 +142,14 @@ class AdaptivePolicy(Policy):
                          "error": errors, "sample_size": sample.size,
                          "sample_norm": float(np.sqrt(np.dot(sample, sample)))})
         choices = [row["layer_bits"] for row in rows]
-        self._bits = tuple(choices) if self.per_layer else (max(choices),) * self.n_layers
-        for row, bits in zip(rows, self._bits):
-            row["bits"] = bits
+        bits = tuple(choices) if self.per_layer else (max(choices),) * self.n_layers
+        for row, layer_bits in zip(rows, bits):
+            row["bits"] = layer_bits
         self._records.extend(rows)
-        self._decisions += 1
+        return bits
 
     def record_columns(self):
         levels = self.max_bits - self.min_bits + 1
         return {"iteration": ("i8", ()), "layer": ("i4", ()), "bits": ("i4", ()),
                 "layer_bits": ("i4", ()), "error": ("f8", (levels,)), "sample_size": ("i8", ()),
                 "sample_norm": ("f8", ())}
-
-    def drain_records(self):
-        records, self._records = self._records, []
-        return records
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"bits": list(self._bits), "next_decision": self._next_decision,
-                "decisions": self._decisions}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        bits = tuple(int(b) for b in state["bits"])
-        if len(bits) != self.n_layers or not all(self.min_bits <= b <= self.max_bits for b in bits):
-            raise PolicyError(f"policy 'adaptive': checkpoint bits {bits} do not fit {self.n_layers} "
-                              f"layers in [{self.min_bits}, {self.max_bits}]")
-        self._bits = bits
-        self._next_decision = int(state["next_decision"])
-        self._decisions = int(state["decisions"])
-        self._records = []

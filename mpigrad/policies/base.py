@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = [
-    "Policy", "PolicyError", "Observation", "BITS_LIMITS", "register_policy", "get_policy",
+    "Policy", "PeriodicPolicy", "PolicyError", "Observation", "BITS_LIMITS", "register_policy", "get_policy",
     "available", "policy_class", "policy_options", "parse_policy_options",
 ]
 
@@ -41,7 +41,7 @@ class Observation:
     iteration: int                          # m, 0-based
     loss: float                             # global loss L^m: mean of the workers' losses
     last_iteration_ms: float                # duration of iteration m-1 on the run's clock (0.0 at m=0)
-    gradients: Sequence[np.ndarray] = ()    # averaged float32 gradient of iteration m-1, per layer
+    gradients: Sequence[np.ndarray] = ()    # workers' averaged gradient of m-1, per layer, before re-quantization
     codec: object | None = None             # the run's codec (accepts_bits) for error-based policies
 
     def __post_init__(self):
@@ -187,6 +187,30 @@ def check_bits_range(policy_id: str, min_bits: Any, max_bits: Any) -> tuple[int,
     return lo, hi
 
 
+def layer_gradients(policy_id: str, obs: "Observation", n_layers: int) -> list[np.ndarray]:
+    """``obs.gradients`` checked: one 1-D float array per quantized layer; PolicyError otherwise."""
+    if len(obs.gradients) != n_layers:
+        raise PolicyError(f"policy {policy_id!r}: got {len(obs.gradients)} gradients for "
+                          f"{n_layers} quantized layers")
+    gradients = []
+    for layer, gradient in enumerate(obs.gradients):
+        gradient = np.asarray(gradient)
+        if gradient.ndim != 1 or gradient.dtype.kind != "f":
+            raise PolicyError(f"policy {policy_id!r}: layer {layer} gradient must be a 1-D float "
+                              f"array, got {gradient.dtype} of shape {gradient.shape}")
+        gradients.append(gradient)
+    return gradients
+
+
+def bits_codec(policy_id: str, obs: "Observation") -> Any:
+    """``obs.codec`` when it has a bits option; PolicyError otherwise."""
+    codec = obs.codec
+    if codec is None or not getattr(codec, "accepts_bits", False):
+        raise PolicyError(f"policy {policy_id!r} needs the run's codec, one with a 'bits' option, "
+                          f"in Observation.codec (got {codec!r})")
+    return codec
+
+
 def _bounds_text(low: int | None, high: int | None) -> str:
     if low is not None and high is not None:
         return f" in [{low}, {high}]"
@@ -278,3 +302,50 @@ class Policy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise PolicyError(f"policy {self.policy_id!r} is stateless; got state keys {sorted(state)}")
+
+
+class PeriodicPolicy(Policy):
+    """A policy that re-decides every ``self.interval`` iterations from the observed gradients.
+
+    Subclasses set ``interval``, call ``_start(bits)`` at the end of ``__init__`` and
+    implement ``_choose(obs) -> bits``, appending their trace rows to ``self._records``;
+    ``self._decisions`` counts the decisions taken before the current one.
+    """
+
+    interval: int
+
+    def _start(self, bits: tuple[int, ...]) -> None:
+        self._bits = tuple(bits)
+        self._next_decision = 0      # first iteration at which a gradient triggers a decision
+        self._decisions = 0
+        self._records: list[dict[str, Any]] = []
+
+    @abstractmethod
+    def _choose(self, obs: Observation) -> tuple[int, ...]:
+        """The bits of every layer from ``obs.gradients`` (present, not yet checked)."""
+
+    def decide(self, obs: Observation) -> tuple[int, ...]:
+        if len(obs.gradients) and obs.iteration >= self._next_decision:
+            self._bits = tuple(self._choose(obs))
+            self._next_decision = obs.iteration + self.interval
+            self._decisions += 1
+        return self._bits
+
+    def drain_records(self):
+        records, self._records = self._records, []
+        return records
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bits": list(self._bits), "next_decision": self._next_decision,
+                "decisions": self._decisions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        bits = tuple(int(b) for b in state["bits"])
+        lo, hi = self.bits_range()
+        if len(bits) != self.n_layers or not all(lo <= b <= hi for b in bits):
+            raise PolicyError(f"policy {self.policy_id!r}: checkpoint bits {bits} do not fit "
+                              f"{self.n_layers} layers in [{lo}, {hi}]")
+        self._bits = bits
+        self._next_decision = int(state["next_decision"])
+        self._decisions = int(state["decisions"])
+        self._records = []

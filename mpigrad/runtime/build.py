@@ -41,6 +41,21 @@ def base_codec(config: RunConfig) -> Codec:
     return codec.with_bits(config.bits) if codec.takes_policy_bits else codec
 
 
+def broadcast_codec(config: RunConfig) -> tuple[Codec, int | None]:
+    """The codec of the servers' broadcast (``--broadcast-codec``) and its fixed bits, or None
+    when its bits follow the policy's. UsageError for a codec or bits it cannot take."""
+    codec_config, bits = config.broadcast_codec_config()
+    try:
+        codec = get_codec(codec_config)
+        if bits is not None:
+            codec = codec.with_bits(bits)
+        elif codec.takes_policy_bits:
+            codec = codec.with_bits(config.bits)
+    except ValueError as exc:
+        raise UsageError(f"--broadcast-codec {config.broadcast_codec}: {exc}") from None
+    return codec, bits
+
+
 _loaded: dict[str, Dataset] = {}
 
 
@@ -88,3 +103,15 @@ def build_compressor(config: RunConfig, layout: Layout, codec: Codec, stream: in
             seeds[piece.index] = derive_seed(*parts)
     feedback = ErrorFeedback(mode=config.error_feedback) if config.error_feedback != "none" else None
     return GradientCompressor(pieces, codec, seeds, feedback)
+
+
+def build_broadcast_compressor(config: RunConfig, layout: Layout, codec: Codec,
+                               compressor: GradientCompressor) -> GradientCompressor:
+    """The compressor of the servers' broadcast (``--broadcast-codec``): ``compressor`` (built
+    for the workers' ``codec``) when the broadcast uses that codec, else one of its own on
+    stream SERVER_STREAM. Servers re-encode the average with it, every rank decodes the
+    broadcast with it; a server's checkpoint holds its state."""
+    down = broadcast_codec(config)[0]
+    if down.get_config() == codec.get_config():
+        return compressor
+    return build_compressor(config, layout, down, SERVER_STREAM)

@@ -45,10 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("quantization")
     g.add_argument("--codec", help=f"gradient codec (default {d.codec})")
     g.add_argument("--codec-opt", action="append", metavar="KEY=VALUE", help="codec option, e.g. bucket_size=512")
-    g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits})")
-    g.add_argument("--policy", help=f"bit policy: fixed | schedule | adaptive | mqgrad (default {d.policy})")
+    g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); "
+                   "uniform: 2**bits levels from min to max; qsgd: the sign is one of the bits, "
+                   "s = 2**(bits-1) - 1 levels per sign (bits 4 gives s = 7)")
+    g.add_argument("--policy", help=f"bit policy: fixed | schedule | adaptive | mqgrad | accordion | lgreco "
+                   f"(default {d.policy})")
     g.add_argument("--policy-opt", action="append", metavar="KEY=VALUE", help="policy option, e.g. epsilon=0.1")
-    g.add_argument("--min-quantize-size", type=int, help=f"layers with fewer elements travel as float32 (default {d.min_quantize_size})")
+    g.add_argument("--min-quantize-size", type=int, help="quantize every parameter of at least this many elements, "
+                   "the rest travels as float32 (default: the layers the paper quantizes, the weights "
+                   "of the two big fully connected layers)")
+    g.add_argument("--broadcast-codec", metavar="CODEC", help="codec of the server's broadcast of the average: "
+                   "paper (default: the workers' codec and bits, as MQGrad's Alg. 1; mcgq: fp32, as its "
+                   "all-reduce), same, fp32, fp16, a codec id at the policy's bits, or CODEC:BITS e.g. uniform:8")
     g.add_argument("--error-feedback", choices=["none", "residual", "accumulate"], help="error-feedback memory (default none)")
     g = parser.add_argument_group("parameter servers")
     g.add_argument("--servers", type=int, help="ranks 0..S-1 are servers, each aggregating a slice of the "

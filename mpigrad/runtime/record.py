@@ -32,13 +32,14 @@ class IterationRecord:
     server_bytes_out: list[int]     # per server: its broadcast frame (one copy, length included)
     server_t_decode: list[float]
     server_t_encode: list[float]
+    norm_ratio: list[float]         # ||Q(g)|| / ||g|| per quantized layer (g the workers' average)
     checksums: list[int] | None = None          # every rank's parameter CRC, on checksum iterations
     policy_rows: list[dict] = field(default_factory=list)
 
     def steps_row(self) -> dict:
         bits = self.bits
         return dict(iteration=self.iteration, wall_time=self.wall_time, sim_time=self.sim_time,
-                    loss=self.loss, bits=bits[0], bits_layers=bits, bytes_up=self.bytes_up,
+                    loss=self.loss, bits=bits[0], bits_layers=bits, norm_ratio=self.norm_ratio, bytes_up=self.bytes_up,
                     bytes_down=self.bytes_down, t_compute=self.t_compute, t_encode=self.t_encode,
                     t_decode=self.t_decode, t_comm=self.t_comm, t_policy=self.t_policy)
 

@@ -19,12 +19,19 @@ from .layout import Layout, Segment
 class Replica:
     """Model, flat buffers and the SGD update shared by server and workers."""
 
-    def __init__(self, model: torch.nn.Module, min_quantize_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, min_quantize_size: int | None, device: torch.device):
+        """Quantized: every parameter of at least ``min_quantize_size`` elements, or with
+        None the model's ``quantized_parameters()`` (the layers the paper quantizes)."""
         self.model = model.to(device)
         self.device = device
         params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        big = [(n, p) for n, p in params if p.numel() >= min_quantize_size]
-        small = [(n, p) for n, p in params if p.numel() < min_quantize_size]
+        if min_quantize_size is None:
+            chosen = {id(p) for p in self.model.quantized_parameters()}
+            quantize = lambda p: id(p) in chosen  # noqa: E731
+        else:
+            quantize = lambda p: p.numel() >= min_quantize_size  # noqa: E731
+        big = [(n, p) for n, p in params if quantize(p)]
+        small = [(n, p) for n, p in params if not quantize(p)]
         total = sum(p.numel() for _, p in params)
         self.flat = torch.empty(total, dtype=torch.float32, device=device)
         self.flat_grad = torch.zeros(total, dtype=torch.float32, device=device)

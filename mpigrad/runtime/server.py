@@ -11,6 +11,7 @@ broadcast into its replica (for evaluation, checksums and checkpoints) and retur
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -18,15 +19,16 @@ import torch
 
 from ..codecs import CodecError
 from ..config import RunConfig
-from ..policies import Observation, get_policy
-from .build import SERVER_STREAM, base_codec, build_compressor, build_replica, build_shards, load_data, release_data
+from ..policies import Observation, get_policy, policy_class
+from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
+                    build_replica, build_shards, load_data, release_data)
 from .clock import Clocks, IterationClock, LinkModel
 from .environment import threads_per_rank
 from .faults import Fault
 from .iteration import run_iteration, run_until_stopped
 from .record import IterationRecord
 from .stopping import StopFlag
-from .wire import (CONTINUE, STOP_AFTER, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
+from .wire import (CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
                    FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
 
 
@@ -35,12 +37,23 @@ class TrainingError(RuntimeError):
 
 
 class ShardAggregator:
-    """One server's shard: receive, decode-add in rank order, average, re-encode."""
+    """One server's shard: receive, decode-add in rank order, average, re-encode.
 
-    def __init__(self, config: RunConfig, channel: Channel, shard, compressor, total: int):
-        self.config, self.channel, self.shard, self.compressor = config, channel, shard, compressor
+    ``decoder`` decodes the workers' frames, ``compressor`` re-encodes the average with the
+    broadcast's codec (``--broadcast-codec``; the same object when it is the workers'), at
+    ``broadcast_bits`` when fixed, else at the iteration's bits. After ``encode``,
+    ``grad_sum`` holds the workers' average of this shard's pieces before the re-encode:
+    what the policies observe and what ``norm_ratio`` compares the broadcast with.
+    """
+
+    def __init__(self, config: RunConfig, channel: Channel, shard, decoder, compressor, total: int,
+                 broadcast_bits: int | None):
+        self.config, self.channel, self.shard = config, channel, shard
+        self.decoder, self.compressor, self.broadcast_bits = decoder, compressor, broadcast_bits
         self.workers = channel.workers
         self.grad_sum = np.zeros(total, np.float32)
+        self.quantized = [piece for piece in shard.pieces if piece.quantized]
+        self.average = np.empty(sum(piece.size for piece in self.quantized), np.float32)
         self.recv_buffers = {rank: np.empty(0, np.uint8) for rank in self.workers}
         self.frame_len = FrameLength.buffer()
         self.frame: np.ndarray | None = None
@@ -70,7 +83,7 @@ class ShardAggregator:
             while next_rank in arrived:
                 start = time.process_time()
                 try:
-                    encode_seconds = self.compressor.decode(arrived.pop(next_rank), self.shard, self.grad_sum,
+                    encode_seconds = self.decoder.decode(arrived.pop(next_rank), self.shard, self.grad_sum,
                                                             accumulate=next_rank != first)
                 except (CodecError, FrameError) as exc:
                     raise TrainingError(f"bad gradient frame from worker rank {next_rank} at iteration "
@@ -86,9 +99,35 @@ class ShardAggregator:
         for piece in self.shard.pieces:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
             np.multiply(part, np.float32(1.0 / len(self.workers)), out=part)
+        if self.broadcast_bits is not None:
+            bits = [self.broadcast_bits] * len(bits)
         self.frame = self.compressor.encode(self.grad_sum, bits, self.shard)
         self.frame_len[0] = self.frame.size
         return time.process_time() - start
+
+    def energies(self, n_layers: int) -> list[float]:
+        """||g||^2 of this shard's part of each quantized layer, g the average (after ``encode``)."""
+        energies = [0.0] * n_layers
+        for piece in self.quantized:
+            g = self.grad_sum[piece.offset:piece.offset + piece.size]
+            energies[piece.layer] += float(np.dot(g, g))
+        return energies
+
+    def pack_average(self) -> np.ndarray:
+        """The average of this shard's quantized pieces, in piece order (message 6)."""
+        pos = 0
+        for piece in self.quantized:
+            self.average[pos:pos + piece.size] = self.grad_sum[piece.offset:piece.offset + piece.size]
+            pos += piece.size
+        return self.average
+
+    def unpack_average(self, shard, average: np.ndarray) -> None:
+        """Write another server's message 6 for ``shard`` into ``grad_sum``."""
+        pos = 0
+        for piece in shard.pieces:
+            if piece.quantized:
+                self.grad_sum[piece.offset:piece.offset + piece.size] = average[pos:pos + piece.size]
+                pos += piece.size
 
 
 def _stalled(m: int):
@@ -106,10 +145,14 @@ class ShardServer:
         layout = replica.layout
         self.n_layers = len(layout.quantized)
         shard = build_shards(config, layout, codec)[self.rank]
-        self.compressor = build_compressor(config, layout, codec, SERVER_STREAM)
-        self.aggregator = ShardAggregator(config, channel, shard, self.compressor, layout.total)
+        decoder = build_compressor(config, layout, codec, SERVER_STREAM)
+        self.compressor = build_broadcast_compressor(config, layout, codec, decoder)
+        self.aggregator = ShardAggregator(config, channel, shard, decoder, self.compressor, layout.total,
+                                          broadcast_codec(config)[1])
+        #: Rank 0's policy observes the whole average: send it this shard's part (message 6).
+        self.send_average = policy_class(config.policy).uses_gradients
         self.control_msg = Control(self.n_layers)
-        self.report = ServerReport.buffer(len(channel.workers))
+        self.report = ServerReport.buffer(len(channel.workers), max(self.n_layers, 1))
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
 
@@ -136,10 +179,14 @@ class ShardServer:
     def reports(self, m: int) -> None:
         if self.fault:
             self.fault.before_send(m, 0.0, None)
-        ServerReport(self.aggregator.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode,
-                     self.sizes).pack(self.report)
+        agg = self.aggregator
+        ServerReport(agg.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode, self.sizes,
+                     agg.energies(max(self.n_layers, 1))).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT,
                           lambda pending: f"rank 0 took no report for iteration {m}")
+        if self.send_average:
+            self.channel.send([(agg.pack_average(), 0)], TAG_AVERAGE,
+                              lambda pending: f"rank 0 took no average for iteration {m}")
 
     def end(self, m: int) -> bool:
         self.iteration = m + 1
@@ -176,8 +223,15 @@ class ParameterServer:
         self.n_layers = len(layout.quantized)
         self.policy = get_policy(config.policy_config(), n_layers=max(self.n_layers, 1), seed=config.seed)
         self.shards = build_shards(config, layout, self.codec)
-        self.compressor = build_compressor(config, layout, self.codec, SERVER_STREAM)
-        self.aggregator = ShardAggregator(config, channel, self.shards[0], self.compressor, layout.total)
+        decoder = build_compressor(config, layout, self.codec, SERVER_STREAM)
+        self.compressor = build_broadcast_compressor(config, layout, self.codec, decoder)
+        self.aggregator = ShardAggregator(config, channel, self.shards[0], decoder, self.compressor, layout.total,
+                                          broadcast_codec(config)[1])
+        # With S > 1 the other servers send their part of the average (message 6) when the
+        # policy observes it: aggregator.grad_sum is then the whole average, as with S = 1.
+        self.receive_averages = self.servers > 1 and self.policy.uses_gradients
+        self.averages = {s: np.empty(sum(p.size for p in self.shards[s].pieces if p.quantized), np.float32)
+                         for s in range(1, self.servers)} if self.receive_averages else {}
         link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time)
@@ -192,7 +246,8 @@ class ParameterServer:
         self.has_previous = False
         self.loss_rows = LossReport.buffer(self.workers)
         self.control_msg = Control(self.n_layers)
-        self.report_rows = ServerReport.buffer(self.workers, self.servers - 1) if self.servers > 1 else None
+        self.report_rows = (ServerReport.buffer(self.workers, max(self.n_layers, 1), self.servers - 1)
+                            if self.servers > 1 else None)
         self.lengths = {s: FrameLength.buffer() for s in range(1, self.servers)}
         self.frames = {s: np.empty(0, np.uint8) for s in range(1, self.servers)}
         self.bytes_total = 0
@@ -254,12 +309,19 @@ class ParameterServer:
         self.it["frame_bytes"] = [agg.frame.size] + [received[s].size for s in others]
 
     def reports(self, m: int) -> None:
-        reports = [ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["sizes"])]
+        reports = [ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["sizes"],
+                                self.aggregator.energies(max(self.n_layers, 1)))]
         if self.servers > 1:
             self.channel.recv([(row, s) for s, row in enumerate(self.report_rows, start=1)], TAG_REPORT,
                               lambda pending: f"server rank(s) {', '.join(map(str, pending))} sent no "
                                               f"report for iteration {m}")
-            reports += [ServerReport.unpack(row) for row in self.report_rows]
+            reports += [ServerReport.unpack(row, self.workers) for row in self.report_rows]
+        if self.receive_averages:
+            self.channel.recv([(self.averages[s], s) for s in self.averages], TAG_AVERAGE,
+                              lambda pending: f"server rank(s) {', '.join(map(str, pending))} sent no "
+                                              f"average for iteration {m}")
+            for s, average in self.averages.items():
+                self.aggregator.unpack_average(self.shards[s], average)
         self.it["servers"] = reports
         self.clock.gradients([r.sizes for r in reports])
         self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
@@ -289,6 +351,7 @@ class ParameterServer:
             worker_losses=[r.loss for r in reports], worker_compute=compute, worker_bytes=worker_bytes,
             server_bytes_in=[int(sum(s.sizes)) for s in servers], server_bytes_out=frames_down,
             server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
+            norm_ratio=self._norm_ratio(servers),
             checksums=it["checksums"], policy_rows=self.policy.drain_records())
         self.bytes_total += record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]
@@ -311,10 +374,22 @@ class ParameterServer:
                                 f"rank(s) {', '.join(map(str, diverged))} differs from rank 0's")
         return sums
 
+    def _norm_ratio(self, servers: list[ServerReport]) -> list[float]:
+        """||Q(g)|| / ||g|| per quantized layer: g the average of the workers' decoded
+        gradients (||g||^2 from each server's report), Q(g) the decoded broadcast every rank
+        applies (NaN where g = 0)."""
+        ratios = []
+        for layer, s in enumerate(self.replica.layout.quantized):
+            u = self.update[s.offset:s.offset + s.size]
+            energy = sum(report.energies[layer] for report in servers)
+            ratios.append(math.sqrt(float(np.dot(u, u)) / energy) if energy > 0 else math.nan)
+        return ratios or [math.nan]
+
     def _observation(self, m: int, loss: float) -> Observation:
         grads = ()
         if self.has_previous:
-            grads = tuple(self.update[s.offset:s.offset + s.size] for s in self.replica.layout.quantized)
+            average = self.aggregator.grad_sum
+            grads = tuple(average[s.offset:s.offset + s.size] for s in self.replica.layout.quantized)
         return Observation(iteration=m, loss=loss, last_iteration_ms=self.last_iteration_ms,
                            gradients=grads, codec=self.codec if self.codec.accepts_bits else None)
 
@@ -371,7 +446,7 @@ class ParameterServer:
         return {"iteration": self.iteration, "replica": self.replica.state_dict(),
                 "policy": self.policy.state_dict(), "compressor": self.compressor.state_dict(),
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
-                "previous_update": torch.from_numpy(self.update.copy()) if self.has_previous else None}
+                "previous_average": torch.from_numpy(self.aggregator.grad_sum.copy()) if self.has_previous else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -380,8 +455,8 @@ class ParameterServer:
         self.compressor.load_state_dict(state["compressor"])
         self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
-        if state["previous_update"] is not None:
-            self.update[:] = state["previous_update"].numpy()
+        if state["previous_average"] is not None:
+            self.aggregator.grad_sum[:] = state["previous_average"].numpy()
             self.has_previous = True
 
 

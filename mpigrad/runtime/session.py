@@ -15,7 +15,7 @@ from ..errors import UsageError
 from ..policies import PolicyError, get_policy
 from ..models import build_model
 from . import EXIT_REQUEUE, checkpoint
-from .build import base_codec, load_data
+from .build import base_codec, broadcast_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
 
@@ -54,6 +54,9 @@ def _launch_problem(config, size: int) -> str | None:
                              "chooses bits: use --policy fixed, or drop levels")
         if codec.takes_policy_bits:
             policy.check_codec(codec)
+        down, down_bits = broadcast_codec(config)
+        if moving and down_bits is None and down.accepts_bits:
+            policy.check_codec(down)
         dataset = load_data(config)
         with torch.device("meta"):
             build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,

@@ -32,7 +32,7 @@ class RunTrace:
              hosts: list[str], argv: list[str], resume_at: int | None) -> "RunTrace":
         n_layers = max(len(layout.quantized), 1)
         tables = {
-            "steps": schema.step_columns({"bits_layers": ("i4", (n_layers,))}),
+            "steps": schema.step_columns(schema.layer_step_columns(n_layers)),
             "workers": schema.workers_columns(workers),
             "servers": schema.servers_columns(servers),
             "eval": dict(schema.EVAL_COLUMNS),

@@ -12,7 +12,8 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
-from .build import base_codec, build_compressor, build_replica, build_shards, load_data
+from .build import (base_codec, build_broadcast_compressor, build_compressor, build_replica, build_shards,
+                    load_data)
 from .faults import Fault
 from .iteration import run_until_stopped
 from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
@@ -38,6 +39,8 @@ class Worker:
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec)
         self.compressor = build_compressor(config, self.replica.layout, codec, self.number)
+        # Decodes the servers' broadcast (a worker never encodes with it: no state to keep).
+        self.broadcast_decoder = build_broadcast_compressor(config, self.replica.layout, codec, self.compressor)
         self.loss_buf = LossReport.buffer()
         self.control_msg = Control(len(self.replica.layout.quantized))
         self.lengths = [FrameLength.buffer() for _ in range(self.servers)]
@@ -111,7 +114,7 @@ class Worker:
         self.channel.broadcast([(view, s) for s, view in enumerate(views)], describe)
         update = self.replica.update_host
         for shard, view in zip(self.shards, views):
-            self.compressor.decode(view, shard, update)
+            self.broadcast_decoder.decode(view, shard, update)
 
     def reports(self, m: int) -> None:
         pass

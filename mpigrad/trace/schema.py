@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = [
     "SCHEMA_VERSION", "FORMAT_NAME", "TraceError", "Columns", "STEPS_COLUMNS", "EVAL_COLUMNS",
-    "TABLE_NAMES", "step_columns", "workers_columns", "servers_columns", "checksum_columns", "default_tables",
+    "TABLE_NAMES", "step_columns", "layer_step_columns", "workers_columns", "servers_columns", "checksum_columns", "default_tables",
     "validate_tables", "column_spec", "flat_names",
 ]
 
@@ -74,6 +74,14 @@ def step_columns(extra: Columns | None = None) -> dict[str, tuple[str, tuple[int
             raise TraceError(f"extra steps column {name!r} clashes with a standard column")
         columns[name] = spec
     return columns
+
+
+def layer_step_columns(layers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The run's per-layer steps columns (index i: quantized layer i): the bits each layer
+    was quantized with and ``norm_ratio``, ||Q(g)|| / ||g|| of the broadcast update (g the
+    workers' average, Q(g) the decoded broadcast; NaN where g = 0)."""
+    _check_count("layers", layers)
+    return {"bits_layers": ("i4", (layers,)), "norm_ratio": ("f8", (layers,))}
 
 
 def workers_columns(workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -12,8 +12,12 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), per iteration m
                     A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
 4. ``FrameLength``  server s -> its broadcast group (rank 0 and the workers), int64[1],
    then the frame  the averaged, re-encoded gradient of shard s, same layout as 3.
-5. ``ServerReport`` server s > 0 -> rank 0, tag REPORT, float64[3 + P]
-                    (bytes broadcast, decode CPU s, encode CPU s, each worker's frame bytes).
+5. ``ServerReport`` server s > 0 -> rank 0, tag REPORT, float64[3 + P + L]
+                    (bytes broadcast, decode CPU s, encode CPU s, each worker's frame bytes,
+                    ||g||^2 of each quantized layer's part in shard s, g the workers' average).
+6. average          server s > 0 -> rank 0, tag AVERAGE, float32: the workers' average of
+                    shard s's quantized pieces, in piece order, before the re-encode; sent
+                    only when the policy observes gradients (``Policy.uses_gradients``).
 
 Frame header (little-endian): magic b"MGFR" (4), piece count uint32 (4), the sender's encode
 seconds float64 (8), then each piece's byte length uint64 (8 per piece). A decoder checks the
@@ -32,6 +36,7 @@ import numpy as np
 TAG_LOSS = 11
 TAG_GRAD = 12
 TAG_REPORT = 13
+TAG_AVERAGE = 14
 
 # Control commands.
 CONTINUE = 1
@@ -175,27 +180,33 @@ class FrameLength:
 
 @dataclass
 class ServerReport:
-    """Message 5: float64[FIXED + P], what server s > 0 did this iteration (for the record):
-    its broadcast bytes (length message included), decode and encode CPU seconds, then the
-    byte size of each worker's frame it received."""
+    """Message 5: float64[FIXED + P + L], what server s > 0 did this iteration (for the
+    record): its broadcast bytes (length message included), decode and encode CPU seconds,
+    the byte size of each worker's frame it received, then ||g||^2 (g the workers' average)
+    over its pieces of each quantized layer (0 for a layer it holds none of)."""
 
     bytes_out: float
     t_decode: float
     t_encode: float
     sizes: list
+    energies: list
 
     FIXED = 3
 
     @staticmethod
-    def buffer(workers: int, rows: int | None = None) -> np.ndarray:
-        width = ServerReport.FIXED + workers
+    def buffer(workers: int, layers: int, rows: int | None = None) -> np.ndarray:
+        width = ServerReport.FIXED + workers + layers
         return np.zeros(width if rows is None else (rows, width), np.float64)
 
     def pack(self, buf: np.ndarray) -> np.ndarray:
+        workers_end = self.FIXED + len(self.sizes)
         buf[:self.FIXED] = (self.bytes_out, self.t_decode, self.t_encode)
-        buf[self.FIXED:] = self.sizes
+        buf[self.FIXED:workers_end] = self.sizes
+        buf[workers_end:] = self.energies
         return buf
 
     @classmethod
-    def unpack(cls, buf: np.ndarray) -> "ServerReport":
-        return cls(float(buf[0]), float(buf[1]), float(buf[2]), [int(n) for n in buf[cls.FIXED:]])
+    def unpack(cls, buf: np.ndarray, workers: int) -> "ServerReport":
+        workers_end = cls.FIXED + workers
+        return cls(float(buf[0]), float(buf[1]), float(buf[2]), [int(n) for n in buf[cls.FIXED:workers_end]],
+                   [float(e) for e in buf[workers_end:]])

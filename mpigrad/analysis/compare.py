@@ -1,0 +1,217 @@
+"""`mpigrad trace compare`: methods over seeds, time-to-target with confidence intervals.
+
+Runs are grouped by the config keys in which they differ, the seed excepted (or by the keys
+given with ``--by``); each group is one method (or one method at one learning rate). Per
+group, over its runs (seeds):
+
+- ``runs``: complete runs used / runs given; incomplete or failed runs (trace status not
+  "complete") are flagged in ``excluded`` and left out unless ``include_incomplete``;
+- ``reached``: runs whose (smoothed) training loss reached the target, of those used;
+- time to target on the simulated clock: mean and the half-width of its 95 % confidence
+  interval (Student t, n - 1 degrees of freedom), over the runs that reached it. When some
+  runs never reached it, the mean is marked as over the reaching runs only (``reached``
+  says how many), never silently averaged with them;
+- ``vs_best_fixed``: the group's mean time to target divided by that of the fastest
+  fixed-bits group (policy ``fixed``) whose runs all reached the target;
+- ``sent_mb``: mean megabytes sent per run (up and down);
+- training loss (smoothed) and test accuracy at the given simulated times, means over runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..trace import Trace
+from .labels import differing_keys, flat_config, group_key, group_labels
+from .summary import require_steps, smoothed_loss, time_to_target
+from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
+
+__all__ = ["Group", "group_runs", "compare_rows", "compare_columns", "student_t95", "mean_ci"]
+
+
+#: Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (printed tables).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042)
+
+
+def student_t95(df: int) -> float:
+    """Two-sided 95 % quantile of Student's t with ``df`` >= 1 degrees of freedom: the table
+    up to 30, beyond it the Cornish-Fisher expansion around the normal quantile (error < 1e-4)."""
+    if df < 1:
+        raise AnalysisError(f"Student t needs at least 1 degree of freedom, got {df}")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.959963984540054
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """(mean, half-width of the 95 % CI); None where there are too few values."""
+    values = [float(v) for v in values]
+    if not values:
+        return None, None
+    mean = float(np.mean(values))
+    if len(values) < 2:
+        return mean, None
+    return mean, student_t95(len(values) - 1) * float(np.std(values, ddof=1)) / math.sqrt(len(values))
+
+
+@dataclass
+class Group:
+    label: str
+    key: str
+    runs: list[Trace] = field(default_factory=list)         # used in the statistics
+    excluded: list[Trace] = field(default_factory=list)     # incomplete or failed, left out
+
+    @property
+    def fixed_bits(self) -> bool:
+        flat = flat_config(self.runs[0].config if self.runs else self.excluded[0].config)
+        return flat.get("policy", flat.get("policy.id")) == "fixed"
+
+
+def group_runs(traces: Sequence[Trace], by: Sequence[str] | None = None, *,
+               include_incomplete: bool = False) -> list[Group]:
+    """Groups in the order their first run was given."""
+    if not traces:
+        raise AnalysisError("no runs to compare")
+    configs = [t.config for t in traces]
+    keys = differing_keys(configs) if not by else list(by)
+    if by:
+        known = set().union(*(flat_config(c) for c in configs))
+        unknown = [k for k in by if k not in known]
+        if unknown:
+            raise AnalysisError(f"--by {', '.join(unknown)}: no run has that config key "
+                                f"(keys look like lr, policy, policy_opts.epsilon)")
+    labels = group_labels(configs, keys)
+    groups: dict[str, Group] = {}
+    for trace, label in zip(traces, labels):
+        require_steps(trace)
+        key = group_key(trace.config, keys)
+        group = groups.setdefault(key, Group(label, key))
+        if trace.status == "complete" or include_incomplete:
+            group.runs.append(trace)
+        else:
+            group.excluded.append(trace)
+    return list(groups.values())
+
+
+def _loss_at(trace: Trace, seconds: float, smooth: int) -> float | None:
+    steps = trace.steps
+    done = np.flatnonzero(steps["sim_time"].to_numpy() <= seconds)
+    if seconds > steps["sim_time"].iloc[-1] or done.size == 0:
+        return None
+    return float(smoothed_loss(trace, smooth)[done[-1]])
+
+
+def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[Point] = (), *,
+                 smooth: int = 1) -> list[dict[str, Any]]:
+    """One row per group (raw values; None where not available)."""
+    if any(p.is_iteration for p in points):
+        raise AnalysisError("compare --at takes simulated times (60s, 5m, 2h), not iterations")
+    rows = []
+    for group in groups:
+        times = [time_to_target(t, target_loss, "sim", smooth) for t in group.runs]
+        reached = [x for x in times if x is not None]
+        mean, ci = mean_ci(reached)
+        n = len(group.runs)
+        row: dict[str, Any] = {
+            "method": group.label, "runs": f"{n}/{n + len(group.excluded)}",
+            "excluded": ", ".join(f"{t.name} ({t.status})" for t in group.excluded) or "-",
+            "reached": f"{len(reached)}/{n}", "target_mean": mean, "target_ci": ci,
+            "target_partial": bool(n) and len(reached) < n,
+            "sent_mb": float(np.mean([(t.steps["bytes_up"] + t.steps["bytes_down"]).sum() / 1e6
+                                      for t in group.runs])) if n else None,
+        }
+        for k, point in enumerate(points):
+            losses = [x for x in (_loss_at(t, point.value, smooth) for t in group.runs) if x is not None]
+            accuracies = [value_at(t, point, clock="sim", metric="accuracy") for t in group.runs]
+            accuracies = [a for a in accuracies if a not in (NOT_AVAILABLE, NOT_YET)]
+            row[f"loss{k}"] = float(np.mean(losses)) if losses else None
+            row[f"acc{k}"] = float(np.mean(accuracies)) if accuracies else None
+        rows.append((group, row))
+    complete_fixed = [row["target_mean"] for group, row in rows
+                      if group.fixed_bits and row["target_mean"] is not None and not row["target_partial"]]
+    best = min(complete_fixed) if complete_fixed else None
+    for _, row in rows:
+        row["vs_best_fixed"] = (row["target_mean"] / best
+                                if best and row["target_mean"] is not None and not row["target_partial"] else None)
+    return [row for _, row in rows]
+
+
+def compare_columns(target_loss: float, points: Sequence[Point] = ()) -> list[Column]:
+    columns = [Column("method", "method", left=True), Column("runs", "runs"), Column("reached", "reached"),
+               Column("target_mean", f"sim_s_to_{target_loss:g}", ".1f"), Column("target_ci", "ci95_s", ".1f"),
+               Column("vs_best_fixed", "vs_best_fixed", ".2f"), Column("sent_mb", "sent_MB", ".1f")]
+    for k, point in enumerate(points):
+        columns += [Column(f"loss{k}", f"loss@{point.header}", ".4g"), Column(f"acc{k}", f"acc%@{point.header}", ".1f")]
+    return columns + [Column("excluded", "excluded", left=True)]
+
+
+def partial_note(rows: Sequence[dict[str, Any]]) -> str:
+    """The footnote for groups whose mean covers only the runs that reached the target."""
+    partial = [row["method"] for row in rows if row["target_partial"]]
+    if not partial:
+        return ""
+    return ("* some runs never reached the target: the mean and CI cover the runs that did "
+            f"(see reached): {'; '.join(partial)}\n")
+
+
+def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: int = 200, title: str | None = None):
+    """Mean smoothed training loss (and test accuracy) against simulated time per group,
+    with a 95 % confidence band, on a grid up to the shortest run of each group."""
+    from .plots import _time_unit, check_output, finish
+
+    output = check_output(output)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    used = [g for g in groups if g.runs]
+    if not used:
+        raise AnalysisError("no complete runs to plot")
+    longest = max(float(t.steps["sim_time"].iloc[-1]) for g in used for t in g.runs)
+    unit, scale = _time_unit(longest)
+    with_accuracy = any(len(t.eval) for g in used for t in g.runs)
+    figure = Figure(figsize=(6.4, 6.2 if with_accuracy else 4.0), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(2 if with_accuracy else 1, 1, sharex=True, squeeze=False)[:, 0]
+    for k, group in enumerate(used):
+        color = f"C{k % 10}"
+        end = min(float(t.steps["sim_time"].iloc[-1]) for t in group.runs)
+        grid = np.linspace(0.0, end, points)
+        curves = np.array([np.interp(grid, t.steps["sim_time"].to_numpy(float), smoothed_loss(t, smooth))
+                           for t in group.runs])
+        _band(axes[0], grid / scale, curves, color, f"{group.label} (n={len(group.runs)})")
+        if with_accuracy:
+            evaluated = [t for t in group.runs if len(t.eval)]
+            if evaluated:
+                acc = np.array([np.interp(grid, t.eval["sim_time"].to_numpy(float),
+                                          100 * t.eval["test_accuracy"].to_numpy(float),
+                                          left=np.nan) for t in evaluated])
+                _band(axes[1], grid / scale, acc, color, group.label)
+    axes[0].set_ylabel("Training loss" + (f" (mean of {smooth} it.)" if smooth > 1 else ""))
+    axes[0].legend(frameon=False, fontsize="small")
+    if with_accuracy:
+        axes[1].set_ylabel("Test accuracy (%)")
+    axes[-1].set_xlabel(f"Simulated time ({unit})")
+    return finish(figure, axes, output, title)
+
+
+def _band(ax, xs, curves, color, label):
+    """Mean of ``curves`` (runs x points; NaN before a run's first evaluation) and its 95 % band."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: nothing to draw there
+        mean = np.nanmean(curves, axis=0)
+        half = None
+        if len(curves) > 1:
+            half = student_t95(len(curves) - 1) * np.nanstd(curves, axis=0, ddof=1) / math.sqrt(len(curves))
+    ax.plot(xs, mean, color=color, lw=1.4, label=label)
+    if half is not None:
+        ax.fill_between(xs, mean - half, mean + half, color=color, alpha=0.2, lw=0)

@@ -1,0 +1,101 @@
+"""Labels for runs and groups of runs, from the config keys in which they differ.
+
+One rule for every `mpigrad trace` action: a run is named by its method (``method_label``:
+"Fix (2-bit)", "MQGrad", ...) followed by the config keys whose values differ between the
+runs shown (``lr=0.01``), never by its file name alone. Runs that differ only in their seed
+form one group (``group_key``); a per-run label adds ``seed=N``, and the run's file name
+only when two runs agree on everything, seed included.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from ..trace import Trace, method_label
+
+__all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value"]
+
+#: Keys that say how a run was run or written, not what was trained: never a difference.
+BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
+                         "timeout", "walltime", "threads", "device", "checksum_every", "label",
+                         "eval_every", "eval_samples"})
+#: Keys the method label already expresses (or that only come with a method).
+_METHOD_PREFIXES = ("codec", "policy", "bits")
+
+
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``{"policy_opts": {"T": 5}}`` -> ``{"policy_opts.T": 5}``; nested dicts flattened with dots."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            for sub, inner in flat_config(value).items():
+                flat[f"{key}.{sub}"] = inner
+        else:
+            flat[key] = value
+    return flat
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def differing_keys(configs: Sequence[dict[str, Any]], *, seed: bool = False) -> list[str]:
+    """Sorted flat keys whose values are not the same in every config (a missing key counts
+    as a value); bookkeeping keys never, ``seed`` only when asked."""
+    flats = [flat_config(c) for c in configs]
+    keys = sorted(set().union(*flats)) if flats else []
+    ignored = BOOKKEEPING | (set() if seed else {"seed"})
+    return [k for k in keys if k not in ignored
+            and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+
+
+def group_key(config: dict[str, Any], keys: Sequence[str]) -> str:
+    flat = flat_config(config)
+    return json.dumps([flat.get(k) for k in keys], sort_keys=True, default=str)
+
+
+def _is_method_key(key: str) -> bool:
+    return key.split(".")[0].split("_")[0] in _METHOD_PREFIXES
+
+
+def group_labels(configs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> list[str]:
+    """A label per config: its method plus its values of the non-method ``keys`` (default: the
+    keys that differ); method options (``policy_opts.epsilon``) are added only where the
+    labels would otherwise clash."""
+    keys = differing_keys(configs) if keys is None else list(keys)
+    flats = [flat_config(c) for c in configs]
+
+    def label(config, flat, chosen):
+        extra = ", ".join(f"{k}={format_value(flat.get(k))}" for k in chosen)
+        return f"{method_label(config)} {extra}".strip() if extra else method_label(config)
+
+    plain = [k for k in keys if not _is_method_key(k)]
+    labels = [label(c, f, plain) for c, f in zip(configs, flats)]
+    for text in set(labels):
+        members = [i for i, other in enumerate(labels) if other == text]
+        if len({group_key(configs[i], keys) for i in members}) > 1:
+            extra = [k for k in keys if _is_method_key(k)
+                     and len({format_value(flats[i].get(k)) for i in members}) > 1]
+            for i in members:
+                labels[i] = label(configs[i], flats[i], plain + extra)
+    return labels
+
+
+def run_labels(traces: Sequence[Trace]) -> list[str]:
+    """Per-run labels: the group label, ``seed=N`` where runs of one group differ in seed,
+    and the file name where two runs still share a label."""
+    configs = [t.config for t in traces]
+    labels = group_labels(configs)
+    seeds = [flat_config(c).get("seed", t.attrs.get("seed")) for c, t in zip(configs, traces)]
+    for text in set(labels):
+        members = [i for i, other in enumerate(labels) if other == text]
+        if len(members) > 1 and len({str(seeds[i]) for i in members}) > 1:
+            for i in members:
+                labels[i] = f"{labels[i]} seed={seeds[i]}"
+    return [f"{label} ({trace.name})" if labels.count(label) > 1 else label
+            for label, trace in zip(labels, traces)]

@@ -1,0 +1,130 @@
+"""`mpigrad trace compare` and the labelling rule shared by every `mpigrad trace` action."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mpigrad.analysis.compare import mean_ci, student_t95
+from mpigrad.analysis.labels import group_labels
+from mpigrad.cli import main
+from mpigrad.trace import TraceWriter, default_tables
+
+
+def write(path: Path, *, policy="fixed", bits=2, lr=0.01, seed=0, slope=0.1, status="complete",
+          seconds_per_iteration=10.0, iterations=20, bytes_per_iteration=1000) -> Path:
+    """A run whose loss falls linearly from 2.0 by ``slope`` per iteration, one iteration per
+    ``seconds_per_iteration`` simulated seconds, evaluated every 5 iterations."""
+    config = {"policy": policy, "bits": bits, "lr": lr, "seed": seed, "codec": "uniform",
+              "trace": str(path), "policy_opts": {} if policy == "fixed" else {"T": 5}}
+    writer = TraceWriter(path, config=config, attrs={"seed": seed}, tables=default_tables(2), flush_every=50)
+    for i in range(iterations):
+        sim = (i + 1) * seconds_per_iteration
+        loss = 2.0 - slope * (i + 1)
+        writer.append("steps", {"iteration": i, "wall_time": sim, "sim_time": sim, "loss": loss, "bits": bits,
+                                "bytes_up": bytes_per_iteration, "bytes_down": bytes_per_iteration,
+                                "t_compute": 0.0, "t_encode": 0.0, "t_decode": 0.0, "t_comm": 1.0,
+                                "t_policy": 0.0})
+        writer.append("workers", {"iteration": i, "loss": [loss, loss], "t_compute": [0.0, 0.0],
+                                  "bytes_sent": [bytes_per_iteration // 2] * 2})
+        if i % 5 == 4:
+            writer.append("eval", {"iteration": i, "wall_time": sim, "sim_time": sim, "test_loss": loss,
+                                   "test_accuracy": 0.5 + 0.01 * i})
+    writer.close(status)
+    return path
+
+
+def cli(capsys, *args):
+    code = main(["trace", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_student_t_and_confidence_interval():
+    assert student_t95(2) == 4.303 and student_t95(30) == 2.042
+    assert abs(student_t95(31) - 2.0395) < 2e-4 and abs(student_t95(1000) - 1.9623) < 2e-4
+    mean, half = mean_ci([10.0, 12.0, 14.0])
+    assert mean == 12.0 and half == pytest.approx(4.303 * 2.0 / math.sqrt(3))
+    assert mean_ci([5.0]) == (5.0, None) and mean_ci([]) == (None, None)
+
+
+@pytest.fixture()
+def grid(tmp_path) -> dict[str, list[Path]]:
+    # Fix 2: loss 2 - 0.1 (i+1) reaches 1.0 at iteration 9 (t = 100 s) for every seed, but
+    # its seconds per iteration differ by seed: 10, 11, 12 -> 100, 110, 120 s.
+    fix2 = [write(tmp_path / f"fix2-s{s}.h5", seed=s, seconds_per_iteration=10.0 + s) for s in range(3)]
+    # Fix 4: slower iterations, 20 s: reaches 1.0 at 200 s; seed 2 failed half-way.
+    fix4 = [write(tmp_path / f"fix4-s{s}.h5", bits=4, seed=s, seconds_per_iteration=20.0, bytes_per_iteration=2000)
+            for s in range(2)]
+    fix4.append(write(tmp_path / "fix4-s2.h5", bits=4, seed=2, status="failed", iterations=8))
+    # MQGrad: seed 1 never gets below 1.2.
+    mq = [write(tmp_path / "mq-s0.h5", policy="mqgrad", seed=0, seconds_per_iteration=8.0),
+          write(tmp_path / "mq-s1.h5", policy="mqgrad", seed=1, slope=0.04, seconds_per_iteration=8.0)]
+    return {"fix2": fix2, "fix4": fix4, "mq": mq}
+
+
+def test_compare_groups_seeds_and_reports_time_to_target(grid, capsys):
+    files = grid["fix2"] + grid["fix4"] + grid["mq"]
+    code, out, err = cli(capsys, "compare", *files, "--target-loss", "1.0", "--format", "csv", "--at", "50s")
+    assert (code, err) == (0, "")
+    table = pd.read_csv(io.StringIO(out), keep_default_na=False).set_index("method")
+    assert list(table.index) == ["Fix (2-bit)", "Fix (4-bit)", "MQGrad"]
+    fix2, fix4, mq = table.loc["Fix (2-bit)"], table.loc["Fix (4-bit)"], table.loc["MQGrad"]
+    assert (fix2["runs"], fix2["reached"]) == ("3/3", "3/3")
+    assert float(fix2["sim_s_to_1"]) == pytest.approx(110.0)
+    assert float(fix2["ci95_s"]) == pytest.approx(4.303 * 10.0 / math.sqrt(3))
+    # The failed run is flagged and left out; the two complete ones reach 1.0 at 200 s.
+    assert (fix4["runs"], fix4["reached"], fix4["excluded"]) == ("2/3", "2/2", "fix4-s2 (failed)")
+    assert float(fix4["sim_s_to_1"]) == 200.0 and float(fix4["vs_best_fixed"]) == pytest.approx(200 / 110)
+    assert float(fix2["vs_best_fixed"]) == 1.0
+    # MQGrad's seed 1 never reaches the target: counted, and no ratio from one lucky seed.
+    assert mq["reached"] == "1/2" and float(mq["sim_s_to_1"]) == 80.0 and mq["vs_best_fixed"] == "N/A"
+    assert float(fix2["sent_MB"]) == pytest.approx(20 * 2000 / 1e6)
+    # Loss at 50 s: Fix 2 seeds at iterations 4, 3, 3 (ends at 50, 44, 48 s): 1.5, 1.6, 1.6.
+    assert float(fix2["loss@50s"]) == pytest.approx((1.5 + 1.6 + 1.6) / 3)
+    assert float(fix2["acc%@50s"]) == pytest.approx(54.0)     # the evaluation at iteration 4 (50 s)
+
+
+def test_compare_text_notes_partial_means_and_plots(grid, tmp_path, capsys):
+    files = grid["fix2"] + grid["mq"]
+    png = tmp_path / "cmp.png"
+    code, out, _ = cli(capsys, "compare", *files, "--target-loss", "1.0", "--plot", png)
+    assert code == 0
+    assert "some runs never reached the target" in out and "MQGrad" in out.splitlines()[-2]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+    code, out, _ = cli(capsys, "compare", *files, "--target-loss", "1.0", "--format", "markdown")
+    assert out.splitlines()[0].startswith("| method | runs | reached |")
+
+
+def test_compare_by_key_and_lr_labels(tmp_path, capsys):
+    files = [write(tmp_path / f"lr{lr}-s{s}.h5", lr=lr, seed=s, slope=lr * 10) for lr in (0.01, 0.02) for s in (0, 1)]
+    code, out, _ = cli(capsys, "compare", *files, "--target-loss", "1.0", "--format", "csv")
+    methods = pd.read_csv(io.StringIO(out))["method"].tolist()
+    assert methods == ["Fix (2-bit) lr=0.01", "Fix (2-bit) lr=0.02"]
+    code, out, _ = cli(capsys, "compare", *files, "--target-loss", "1.0", "--by", "seed", "--format", "csv")
+    table = pd.read_csv(io.StringIO(out))
+    assert table["method"].tolist() == ["Fix (2-bit) seed=0", "Fix (2-bit) seed=1"]
+    assert table["runs"].tolist() == ["2/2", "2/2"]
+    code, _, err = cli(capsys, "compare", *files, "--target-loss", "1.0", "--by", "nope")
+    assert code == 2 and "--by nope" in err
+
+
+def test_runs_with_different_configs_get_different_labels_everywhere(tmp_path, capsys):
+    a = write(tmp_path / "a.h5", lr=0.01, seed=1)
+    b = write(tmp_path / "b.h5", lr=0.05, seed=1)
+    c = write(tmp_path / "c.h5", lr=0.05, seed=2)
+    code, out, _ = cli(capsys, "summary", a, b, c, "--format", "csv")
+    assert pd.read_csv(io.StringIO(out))["method"].tolist() == [
+        "Fix (2-bit) lr=0.01", "Fix (2-bit) lr=0.05 seed=1", "Fix (2-bit) lr=0.05 seed=2"]
+    code, out, _ = cli(capsys, "table", a, b, "--at", "50s")
+    assert [line.split("  ")[0] for line in out.splitlines()[1:]] == ["Fix (2-bit) lr=0.01", "Fix (2-bit) lr=0.05"]
+    # Method options show only where the labels would clash.
+    configs = [{"policy": "mqgrad", "policy_opts": {"epsilon": e}} for e in (0.1, 0.2)]
+    assert group_labels(configs) == ["MQGrad policy_opts.epsilon=0.1", "MQGrad policy_opts.epsilon=0.2"]
+    assert group_labels([{"policy": "mqgrad", "policy_opts": {"T": 5}}, {"policy": "fixed", "bits": 4}]) == \
+        ["MQGrad", "Fix (4-bit)"]
