@@ -29,8 +29,6 @@ NET_MODES = ("virtual", "sleep", "off")
 #: diverge at 0.2 and learn steadily at 0.01.
 DEFAULT_LR = {"cifar10": 0.2, "digits": 0.01, "synthetic": 0.05}
 BROADCASTS = ("star", "tree")
-#: ``broadcast_codec`` values besides a codec id (``fp16``) or ``CODEC:BITS`` (``uniform:8``).
-BROADCAST_CODECS = ("paper", "same")
 ERROR_FEEDBACK = ("none", "residual", "accumulate")
 DEVICES = ("cpu", "cuda", "auto")
 
