@@ -7,13 +7,15 @@ import json
 import numpy as np
 import torch
 
-from ..codecs import Codec, get_codec
+from ..codecs import Codec
 from ..config import RunConfig
 from ..data import Dataset, load_dataset
-from ..errors import UsageError
 from ..feedback import ErrorFeedback
 from ..models import build_model
+from .checks import base_codec, check_device
 from .replica import FrameEncoder, Replica
+
+__all__ = ["derive_seed", "resolve_device", "base_codec", "load_data", "build_replica", "build_encoder"]
 
 
 
@@ -25,17 +27,8 @@ def derive_seed(*parts: int) -> int:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for, but torch sees no CUDA device here")
+    check_device(name)
     return torch.device(name)
-
-
-def base_codec(config: RunConfig) -> Codec:
-    codec_config = config.codec_config()
-    codec = get_codec(codec_config)
-    if codec.accepts_bits and "levels" not in codec_config:
-        codec = codec.with_bits(config.bits)
-    return codec
 
 
 _loaded: dict[str, Dataset] = {}

@@ -27,6 +27,7 @@ TAG_GRAD = 12
 # Control commands.
 CONTINUE = 1
 STOP_AFTER = 2   # finish this iteration, then checkpoint and exit for requeue
+CHECKPOINT_AFTER = 3  # finish this iteration, checkpoint, go on (--checkpoint-every)
 CONTROL_FIXED = 3
 
 # Loss message status.

@@ -12,12 +12,12 @@ from mpi4py import MPI
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..policies import Observation, get_policy
-from . import comm as mpi
+from . import checkpoint, comm as mpi
 from .common import base_codec, build_encoder, build_replica, load_data
 from .environment import threads_per_rank
 from .network import Clocks, LinkModel
-from .protocol import (CONTINUE, CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STOP_AFTER,
-                       TAG_LOSS, FrameError, LossMessage, is_error_frame)
+from .protocol import (CHECKPOINT_AFTER, CONTINUE, CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS,
+                       STOP_AFTER, TAG_LOSS, FrameError, LossMessage, is_error_frame)
 from .replica import FrameDecoder
 from .stopping import StopFlag
 from .tracing import RunTrace
@@ -60,9 +60,14 @@ class Server:
         # adds up threads, and misses GPU kernels).
         self.cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         # Time kept in hand for the stop itself: gathering worker state and writing it.
-        state_bytes = 4 * self.replica.layout.total * (2 + self.workers * (config.error_feedback != "none"))
+        copies = 1 + self.policy.uses_gradients + (self.workers + 1) * (config.error_feedback != "none")
+        state_bytes = 4 * self.replica.layout.total * copies
         self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
+        self.checkpoint_schedule = checkpoint.Schedule(config.checkpoint_interval)
+        self.command = CONTINUE
+        self.bytes_total = 0      # both directions, all sessions of the run (progress "sent")
+        self.last_eval: tuple[int, float, float] | None = None  # (iteration, test loss, accuracy)
         # Reused buffers: nothing gradient-sized is allocated per iteration.
         total = layout.total
         self.grad_sum = np.zeros(total, np.float32)
@@ -154,7 +159,9 @@ class Server:
         traced_bits = bits if self.encoder.accepts_bits else [self.fixed_bits] * len(bits)
         last = m + 1 == config.iterations
         stop_after = not last and self.stop.requested(self._mean_iteration_seconds(m), self.checkpoint_reserve)
-        self.control[0] = STOP_AFTER if stop_after else CONTINUE
+        checkpoint_after = not (last or stop_after) and self.checkpoint_schedule.due(m + 1)
+        self.command = STOP_AFTER if stop_after else CHECKPOINT_AFTER if checkpoint_after else CONTINUE
+        self.control[0] = self.command
         self.control[1] = m
         self.control[CONTROL_FIXED:CONTROL_FIXED + len(bits)] = bits
         mpi.bcast(self.comm, self.control, config.timeout, lambda: f"control broadcast of iteration {m} stalled")
@@ -216,7 +223,7 @@ class Server:
         self.clocks.resume()
         self.trace.eval(dict(iteration=m, wall_time=self.clocks.now_wall(), sim_time=self.clocks.sim,
                              test_loss=test_loss, test_accuracy=accuracy))
-        self.last_eval = (test_loss, accuracy)
+        self.last_eval = (m, test_loss, accuracy)
 
     def progress(self, m: int) -> None:
         config = self.config
@@ -224,20 +231,20 @@ class Server:
         wall = self.clocks.now_wall()
         eta = (config.iterations - done) * self._mean_iteration_seconds(done)
         row = self.trace.last_step
-        acc = f"  acc {self.last_eval[1]:.3f}" if self.last_eval else ""
-        self.log(f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss {row['loss']:.4f}  "
+        acc = f"  acc {self.last_eval[2]:.3f} @{self.last_eval[0] + 1}" if self.last_eval else ""
+        self.log(f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss+l2 {row['loss']:.4f}  "
                  f"bits {row['bits']}  sent {self.bytes_total / 1e6:.1f} MB  sim {format_seconds(self.clocks.sim)}  "
                  f"wall {format_seconds(wall)}  ETA {format_seconds(eta)}{acc}")
 
     # ---- the run ------------------------------------------------------------------------
-    def run(self, trace: RunTrace, start_iteration: int = 0) -> bool:
-        """Iterate to the end or to a stop request; return True when stopped for requeue."""
+    def run(self, trace: RunTrace, start_iteration: int = 0, on_checkpoint=None) -> bool:
+        """Iterate to the end or to a stop request; return True when stopped for requeue.
+        ``on_checkpoint()`` runs after each iteration that --checkpoint-every marks."""
         self.trace = trace
         self.start_iteration = start_iteration
         self.clocks = Clocks(**self.saved_clocks)  # start-up time stays off both clocks
         self.session_started = time.perf_counter()
-        self.bytes_total = 0
-        self.last_eval = None
+        self.checkpoint_schedule.written()
         config = self.config
         for m in range(start_iteration, config.iterations):
             self.iteration = m
@@ -250,14 +257,21 @@ class Server:
                 self.progress(m)
             if stop_after:
                 return True
+            if self.command == CHECKPOINT_AFTER and on_checkpoint is not None:
+                on_checkpoint()
+                self.checkpoint_schedule.written()
         return False
 
     # ---- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> dict:
+        # The previous update feeds only policies that read gradients (Observation.gradients):
+        # for the others it would double the checkpoint for nothing.
+        keep_update = self.has_previous and self.policy.uses_gradients
         return {"iteration": self.iteration, "replica": self.replica.state_dict(),
                 "policy": self.policy.state_dict(), "encoder": self.encoder.state_dict(),
                 "clocks": self.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
-                "previous_update": torch.from_numpy(self.update.copy()) if self.has_previous else None}
+                "bytes_total": self.bytes_total, "last_eval": self.last_eval,
+                "previous_update": torch.from_numpy(self.update.copy()) if keep_update else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -266,6 +280,8 @@ class Server:
         self.encoder.load_state_dict(state["encoder"])
         self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
+        self.bytes_total = int(state["bytes_total"])
+        self.last_eval = state["last_eval"]
         if state["previous_update"] is not None:
             self.update[:] = state["previous_update"].numpy()
             self.has_previous = True

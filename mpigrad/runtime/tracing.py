@@ -70,6 +70,16 @@ class RunTrace:
     def eval(self, row: dict) -> None:
         self.writer.append("eval", row)
 
+    def flush(self) -> None:
+        """Put every buffered row on disk (before a checkpoint, so no resume misses a row)."""
+        self.writer.flush()
+
+    def fail(self, error: str, last_iteration: int) -> None:
+        """Close as "failed", recording the error and the last iteration that completed."""
+        self.writer.set_attr("error", error)
+        self.writer.set_attr("last_iteration", int(last_iteration))
+        self.close("failed")
+
     def close(self, status: str) -> None:
         self.writer.set_attr("trace_seconds", self.seconds + float(self.writer.attrs_get("trace_seconds", 0.0)))
         self.writer.close(status=status)

@@ -14,8 +14,8 @@ from ..config import RunConfig
 from ..data import ShardSampler
 from . import comm as mpi
 from .common import base_codec, build_encoder, build_replica, load_data
-from .protocol import (CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER,
-                       TAG_GRAD, TAG_LOSS, LossMessage, error_frame)
+from .protocol import (CHECKPOINT_AFTER, CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STATUS_OK,
+                       STOP_AFTER, TAG_GRAD, TAG_LOSS, LossMessage, error_frame)
 from .faults import Fault
 from .replica import FrameDecoder, set_frame_encode_seconds
 
@@ -43,6 +43,7 @@ class Worker:
         self.frame_len = np.zeros(1, np.int64)
         self.bcast_frame = np.empty(0, np.uint8)
         self.iteration = 0
+        self.command = 0
         self.fault = Fault.from_environment(self.rank)
 
     def _compute(self) -> tuple[float, float, float]:
@@ -77,6 +78,7 @@ class Worker:
             raise RuntimeError(f"protocol out of step: rank 0 is at iteration {int(self.control[1])}, "
                                f"rank {self.rank} at {m}")
         bits = [int(b) for b in self.control[CONTROL_FIXED:]]
+        self.command = int(self.control[0])
 
         start = time.process_time()
         grad = self.replica.gradient_to_host()
@@ -97,15 +99,18 @@ class Worker:
         update = self.replica.update_host
         self.decoder.decode(self.bcast_frame[:size], update)
         self.replica.apply_update(update, config.lr)
-        return int(self.control[0]) == STOP_AFTER
+        return self.command == STOP_AFTER
 
-    def run(self, start_iteration: int = 0) -> bool:
-        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue."""
+    def run(self, start_iteration: int = 0, on_checkpoint=None) -> bool:
+        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue.
+        ``on_checkpoint()`` runs after each iteration rank 0 marks for a periodic checkpoint."""
         for m in range(start_iteration, self.config.iterations):
             stop_after = self.step(m)
             self.iteration = m + 1
             if stop_after:
                 return True
+            if self.command == CHECKPOINT_AFTER and on_checkpoint is not None:
+                on_checkpoint()
         return False
 
     def state_dict(self) -> dict:
