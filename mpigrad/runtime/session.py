@@ -155,7 +155,7 @@ def _run_server(config, comm: MPI.Comm, stop: StopFlag, argv: list[str]) -> int:
     if stopped:
         trace.close("stopped")
         log(f"mpigrad: {stop.reason}: stopped after iteration {server.iteration}, checkpoint "
-            f"{config.checkpoint_path} ({written}); exit {EXIT_REQUEUE} (resume with --resume)")
+            f"{config.checkpoint_path}; exit {EXIT_REQUEUE} (resume with --resume; checkpoint {written})")
         return EXIT_REQUEUE
     trace.close("complete")
     checkpoint.remove(config.checkpoint_path)  # a finished run has nothing to resume
