@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except UsageError as exc:
-        print(f"mpigrad {name}: error: {exc}", file=sys.stderr)
+        if launch_rank() == 0:  # under mpiexec every rank fails alike: one line, from rank 0
+            print(f"mpigrad {name}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into head and the like
         sys.stderr.close()

@@ -74,6 +74,7 @@ class RunConfig:
     threads: int | None = None
     walltime: float | None = None
     checkpoint: str | None = None
+    checkpoint_every: int | str | None = None  # iterations (int) or a duration ("30m")
     resume: bool = False
 
     # ---- construction -------------------------------------------------------------
@@ -152,6 +153,15 @@ class RunConfig:
     def checkpoint_path(self) -> Path:
         return Path(self.checkpoint) if self.checkpoint else Path(self.trace + ".ckpt")
 
+    @property
+    def checkpoint_interval(self) -> tuple[str, float] | None:
+        """``("iterations", N)`` or ``("seconds", S)`` from ``checkpoint_every``; None when unset."""
+        if self.checkpoint_every is None:
+            return None
+        if isinstance(self.checkpoint_every, int):
+            return "iterations", self.checkpoint_every
+        return "seconds", parse_duration(self.checkpoint_every)
+
     def validate(self) -> None:
         checks = [
             (self.iterations >= 1, "iterations must be at least 1"),
@@ -181,6 +191,8 @@ class RunConfig:
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1"),
             (self.walltime is None or self.walltime > 0, "walltime must be positive"),
+            (self.checkpoint_interval is None or self.checkpoint_interval[1] > 0,
+             "checkpoint_every must be a positive number of iterations or a duration such as 30m"),
             (bool(self.trace), "trace path must not be empty"),
         ]
         for ok, message in checks:
@@ -244,8 +256,25 @@ def parse_assignments(items: list[str] | None, what: str) -> dict[str, Any] | No
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 _OPTIONAL_TYPES = {"threads": int, "eval_samples": int, "data_dir": str, "checkpoint": str, "lr": float,
                    "min_quantize_size": int}
+
+
+def parse_interval(text: Any) -> int | str:
+    """``--checkpoint-every``: a whole number of iterations (500, "500") or a duration with
+    a unit ("30m", "90s"), kept as written so that the config reads back the same."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise UsageError(f"checkpoint_every must be iterations (500) or a duration (30m), got {text!r}")
+    if isinstance(text, int) or text.strip().isdigit():
+        return int(text)
+    text = text.strip()
+    if not re.fullmatch(_NUMBER + r"\s*[a-z]+", text):
+        raise UsageError(f"cannot read checkpoint interval {text!r}: use iterations (500) or a duration "
+                         "with a unit (30m, 90s, 2h)")
+    parse_duration(text)
+    return text
+
+
 _CONVERTERS = {"bandwidth": parse_rate, "latency": parse_duration, "compute_time": parse_duration,
-               "walltime": parse_duration, "timeout": parse_duration}
+               "walltime": parse_duration, "timeout": parse_duration, "checkpoint_every": parse_interval}
 
 
 def coerce(key: str, value: Any) -> Any:

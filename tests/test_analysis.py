@@ -323,3 +323,29 @@ print("OK")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("OK\n") and (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_table_at_iterations_counts_like_the_progress_line(runs, capsys):
+    # fix2 ran 10 iterations (rows 0..9, evaluated after rows 4 and 9): its progress line
+    # ended "iter 10/10", so --at 10 is its final accuracy, and --at 11 is past its end.
+    code, out, _ = cli(capsys, "table", runs["fix2"], "--at", "4,5,10,11")
+    assert code == 0
+    assert out.splitlines()[1].split()[2:] == ["-", "50.0", "60.0", "N/A"]
+
+
+def test_unfinished_runs_are_marked_in_info_summary_table_and_plot(runs, tmp_path, capsys):
+    from mpigrad.trace import repair
+
+    killed = tmp_path / "killed.h5"
+    shutil.copyfile(runs["mqgrad"], killed)
+    import h5py
+    with h5py.File(killed, "r+") as f:  # as a killed writer leaves it: still "running"
+        f.attrs["status"] = "running"
+        f.attrs["complete"] = False
+    repair(killed, error="rank 2 died at iteration 20")
+    code, out, _ = cli(capsys, "info", killed)
+    assert "failed: rank 2 died at iteration 20 (last complete iteration 19)" in out
+    code, out, _ = cli(capsys, "summary", runs["fix2"], killed)
+    assert out.splitlines()[2].split()[2] == "failed"
+    code, out, _ = cli(capsys, "table", runs["fix2"], killed, "--at", "5h")
+    assert "MQGrad [failed]" in out and "Fix (2-bit) [" not in out

@@ -54,11 +54,23 @@ def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str, s
     return process.returncode, out, err
 
 
-def test_signal_checkpoint_resume_gives_the_straight_trace(tmp_path, mpi_env):
-    straight = tmp_path / "straight.h5"
-    result = run_mpi(3, ["train", "--trace", str(straight), *RUN], mpi_env)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, mpi_env):
+    """The trace of RUN straight through, without a stop or a crash."""
+    path = tmp_path_factory.mktemp("straight") / "straight.h5"
+    result = run_mpi(3, ["train", "--trace", str(path), *RUN], mpi_env)
     assert result.returncode == 0, result.stderr
+    return path
 
+
+def assert_straight(straight, other) -> None:
+    """``other`` completed and holds the straight run's rows (but the wall-clock columns)."""
+    resumed = load(other)
+    assert resumed.complete
+    assert_same_trace(load(straight), resumed)
+
+
+def test_signal_checkpoint_resume_gives_the_straight_trace(tmp_path, mpi_env, straight):
     stopped = tmp_path / "stopped.h5"
     process = start(stopped, mpi_env)
     wait_for_line(process, "iter  20/120")
@@ -75,10 +87,54 @@ def test_signal_checkpoint_resume_gives_the_straight_trace(tmp_path, mpi_env):
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {stopped}.ckpt at iteration {len(partial.steps)}" in resumed.stdout
 
-    a, b = load(straight), load(stopped)
-    assert b.complete
-    assert_same_trace(a, b)
-    assert (a.steps["bits"].diff().fillna(0) >= 0).all()
+    assert_straight(straight, stopped)
+    assert (load(straight).steps["bits"].diff().fillna(0) >= 0).all()
+    # "sent" counts the whole run's traffic, not just this session's.
+    total_mb = (load(stopped).steps[["bytes_up", "bytes_down"]].to_numpy().sum()) / 1e6
+    assert f"sent {total_mb:.1f} MB" in resumed.stdout.splitlines()[-2]
+
+
+def rank_pids(trace) -> dict[int, int]:
+    """PIDs of the MPI ranks training into ``trace``, by rank (Linux /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if str(trace).encode() in cmdline and b"mpi4py" in cmdline:
+            ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"PMI_RANK=")]
+            if ranks:
+                found[int(ranks[0])] = int(entry)
+    return found
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_sigkill_of_a_rank_loses_at_most_one_interval(tmp_path, mpi_env, straight, victim):
+    """SIGKILL one rank mid-run; --resume continues from the newest periodic checkpoint and
+    the finished trace equals the straight run's: no iteration missing or repeated."""
+    trace = tmp_path / "killed.h5"
+    process = start(trace, mpi_env, "--checkpoint-every", "10")
+    wait_for_line(process, "iter  45/120")  # so the checkpoint after iteration 40 exists
+    pids = rank_pids(trace)
+    assert sorted(pids) == [0, 1, 2], pids
+    os.kill(pids[victim], signal.SIGKILL)
+    code, out, err = finish(process)
+    assert code != 0
+    reached = max([45] + [int(line.split()[1].split("/")[0]) for line in out.splitlines()
+                          if line.startswith("iter")])  # the last progress line before the kill
+    assert checkpoint.exists(tmp_path / "killed.h5.ckpt")
+
+    resumed = run_mpi(3, ["train", "--trace", str(trace), *RUN, "--resume", "--checkpoint-every", "10"],
+                      mpi_env)
+    assert resumed.returncode == 0, resumed.stderr
+    at = int(resumed.stdout.split("at iteration ")[1].split()[0])
+    assert at % 10 == 0 and 40 <= at <= reached and reached - at <= 10 + 5, (at, reached)
+    assert_straight(straight, trace)
+    assert not checkpoint.exists(tmp_path / "killed.h5.ckpt")  # a finished run leaves none
 
 
 def test_resume_with_a_different_config_is_refused(tmp_path, mpi_env):
@@ -125,10 +181,36 @@ def test_checkpoint_write_is_atomic(tmp_path):
         checkpoint.save(path, ident, {"iteration": 6, "bad": Exploding()}, [{}, {}])
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt"]
-    assert checkpoint.load(path, ident)["server"]["iteration"] == 5
+    assert checkpoint.load(path, ident)[0]["server"]["iteration"] == 5
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
-    with pytest.raises(UsageError, match="unreadable"):
+    with pytest.raises(UsageError, match="no usable checkpoint: .*junk.ckpt is damaged"):
         checkpoint.load(tmp_path / "junk.ckpt", ident)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_two_checkpoints_kept_and_a_damaged_newest_falls_back(tmp_path, damage):
+    path = tmp_path / "run.ckpt"
+    ident = {"config": {"lr": 0.1}, "world_size": 3}
+    for iteration in (10, 20, 30):
+        checkpoint.save(path, ident, {"iteration": iteration, "w": torch.arange(1000.0)}, [{}, {}])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt", "run.ckpt.prev"]
+    assert checkpoint.load(path, ident)[0]["server"]["iteration"] == 30
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data[:len(data) - 100] if damage == "truncate" else
+                           b"" if damage == "empty" else data))
+    warnings = []
+    state, used = checkpoint.load(path, ident, warn=warnings.append)
+    assert state["server"]["iteration"] == 20 and used == checkpoint.previous_path(path)
+    assert len(warnings) == 1 and "run.ckpt is damaged" in warnings[0] and "older" in warnings[0]
+    checkpoint.previous_path(path).write_bytes(b"garbage")
+    with pytest.raises(UsageError, match="no usable checkpoint"):
+        checkpoint.load(path, ident)
+    # A checkpoint of another run is refused, not skipped.
+    checkpoint.save(path, {"config": {"lr": 0.5}, "world_size": 3}, {"iteration": 1}, [])
+    with pytest.raises(UsageError, match="different configuration"):
+        checkpoint.load(path, ident)
 
 
 def test_walltime_deadline_stops_at_a_boundary_with_a_checkpoint(tmp_path, mpi_env):

@@ -87,3 +87,40 @@ def test_star_and_tree_link_models():
     tree = LinkModel(bandwidth=1e6, latency=1e-3, broadcast="tree")
     assert tree.bcast(1000, workers=8) == pytest.approx(4 * 2e-3)  # ceil(log2(9)) rounds
     assert LinkModel(1e6, 0.0, mode="off").charge(5.0) == 0.0
+
+
+@pytest.mark.parametrize("value, interval", [
+    (500, ("iterations", 500)), ("500", ("iterations", 500)), ("30m", ("seconds", 1800.0)),
+    ("90s", ("seconds", 90.0)), ("1.5h", ("seconds", 5400.0)), (None, None),
+])
+def test_checkpoint_every_takes_iterations_or_a_duration(value, interval):
+    config = RunConfig.from_sources(None, {"checkpoint_every": value})
+    assert config.checkpoint_interval == interval
+    # Kept as written, so that the trace's config and a TOML file read back the same.
+    assert RunConfig.from_sources(None, {"checkpoint_every": config.checkpoint_every}) == config
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "checkpoint_every must be a positive"), ("0s", "checkpoint_every must be a positive"),
+    ("soon", "cannot read checkpoint interval 'soon'"), ("5 parsecs", "cannot read duration"),
+    (1.5, "checkpoint_every must be iterations (500) or a duration (30m)"),
+])
+def test_bad_checkpoint_every_is_refused(value, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig.from_sources(None, {"checkpoint_every": value})
+
+
+def test_periodic_checkpoint_schedule():
+    from mpigrad.runtime.checkpoint import Schedule
+
+    every = Schedule(("iterations", 10))
+    assert [done for done in range(1, 41) if every.due(done)] == [10, 20, 30, 40]
+    now = [0.0]
+    timed = Schedule(("seconds", 60.0), clock=lambda: now[0])
+    now[0] = 59.0
+    assert not timed.due(5)
+    now[0] = 60.0
+    assert timed.due(6)
+    timed.written()
+    now[0] = 100.0
+    assert not timed.due(7) and not Schedule(None).due(10)

@@ -10,10 +10,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import SMALL_RUN, find_mpiexec, run_mpi
-from mpigrad.runtime import EXIT_REQUEUE
+from mpigrad.runtime import EXIT_REQUEUE, checkpoint
 from mpigrad.trace import load
 
 pytestmark = pytest.mark.mpi
@@ -56,7 +55,7 @@ def test_dynamic_sampling_state_survives_stop_and_resume(tmp_path, mpi_env):
     assert 10 <= n_done < 60
 
     # The checkpoint holds each layer codec's adapted K and last distance, on every rank.
-    state = torch.load(f"{stopped}.ckpt", map_location="cpu", weights_only=False)
+    state = checkpoint.read(f"{stopped}.ckpt")
     encoders = [state["server"]["compressor"]] + [w["compressor"] for w in state["workers"]]
     assert len(encoders) == 3
     for encoder in encoders:

@@ -109,26 +109,67 @@ def test_stop_and_resume_continue_the_straight_run(tmp_path):
     np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
 
 
+def test_periodic_checkpoints_carry_every_servers_state_and_a_crash_resumes_from_the_newest(
+        tmp_path, monkeypatch):
+    """--checkpoint-every with S = 2: every rank (the shard server included) sends its state
+    after each marked iteration; a shard server that dies loses only what came after."""
+    from mpigrad.runtime import checkpoint, server
+
+    options = dict(codec="qsgd", policy="mqgrad", bits=2, error_feedback="residual", servers=2)
+    code, errors, straight = run(tmp_path, name="straight.h5", **options)
+    assert code == 0 and not errors, errors
+
+    original = kill_shard_server_at(monkeypatch, 5)
+    code, errors, crashed = run(tmp_path, name="crashed.h5", timeout=5.0, checkpoint_every=2, **options)
+    assert str(errors[1]) == "server lost" and isinstance(errors[0], PeerTimeout)
+    assert (load(crashed.trace).status, load(crashed.trace).attrs["last_iteration"]) == ("failed", 4)
+    newest = checkpoint.read(crashed.checkpoint_path)
+    older = checkpoint.read(checkpoint.previous_path(crashed.checkpoint_path))
+    assert (newest["server"]["iteration"], older["server"]["iteration"]) == (4, 2)
+    assert len(newest["servers"]) == 1 and len(newest["workers"]) == 2
+    # The shard server's codec counters (its pieces encoded once per iteration) and memory.
+    assert [max(c["servers"][0]["compressor"]["calls"]) for c in (newest, older)] == [4, 2]
+    assert "feedback" in newest["servers"][0]["compressor"]
+
+    monkeypatch.setattr(server.ShardServer, "reports", original)
+    code, errors, _ = run(tmp_path, name="crashed.h5", resume=True, checkpoint_every=2, **options)
+    assert code == 0 and not errors, errors
+    a, b = load(straight.trace), load(crashed.trace)
+    assert b.complete and list(b.steps["iteration"]) == list(range(6))
+    for column in ("loss", "bits", "bytes_up", "bytes_down", "sim_time"):
+        np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    assert not checkpoint.exists(crashed.checkpoint_path)
+
+
 def test_a_worker_that_dies_is_named_by_rank_0(tmp_path, monkeypatch):
     monkeypatch.setenv("MPIGRAD_INJECT_FAULT", "raise:3:2")
     code, errors, config = run(tmp_path, servers=1, workers=3, timeout=1.0)
     assert "injected fault at iteration 2" in str(errors[3])
     assert isinstance(errors[0], PeerTimeout)
     assert str(errors[0]) == "worker rank(s) 3 sent no loss for iteration 2 within 1 s"
-    assert load(config.trace).status == "failed"
+    tr = load(config.trace)  # rank 0 closed it: failed, why, and the last whole iteration
+    assert (tr.status, tr.attrs["error"], tr.attrs["last_iteration"]) == ("failed", str(errors[0]), 1)
+    assert list(tr.steps["iteration"]) == [0, 1]
 
 
-def test_a_shard_server_that_dies_is_named_by_rank_0(tmp_path, monkeypatch):
+def kill_shard_server_at(monkeypatch, iteration: int):
+    """Make shard servers raise "server lost" in iteration ``iteration``; return the original phase."""
     from mpigrad.runtime import server
 
     original = server.ShardServer.reports
 
     def dying(self, m):
-        if m == 1:
+        if m == iteration:
             raise RuntimeError("server lost")
         original(self, m)
 
     monkeypatch.setattr(server.ShardServer, "reports", dying)
+    return original
+
+
+def test_a_shard_server_that_dies_is_named_by_rank_0(tmp_path, monkeypatch):
+    kill_shard_server_at(monkeypatch, 1)
     code, errors, _ = run(tmp_path, servers=2, workers=2, timeout=1.0)
     assert str(errors[1]) == "server lost"
     assert str(errors[0]) == "server rank(s) 1 sent no report for iteration 1 within 1 s"

@@ -443,3 +443,68 @@ def test_default_tables_match_the_issue():
         step_columns({"loss": ("f8", ())})
     with pytest.raises(TraceError, match="positive integer"):
         workers_columns(0)
+
+
+# ---- repair -------------------------------------------------------------------------------------
+def test_repair_closes_a_killed_writers_trace_once(tmp_path, capsys):
+    from mpigrad.cli import main
+
+    path = tmp_path / "killed.h5"
+    process, lines = _start_writer(path, "append", 20)
+    while not any(line.startswith("flushed") for line in lines):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    with pytest.raises(OSError, match="already open for write"):
+        h5py.File(path, "r")
+    before = load(path)
+    n = len(before.steps)
+    assert before.status == "running" and n >= 20
+
+    assert main(["trace", "repair", str(path)]) == 0
+    assert f"status 'incomplete', last iteration {n - 1}" in capsys.readouterr().out
+    with h5py.File(path, "r") as h5file:  # no SWMR mark left: plain h5py opens it
+        assert h5file.attrs["status"] == "incomplete"
+    after = load(path)
+    assert after.status == "incomplete" and after.attrs["last_iteration"] == n - 1
+    for table in ("steps", "workers", "eval"):
+        assert getattr(after, table).equals(getattr(before, table)), table
+    assert {k: v for k, v in after.attrs.items() if k not in ("status", "end_time", "last_iteration",
+                                                              "repaired", "json_attrs")} == \
+        {k: v for k, v in before.attrs.items() if k not in ("status", "json_attrs")}
+
+    # Idempotent: a second repair (with or without an error) changes nothing and says so.
+    content = path.read_bytes()
+    assert main(["trace", "repair", str(path), "--error", "late"]) == 0
+    assert "nothing to repair" in capsys.readouterr().out
+    assert path.read_bytes() == content
+
+
+def test_repair_with_an_error_marks_failed_and_leaves_complete_traces_alone(tmp_path, capsys):
+    from mpigrad.cli import main
+
+    path = tmp_path / "run.h5"
+    writer = TraceWriter(path, config={"codec": "uniform"}, tables=kill_writer.tables(), flush_every=5)
+    for i in range(12):
+        kill_writer.append_iteration(writer, i)
+    # Copied while the writer is open: the copy has the SWMR mark of a killed writer, and
+    # the 10 rows of its two flushes (the last 2 rows are still in the writer's buffer).
+    copy = tmp_path / "copy.h5"
+    copy.write_bytes(path.read_bytes())
+    writer.close()
+    assert main(["trace", "repair", str(copy), "--error", "launcher exit 137"]) == 0
+    assert "status 'failed', last iteration 9" in capsys.readouterr().out
+    failed = load(copy)
+    assert failed.status == "failed" and failed.attrs["error"] == "launcher exit 137"
+    assert len(failed.steps) == 10
+
+    content = path.read_bytes()
+    assert main(["trace", "repair", str(path)]) == 0
+    assert "closed with status 'complete'; nothing to repair" in capsys.readouterr().out
+    assert path.read_bytes() == content
+
+    (tmp_path / "junk.h5").write_bytes(b"junk")
+    for bad in (tmp_path / "junk.h5", tmp_path / "missing.h5"):
+        assert main(["trace", "repair", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mpigrad trace: error:") and len(err.strip().splitlines()) == 1

@@ -24,7 +24,9 @@ def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
     result, trace = train(tmp_path, mpi_env, "--iterations", "150", "--policy", "fixed", "--bits", "4",
                           "--lr", "0.1", "--weight-decay", "0", "--eval-every", "50")
     assert result.returncode == 0, result.stderr
-    assert "iter 150/150" in result.stdout
+    last = [line for line in result.stdout.splitlines() if line.startswith("iter 150/150")]
+    # The printed loss says that it includes the l2 term; the accuracy says when it was measured.
+    assert len(last) == 1 and "  loss+l2 " in last[0] and last[0].endswith(" @150"), result.stdout
     tr = load(trace)
     assert tr.complete and tr.label == "Fix (4-bit)"
     steps = tr.steps
@@ -81,6 +83,13 @@ def test_existing_trace_is_not_overwritten_without_force(tmp_path, mpi_env):
     (["--codec", "nope"], "unknown codec 'nope'"),
     (["--bits", "40"], "bits must be in"),
     (["--policy", "mqgrad", "--codec", "sign"], "has no bits option"),
+    (["--policy", "schedule"], "--policy schedule needs its schedule"),
+    (["--checkpoint-every", "0"], "checkpoint_every must be a positive"),
+    (["--checkpoint-every", "10 parsecs"], "cannot read"),
+    (["--model-opt", "fc_sizes=[256,256]", "--min-quantize-size", "120000"],
+     "codec 'uniform' would quantize nothing: the largest layer of this model has 102,400 elements"),
+    pytest.param(["--device", "cuda"], "torch sees no CUDA device",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="has CUDA")),
 ])
 def test_bad_options_fail_before_work_with_one_line(tmp_path, mpi_env, args, message):
     result = run_mpi(3, ["train", "--trace", str(tmp_path / "x.h5"), "--iterations", "2", *args],
@@ -90,6 +99,35 @@ def test_bad_options_fail_before_work_with_one_line(tmp_path, mpi_env, args, mes
     assert len(errors) == 1 and message in errors[0], result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # no MPI_Abort banner
     assert not (tmp_path / "x.h5").exists()
+
+
+def test_bad_options_are_refused_before_torch_and_mpi_start():
+    """What makes a refusal fast: neither torch nor MPI is imported to check the options."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom mpigrad.cli import main\ncode = main(sys.argv[1:])\n"
+             "print(code, 'torch' in sys.modules, 'mpi4py.MPI' in sys.modules)")
+    for args in (["--codec", "nope"], ["--policy", "schedule"], ["--bandwidth", "fast"]):
+        result = subprocess.run([sys.executable, "-c", probe, "train", *args], capture_output=True,
+                                text=True, timeout=120)
+        assert result.stdout.split() == ["2", "False", "False"], (args, result.stdout, result.stderr)
+        assert result.stderr.startswith("mpigrad train: error:") and result.stderr.count("\n") == 1
+
+
+def test_help_lists_the_registered_codecs_and_policies():
+    import subprocess
+    import sys
+
+    from mpigrad.codecs import available as codecs
+    from mpigrad.policies import available as policies
+
+    result = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    text = " ".join(result.stdout.split())
+    assert result.returncode == 0
+    assert "gradient codec: " + " | ".join(codecs()) in text
+    assert "bit policy: " + " | ".join(policies()) in text
 
 
 def test_one_rank_is_refused(tmp_path, mpi_env):
@@ -123,6 +161,13 @@ def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, messag
         assert not tr.complete and tr.status in ("failed", "running")
         with h5py.File(trace, "r", swmr=True) as f:
             assert f["steps/iteration"].shape[0] == len(tr.steps)
+    if fault.startswith("hang"):
+        # Rank 0 saw it and closed the trace itself: failed, why, and the last whole iteration.
+        tr = load(trace)
+        assert (tr.status, tr.attrs["last_iteration"]) == ("failed", 2)
+        assert message in tr.attrs["error"] and list(tr.steps["iteration"]) == [0, 1, 2]
+        with h5py.File(trace, "r") as f:  # closed cleanly: plain h5py opens it
+            assert f.attrs["status"] == "failed"
 
 
 def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(tmp_path, mpi_env):
@@ -173,9 +218,19 @@ def test_a_worker_that_dies_ends_the_run_instead_of_hanging(tmp_path, mpi_env):
     # dead process's exit code, or the SIGKILL it sent the others, and "BAD TERMINATION");
     # rank 0's --timeout covers a worker that hangs instead.
     env = dict(mpi_env, MPIGRAD_INJECT_FAULT="exit:2:3")
-    result, _ = train(tmp_path, env, "--iterations", "500", "--timeout", "5", timeout=90)
+    result, trace = train(tmp_path, env, "--iterations", "500", "--timeout", "5", "--trace-flush", "2",
+                          timeout=90)
     assert result.returncode in (3, 9), result.stdout + result.stderr
     assert "iter 500/500" not in result.stdout
+    # mpiexec killed rank 0 too: the trace stays "running" with its writer's mark, and
+    # `mpigrad trace repair` (what the jobscripts run after a failed launch) closes it.
+    assert load(trace).status == "running"
+    repaired = run_mpi(1, ["trace", "repair", str(trace), "--error", f"mpiexec exit {result.returncode}"],
+                       mpi_env, timeout=60)
+    assert repaired.returncode == 0, repaired.stderr
+    assert "status 'failed', last iteration 1" in repaired.stdout  # rows 0, 1 flushed before iteration 3
+    with h5py.File(trace, "r") as f:
+        assert f.attrs["status"] == "failed" and f.attrs["last_iteration"] == 1
 
 
 def test_two_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):

@@ -1,6 +1,7 @@
-"""`mpigrad trace ACTION`: info, summary, table, plot and export for HDF5 traces.
+"""`mpigrad trace ACTION`: info, summary, table, plot and export for HDF5 traces, and
+repair for the trace of a run whose writer died.
 
-Reads trace files only: never imports mpi4py, torch or numba.
+Never imports mpi4py, torch or numba; only ``repair`` writes (through mpigrad.trace).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     table = actions.add_parser("table", help="test accuracy at given times (the paper's Tables 1-2)")
     table.add_argument("files", nargs="+", metavar="FILE")
     table.add_argument("--at", required=True, metavar="POINTS",
-                       help="comma-separated durations (5h,15h,30h; units s, m, h, d) or iterations (100,500)")
+                       help="comma-separated durations (5h,15h,30h; units s, m, h, d) or iteration counts "
+                            "(300: after 300 iterations, as the progress line's 'iter 300/300')")
     table.add_argument("--iterations", action="store_true", help="read --at as iteration numbers only")
     table.add_argument("--clock", choices=sorted(CLOCKS), default="sim",
                        help="clock that durations refer to (default: sim)")
@@ -72,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     export.add_argument("file")
     export.add_argument("--csv", required=True, metavar="DIR", help="output folder (created if needed)")
     export.add_argument("--force", action="store_true", help="overwrite existing files in DIR")
+
+    repair = actions.add_parser(
+        "repair", help="close the trace of a run whose writer died (status failed or incomplete)",
+        description="For a trace whose writer was killed: rewrite it atomically without HDF5's "
+                    "open-for-writing mark, so that any HDF5 tool opens it, with status 'failed' "
+                    "(--error) or 'incomplete' and the last iteration recorded. Only for a run "
+                    "that has ended. A closed trace is left as it is.")
+    repair.add_argument("file")
+    repair.add_argument("--error", metavar="TEXT",
+                        help="what went wrong (e.g. 'launcher exit 137'): recorded, status 'failed'")
 
 
 def _add_smooth(parser: argparse.ArgumentParser) -> None:
@@ -149,10 +161,18 @@ def _summary(args: argparse.Namespace) -> int:
     return skipped.exit_code(0)
 
 
+def _marked_runs(paths: list[str], skipped: _Skipped | None = None) -> tuple[list[Trace], list[str]]:
+    """Runs and their labels, each marked with its status unless it completed."""
+    from .summary import marked_label
+
+    traces, labels = _load_runs(paths, skipped)
+    return traces, [marked_label(trace, label) for trace, label in zip(traces, labels)]
+
+
 def _table(args: argparse.Namespace) -> int:
     points = parse_points(args.at, iterations=args.iterations)
     skipped = _Skipped()
-    traces, labels = _load_runs(args.files, skipped)
+    traces, labels = _marked_runs(args.files, skipped)
     rows, columns = accuracy_table(traces, labels, points, clock=args.clock, metric=args.metric)
     print(render(rows, columns, args.format), end="")
     return skipped.exit_code(0)
@@ -162,7 +182,7 @@ def _plot(args: argparse.Namespace) -> int:
     from .plots import plot_traces
 
     skipped = _Skipped()
-    traces, labels = _load_runs(args.files, skipped)
+    traces, labels = _marked_runs(args.files, skipped)
     output = plot_traces(traces, labels, args.output, x=args.x, smooth=args.smooth,
                          accuracy=not args.no_accuracy, title=args.title)
     print(f"wrote {output}")
@@ -194,7 +214,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repair(args: argparse.Namespace) -> int:
+    from ..trace import repair
+
+    print(repair(args.file, error=args.error))
+    return 0
+
+
 _ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "info": _info, "summary": _summary, "table": _table, "plot": _plot, "compare": _compare,
-    "export": _export,
+    "export": _export, "repair": _repair,
 }

@@ -20,7 +20,7 @@ import numpy as np
 from ..trace import STEPS_COLUMNS, Trace
 from .tables import CLOCKS, AnalysisError, Column
 
-__all__ = ["require_steps", "smoothed_loss", "time_to_target", "overhead_fraction",
+__all__ = ["require_steps", "marked_label", "smoothed_loss", "time_to_target", "overhead_fraction",
            "compression_ratio", "summarize", "summary_columns", "describe"]
 
 
@@ -32,6 +32,11 @@ def require_steps(trace: Trace) -> None:
         raise AnalysisError(f"{trace.path}: steps table lacks columns {missing}")
     if len(steps) == 0:
         raise AnalysisError(f"{trace.path}: the run recorded no iterations (status {trace.status})")
+
+
+def marked_label(trace: Trace, label: str) -> str:
+    """``label`` with the run's status appended unless it completed: "MQGrad [failed]"."""
+    return label if trace.status == "complete" else f"{label} [{trace.status}]"
 
 
 def smoothed_loss(trace: Trace, smooth: int = 1) -> np.ndarray:
@@ -111,10 +116,16 @@ def describe(trace: Trace) -> list[tuple[str, str]]:
     """(key, text) lines for `mpigrad trace info`."""
     attrs, steps = trace.attrs, trace.steps
     status = {"complete": "complete (ended cleanly)", "stopped": "stopped (checkpointed, can be resumed)",
-              "failed": "failed (the run raised an error)",
-              "running": "running, or its writer died (rows up to the last flush are readable)"}
-    lines = [("file", str(trace.path)), ("method", trace.label),
-             ("status", status.get(trace.status, trace.status)),
+              "failed": "failed",
+              "incomplete": "incomplete (its writer died; closed by mpigrad trace repair)",
+              "running": "running, or its writer died (rows up to the last flush are readable; "
+                         "mpigrad trace repair closes it)"}
+    status_text = status.get(trace.status, trace.status)
+    if "error" in attrs:
+        status_text += f": {attrs['error']}"
+    if "last_iteration" in attrs:
+        status_text += f" (last complete iteration {attrs['last_iteration']})"
+    lines = [("file", str(trace.path)), ("method", trace.label), ("status", status_text),
              ("schema", f"version {trace.schema_version}, written by mpigrad {attrs.get('mpigrad_version', '?')}"),
              ("started", str(attrs.get("start_time", "?"))), ("ended", str(attrs.get("end_time", "-")))]
     if len(steps):
@@ -138,7 +149,7 @@ def describe(trace: Trace) -> list[tuple[str, str]]:
         lines.append(("versions", ", ".join(f"{k} {str(v).splitlines()[0] if str(v) else v}"
                                             for k, v in versions.items())))
     shown = {"format", "schema_version", "mpigrad_version", "start_time", "end_time", "complete",
-             "status", "config", "resumes", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
+             "status", "error", "last_iteration", "config", "resumes", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
     lines += [(key, _compact(value)) for key, value in attrs.items() if key not in shown]
     lines.append(("config", json.dumps(trace.config, indent=2, sort_keys=True)))
     return lines

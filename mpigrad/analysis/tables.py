@@ -111,15 +111,23 @@ def parse_points(text: str, *, iterations: bool = False) -> list[Point]:
 
 def value_at(trace: Trace, point: Point, *, clock: str = "sim", metric: str = "accuracy") -> Any:
     """The metric of the last evaluation at or before ``point``: a float, "N/A" when the
-    run had ended before ``point``, "-" when no evaluation had happened yet."""
+    run had ended before ``point``, "-" when no evaluation had happened yet.
+
+    An iteration point N means "after N iterations", as the progress line counts them
+    ("iter 300/300"): the trace's row ``iteration`` m is the (m + 1)-th iteration."""
     column, scale, _ = METRICS[metric]
-    position = "iteration" if point.is_iteration else CLOCKS[clock]
     steps, evals = trace.steps, trace.eval
-    if len(steps) == 0 or point.value > steps[position].iloc[-1]:
+    if len(steps) == 0:
         return NOT_AVAILABLE
-    if len(evals) == 0:
+    if point.is_iteration:
+        reached, eval_at = steps["iteration"].iloc[-1] + 1, evals["iteration"] + 1 if len(evals) else None
+    else:
+        reached, eval_at = steps[CLOCKS[clock]].iloc[-1], evals[CLOCKS[clock]] if len(evals) else None
+    if point.value > reached:
+        return NOT_AVAILABLE
+    if eval_at is None:
         return NOT_YET
-    done = evals[evals[position] <= point.value]
+    done = evals[eval_at <= point.value]
     return NOT_YET if len(done) == 0 else float(done[column].iloc[-1]) * scale
 
 

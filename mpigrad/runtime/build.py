@@ -8,15 +8,18 @@ import threading
 import numpy as np
 import torch
 
-from ..codecs import Codec, get_codec
+from ..codecs import Codec
 from ..config import RunConfig
 from ..data import Dataset, load_dataset
-from ..errors import UsageError
 from ..feedback import ErrorFeedback
 from ..models import build_model
+from .checks import base_codec, broadcast_codec, check_device
 from .compressor import GradientCompressor
 from .layout import Layout, Shard, pieces_of, plan_shards
 from .replica import Replica
+
+__all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "base_codec", "broadcast_codec", "load_data", "release_data",
+           "build_replica", "build_shards", "build_compressor"]
 
 #: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
 SERVER_STREAM = 0
@@ -30,30 +33,8 @@ def derive_seed(*parts: int) -> int:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for, but torch sees no CUDA device here")
+    check_device(name)
     return torch.device(name)
-
-
-def base_codec(config: RunConfig) -> Codec:
-    """The run's codec at the initial bits (a codec fixed by its levels keeps them)."""
-    codec = get_codec(config.codec_config())
-    return codec.with_bits(config.bits) if codec.takes_policy_bits else codec
-
-
-def broadcast_codec(config: RunConfig) -> tuple[Codec, int | None]:
-    """The codec of the servers' broadcast (``--broadcast-codec``) and its fixed bits, or None
-    when its bits follow the policy's. UsageError for a codec or bits it cannot take."""
-    codec_config, bits = config.broadcast_codec_config()
-    try:
-        codec = get_codec(codec_config)
-        if bits is not None:
-            codec = codec.with_bits(bits)
-        elif codec.takes_policy_bits:
-            codec = codec.with_bits(config.bits)
-    except ValueError as exc:
-        raise UsageError(f"--broadcast-codec {config.broadcast_codec}: {exc}") from None
-    return codec, bits
 
 
 _loaded: dict[str, Dataset] = {}

@@ -1,28 +1,41 @@
-"""Checkpoints: one file written atomically by rank 0, refused when the run does not match.
+"""Checkpoints: written atomically by rank 0, the last two kept, refused when the run does not match.
 
-The file holds rank 0's state (model, policy, codec RNG counters, error-feedback memory,
-clocks, iteration), every worker's (data order and position, codec counters, memories) and
-every other server's (its shard's codec counters and memories).
-It is written to a temporary file in the same directory, fsynced, then renamed over the old
-one: a crash while writing leaves the previous checkpoint whole.
+A checkpoint holds rank 0's state (model, policy, codec RNG counters, error-feedback memory,
+clocks, iteration, traffic so far), every worker's (data order and position, codec
+counters, memories) and every other server's (its shard's codec counters and memories).
+``save`` writes it to a temporary file in the same folder, fsyncs it, moves the previous
+checkpoint to ``PATH.prev`` and renames the new one to ``PATH``: a crash at any moment
+leaves at least one whole checkpoint. The file starts with a magic, the payload's
+length and its CRC-32, so a truncated or damaged file is recognised before torch reads it;
+``load`` then falls back to ``PATH.prev`` with a one-line warning.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import struct
 import tempfile
+import time
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import UsageError
 
-FORMAT = 1
+FORMAT = 2
+_MAGIC = b"MPIGRADC"
+_HEAD = struct.Struct("<8sHQI")  # magic, format, payload length, payload CRC-32
 # Options that may differ between the run that wrote a checkpoint and the one resuming it.
 MAY_CHANGE = {"iterations", "trace_flush", "eval_every", "eval_samples", "progress_every",
               "checksum_every", "timeout", "walltime", "resume", "force", "threads", "device",
-              "checkpoint", "trace", "data_dir"}
+              "checkpoint", "checkpoint_every", "trace", "data_dir"}
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file that is truncated, corrupted or not a checkpoint at all."""
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:
@@ -30,35 +43,135 @@ def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     return {"config": kept, "world_size": world_size}
 
 
-def save(path: Path, ident: dict[str, Any], server: dict, workers: list[dict], servers: list[dict] = ()) -> None:
-    """Write rank 0's state, each worker's and each shard server's (ranks 1..S-1)."""
+def previous_path(path: Path) -> Path:
+    """Where the checkpoint before the newest one is kept."""
+    path = Path(path)
+    return path.with_name(path.name + ".prev")
+
+
+def paths(path: Path) -> tuple[Path, Path]:
+    """The newest and the previous checkpoint's paths, newest first."""
+    return Path(path), previous_path(path)
+
+
+def exists(path: Path) -> bool:
+    return any(p.exists() for p in paths(path))
+
+
+def remove(path: Path) -> None:
+    """Delete both checkpoints (a finished run has nothing to resume)."""
+    for p in paths(path):
+        p.unlink(missing_ok=True)
+
+
+def save(path: Path, ident: dict[str, Any], server: dict, workers: list[dict],
+         servers: list[dict] = ()) -> int:
+    """Write rank 0's state, each worker's and each shard server's (ranks 1..S-1), keeping
+    the checkpoint it replaces as ``PATH.prev``; return its size in bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
+            handle.write(bytes(_HEAD.size))  # filled in once the payload's length and CRC are known
+            payload = _CrcWriter(handle)
             torch.save({"format": FORMAT, "identity": ident, "server": server, "workers": workers,
-                        "servers": list(servers)}, handle)
+                        "servers": list(servers)}, payload)
+            handle.seek(0)
+            handle.write(_HEAD.pack(_MAGIC, FORMAT, payload.length, payload.crc))
             handle.flush()
             os.fsync(handle.fileno())
+        if path.exists():
+            os.replace(path, previous_path(path))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_folder(path.parent)
+    return _HEAD.size + payload.length
 
 
-def load(path: Path, ident: dict[str, Any]) -> dict:
-    """Read a checkpoint and check that it belongs to this run; UsageError otherwise."""
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"--resume: no checkpoint at {path}")
+class _CrcWriter:
+    """A write-only stream that passes bytes on and keeps their count and CRC-32."""
+
+    def __init__(self, handle):
+        self.handle, self.length, self.crc = handle, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.length += len(memoryview(data))
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the renames durable (a no-op where folders cannot be opened)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise UsageError(f"--resume: checkpoint {path} is unreadable ({type(exc).__name__})") from None
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read(path: Path) -> dict:
+    """The checkpoint's contents; DamagedCheckpoint when its header, length or CRC is wrong."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(_HEAD.size)
+            if len(head) < _HEAD.size:
+                raise DamagedCheckpoint(f"{len(head)} bytes, shorter than a checkpoint header")
+            magic, version, length, crc = _HEAD.unpack(head)
+            if magic != _MAGIC:
+                raise DamagedCheckpoint("not an mpigrad checkpoint")
+            if version != FORMAT:
+                raise DamagedCheckpoint(f"checkpoint format {version}, this mpigrad reads {FORMAT}")
+            data = handle.read(length + 1)
+    except OSError as exc:
+        raise DamagedCheckpoint(exc.strerror or type(exc).__name__) from None
+    if len(data) != length:
+        raise DamagedCheckpoint(f"payload of {len(data)} bytes, the header says {length} (truncated?)")
+    if zlib.crc32(data) != crc:
+        raise DamagedCheckpoint("payload CRC-32 mismatch (corrupted)")
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a CRC-clean payload torch cannot read is damaged too
+        raise DamagedCheckpoint(f"unreadable payload ({type(exc).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UsageError(f"--resume: {path} is not an mpigrad checkpoint of format {FORMAT}")
-    saved = state["identity"]
+        raise DamagedCheckpoint("not an mpigrad checkpoint payload")
+    return state
+
+
+def load(path: Path, ident: dict[str, Any], warn: Callable[[str], None] = lambda line: None
+         ) -> tuple[dict, Path]:
+    """The newest whole checkpoint (``PATH``, else ``PATH.prev``) and its path, checked to
+    belong to this run; ``warn`` gets one line when a damaged newest one is skipped.
+    UsageError when there is none, or when it is from another configuration or world size."""
+    skipped = []
+    for candidate in paths(path):
+        if not candidate.exists():
+            continue
+        try:
+            state = read(candidate)
+        except DamagedCheckpoint as exc:
+            skipped.append(f"{candidate} is damaged ({exc})")
+            continue
+        _check_identity(candidate, state["identity"], ident)
+        if skipped:
+            warn(f"mpigrad: warning: {skipped[0]}; resuming from the older {candidate}")
+        return state, candidate
+    if skipped:
+        raise UsageError(f"--resume: no usable checkpoint: {'; '.join(skipped)}")
+    raise UsageError(f"--resume: no checkpoint at {path}")
+
+
+def _check_identity(path: Path, saved: dict[str, Any], ident: dict[str, Any]) -> None:
     if saved["world_size"] != ident["world_size"]:
         raise UsageError(f"--resume: checkpoint {path} was written by {saved['world_size']} ranks, "
                          f"this run has {ident['world_size']}")
@@ -67,4 +180,25 @@ def load(path: Path, ident: dict[str, Any]) -> dict:
     if differing:
         detail = ", ".join(f"{k}: {saved['config'].get(k)!r} -> {ident['config'].get(k)!r}" for k in differing)
         raise UsageError(f"--resume: checkpoint {path} is from a different configuration ({detail})")
-    return state
+
+
+class Schedule:
+    """When rank 0 writes a periodic checkpoint: every N iterations, or once ``S`` seconds
+    of wall time have passed since the last one (``--checkpoint-every``)."""
+
+    def __init__(self, interval: tuple[str, float] | None, clock: Callable[[], float] = time.monotonic):
+        self.interval = interval
+        self.clock = clock
+        self.last = clock()
+
+    def due(self, done: int) -> bool:
+        """True when a checkpoint is due after ``done`` iterations."""
+        if self.interval is None:
+            return False
+        kind, value = self.interval
+        if kind == "iterations":
+            return done % int(value) == 0
+        return self.clock() - self.last >= value
+
+    def written(self) -> None:
+        self.last = self.clock()

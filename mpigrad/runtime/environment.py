@@ -17,7 +17,7 @@ from ..errors import UsageError
 
 __all__ = [
     "THREAD_VARIABLES", "SKIP_NTASKS_CHECK", "RankInfo",
-    "check_world_size", "threads_per_rank", "apply_thread_settings",
+    "check_world_size", "threads_per_rank", "export_thread_variables", "apply_thread_settings",
     "probe_rank", "ranks_per_host", "oversubscription_warnings", "format_ranks",
 ]
 
@@ -71,6 +71,16 @@ def threads_per_rank(requested: int | None = None, environ: Mapping[str, str] = 
     return 1 if from_slurm is None else from_slurm
 
 
+def export_thread_variables(threads: int, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Export ``threads`` in ``THREAD_VARIABLES`` without importing anything (``NUMBA_NUM_THREADS``
+    only while Numba is not imported yet: it refuses a changed value once its pool exists)."""
+    numba_loaded = "numba" in sys.modules
+    for name in THREAD_VARIABLES:
+        if name == "NUMBA_NUM_THREADS" and numba_loaded:
+            continue
+        environ[name] = str(threads)
+
+
 def apply_thread_settings(threads: int, environ: MutableMapping[str, str] = os.environ) -> dict[str, int]:
     """Use ``threads`` threads in torch and Numba and export them in ``THREAD_VARIABLES``
     (``NUMBA_NUM_THREADS`` only while Numba is not imported yet).
@@ -82,11 +92,7 @@ def apply_thread_settings(threads: int, environ: MutableMapping[str, str] = os.e
     Returns the counts in force: ``{"torch": ..., "numba": ...}``.
     """
     threads = threads_per_rank(threads, environ)
-    numba_loaded = "numba" in sys.modules
-    for name in THREAD_VARIABLES:
-        if name == "NUMBA_NUM_THREADS" and numba_loaded:
-            continue  # Numba refuses a changed value once its pool exists; set_num_threads below
-        environ[name] = str(threads)
+    export_thread_variables(threads, environ)
     import numba
     import torch
 

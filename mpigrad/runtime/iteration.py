@@ -19,9 +19,14 @@ phase          worker                          server s > 0                 rank
 ``reports``    -                               send ServerReport to 0       gather the S - 1 reports
 ``end``        SGD step; stop if told          stop if told                 SGD step; IterationRecord
 =============  ==============================  ===========================  ==============================
+
+After an iteration whose Control says CHECKPOINT_AFTER (``--checkpoint-every``), every rank
+sends its state to rank 0 (``session``), which writes the checkpoint; then all go on.
 """
 
 from __future__ import annotations
+
+from .wire import CHECKPOINT_AFTER
 
 PHASES = ("losses", "control", "gradients", "broadcast", "reports")
 
@@ -34,9 +39,12 @@ def run_iteration(role, m: int):
     return role.end(m)
 
 
-def run_until_stopped(role, start: int, iterations: int) -> bool:
-    """A worker's or shard server's loop: True when rank 0 asked to stop (checkpoint)."""
+def run_until_stopped(role, start: int, iterations: int, on_checkpoint=None) -> bool:
+    """A worker's or shard server's loop: True when rank 0 asked to stop (checkpoint);
+    ``on_checkpoint()`` runs after each iteration that rank 0 marks CHECKPOINT_AFTER."""
     for m in range(start, iterations):
         if run_iteration(role, m):
             return True
+        if on_checkpoint is not None and role.control_msg.command == CHECKPOINT_AFTER:
+            on_checkpoint()
     return False

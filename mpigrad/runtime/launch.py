@@ -12,9 +12,11 @@ import os
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 from ..config import RunConfig, parse_assignments
 from ..errors import UsageError
+from .environment import apply_thread_settings, export_thread_variables, threads_per_rank
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -24,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options mirror RunConfig; every default is None so a --config file is not overridden."""
     parser.epilog = ("Defaults follow the MQGrad paper (uniform codec, mqgrad policy from 2 bits, "
                      "batch 32, lr 0.2, 10 MB/s). Launch: mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+    parser.formatter_class = RegistryHelpFormatter
     d = RunConfig()
     g = parser.add_argument_group("run")
     g.add_argument("--config", metavar="FILE", help="TOML file whose keys mirror these options")
@@ -32,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic)")
     g.add_argument("--weight-decay", type=float, help=f"l2 coefficient on the big FC layers (default {d.weight_decay})")
     g.add_argument("--seed", type=int, help="seeds data order, model init, codecs and policy (default 0)")
-    g.add_argument("--device", choices=["cpu", "cuda", "auto"], help="torch device (default cpu)")
+    g.add_argument("--device", choices=["cpu", "cuda", "auto"], help="torch device (default cpu; auto: cuda where available)")
     g.add_argument("--threads", type=int, help="threads per rank (default SLURM_CPUS_PER_TASK or 1)")
     g = parser.add_argument_group("model and data")
     g.add_argument("--model", help=f"model (default {d.model})")
@@ -43,13 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, help=f"evaluate on the test split every N iterations, 0 = never (default {d.eval_every})")
     g.add_argument("--eval-samples", type=int, help="evaluate on the first N test examples (default all)")
     g = parser.add_argument_group("quantization")
-    g.add_argument("--codec", help=f"gradient codec (default {d.codec})")
+    g.add_argument("--codec", help=f"gradient codec: %(codecs)s (default {d.codec})")
     g.add_argument("--codec-opt", action="append", metavar="KEY=VALUE", help="codec option, e.g. bucket_size=512")
     g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); "
                    "uniform: 2**bits levels from min to max; qsgd: the sign is one of the bits, "
                    "s = 2**(bits-1) - 1 levels per sign (bits 4 gives s = 7)")
-    g.add_argument("--policy", help=f"bit policy: fixed | schedule | adaptive | mqgrad | accordion | lgreco "
-                   f"(default {d.policy})")
+    g.add_argument("--policy", help=f"bit policy: %(policies)s (default {d.policy}; schedule needs "
+                   "--policy-opt schedule=0:2,500:4)")
     g.add_argument("--policy-opt", action="append", metavar="KEY=VALUE", help="policy option, e.g. epsilon=0.1")
     g.add_argument("--min-quantize-size", type=int, help="quantize every parameter of at least this many elements, "
                    "the rest travels as float32 (default: the layers the paper quantizes, the weights "
@@ -79,8 +82,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("robustness")
     g.add_argument("--timeout", help=f"seconds to wait for a rank before aborting (default {d.timeout:g})")
     g.add_argument("--walltime", help="stop, checkpoint and exit 75 before this much time has passed, e.g. 2h")
-    g.add_argument("--checkpoint", metavar="PATH", help="checkpoint file (default TRACE.ckpt)")
+    g.add_argument("--checkpoint", metavar="PATH", help="checkpoint file (default TRACE.ckpt; the one before is kept as PATH.prev)")
+    g.add_argument("--checkpoint-every", metavar="N|DURATION",
+                   help="also checkpoint every N iterations, or every DURATION of wall time (e.g. 30m): "
+                        "a crash then loses at most one interval (default: only on stop)")
     g.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint")
+
+
+class RegistryHelpFormatter(argparse.HelpFormatter):
+    """Fills ``%(codecs)s`` and ``%(policies)s`` in option help from the registries, only
+    when help is printed (the codec registry imports Numba)."""
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if "%(codecs)s" in (action.help or "") or "%(policies)s" in (action.help or ""):
+            from ..codecs import available as codecs
+            from ..policies import available as policies
+
+            action = argparse.Action(action.option_strings, action.dest, help=action.help % {
+                "codecs": " | ".join(codecs()), "policies": " | ".join(policies())})
+        return super()._expand_help(action)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -92,16 +112,20 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the options before MPI, torch or data start (every rank alike, so a bad option
+    ends each rank with exit 2 and one line from rank 0, fast); then launch checks and work."""
     started = time.monotonic()
-    from mpi4py import MPI
+    config = config_from_args(args)
+    export_thread_variables(threads_per_rank(config.threads))  # before Numba's pool starts
+    from .checks import check_options
 
-    from .environment import apply_thread_settings, threads_per_rank
+    check_options(config)  # UsageError: cli prints it (rank 0 only) and exits 2
+    from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     try:
-        config = config_from_args(args)
-        # Before Numba and torch start their thread pools.
+        # Before torch starts its thread pools.
         apply_thread_settings(threads_per_rank(config.threads))
         from .session import check_launch, run_rank
         check_launch(config, comm)
@@ -109,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
         # Every rank gets here together (the checks are deterministic or broadcast).
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
-        return _end_together(comm, EXIT_USAGE)
+        _end_together(comm, EXIT_USAGE)
     try:
         code = run_rank(config, comm, sys.argv, started)
-        return _end_together(comm, code) if code else code  # e.g. 75 after a checkpoint
+        if code:
+            _end_together(comm, code)  # e.g. 75 after a checkpoint
+        return code
     except UsageError as exc:
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
@@ -135,15 +161,20 @@ def _abort(comm, code: int) -> None:
 _FORWARD_SECONDS = 0.5
 
 
-def _end_together(comm, code: int) -> int:
-    """Finalize every rank cleanly, then let each return ``code``.
+def _end_together(comm, code: int) -> NoReturn:
+    """Finalize every rank cleanly, then exit each with ``code`` at once.
 
-    Once MPI is finalized, python -m mpi4py passes a non-zero exit code on instead of
-    calling MPI_Abort (whose banner would follow the one-line error, and which kills ranks
-    that may still be writing). Only for paths that every rank reaches together.
+    A finalized MPI exits with a non-zero code instead of calling MPI_Abort (whose banner
+    would follow the one-line error, and which kills ranks that may still be writing).
+    Only for paths that every rank reaches together, with every file closed.
     """
     from mpi4py import MPI
 
     comm.Barrier()
     MPI.Finalize()
-    return code
+    # Every file is closed (trace) or fsynced (checkpoint) by now: skip the interpreter's
+    # teardown of torch, Numba and h5py, which takes seconds per rank (a stop near the
+    # walltime should not spend them; measured in the issue-13 report).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -20,6 +20,7 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..policies import Observation, get_policy, policy_class
+from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
 from .clock import Clocks, IterationClock, LinkModel
@@ -28,7 +29,7 @@ from .faults import Fault
 from .iteration import run_iteration, run_until_stopped
 from .record import IterationRecord
 from .stopping import StopFlag
-from .wire import (CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
+from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
                    FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
 
 
@@ -192,9 +193,10 @@ class ShardServer:
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
 
-    def run(self, start_iteration: int = 0) -> bool:
-        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue."""
-        return run_until_stopped(self, start_iteration, self.config.iterations)
+    def run(self, start_iteration: int = 0, on_checkpoint=None) -> bool:
+        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue.
+        ``on_checkpoint()`` runs after each iteration rank 0 marks for a periodic checkpoint."""
+        return run_until_stopped(self, start_iteration, self.config.iterations, on_checkpoint)
 
     def state_dict(self) -> dict:
         return {"compressor": self.compressor.state_dict()}
@@ -238,9 +240,14 @@ class ParameterServer:
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
         self.iteration = 0
         # Time kept in hand for the stop itself: gathering worker state and writing it.
-        state_bytes = 4 * layout.total * (2 + self.workers * (config.error_feedback != "none"))
+        copies = 1 + self.policy.uses_gradients + (self.workers + 1) * (config.error_feedback != "none")
+        state_bytes = 4 * layout.total * copies
         self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
+        self.checkpoint_schedule = checkpoint.Schedule(config.checkpoint_interval)
+        self.command = CONTINUE
+        self.bytes_total = 0      # both directions, all sessions of the run (progress "sent")
+        self.last_eval: tuple[int, float, float] | None = None  # (iteration, test loss, accuracy)
         # Reused buffers: nothing gradient-sized is allocated per iteration.
         self.update = self.replica.update_host
         self.has_previous = False
@@ -250,7 +257,6 @@ class ParameterServer:
                             if self.servers > 1 else None)
         self.lengths = {s: FrameLength.buffer() for s in range(1, self.servers)}
         self.frames = {s: np.empty(0, np.uint8) for s in range(1, self.servers)}
-        self.bytes_total = 0
         self.start_iteration = 0
         self.session_started = time.perf_counter()
 
@@ -280,7 +286,10 @@ class ParameterServer:
         last = m + 1 == self.config.iterations
         self.it["stop_after"] = not last and self.stop.requested(self._mean_iteration_seconds(m),
                                                                  self.checkpoint_reserve)
-        self.control_msg.set(STOP_AFTER if self.it["stop_after"] else CONTINUE, m, bits)
+        checkpoint_after = not (last or self.it["stop_after"]) and self.checkpoint_schedule.due(m + 1)
+        self.command = (STOP_AFTER if self.it["stop_after"] else CHECKPOINT_AFTER if checkpoint_after
+                        else CONTINUE)
+        self.control_msg.set(self.command, m, bits)
         self.channel.broadcast([(self.control_msg.buf, WORLD)],
                                lambda: f"control broadcast of iteration {m} stalled")
         self.clock.control(self.control_msg.buf.nbytes)
@@ -399,14 +408,14 @@ class ParameterServer:
         return (time.perf_counter() - self.session_started) / done if done else 0.0
 
     # ---- the run ------------------------------------------------------------------------
-    def run(self, trace, start_iteration: int = 0) -> bool:
+    def run(self, trace, start_iteration: int = 0, on_checkpoint=None) -> bool:
         """Iterate to the end or to a stop request; return True when stopped for requeue.
-        ``trace`` takes each record (``record``), evaluations (``eval``)."""
+        ``trace`` takes each record (``record``), evaluations (``eval``); ``on_checkpoint()``
+        runs after each iteration that --checkpoint-every marks (CHECKPOINT_AFTER)."""
         self.start_iteration = start_iteration
         self.clock.clocks = Clocks(**self.saved_clocks)  # start-up time stays off both clocks
         self.session_started = time.perf_counter()
-        self.bytes_total = 0
-        self.last_eval = None
+        self.checkpoint_schedule.written()
         config = self.config
         for m in range(start_iteration, config.iterations):
             self.iteration = m
@@ -420,6 +429,9 @@ class ParameterServer:
                 self.log(self.progress_line(record))
             if self.stop_after:
                 return True
+            if self.command == CHECKPOINT_AFTER and on_checkpoint is not None:
+                on_checkpoint()
+                self.checkpoint_schedule.written()
         return False
 
     # ---- evaluation and progress ----------------------------------------------------------
@@ -428,7 +440,7 @@ class ParameterServer:
         clocks.pause()
         test_loss, accuracy = evaluate(self.replica, self.dataset, self.config)
         clocks.resume()
-        self.last_eval = (test_loss, accuracy)
+        self.last_eval = (m, test_loss, accuracy)
         return dict(iteration=m, wall_time=clocks.now_wall(), sim_time=clocks.sim,
                     test_loss=test_loss, test_accuracy=accuracy)
 
@@ -436,17 +448,21 @@ class ParameterServer:
         config = self.config
         done = record.iteration + 1
         eta = (config.iterations - done) * self._mean_iteration_seconds(done)
-        acc = f"  acc {self.last_eval[1]:.3f}" if self.last_eval else ""
-        return (f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss {record.loss:.4f}  "
+        acc = f"  acc {self.last_eval[2]:.3f} @{self.last_eval[0] + 1}" if self.last_eval else ""
+        return (f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss+l2 {record.loss:.4f}  "
                 f"bits {record.bits[0]}  sent {self.bytes_total / 1e6:.1f} MB  sim {format_seconds(record.sim_time)}  "
                 f"wall {format_seconds(self.clock.clocks.now_wall())}  ETA {format_seconds(eta)}{acc}")
 
     # ---- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> dict:
+        # The previous average feeds only policies that read gradients (Observation.gradients):
+        # for the others it would double the checkpoint for nothing.
+        keep_update = self.has_previous and self.policy.uses_gradients
         return {"iteration": self.iteration, "replica": self.replica.state_dict(),
                 "policy": self.policy.state_dict(), "compressor": self.compressor.state_dict(),
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
-                "previous_average": torch.from_numpy(self.aggregator.grad_sum.copy()) if self.has_previous else None}
+                "bytes_total": self.bytes_total, "last_eval": self.last_eval,
+                "previous_average": torch.from_numpy(self.aggregator.grad_sum.copy()) if keep_update else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -455,6 +471,8 @@ class ParameterServer:
         self.compressor.load_state_dict(state["compressor"])
         self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
+        self.bytes_total = int(state["bytes_total"])
+        self.last_eval = state["last_eval"]
         if state["previous_average"] is not None:
             self.aggregator.grad_sum[:] = state["previous_average"].numpy()
             self.has_previous = True

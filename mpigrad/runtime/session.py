@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import h5py
@@ -10,9 +11,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..codecs import CodecError, get_codec
+from ..codecs import get_codec
 from ..errors import UsageError
-from ..policies import PolicyError, get_policy
 from ..models import build_model
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, broadcast_codec, load_data
@@ -39,28 +39,11 @@ def _launch_problem(config, size: int) -> str | None:
         if size < config.servers + 1:
             raise UsageError(f"--servers {config.servers} needs at least {config.servers + 1} MPI ranks "
                              f"(S servers and at least one worker), this run has {size}")
-        if "bits" in config.codec_opts:
-            raise UsageError("set the bits with --bits (bits = N at the top of a config file), "
-                             "not as a codec option: the policy starts from it")
-        codec = base_codec(config)
-        policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
-        lowest, highest = policy.bits_range()
-        moving = lowest != highest
-        if moving and not codec.accepts_bits:
-            raise UsageError(f"policy {config.policy!r} chooses bits, but codec {config.codec!r} has no "
-                             "bits option: use --policy fixed, or a codec such as uniform or qsgd")
-        if moving and not codec.takes_policy_bits:
-            raise UsageError(f"codec option levels fixes the quantization, but policy {config.policy!r} "
-                             "chooses bits: use --policy fixed, or drop levels")
-        if codec.takes_policy_bits:
-            policy.check_codec(codec)
-        down, down_bits = broadcast_codec(config)
-        if moving and down_bits is None and down.accepts_bits:
-            policy.check_codec(down)
         dataset = load_data(config)
         with torch.device("meta"):
-            build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
-                        **config.model_opts)
+            model = build_model(config.model, input_shape=dataset.input_shape,
+                                num_classes=dataset.num_classes, **config.model_opts)
+        check_quantizes_something(config, model)
         trace = Path(config.trace)
         if config.resume:
             if not trace.exists():
@@ -68,15 +51,28 @@ def _launch_problem(config, size: int) -> str | None:
             if trace_status(trace) == "complete":
                 raise UsageError(f"--resume: trace {trace} is complete, there is nothing to resume "
                                  "(start a new run with another --trace, or --force without --resume)")
-            if not config.checkpoint_path.exists():
+            if not checkpoint.exists(config.checkpoint_path):
                 raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
         elif trace.exists() and not config.force:
             raise UsageError(f"trace {trace} exists; pass --force to overwrite it or --trace to choose another")
         if not trace.parent.exists() and str(trace.parent):
             raise UsageError(f"directory {trace.parent} for the trace does not exist")
-    except (UsageError, CodecError, PolicyError, ValueError) as exc:
+    except (UsageError, ValueError) as exc:
         return str(exc)
     return None
+
+
+def check_quantizes_something(config, model: torch.nn.Module) -> None:
+    """UsageError when a quantizing codec would apply to no layer (every layer smaller than
+    --min-quantize-size): the run would train in float32 while its log and trace say bits."""
+    if config.codec == "fp32":
+        return
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    if any(n >= config.min_quantize_size for n in sizes):
+        return
+    raise UsageError(f"codec {config.codec!r} would quantize nothing: the largest layer of this model "
+                     f"has {max(sizes, default=0):,} elements, --min-quantize-size is "
+                     f"{config.min_quantize_size:,}; lower it, or use --codec fp32 for an unquantized run")
 
 
 def trace_status(path: Path) -> str | None:
@@ -125,7 +121,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
     ident = checkpoint.identity(config.to_dict(), channel.size)
     start = 0
     if config.resume:
-        state = checkpoint.load(config.checkpoint_path, ident)
+        state, path = checkpoint.load(config.checkpoint_path, ident, warn=log)
         server.load_state_dict(state["server"])
         start = server.iteration
         if start >= config.iterations:
@@ -133,7 +129,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
                              f"{config.iterations}: raise --iterations to continue")
         replica = state["server"]["replica"]
         channel.scatter_object([None] + list(state.get("servers", [])) + [(w, replica) for w in state["workers"]])
-        log(f"mpigrad: resuming from {config.checkpoint_path} at iteration {start}")
+        log(f"mpigrad: resuming from {path} at iteration {start}")
     # Every rank has built its part once this gather returns: no timeout runs before.
     hosts = channel.gather_object(socket.gethostname())
     channel.bcast_object(start)
@@ -143,21 +139,38 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
                           resume_at=start if config.resume else None)
     if not config.resume:
         describe_run(config, server, channel.size, log)
+
+    def save_checkpoint() -> str:
+        """Flush the trace, gather every rank's state, write it; return "SIZE MB, SECONDS s"."""
+        began = time.perf_counter()
+        clocks = server.clock.clocks
+        clocks.pause()  # checkpoint time stays off the wall clock
+        trace.flush()  # first: the trace must hold every row before the checkpoint's iteration
+        state = server.state_dict()
+        states = channel.gather_object(None)
+        size = checkpoint.save(config.checkpoint_path, ident, state, states[server.servers:],
+                               servers=states[1:server.servers])
+        clocks.resume()
+        return f"{size / 1e6:.1f} MB, {time.perf_counter() - began:.1f} s"
+
+    def periodic_checkpoint() -> None:
+        written = save_checkpoint()
+        log(f"mpigrad: checkpoint after iteration {server.iteration}: {config.checkpoint_path} ({written})")
+
     try:
-        stopped = server.run(trace, start)
-    except BaseException:
-        trace.close("failed")
+        stopped = server.run(trace, start, on_checkpoint=periodic_checkpoint)
+        if stopped:
+            written = save_checkpoint()
+    except BaseException as exc:
+        trace.fail(str(exc) or type(exc).__name__, last_iteration=server.iteration - 1)
         raise
     if stopped:
-        states = channel.gather_object(None)
-        checkpoint.save(config.checkpoint_path, ident, server.state_dict(), states[server.servers:],
-                        servers=states[1:server.servers])
         trace.close("stopped")
         log(f"mpigrad: {stop.reason}: stopped after iteration {server.iteration}, checkpoint "
-            f"{config.checkpoint_path}; exit {EXIT_REQUEUE} (resume with --resume)")
+            f"{config.checkpoint_path}; exit {EXIT_REQUEUE} (resume with --resume; checkpoint {written})")
         return EXIT_REQUEUE
     trace.close("complete")
-    config.checkpoint_path.unlink(missing_ok=True)  # a finished run has nothing to resume
+    checkpoint.remove(config.checkpoint_path)  # a finished run has nothing to resume
     log(trace.final_summary())
     return 0
 
@@ -176,8 +189,12 @@ def run_other_rank(config, channel) -> int:
             role.load_state_dict(*channel.scatter_object(None))
     channel.gather_object(socket.gethostname())
     start = channel.bcast_object(None)
-    if role.run(start):
+
+    def send_state() -> None:
         channel.gather_object(role.state_dict())
+
+    if role.run(start, on_checkpoint=send_state):
+        send_state()
         return EXIT_REQUEUE
     return 0
 

@@ -90,6 +90,20 @@ class RunTrace:
         self.writer.append("eval", row)
         self.seconds += time.process_time() - start
 
+    def flush(self) -> None:
+        """Put every kept record and buffered row on disk (before a checkpoint, so that no
+        resume misses a row)."""
+        start = time.process_time()
+        self._write_pending()
+        self.writer.flush()
+        self.seconds += time.process_time() - start
+
+    def fail(self, error: str, last_iteration: int) -> None:
+        """Close as "failed", recording the error and the last iteration that completed."""
+        self.writer.set_attr("error", error)
+        self.writer.set_attr("last_iteration", int(last_iteration))
+        self.close("failed")
+
     def close(self, status: str) -> None:
         start = time.process_time()
         self._write_pending()

@@ -124,9 +124,10 @@ class Worker:
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
 
-    def run(self, start_iteration: int = 0) -> bool:
-        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue."""
-        return run_until_stopped(self, start_iteration, self.config.iterations)
+    def run(self, start_iteration: int = 0, on_checkpoint=None) -> bool:
+        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue.
+        ``on_checkpoint()`` runs after each iteration rank 0 marks for a periodic checkpoint."""
+        return run_until_stopped(self, start_iteration, self.config.iterations, on_checkpoint)
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}

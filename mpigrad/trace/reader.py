@@ -66,6 +66,16 @@ def read_raw(path: str | os.PathLike) -> RawTrace:
     return RawTrace(path, version, attrs, specs, arrays)
 
 
+def writer_mark(path: str | os.PathLike) -> bool:
+    """True when HDF5 marks the file as open for writing (a live writer, or a dead one's
+    leftover) so that plain ``h5py.File(path, "r")`` refuses it."""
+    try:
+        h5py.File(path, "r").close()
+    except OSError as exc:
+        return "already open for write" in _first_line(exc)
+    return False
+
+
 def _open(path: Path) -> h5py.File:
     if not path.exists():
         raise TraceError(f"{path}: no such file")
@@ -210,7 +220,9 @@ class Trace:
 
     @property
     def status(self) -> str:
-        """"complete", "stopped", "failed", or "running" (still running, or its writer died)."""
+        """"complete", "stopped" (checkpointed, resumable), "failed" (see ``attrs["error"]``),
+        "incomplete" (its writer died; closed by ``mpigrad trace repair``), or "running"
+        (still running, or its writer died and the file was not repaired)."""
         return str(self.attrs.get("status", "running"))
 
     @property

@@ -32,11 +32,15 @@ from .. import __version__
 from .attrs import encode_attr, write_attrs
 from .schema import FORMAT_NAME, ROWS_DATASET, SCHEMA_VERSION, TraceError, validate_tables
 
-__all__ = ["TraceWriter", "STATUSES"]
+__all__ = ["TraceWriter", "STATUSES", "repair"]
 
 #: Status values ``close`` accepts: a run that finished, one stopped at an iteration
-#: boundary with a checkpoint (to be requeued), and one that raised.
-STATUSES = ("complete", "stopped", "failed")
+#: boundary with a checkpoint (to be requeued), one that raised, and one whose writer died
+#: without a known cause (set by ``mpigrad trace repair``). A file still being written, or
+#: whose writer was killed, reads as "running".
+STATUSES = ("complete", "stopped", "failed", "incomplete")
+#: Root attributes that describe how a session ended; a resumed session drops them.
+END_ATTRS = ("complete", "status", "end_time", "error", "last_iteration")
 #: Attributes that the writer owns; the runtime's ``attrs`` may not set them.
 RESERVED_ATTRS = frozenset({"format", "schema_version", "mpigrad_version", "config", "start_time",
                             "end_time", "complete", "status", "resumes", "json_attrs"})
@@ -96,8 +100,7 @@ class TraceWriter:
             keep = columns["iteration"] < truncate_at
             kept[table] = {name: values[keep] for name, values in columns.items()}
             dropped[table] = int(keep.size - keep.sum())
-        root = {name: value for name, value in raw.attrs.items()
-                if name not in ("complete", "status", "end_time")}
+        root = {name: value for name, value in raw.attrs.items() if name not in END_ATTRS}
         root.update(_user_attrs(attrs))
         resume = {"at_iteration": int(truncate_at), "time": _now(),
                   "mpigrad_version": __version__, "dropped_rows": dropped}
@@ -294,6 +297,40 @@ def _shape(value: Any) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)) and not (value and isinstance(value[0], (list, tuple, np.ndarray))):
         return (len(value),)
     return np.shape(value)
+
+
+def repair(path: str | os.PathLike, error: str | None = None) -> str:
+    """Close the trace of a writer that died (``mpigrad trace repair``); return what was done.
+
+    The file is rebuilt from a SWMR read (every committed row, every attribute) under a
+    temporary name that then replaces it atomically, without HDF5's open-for-writing mark,
+    so plain ``h5py.File(path, "r")`` opens it. Its status becomes "failed" when ``error``
+    is given (recorded as the ``error`` attribute), "incomplete" otherwise, and
+    ``last_iteration`` records the last iteration in the steps table (-1: none). A trace
+    that is already closed is left alone, so repairing twice changes nothing.
+    """
+    from .reader import read_raw, writer_mark
+
+    path = Path(path)
+    raw = read_raw(path)
+    status = str(raw.attrs.get("status", "running"))
+    if not writer_mark(path) and status != "running":
+        return f"{path}: closed with status {status!r}; nothing to repair"
+    steps = raw.arrays.get("steps", {}).get("iteration")
+    last = int(steps.max()) if steps is not None and steps.size else -1
+    new_status = "failed" if error else "incomplete" if status == "running" else status
+    self = TraceWriter.__new__(TraceWriter)
+    self._setup(path, raw.specs, flush_every=100)
+    self._create({name: value for name, value in raw.attrs.items() if name not in END_ATTRS},
+                 initial_rows=raw.arrays)
+    self._pending_attrs.update({"last_iteration": last, "repaired": _now()})
+    if error:
+        self._pending_attrs["error"] = error
+    elif "error" in raw.attrs:
+        self._pending_attrs["error"] = raw.attrs["error"]
+    self.close(new_status)
+    return (f"{path}: repaired: status {new_status!r}, last iteration {last}, "
+            f"{sum(len(t['iteration']) for t in raw.arrays.values())} rows kept")
 
 
 def _user_attrs(attrs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -41,6 +41,8 @@ TAG_AVERAGE = 14
 # Control commands.
 CONTINUE = 1
 STOP_AFTER = 2   # finish this iteration, then checkpoint and exit for requeue
+CHECKPOINT_AFTER = 3  # finish this iteration, every rank sends its state to rank 0 (the
+                      # periodic checkpoint of --checkpoint-every), then go on
 
 # Loss report status.
 STATUS_OK = 0.0

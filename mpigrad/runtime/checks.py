@@ -1,0 +1,76 @@
+"""Checks of ``mpigrad train``'s options alone, run before MPI, torch or any data start.
+
+``check_options`` needs only the codec and policy registries (the codecs import Numba), so
+a bad option is refused in about a second instead of after torch and MPI have started.
+Checks that need the world size, the data or the model are in ``session.check_launch``.
+"""
+
+from __future__ import annotations
+
+from ..codecs import Codec, CodecError, get_codec
+from ..config import RunConfig
+from ..errors import UsageError
+from ..policies import PolicyError, get_policy
+
+__all__ = ["check_options", "check_device", "base_codec", "broadcast_codec"]
+
+
+def base_codec(config: RunConfig) -> Codec:
+    """The run's codec at the initial bits (a codec fixed by its levels keeps them)."""
+    codec = get_codec(config.codec_config())
+    return codec.with_bits(config.bits) if codec.takes_policy_bits else codec
+
+
+def broadcast_codec(config: RunConfig) -> tuple[Codec, int | None]:
+    """The codec of the servers' broadcast (``--broadcast-codec``) and its fixed bits, or None
+    when its bits follow the policy's. UsageError for a codec or bits it cannot take."""
+    codec_config, bits = config.broadcast_codec_config()
+    try:
+        codec = get_codec(codec_config)
+        if bits is not None:
+            codec = codec.with_bits(bits)
+        elif codec.takes_policy_bits:
+            codec = codec.with_bits(config.bits)
+    except ValueError as exc:
+        raise UsageError(f"--broadcast-codec {config.broadcast_codec}: {exc}") from None
+    return codec, bits
+
+
+def check_device(name: str) -> None:
+    """UsageError for ``cuda`` where torch sees no CUDA device (imports torch only then)."""
+    if name != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for, but torch sees no CUDA device here "
+                         "(use --device cpu, or auto to take a GPU where there is one)")
+
+
+def check_options(config: RunConfig) -> None:
+    """UsageError (one line) for options that cannot work together, whatever the launch."""
+    try:
+        if "bits" in config.codec_opts:
+            raise UsageError("set the bits with --bits (bits = N at the top of a config file), "
+                             "not as a codec option: the policy starts from it")
+        if config.policy == "schedule" and "schedule" not in config.policy_opts:
+            raise UsageError("--policy schedule needs its schedule, e.g. --policy-opt schedule=0:2,500:4,2000:8 "
+                             "(bits 2 from iteration 0, 4 from 500, 8 from 2000); --bits does not apply")
+        codec = base_codec(config)
+        policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
+        lowest, highest = policy.bits_range()
+        moving = lowest != highest
+        if moving and not codec.accepts_bits:
+            raise UsageError(f"policy {config.policy!r} chooses bits, but codec {config.codec!r} has no "
+                             "bits option: use --policy fixed, or a codec such as uniform or qsgd")
+        if moving and not codec.takes_policy_bits:
+            raise UsageError(f"codec option levels fixes the quantization, but policy {config.policy!r} "
+                             "chooses bits: use --policy fixed, or drop levels")
+        if codec.takes_policy_bits:
+            policy.check_codec(codec)
+        down, down_bits = broadcast_codec(config)
+        if moving and down_bits is None and down.accepts_bits:
+            policy.check_codec(down)
+    except (CodecError, PolicyError) as exc:
+        raise UsageError(str(exc)) from None
+    check_device(config.device)
