@@ -16,6 +16,15 @@ import torch
 from .layout import Layout, Segment
 
 
+def quantization_rule(model: torch.nn.Module, min_quantize_size: int | None):
+    """Which parameters are quantized: those of at least ``min_quantize_size`` elements, or
+    with None the model's ``quantized_parameters()`` (the layers the paper quantizes)."""
+    if min_quantize_size is None:
+        chosen = {id(p) for p in model.quantized_parameters()}
+        return lambda p: id(p) in chosen
+    return lambda p: p.numel() >= min_quantize_size
+
+
 class Replica:
     """Model, flat buffers and the SGD update shared by server and workers."""
 
@@ -25,11 +34,7 @@ class Replica:
         self.model = model.to(device)
         self.device = device
         params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        if min_quantize_size is None:
-            chosen = {id(p) for p in self.model.quantized_parameters()}
-            quantize = lambda p: id(p) in chosen  # noqa: E731
-        else:
-            quantize = lambda p: p.numel() >= min_quantize_size  # noqa: E731
+        quantize = quantization_rule(self.model, min_quantize_size)
         big = [(n, p) for n, p in params if quantize(p)]
         small = [(n, p) for n, p in params if not quantize(p)]
         total = sum(p.numel() for _, p in params)

@@ -64,15 +64,21 @@ def _launch_problem(config, size: int) -> str | None:
 
 def check_quantizes_something(config, model: torch.nn.Module) -> None:
     """UsageError when a quantizing codec would apply to no layer (every layer smaller than
-    --min-quantize-size): the run would train in float32 while its log and trace say bits."""
+    --min-quantize-size, or a model that names none): the run would train in float32 while
+    its log and trace say bits."""
+    from .replica import quantization_rule
+
     if config.codec == "fp32":
         return
-    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-    if any(n >= config.min_quantize_size for n in sizes):
+    params = [p for p in model.parameters() if p.requires_grad]
+    quantize = quantization_rule(model, config.min_quantize_size)
+    if any(quantize(p) for p in params):
         return
-    raise UsageError(f"codec {config.codec!r} would quantize nothing: the largest layer of this model "
-                     f"has {max(sizes, default=0):,} elements, --min-quantize-size is "
-                     f"{config.min_quantize_size:,}; lower it, or use --codec fp32 for an unquantized run")
+    rule = ("the model names no layer to quantize" if config.min_quantize_size is None else
+            f"the largest layer of this model has {max((p.numel() for p in params), default=0):,} "
+            f"elements, --min-quantize-size is {config.min_quantize_size:,}")
+    raise UsageError(f"codec {config.codec!r} would quantize nothing: {rule}; set --min-quantize-size, "
+                     "or use --codec fp32 for an unquantized run")
 
 
 def trace_status(path: Path) -> str | None:
