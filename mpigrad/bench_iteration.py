@@ -1,7 +1,7 @@
 """``mpigrad bench iteration``: rank 0's time per iteration and the codec/policy/trace overhead.
 
-Runs real ``mpiexec -n P+1 ... mpigrad train`` jobs (the paper CNN on synthetic CIFAR-shaped
-data by default) for each P, then reads their traces. Reported per P:
+Runs real ``mpiexec -n P+1 ... mpigrad train`` jobs (``--model``, the paper CNN by default,
+on synthetic CIFAR-shaped data) for each P, then reads their traces. Reported per P:
 
 - rank 0's wall time per iteration (median, first iterations skipped as warm-up);
 - the overhead fraction: (encode + decode + policy + tracing) / iteration time, on the wall
@@ -26,6 +26,8 @@ from .errors import UsageError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts P (default 1,2,4,8)")
+    parser.add_argument("--model", default="paper-cnn",
+                        help="model to train: paper-cnn (default), resnet20, resnet18, package.module:factory")
     parser.add_argument("--iterations", type=int, default=30, help="iterations per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="iterations skipped in the statistics (default 5)")
     parser.add_argument("--bandwidth", default="10MB/s", help="bandwidth for the simulated-clock column (default 10MB/s)")
@@ -53,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--workers must be >= 1 and --iterations larger than --warmup")
     extra = [a for a in args.train_args if a != "--"]
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    print(f"mpigrad bench iteration: {os.cpu_count()} CPUs here; runs with more ranks than CPUs "
-          "are oversubscribed (wall times then include waiting for a core)")
+    print(f"mpigrad bench iteration: {args.model} on synthetic 3x32x32; {os.cpu_count()} CPUs here; runs "
+          "with more ranks than CPUs are oversubscribed (wall times then include waiting for a core)")
     header = (f"{'P':>3} {'rank0 ms/it':>12} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
               f"{'policy ms':>10} {'trace ms':>9} {'overhead wall':>14} {'overhead sim':>13}")
     print(header)
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         for p in counts:
             trace = Path(tmp) / f"p{p}.h5"
             command = [_mpiexec(args.mpiexec), "-n", str(p + 1), sys.executable, "-m", "mpi4py", "-m",
-                       "mpigrad", "train", "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
+                       "mpigrad", "train", "--model", args.model, "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
                        "--policy", "fixed", "--bits", "2", "--iterations", str(args.iterations),
                        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0",
                        "--trace", str(trace), *extra]
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             tr = load(trace)
             results.append(_row(p, tr, args.warmup, args.bandwidth))
             print(_format(results[-1]), flush=True)
-    print(json.dumps({"bench": "iteration", "results": results}))
+    print(json.dumps({"bench": "iteration", "model": args.model, "results": results}))
     return 0
 
 

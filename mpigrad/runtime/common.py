@@ -52,9 +52,8 @@ def load_data(config: RunConfig) -> Dataset:
 
 
 def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, input_shape=dataset.input_shape,
-                        num_classes=dataset.num_classes, **config.model_opts)
+    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                        seed=config.seed, **config.model_opts)
     return Replica(model, config.min_quantize_size, resolve_device(config.device))
 
 

@@ -13,6 +13,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..policies import Observation, get_policy
 from . import comm as mpi
+from .buffers import BufferSync, sync_due
 from .common import base_codec, build_encoder, build_replica, load_data
 from .environment import threads_per_rank
 from .network import Clocks, LinkModel
@@ -49,6 +50,7 @@ class Server:
                                  seed=config.seed)
         self.encoder = build_encoder(config, self.replica, self.codec, rank=0)
         self.decoder = FrameDecoder(layout, self.codec)
+        self.buffer_sync = BufferSync(self.replica.model, comm, config.timeout)
         # What the trace's bits column says when the codec ignores the policy's bits.
         self.fixed_bits = int(getattr(self.codec, "bits", None) or self.codec.nominal_bits)
         self.link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
@@ -244,6 +246,10 @@ class Server:
             stop_after = self.step(m)
             self.iteration = m + 1
             last = m + 1 == config.iterations
+            if sync_due(config, m, stop_after):
+                self.clocks.pause()  # like evaluation, on neither clock
+                self.buffer_sync.run(m)
+                self.clocks.resume()
             if config.eval_every and ((m + 1) % config.eval_every == 0 or last):
                 self.evaluate(m)
             if config.progress_every and ((m + 1) % config.progress_every == 0 or last or stop_after):

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from ..codecs import CodecError, get_codec
 from ..errors import UsageError
 from ..policies import PolicyError, get_policy
-from ..models import build_model
+from ..models import check_model
 from . import EXIT_REQUEUE, checkpoint
 from .common import base_codec, load_data
 from .environment import check_world_size
@@ -54,9 +53,8 @@ def _launch_problem(config, size: int) -> str | None:
         if codec.accepts_bits and "levels" not in config.codec_opts:
             policy.check_codec(codec)
         dataset = load_data(config)
-        with torch.device("meta"):
-            build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
-                        **config.model_opts)
+        check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                    seed=config.seed, **config.model_opts)
         trace = Path(config.trace)
         if config.resume:
             if not trace.exists():

@@ -13,6 +13,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
 from . import comm as mpi
+from .buffers import BufferSync, sync_due
 from .common import base_codec, build_encoder, build_replica, load_data
 from .protocol import (CONTROL_FIXED, LOSS_FIELDS, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER,
                        TAG_GRAD, TAG_LOSS, LossMessage, error_frame)
@@ -37,6 +38,7 @@ class Worker:
         codec = base_codec(config)
         self.encoder = build_encoder(config, self.replica, codec, rank=self.rank)
         self.decoder = FrameDecoder(self.replica.layout, codec)
+        self.buffer_sync = BufferSync(self.replica.model, comm, 2 * config.timeout)
         n_layers = max(len(self.replica.layout.quantized), 1)
         self.loss_buf = np.zeros(LOSS_FIELDS, np.float64)
         self.control = np.zeros(CONTROL_FIXED + n_layers, np.int64)
@@ -97,6 +99,8 @@ class Worker:
         update = self.replica.update_host
         self.decoder.decode(self.bcast_frame[:size], update)
         self.replica.apply_update(update, config.lr)
+        if self.fault:
+            self.fault.after_update(m, self.replica.flat)
         return int(self.control[0]) == STOP_AFTER
 
     def run(self, start_iteration: int = 0) -> bool:
@@ -104,6 +108,8 @@ class Worker:
         for m in range(start_iteration, self.config.iterations):
             stop_after = self.step(m)
             self.iteration = m + 1
+            if sync_due(self.config, m, stop_after):
+                self.buffer_sync.run(m)
             if stop_after:
                 return True
         return False

@@ -1,0 +1,36 @@
+"""Run under mpiexec: every rank checks BufferSync's result on a ResNet-20's BatchNorm buffers."""
+
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpigrad.models import build_model
+from mpigrad.runtime.buffers import BufferSync
+
+comm = MPI.COMM_WORLD
+rank, workers = comm.Get_rank(), comm.Get_size() - 1
+model = build_model("resnet20", input_shape=(1, 8, 8), num_classes=10, seed=0)
+bn = model.stages[1][0].bn2
+with torch.no_grad():
+    if rank:  # each worker's statistics differ; rank 0 keeps the initial ones
+        for b in model.buffers():
+            b.fill_(7 if not b.is_floating_point() else 0)
+        bn.running_mean.copy_(torch.arange(32.0) * rank)
+        bn.running_var.fill_(np.float32(0.1) * rank)
+sync = BufferSync(model, comm, timeout=60)
+assert sync.size == 1395, sync.size
+sync.run(0)
+ranks = np.arange(1, workers + 1)
+expected_var = np.float32(np.mean(np.float32(0.1) * ranks.astype(np.float64)))
+ok = (torch.equal(bn.running_mean, torch.arange(32.0) * float(ranks.mean()))
+      and bool((bn.running_var == torch.tensor(expected_var)).all())
+      and all(int(m.num_batches_tracked) == 7 for m in model.modules() if hasattr(m, "num_batches_tracked")))
+plain = BufferSync(build_model("resnet20", input_shape=(1, 8, 8), num_classes=10, norm="group"), comm, 60)
+plain.run(0)  # no buffers: returns at once on every rank, nothing sent
+crcs = comm.gather(b"".join(b.numpy().tobytes() for b in model.buffers()), root=0)
+if rank == 0:
+    ok = ok and len(set(crcs)) == 1
+print(f"rank {rank}: {'ok' if ok and plain.size == 0 else 'MISMATCH'}", flush=True)
+sys.exit(0 if ok else 1)
