@@ -168,6 +168,9 @@ def describe_run(config, server, size: int, log) -> None:
     log(f"mpigrad {_version()}: {size - 1} workers + server, MPI: {MPI.Get_library_version().splitlines()[0]}")
     log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
         f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
+    if server.buffer_sync.size:
+        log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
+            "workers after each evaluated iteration, before a checkpoint and at the end")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
 
 

@@ -34,6 +34,9 @@ class Worker:
         self.shard = self.sampler.shard
         self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
         self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
+        # The shard is a copy: let the full training split go (rank 0 drops it too).
+        dataset.train_x = dataset.train_x[:0]
+        dataset.train_y = dataset.train_y[:0]
         self.replica = build_replica(config, dataset)
         codec = base_codec(config)
         self.encoder = build_encoder(config, self.replica, codec, rank=self.rank)
