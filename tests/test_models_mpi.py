@@ -50,5 +50,5 @@ def test_buffer_sync_leaves_every_rank_with_the_workers_average(mpi_env):
         pytest.fail("buffer synchronisation hung")
     assert result.returncode == 0, result.stdout + result.stderr
     # mpiexec may interleave the ranks' lines
-    assert sorted(re.findall(r"rank \d+: \w+", result.stdout)) == [f"rank {r}: ok" for r in range(4)]
+    assert sorted(re.findall(r"rank \d+: (?:ok|MISMATCH)", result.stdout)) == [f"rank {r}: ok" for r in range(4)]
 
