@@ -69,10 +69,20 @@ class Replica:
         return zlib.crc32(self.flat.detach().cpu().numpy().view(np.uint8))
 
     def state_dict(self) -> dict:
-        return {"flat": self.flat.detach().cpu().clone()}
+        """Parameters and the model's buffers (BatchNorm statistics, see runtime/buffers.py)."""
+        return {"flat": self.flat.detach().cpu().clone(),
+                "buffers": {name: b.detach().cpu().clone() for name, b in self.model.named_buffers()}}
 
     def load_state_dict(self, state: dict) -> None:
         flat = state["flat"]
         if flat.numel() != self.flat.numel():
             raise ValueError(f"checkpoint holds {flat.numel()} parameters, the model has {self.flat.numel()}")
+        buffers = dict(self.model.named_buffers())
+        saved = state.get("buffers", {})
+        if set(saved) != set(buffers) or any(saved[k].shape != b.shape for k, b in buffers.items()):
+            raise ValueError("checkpoint holds other model buffers than the model has")
         self.flat.copy_(flat.to(self.device))
+        with torch.no_grad():
+            for name, b in buffers.items():
+                b.copy_(saved[name])
+

@@ -10,7 +10,7 @@ broadcast into its replica (for evaluation, checksums and checkpoints) and retur
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import time
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..policies import Observation, get_policy
+from .buffers import BufferSync, sync_due
 from .build import SERVER_STREAM, base_codec, build_compressor, build_replica, build_shards, load_data, release_data
 from .clock import Clocks, IterationClock, LinkModel
 from .environment import threads_per_rank
@@ -102,10 +103,12 @@ class ShardServer:
         self.config, self.channel = config, channel
         self.rank = channel.rank
         replica = build_replica(config, load_data(config))
+        release_data()  # only the model's shape was needed
         codec = base_codec(config)
         layout = replica.layout
         self.n_layers = len(layout.quantized)
         shard = build_shards(config, layout, codec)[self.rank]
+        self.buffer_sync = BufferSync(replica.model, channel)
         self.compressor = build_compressor(config, layout, codec, SERVER_STREAM)
         self.aggregator = ShardAggregator(config, channel, shard, self.compressor, layout.total)
         self.control_msg = Control(self.n_layers)
@@ -141,6 +144,10 @@ class ShardServer:
         self.channel.send([(self.report, 0)], TAG_REPORT,
                           lambda pending: f"rank 0 took no report for iteration {m}")
 
+    def buffers(self, m: int) -> None:
+        if sync_due(self.config, m, self.control_msg.command == STOP_AFTER):
+            self.buffer_sync.run(m)
+
     def end(self, m: int) -> bool:
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
@@ -169,7 +176,8 @@ class ParameterServer:
         self.replica = build_replica(config, dataset)
         # Rank 0 evaluates on the test split only: let the training split go (in-process
         # ranks build their own parts before rank 0 does).
-        self.dataset = dataclasses.replace(dataset, train_x=dataset.train_x[:0], train_y=dataset.train_y[:0])
+        self.dataset = copy.copy(dataset)
+        self.dataset.train_x, self.dataset.train_y = dataset.train_x[:0], dataset.train_y[:0]
         release_data()
         self.codec = base_codec(config)
         layout = self.replica.layout
@@ -178,6 +186,7 @@ class ParameterServer:
         self.shards = build_shards(config, layout, self.codec)
         self.compressor = build_compressor(config, layout, self.codec, SERVER_STREAM)
         self.aggregator = ShardAggregator(config, channel, self.shards[0], self.compressor, layout.total)
+        self.buffer_sync = BufferSync(self.replica.model, channel)
         link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time)
@@ -263,6 +272,13 @@ class ParameterServer:
         self.it["servers"] = reports
         self.clock.gradients([r.sizes for r in reports])
         self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
+
+    def buffers(self, m: int) -> None:
+        if sync_due(self.config, m, self.it["stop_after"]):
+            clocks = self.clock.clocks
+            clocks.pause()  # like evaluation, on neither clock
+            self.buffer_sync.run(m)
+            clocks.resume()
 
     def end(self, m: int) -> IterationRecord:
         it, P = self.it, self.workers

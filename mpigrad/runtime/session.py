@@ -7,13 +7,12 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from ..codecs import CodecError, get_codec
 from ..errors import UsageError
 from ..policies import PolicyError, get_policy
-from ..models import build_model
+from ..models import check_model
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, load_data
 from .environment import check_world_size
@@ -55,9 +54,8 @@ def _launch_problem(config, size: int) -> str | None:
         if codec.takes_policy_bits:
             policy.check_codec(codec)
         dataset = load_data(config)
-        with torch.device("meta"):
-            build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
-                        **config.model_opts)
+        check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                    seed=config.seed, **config.model_opts)
         trace = Path(config.trace)
         if config.resume:
             if not trace.exists():
@@ -186,6 +184,9 @@ def describe_run(config, server, size: int, log) -> None:
     log(f"mpigrad {_version()}: {size - server.servers} workers + {servers}, MPI: {MPI.Get_library_version().splitlines()[0]}")
     log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
         f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
+    if server.buffer_sync.size:
+        log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
+            "workers after each evaluated iteration, before a checkpoint and at the end")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
 
 

@@ -3,10 +3,11 @@
 This package imports no MPI: only :mod:`.mpi` does."""
 
 from .channel import WORLD, Channel, PeerTimeout
-from .messages import (CONTINUE, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS,
-                       TAG_REPORT, Control, FrameError, FrameHeader, FrameLength, LossReport,
-                       ServerReport, error_frame, is_error_frame)
+from .messages import (CONTINUE, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_BUFFERS, TAG_GRAD,
+                       TAG_LOSS, TAG_REPORT, BufferStats, Control, FrameError, FrameHeader, FrameLength,
+                       LossReport, ServerReport, error_frame, is_error_frame)
 
 __all__ = ["WORLD", "Channel", "PeerTimeout", "CONTINUE", "STATUS_NONFINITE_LOSS", "STATUS_OK",
-           "STOP_AFTER", "TAG_GRAD", "TAG_LOSS", "TAG_REPORT", "Control", "FrameError", "FrameHeader",
-           "FrameLength", "LossReport", "ServerReport", "error_frame", "is_error_frame"]
+           "STOP_AFTER", "TAG_BUFFERS", "TAG_GRAD", "TAG_LOSS", "TAG_REPORT", "BufferStats", "Control",
+           "FrameError", "FrameHeader", "FrameLength", "LossReport", "ServerReport", "error_frame",
+           "is_error_frame"]

@@ -14,6 +14,10 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), per iteration m
    then the frame  the averaged, re-encoded gradient of shard s, same layout as 3.
 5. ``ServerReport`` server s > 0 -> rank 0, tag REPORT, float64[3 + P]
                     (bytes broadcast, decode CPU s, encode CPU s, each worker's frame bytes).
+6. ``BufferStats``  only after an iteration that evaluates, checkpoints or ends, and only for a
+                    model with buffers (BatchNorm statistics): worker -> rank 0, tag BUFFERS,
+                    float64[B] (every buffer, flattened in model order); then rank 0 -> every
+                    rank, broadcast on the world, float64[B]: the workers' average.
 
 Frame header (little-endian): magic b"MGFR" (4), piece count uint32 (4), the sender's encode
 seconds float64 (8), then each piece's byte length uint64 (8 per piece). A decoder checks the
@@ -32,6 +36,7 @@ import numpy as np
 TAG_LOSS = 11
 TAG_GRAD = 12
 TAG_REPORT = 13
+TAG_BUFFERS = 14
 
 # Control commands.
 CONTINUE = 1
@@ -199,3 +204,11 @@ class ServerReport:
     @classmethod
     def unpack(cls, buf: np.ndarray) -> "ServerReport":
         return cls(float(buf[0]), float(buf[1]), float(buf[2]), [int(n) for n in buf[cls.FIXED:]])
+
+
+class BufferStats:
+    """Message 6: float64[B], a model's buffers flattened in ``model.buffers()`` order."""
+
+    @staticmethod
+    def buffer(size: int, rows: int | None = None) -> np.ndarray:
+        return np.zeros(size if rows is None else (rows, size), np.float64)
