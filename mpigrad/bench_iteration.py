@@ -1,7 +1,7 @@
 """``mpigrad bench iteration``: time per iteration, server CPU time and the codec/policy/trace overhead.
 
-Runs real ``mpiexec -n P+S ... mpigrad train --servers S`` jobs (the paper CNN on synthetic
-CIFAR-shaped data by default) for each P and S, then reads their traces. Reported per run:
+Runs real ``mpiexec -n P+S ... mpigrad train --servers S`` jobs (``--model``, the paper CNN by
+default, on synthetic CIFAR-shaped data) for each P and S, then reads their traces. Reported per run:
 
 - rank 0's wall time per iteration (median, first iterations skipped as warm-up);
 - server CPU ms: the busiest server's decode + re-encode CPU time per iteration (median;
@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", default="1", help="comma-separated server counts S (default 1)")
     parser.add_argument("--shard-chunk", type=int, default=None, metavar="ELEMENTS",
                         help="passed to train for S > 1 runs (cut big layers so S servers can balance)")
+    parser.add_argument("--model", default="paper-cnn",
+                        help="model to train: paper-cnn (default), resnet20, resnet18, package.module:factory")
     parser.add_argument("--iterations", type=int, default=30, help="iterations per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="iterations skipped in the statistics (default 5)")
     parser.add_argument("--bandwidth", default="10MB/s", help="bandwidth for the simulated-clock column (default 10MB/s)")
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--iterations must be larger than --warmup")
     extra = [a for a in args.train_args if a != "--"]
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    print(f"mpigrad bench iteration: {os.cpu_count()} CPUs here; runs with more ranks than CPUs "
+    print(f"mpigrad bench iteration: {args.model} on synthetic 3x32x32; {os.cpu_count()} CPUs here; runs with more ranks than CPUs "
           "are oversubscribed (wall times then include waiting for a core)")
     header = (f"{'P':>3} {'S':>3} {'rank0 ms/it':>12} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
               f"{'server CPU ms':>14} {'x S=1':>6} {'policy ms':>10} {'trace us':>9} {'overhead wall':>14} "
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             if servers > 1 and args.shard_chunk:
                 sharding += ["--shard-chunk", str(args.shard_chunk)]
             command = [_mpiexec(args.mpiexec), "-n", str(p + servers), sys.executable, "-m", "mpi4py", "-m",
-                       "mpigrad", "train", "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
+                       "mpigrad", "train", "--model", args.model, "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
                        "--policy", "fixed", "--bits", "2", "--iterations", str(args.iterations),
                        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0",
                        "--trace", str(trace), *sharding, *extra]
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             row["server_cpu_vs_one_server"] = row["server_cpu_ms"] / single["server_cpu_ms"] if single else None
             results.append(row)
             print(_format(results[-1]), flush=True)
-    print(json.dumps({"bench": "iteration", "results": results}))
+    print(json.dumps({"bench": "iteration", "model": args.model, "results": results}))
     return 0
 
 

@@ -210,3 +210,35 @@ def test_shards_are_layer_aligned_and_balanced_by_bytes():
     assert [p.size for p in pieces_of(layout, 250)] == [250, 250, 100, 250, 50, 250, 50, 50]
     chunked = plan_shards(layout, 3, lambda p: p.size, chunk=250)
     assert sorted(s.elements for s in chunked) == [350, 400, 500]
+
+
+def test_batchnorm_statistics_reach_rank_0_with_one_server_and_with_two(tmp_path):
+    """The buffers phase: rank 0 evaluates with the workers' averaged BatchNorm statistics,
+    the same bit for bit with S = 2 (shard servers take part in the world broadcast)."""
+    options = dict(model="resnet20", model_opts={}, iterations=4, eval_every=2, eval_samples=64, bits=4,
+                   policy="fixed")
+    code1, errors1, one = run(tmp_path, servers=1, workers=2, name="bn1.h5", **options)
+    code2, errors2, two = run(tmp_path, servers=2, workers=2, name="bn2.h5", **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(one.trace), load(two.trace)
+    np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])
+    # Without the averaged statistics rank 0 would evaluate with the initial ones; a run
+    # with GroupNorm (no buffers, nothing sent) evaluates otherwise.
+    code3, errors3, group = run(tmp_path, servers=2, workers=2, name="gn.h5",
+                                **{**options, "model_opts": {"norm": "group"}})
+    assert code3 == 0 and not errors3, errors3
+    assert list(a.eval["iteration"]) == [1, 3] and list(load(group.trace).eval["iteration"]) == [1, 3]
+
+
+def test_stop_and_resume_carry_the_batchnorm_statistics(tmp_path):
+    options = dict(model="resnet20", model_opts={}, iterations=4, eval_every=4, eval_samples=64, bits=4,
+                   policy="fixed", servers=2)
+    code, errors, straight = run(tmp_path, name="straight.h5", **options)
+    assert code == 0 and not errors, errors
+    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(1), **options)
+    assert code == EXIT_REQUEUE and not errors, errors
+    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
+    assert code == 0 and not errors, errors
+    a, b = load(straight.trace), load(stopped.trace)
+    np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
+    np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])

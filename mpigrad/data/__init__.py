@@ -3,12 +3,15 @@
     ds = load_dataset("digits")                        # bundled, no download
     ds = load_dataset("cifar10", data_dir="~/cifar")   # the python batches, local
     ds = load_dataset("synthetic", shape=(3, 32, 32), train_size=4096)
+    ds = load_dataset("mypkg.data:load", seed=0, size=1000)   # a user's factory
     sampler = ShardSampler(ds.train_size, worker_index, num_workers, batch_size, seed)
     x, y = ds.train_x[idx], ds.train_y[idx] where idx = sampler.next_batch()
 
 Loaders share the signature ``loader(*, data_dir=None, seed=0, **options) -> Dataset`` and
-raise ``DataError`` (a ValueError) with a one-line cause. This package needs only NumPy
-(and scikit-learn for digits, imported when used).
+raise ``DataError`` (a ValueError) with a one-line cause. A plugin factory named
+``package.module:factory`` has the same signature and must return a ``Dataset`` (see
+docs/models.rst). This package needs only NumPy (and scikit-learn for digits, imported when
+used).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from ..plugins import call_factory, is_plugin, load_factory
 from .cifar10 import load_cifar10
 from .datasets import DataError, Dataset
 from .digits import load_digits
@@ -38,10 +42,18 @@ def available_datasets() -> list[str]:
 
 def load_dataset(name: str, data_dir=None, seed: int = 0, **options: Any) -> Dataset:
     """Load dataset ``name``; DataError for an unknown name, bad options or bad files."""
+    if is_plugin(name):
+        factory = load_factory(name, DataError)
+        dataset = call_factory(name, factory, dict(data_dir=data_dir, seed=seed, **options), DataError)
+        if not isinstance(dataset, Dataset):
+            raise DataError(f"data factory {name} returned {type(dataset).__name__}, "
+                            "expected an mpigrad.data.Dataset")
+        return dataset
     try:
         loader = _LOADERS[name]
     except (KeyError, TypeError):
-        raise DataError(f"unknown dataset {name!r}; available: {', '.join(available_datasets())}") from None
+        raise DataError(f"unknown dataset {name!r}; available: {', '.join(available_datasets())}, "
+                        "or package.module:factory") from None
     try:
         inspect.signature(loader).bind(data_dir=data_dir, seed=seed, **options)
     except TypeError as exc:

@@ -33,6 +33,9 @@ class Dataset:
 
     def __post_init__(self) -> None:
         self.input_shape = tuple(int(d) for d in self.input_shape)
+        if len(self.input_shape) != 3 or min(self.input_shape) < 1:
+            raise DataError(f"{self.name}: input_shape must be (C, H, W), got {self.input_shape}")
+        self.num_classes = check_count("num_classes", self.num_classes, minimum=2)
         for split in ("train", "test"):
             x, y = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")
             if x.dtype != np.float32 or x.ndim != 4 or x.shape[1:] != self.input_shape:
@@ -41,6 +44,12 @@ class Dataset:
             if y.dtype != np.int64 or y.shape != (x.shape[0],):
                 raise DataError(f"{self.name}: {split}_y is {y.dtype} {y.shape}, "
                                 f"expected int64 ({x.shape[0]},)")
+            if x.shape[0] == 0:
+                raise DataError(f"{self.name}: the {split} split is empty")
+            low, high = int(y.min()), int(y.max())
+            if low < 0 or high >= self.num_classes:
+                raise DataError(f"{self.name}: {split}_y holds labels {low}..{high}, "
+                                f"outside 0..{self.num_classes - 1}")
 
     @property
     def train_size(self) -> int:

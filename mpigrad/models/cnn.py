@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_int, check_ints, check_weight_decay
+from .base import Classifier, check_int, check_ints, half_squared_norm
 
 __all__ = ["PaperCNN", "DEFAULT_WEIGHT_DECAY", "pooled_size", "half_squared_norm"]
 
@@ -56,31 +56,7 @@ def pooled_size(size: int) -> tuple[int, int]:
     return window, (size - window) // POOL_STRIDE + 1
 
 
-class _HalfSquaredNorm(torch.autograd.Function):
-    """``sum(w**2) / 2`` whose backward is the single pass ``g * w``.
-
-    Autograd's own ``square().sum()`` backward makes several passes over the 16M weights
-    (about 3x slower); ``vector_norm(w)**2`` is fast but off by ~5e-4 relative in float32.
-    """
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        return 0.5 * weight.square().sum()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (weight,) = ctx.saved_tensors
-        return weight * grad
-
-
-def half_squared_norm(weight: torch.Tensor) -> torch.Tensor:
-    """Scalar ``sum(weight**2) / 2`` (TF's ``l2_loss``), differentiable once."""
-    return _HalfSquaredNorm.apply(weight)
-
-
-class PaperCNN(nn.Module):
+class PaperCNN(Classifier):
     """MQGrad's 5-layer CNN for ``input_shape = (C, H, W)`` and ``num_classes`` classes.
 
     ``forward(x)`` maps a float (N, C, H, W) batch to (N, num_classes) logits.
@@ -132,15 +108,6 @@ class PaperCNN(nn.Module):
         99.2% of the network parameters"): the weights of the two big fully connected layers.
         Their biases (fc_sizes[0] + fc_sizes[1] values) travel as float32 with the rest."""
         return [self.fc1.weight, self.fc2.weight]
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, weight_decay: float) -> torch.Tensor:
-        """Scalar: mean cross-entropy + ``weight_decay * sum(w**2) / 2`` over ``l2_parameters()``."""
-        weight_decay = check_weight_decay(weight_decay)
-        loss = F.cross_entropy(logits, targets)
-        if weight_decay:
-            l2 = sum(half_squared_norm(w) for w in self.l2_parameters())
-            loss = loss + weight_decay * l2
-        return loss
 
     def get_config(self) -> dict:
         """JSON-able options; ``build_model(config.pop("id"), **config)`` rebuilds the architecture."""

@@ -43,15 +43,17 @@ _loaded: dict[str, Dataset] = {}
 def load_data(config: RunConfig) -> Dataset:
     """The run's dataset; loaded once per process (the launch check and the run share it)."""
     key = json.dumps([config.data, config.data_dir, config.seed, config.data_opts], sort_keys=True)
-    if key not in _loaded:
+    dataset = _loaded.get(key)
+    if dataset is None:
+        dataset = load_dataset(config.data, data_dir=config.data_dir, seed=config.seed, **config.data_opts)
         _loaded.clear()
-        _loaded[key] = load_dataset(config.data, data_dir=config.data_dir, seed=config.seed,
-                                    **config.data_opts)
-    return _loaded[key]
+        _loaded[key] = dataset
+    return dataset
 
 
 def release_data() -> None:
-    """Drop the loaded dataset (rank 0 keeps only the test split it evaluates on)."""
+    """Drop the loaded dataset once a rank has what it keeps (rank 0: the test split; a worker:
+    its shard; a shard server: nothing). In-process ranks may load it again."""
     _loaded.clear()
 
 
@@ -60,9 +62,8 @@ _seeding = threading.Lock()  # in-process ranks (loopback) share torch's global 
 
 def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
     with _seeding:
-        torch.manual_seed(config.seed)
-        model = build_model(config.model, input_shape=dataset.input_shape,
-                            num_classes=dataset.num_classes, **config.model_opts)
+        model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                            seed=config.seed, **config.model_opts)
     return Replica(model, config.min_quantize_size, resolve_device(config.device))
 
 

@@ -2,10 +2,10 @@
 
 ``MPIGRAD_INJECT_FAULT=KIND:RANK:ITERATION`` makes worker RANK misbehave at ITERATION:
 ``raise`` (an exception), ``hang`` (stop answering), ``exit`` (die without MPI_Abort),
-``nan-loss`` (a non-finite loss) or ``nan-grad`` (a non-finite gradient). A shard server
-(rank 1..S-1 with ``--servers S``) takes ``raise``, ``hang`` and ``exit``, just before it
-reports to rank 0. Unset, it costs
-one dictionary lookup at start-up.
+``nan-loss`` (a non-finite loss), ``nan-grad`` (a non-finite gradient) or ``diverge``
+(nudge its first parameter after the update: its replica checksum no longer matches). A
+shard server (rank 1..S-1 with ``--servers S``) takes ``raise``, ``hang`` and ``exit``, just
+before it reports to rank 0. Unset, it costs one dictionary lookup at start-up.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-KINDS = ("raise", "hang", "exit", "nan-loss", "nan-grad")
+KINDS = ("raise", "hang", "exit", "nan-loss", "nan-grad", "diverge")
 
 
 @dataclass(frozen=True)
@@ -50,5 +50,11 @@ class Fault:
             os._exit(3)
         if self.kind == "nan-loss":
             return float("nan")
-        grad[0] = float("nan")
+        if self.kind == "nan-grad":
+            grad[0] = float("nan")
         return loss
+
+    def after_update(self, iteration: int, params) -> None:
+        """``diverge``: add 1e-3 to the first parameter (a torch tensor) after the update."""
+        if iteration == self.iteration and self.kind == "diverge":
+            params.view(-1)[0] += 1e-3

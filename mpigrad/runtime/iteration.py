@@ -17,6 +17,10 @@ phase          worker                          server s > 0                 rank
 ``broadcast``  receive every shard's frame,    average, re-encode, bcast    the same for shard 0, and
                decode it into the update       its shard                    receive + decode every shard
 ``reports``    -                               send ServerReport to 0       gather the S - 1 reports
+``buffers``    when due (evaluation, stop or   receive the average          gather, average, broadcast
+               end) and the model has          (world bcast)                the BatchNorm statistics
+               buffers: send BufferStats to 0,                              (off both clocks)
+               receive the average
 ``end``        SGD step; stop if told          stop if told                 SGD step; IterationRecord
 =============  ==============================  ===========================  ==============================
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 from .wire import CHECKPOINT_AFTER
 
-PHASES = ("losses", "control", "gradients", "broadcast", "reports")
+PHASES = ("losses", "control", "gradients", "broadcast", "reports", "buffers")
 
 
 def run_iteration(role, m: int):

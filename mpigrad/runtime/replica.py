@@ -16,12 +16,20 @@ import torch
 from .layout import Layout, Segment
 
 
+#: What a model without ``quantized_parameters()`` quantizes by default.
+DEFAULT_MIN_QUANTIZE_SIZE = 10_000
+
+
 def quantization_rule(model: torch.nn.Module, min_quantize_size: int | None):
     """Which parameters are quantized: those of at least ``min_quantize_size`` elements, or
-    with None the model's ``quantized_parameters()`` (the layers the paper quantizes)."""
-    if min_quantize_size is None:
+    with None the model's ``quantized_parameters()`` (the paper CNN: the layers the paper
+    quantizes); a model without that method (ResNets, plugins) quantizes every tensor of at
+    least ``DEFAULT_MIN_QUANTIZE_SIZE`` elements."""
+    if min_quantize_size is None and hasattr(model, "quantized_parameters"):
         chosen = {id(p) for p in model.quantized_parameters()}
         return lambda p: id(p) in chosen
+    if min_quantize_size is None:
+        min_quantize_size = DEFAULT_MIN_QUANTIZE_SIZE
     return lambda p: p.numel() >= min_quantize_size
 
 
@@ -81,10 +89,20 @@ class Replica:
         return zlib.crc32(self.flat.detach().cpu().numpy().view(np.uint8))
 
     def state_dict(self) -> dict:
-        return {"flat": self.flat.detach().cpu().clone()}
+        """Parameters and the model's buffers (BatchNorm statistics, see runtime/buffers.py)."""
+        return {"flat": self.flat.detach().cpu().clone(),
+                "buffers": {name: b.detach().cpu().clone() for name, b in self.model.named_buffers()}}
 
     def load_state_dict(self, state: dict) -> None:
         flat = state["flat"]
         if flat.numel() != self.flat.numel():
             raise ValueError(f"checkpoint holds {flat.numel()} parameters, the model has {self.flat.numel()}")
+        buffers = dict(self.model.named_buffers())
+        saved = state.get("buffers", {})
+        if set(saved) != set(buffers) or any(saved[k].shape != b.shape for k, b in buffers.items()):
+            raise ValueError("checkpoint holds other model buffers than the model has")
         self.flat.copy_(flat.to(self.device))
+        with torch.no_grad():
+            for name, b in buffers.items():
+                b.copy_(saved[name])
+

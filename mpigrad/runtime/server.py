@@ -10,6 +10,7 @@ broadcast into its replica (for evaluation, checksums and checkpoints) and retur
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -23,6 +24,7 @@ from ..policies import Observation, get_policy, policy_class
 from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
+from .buffers import BufferSync, sync_due
 from .clock import Clocks, IterationClock, LinkModel
 from .environment import threads_per_rank
 from .faults import Fault
@@ -142,6 +144,7 @@ class ShardServer:
         self.config, self.channel = config, channel
         self.rank = channel.rank
         replica = build_replica(config, load_data(config))
+        release_data()  # only the model's shape was needed
         codec = base_codec(config)
         layout = replica.layout
         self.n_layers = len(layout.quantized)
@@ -152,6 +155,7 @@ class ShardServer:
                                           broadcast_codec(config)[1])
         #: Rank 0's policy observes the whole average: send it this shard's part (message 6).
         self.send_average = policy_class(config.policy).uses_gradients
+        self.buffer_sync = BufferSync(replica.model, channel)
         self.control_msg = Control(self.n_layers)
         self.report = ServerReport.buffer(len(channel.workers), max(self.n_layers, 1))
         self.iteration = 0
@@ -189,6 +193,10 @@ class ShardServer:
             self.channel.send([(agg.pack_average(), 0)], TAG_AVERAGE,
                               lambda pending: f"rank 0 took no average for iteration {m}")
 
+    def buffers(self, m: int) -> None:
+        if sync_due(self.config, m, self.control_msg.command in (STOP_AFTER, CHECKPOINT_AFTER)):
+            self.buffer_sync.run(m)
+
     def end(self, m: int) -> bool:
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
@@ -218,7 +226,8 @@ class ParameterServer:
         self.replica = build_replica(config, dataset)
         # Rank 0 evaluates on the test split only: let the training split go (in-process
         # ranks build their own parts before rank 0 does).
-        self.dataset = dataclasses.replace(dataset, train_x=dataset.train_x[:0], train_y=dataset.train_y[:0])
+        self.dataset = copy.copy(dataset)
+        self.dataset.train_x, self.dataset.train_y = dataset.train_x[:0], dataset.train_y[:0]
         release_data()
         self.codec = base_codec(config)
         layout = self.replica.layout
@@ -234,6 +243,7 @@ class ParameterServer:
         self.receive_averages = self.servers > 1 and self.policy.uses_gradients
         self.averages = {s: np.empty(sum(p.size for p in self.shards[s].pieces if p.quantized), np.float32)
                          for s in range(1, self.servers)} if self.receive_averages else {}
+        self.buffer_sync = BufferSync(self.replica.model, channel)
         link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time)
@@ -334,6 +344,13 @@ class ParameterServer:
         self.it["servers"] = reports
         self.clock.gradients([r.sizes for r in reports])
         self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
+
+    def buffers(self, m: int) -> None:
+        if sync_due(self.config, m, self.command in (STOP_AFTER, CHECKPOINT_AFTER)):
+            clocks = self.clock.clocks
+            clocks.pause()  # like evaluation, on neither clock
+            self.buffer_sync.run(m)
+            clocks.resume()
 
     def end(self, m: int) -> IterationRecord:
         it, P = self.it, self.workers

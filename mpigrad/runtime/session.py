@@ -8,12 +8,11 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from ..codecs import get_codec
 from ..errors import UsageError
-from ..models import build_model
+from ..models import check_model
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, broadcast_codec, load_data
 from .environment import check_world_size
@@ -40,9 +39,8 @@ def _launch_problem(config, size: int) -> str | None:
             raise UsageError(f"--servers {config.servers} needs at least {config.servers + 1} MPI ranks "
                              f"(S servers and at least one worker), this run has {size}")
         dataset = load_data(config)
-        with torch.device("meta"):
-            model = build_model(config.model, input_shape=dataset.input_shape,
-                                num_classes=dataset.num_classes, **config.model_opts)
+        model = check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                            seed=config.seed, **config.model_opts)
         check_quantizes_something(config, model)
         trace = Path(config.trace)
         if config.resume:
@@ -212,6 +210,9 @@ def describe_run(config, server, size: int, log) -> None:
     log(f"mpigrad {_version()}: {size - server.servers} workers + {servers}, MPI: {MPI.Get_library_version().splitlines()[0]}")
     log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
         f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
+    if server.buffer_sync.size:
+        log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
+            "workers after each evaluated iteration, before a checkpoint and at the end")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
 
 

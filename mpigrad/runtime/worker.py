@@ -12,11 +12,12 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
+from .buffers import BufferSync, sync_due
 from .build import (base_codec, build_broadcast_compressor, build_compressor, build_replica, build_shards,
-                    load_data)
+                    load_data, release_data)
 from .faults import Fault
 from .iteration import run_until_stopped
-from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
+from .wire import (CHECKPOINT_AFTER, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
                    Control, FrameHeader, FrameLength, LossReport, error_frame)
 
 
@@ -36,11 +37,13 @@ class Worker:
         self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
         self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
         self.replica = build_replica(config, dataset)
+        release_data()  # the shard is a copy: let the full dataset go
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec)
         self.compressor = build_compressor(config, self.replica.layout, codec, self.number)
         # Decodes the servers' broadcast (a worker never encodes with it: no state to keep).
         self.broadcast_decoder = build_broadcast_compressor(config, self.replica.layout, codec, self.compressor)
+        self.buffer_sync = BufferSync(self.replica.model, channel)
         self.loss_buf = LossReport.buffer()
         self.control_msg = Control(len(self.replica.layout.quantized))
         self.lengths = [FrameLength.buffer() for _ in range(self.servers)]
@@ -119,8 +122,14 @@ class Worker:
     def reports(self, m: int) -> None:
         pass
 
+    def buffers(self, m: int) -> None:
+        if sync_due(self.config, m, self.control_msg.command in (STOP_AFTER, CHECKPOINT_AFTER)):
+            self.buffer_sync.run(m)
+
     def end(self, m: int) -> bool:
         self.replica.apply_update(self.replica.update_host, self.config.lr)
+        if self.fault:
+            self.fault.after_update(m, self.replica.flat)
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
 

@@ -4,10 +4,10 @@ This package imports no MPI: only :mod:`.mpi` does."""
 
 from .channel import WORLD, Channel, PeerTimeout
 from .messages import (CHECKPOINT_AFTER, CONTINUE, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE,
-                       TAG_GRAD, TAG_LOSS, TAG_REPORT, Control, FrameError, FrameHeader, FrameLength, LossReport,
-                       ServerReport, error_frame, is_error_frame)
+                       TAG_BUFFERS, TAG_GRAD, TAG_LOSS, TAG_REPORT, BufferStats, Control, FrameError, FrameHeader,
+                       FrameLength, LossReport, ServerReport, error_frame, is_error_frame)
 
 __all__ = ["WORLD", "Channel", "PeerTimeout", "CHECKPOINT_AFTER", "CONTINUE", "STATUS_NONFINITE_LOSS",
-           "STATUS_OK", "STOP_AFTER", "TAG_AVERAGE", "TAG_GRAD", "TAG_LOSS", "TAG_REPORT", "Control", "FrameError",
-           "FrameHeader",
-           "FrameLength", "LossReport", "ServerReport", "error_frame", "is_error_frame"]
+           "STATUS_OK", "STOP_AFTER", "TAG_AVERAGE", "TAG_BUFFERS", "TAG_GRAD", "TAG_LOSS", "TAG_REPORT",
+           "BufferStats", "Control", "FrameError", "FrameHeader", "FrameLength", "LossReport", "ServerReport",
+           "error_frame", "is_error_frame"]

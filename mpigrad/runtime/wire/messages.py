@@ -18,6 +18,10 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), per iteration m
 6. average          server s > 0 -> rank 0, tag AVERAGE, float32: the workers' average of
                     shard s's quantized pieces, in piece order, before the re-encode; sent
                     only when the policy observes gradients (``Policy.uses_gradients``).
+7. ``BufferStats``  only after an iteration that evaluates, checkpoints or ends, and only for a
+                    model with buffers (BatchNorm statistics): worker -> rank 0, tag BUFFERS,
+                    float64[B] (every buffer, flattened in model order); then rank 0 -> every
+                    rank, broadcast on the world, float64[B]: the workers' average.
 
 Frame header (little-endian): magic b"MGFR" (4), piece count uint32 (4), the sender's encode
 seconds float64 (8), then each piece's byte length uint64 (8 per piece). A decoder checks the
@@ -37,6 +41,7 @@ TAG_LOSS = 11
 TAG_GRAD = 12
 TAG_REPORT = 13
 TAG_AVERAGE = 14
+TAG_BUFFERS = 15
 
 # Control commands.
 CONTINUE = 1
@@ -212,3 +217,11 @@ class ServerReport:
         workers_end = cls.FIXED + workers
         return cls(float(buf[0]), float(buf[1]), float(buf[2]), [int(n) for n in buf[cls.FIXED:workers_end]],
                    [float(e) for e in buf[workers_end:]])
+
+
+class BufferStats:
+    """Message 6: float64[B], a model's buffers flattened in ``model.buffers()`` order."""
+
+    @staticmethod
+    def buffer(size: int, rows: int | None = None) -> np.ndarray:
+        return np.zeros(size if rows is None else (rows, size), np.float64)

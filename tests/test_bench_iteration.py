@@ -1,0 +1,25 @@
+"""``mpigrad bench iteration --model``: real mpiexec runs of the chosen model, figures read from traces."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+
+def test_bench_iteration_runs_the_chosen_model(mpi_env):
+    command = [sys.executable, "-m", "mpigrad", "bench", "iteration", "--model", "resnet20", "--workers", "1",
+               "--iterations", "4", "--warmup", "2", "--", "--batch-size", "8"]
+    try:
+        result = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=400)
+    except subprocess.TimeoutExpired:
+        pytest.fail("bench iteration did not finish")
+    assert result.returncode == 0, result.stderr
+    assert "resnet20 on synthetic 3x32x32" in result.stdout
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["model"] == "resnet20" and [r["workers"] for r in report["results"]] == [1]
+    row = report["results"][0]
+    assert row["compute_ms"] > 0 and row["encode_ms"] > 0 and row["decode_ms"] > 0
+    assert 0 < row["overhead_fraction_wall"] < 1
