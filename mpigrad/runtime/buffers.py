@@ -23,15 +23,16 @@ import numpy as np
 import torch
 
 from ..config import RunConfig
-from .wire import TAG_BUFFERS, WORLD, BufferStats, Channel
+from .wire import CHECKPOINT_AFTER, STOP_AFTER, TAG_BUFFERS, WORLD, BufferStats, Channel
 
 
-def sync_due(config: RunConfig, m: int, stop_after: bool) -> bool:
-    """Whether buffers are synchronised after iteration ``m`` (the same answer on every rank);
-    ``stop_after``: the run stops or checkpoints after ``m``."""
+def sync_due(config: RunConfig, m: int, command: int) -> bool:
+    """Whether buffers are synchronised after iteration ``m`` (the same answer on every rank):
+    rank 0 evaluates then, or ``command`` (the iteration's Control command) stops or
+    checkpoints after it, or the run ends."""
     last = m + 1 == config.iterations
     evaluates = bool(config.eval_every) and (m + 1) % config.eval_every == 0
-    return last or evaluates or stop_after
+    return last or evaluates or command in (STOP_AFTER, CHECKPOINT_AFTER)
 
 
 class BufferSync:

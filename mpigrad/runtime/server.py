@@ -11,7 +11,6 @@ broadcast into its replica (for evaluation, checksums and checkpoints) and retur
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
 
@@ -194,7 +193,7 @@ class ShardServer:
                               lambda pending: f"rank 0 took no average for iteration {m}")
 
     def buffers(self, m: int) -> None:
-        if sync_due(self.config, m, self.control_msg.command in (STOP_AFTER, CHECKPOINT_AFTER)):
+        if sync_due(self.config, m, self.control_msg.command):
             self.buffer_sync.run(m)
 
     def end(self, m: int) -> bool:
@@ -346,7 +345,7 @@ class ParameterServer:
         self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
 
     def buffers(self, m: int) -> None:
-        if sync_due(self.config, m, self.command in (STOP_AFTER, CHECKPOINT_AFTER)):
+        if sync_due(self.config, m, self.command):
             clocks = self.clock.clocks
             clocks.pause()  # like evaluation, on neither clock
             self.buffer_sync.run(m)

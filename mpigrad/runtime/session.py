@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -14,9 +15,12 @@ from ..codecs import get_codec
 from ..errors import UsageError
 from ..models import check_model
 from . import EXIT_REQUEUE, checkpoint
-from .build import base_codec, broadcast_codec, load_data
+from .build import base_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_launch(config, comm: MPI.Comm) -> None:

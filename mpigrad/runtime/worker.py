@@ -17,7 +17,7 @@ from .build import (base_codec, build_broadcast_compressor, build_compressor, bu
                     load_data, release_data)
 from .faults import Fault
 from .iteration import run_until_stopped
-from .wire import (CHECKPOINT_AFTER, STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
+from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
                    Control, FrameHeader, FrameLength, LossReport, error_frame)
 
 
@@ -123,7 +123,7 @@ class Worker:
         pass
 
     def buffers(self, m: int) -> None:
-        if sync_due(self.config, m, self.control_msg.command in (STOP_AFTER, CHECKPOINT_AFTER)):
+        if sync_due(self.config, m, self.control_msg.command):
             self.buffer_sync.run(m)
 
     def end(self, m: int) -> bool:
