@@ -166,17 +166,20 @@ def test_train_job_completes_with_a_complete_trace(submit, numba_cache):
 # --- walltime: signal, checkpoint, requeue, resume ---------------------------------------
 
 def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_env):
-    """Slurm's own warning signal (``--signal=B:USR1@30``) stops the run; the job requeues
-    itself, resumes, and the trace equals one run straight through."""
+    """The walltime warning (USR1 to the batch shell, as ``#SBATCH --signal=B:USR1@120`` asks)
+    stops the run; the job requeues itself, resumes, and the trace equals one run straight
+    through.
+
+    The test sends the warning itself, with ``scancel --batch --signal=USR1``: that is what
+    slurmctld does when the warning falls due, to the same process. Waiting for Slurm's own
+    timer instead is too loose for a test: limits are whole minutes and slurmctld checks them
+    every 30 s, so the signal lands anywhere in a 90 s window (CI once saw the run finish
+    first)."""
     (submit.dir / "det.toml").write_text(DETERMINISTIC)
-    job = submit.sbatch("--ntasks=2", "--time=10", "--signal=B:USR1@30", "jobscripts/train.sbatch",
-                        "det.toml", "--net-mode", "sleep")
+    job = submit.sbatch("--ntasks=2", "--time=10", "jobscripts/train.sbatch", "det.toml", "--net-mode", "sleep")
     log = f"mpigrad-train-{job}.out"
     submit.wait_for_text(job, log, r"iter +5/250", 600)
-    # Bring the time limit to one minute from now: Slurm's periodic check (every 30 s)
-    # sends USR1 once at most 30 + 30 s are left, so within 30 s, while the run is busy.
-    elapsed = _seconds(submit.cluster.job(job)["RunTime"])
-    submit.cluster.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={_minutes(elapsed + 60)}"])
+    submit.cluster.run(["scancel", "--batch", "--signal=USR1", job])
 
     def requeued(record):
         return int(record["Restarts"]) >= 1
@@ -202,18 +205,6 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
     resumed = _load(submit.dir / f"runs/det-{job}.h5")
     assert resumed.complete and resumed.steps["iteration"].tolist() == list(range(250))
     assert_same_trace(_load(straight), resumed)
-
-
-def _seconds(runtime: str) -> int:
-    """scontrol's RunTime ([D-]HH:MM:SS) in seconds."""
-    days, _, clock = runtime.rpartition("-")
-    h, m, s = (int(x) for x in clock.split(":"))
-    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
-
-
-def _minutes(seconds: int) -> str:
-    """A TimeLimit value scontrol accepts (MM:SS)."""
-    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 # --- a job array ---------------------------------------------------------------------------
