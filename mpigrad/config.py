@@ -21,6 +21,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from . import options
 from .errors import UsageError
 
 NET_MODES = ("virtual", "sleep", "off")
@@ -230,27 +231,9 @@ def parse_duration(text: Any) -> float:
     return float(match.group(1)) * _TIME_UNITS.get(match.group(2) or "s", 1.0)
 
 
-def parse_value(text: str) -> Any:
-    """A KEY=VALUE option's value: JSON/TOML-ish literal if it parses, else the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        lowered = text.lower()
-        if lowered in ("true", "false"):
-            return lowered == "true"
-        return text
-
-
 def parse_assignments(items: list[str] | None, what: str) -> dict[str, Any] | None:
-    if not items:
-        return None
-    result = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"{what} expects KEY=VALUE, got {item!r}")
-        result[key.strip().replace("-", "_")] = parse_value(value.strip())
-    return result
+    """``--model-opt KEY=VALUE ...`` as a dict (see mpigrad.options); UsageError if malformed."""
+    return options.parse_assignments(items, what, error=UsageError)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}

@@ -26,7 +26,7 @@ def test_factory_gets_shape_classes_seed_and_options_and_keeps_its_own_l2_choice
     model = build("linear", scale=0.0)
     assert isinstance(model, PluginModel)
     assert model.net.fc.in_features == 64 and model.net.fc.out_features == 10
-    assert float(model.net.fc.weight.abs().sum()) == 0.0  # scale=0.0 reached the factory
+    assert float(model.net.fc.weight.detach().abs().sum()) == 0.0  # scale=0.0 reached the factory
     assert model.l2_parameters() == [model.net.fc.bias]
     assert model.get_config() == {"id": f"{HERE}:linear", "input_shape": [1, 8, 8], "num_classes": 10,
                                   "scale": 0.0}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mpigrad.codecs import get_codec
-from mpigrad.policies import (Observation, PolicyError, available, get_policy,
-                              parse_policy_options, policy_options)
+from mpigrad.config import parse_assignments
+from mpigrad.policies import Observation, PolicyError, available, get_policy, policy_options
 from mpigrad.policies.adaptive import quantization_error, strided_sample
 
 NON_DEFAULT_CONFIGS = [
@@ -118,19 +118,19 @@ def test_bad_run_arguments_are_rejected():
 
 
 def test_policy_options_and_parsing_from_the_command_line():
+    """``--policy-opt`` goes through the one KEY=VALUE parser; get_policy checks the types."""
     assert policy_options("fixed") == {"bits": 4}
     assert list(policy_options("mqgrad"))[:3] == ["T", "alpha", "gamma"]
-    parsed = parse_policy_options("mqgrad", ["T=7", "epsilon=0.25", "per_layer=yes", "transition=taken"])
+    parsed = parse_assignments(["T=7", "epsilon=0.25", "per_layer=true", "transition=taken"], "--policy-opt")
     assert parsed == {"T": 7, "epsilon": 0.25, "per_layer": True, "transition": "taken"}
     assert get_policy({"id": "mqgrad", **parsed}).T == 7
-    assert parse_policy_options("adaptive", ["initial_bits=none", "initial_bits=3"]) == {"initial_bits": 3}
-    assert parse_policy_options("adaptive", ["initial_bits=None"]) == {"initial_bits": None}
-    with pytest.raises(PolicyError, match="option T expects int, got '2.5'"):
-        parse_policy_options("mqgrad", ["T=2.5"])
-    with pytest.raises(PolicyError, match="expected NAME=VALUE"):
-        parse_policy_options("mqgrad", ["Tee=3"])
-    with pytest.raises(PolicyError, match="option per_layer expects bool"):
-        parse_policy_options("mqgrad", ["per_layer=maybe"])
+    assert get_policy({"id": "adaptive", **parse_assignments(["initial_bits=null"], "--policy-opt")}).initial_bits is None
+    with pytest.raises(PolicyError, match="T must be an integer >= 2, got 2.5"):
+        get_policy({"id": "mqgrad", **parse_assignments(["T=2.5"], "--policy-opt")})
+    with pytest.raises(PolicyError, match="unknown option"):
+        get_policy({"id": "mqgrad", **parse_assignments(["Tee=3"], "--policy-opt")})
+    with pytest.raises(PolicyError, match="per_layer"):
+        get_policy({"id": "mqgrad", **parse_assignments(["per_layer=maybe"], "--policy-opt")})
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
+from .. import options
 from .base import CodecError, non_finite_error
 from .kernels import common
 
@@ -20,10 +19,8 @@ _STATUS_MESSAGES = {
 
 
 def check_int(codec_id: str, name: str, value: Any, low: int, high: int) -> int:
-    """``value`` as an int in low..high (bools rejected), else CodecError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
-        raise CodecError(f"{codec_id}: {name} must be an integer in {low}..{high}, got {value!r}")
-    return int(value)
+    """``value`` as an int in [low, high] (bools and floats rejected), else CodecError."""
+    return options.check_int(name, value, low, high, error=CodecError, prefix=f"{codec_id}: ")
 
 
 def check_choice(codec_id: str, name: str, value: Any, choices: tuple[str, ...]) -> str:

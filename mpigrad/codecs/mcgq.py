@@ -45,6 +45,7 @@ import numpy as np
 from .base import (HEADER_SIZE, MAX_ELEMENTS, Codec, CodecError, Header, _as_float32_vector,
                    non_finite_error, register_codec)
 from .kernels import common, mcgq as kernels
+from .. import options
 from . import checks
 
 __all__ = ["MCGQ", "DynamicSampling", "rle_stream_bits", "rle_encode", "rle_decode",
@@ -179,8 +180,7 @@ def rle_decode(stream: np.ndarray, n: int) -> np.ndarray:
     """Integers of an RLE stream holding ``n`` values; CodecError for any malformed stream."""
     if not isinstance(stream, np.ndarray) or stream.dtype != np.uint8 or stream.ndim != 1:
         raise CodecError("mcgq RLE: stream must be a 1-D numpy uint8 array")
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_ELEMENTS:
-        raise CodecError(f"mcgq RLE: n must be an integer in 0..2**34, got {n!r}")
+    options.check_int("n", n, 0, MAX_ELEMENTS, error=CodecError, prefix="mcgq RLE: ")
     widths = stream_widths(stream, int(n), 57)
     out = np.empty(int(n), np.int64)
     status, _, max_mag, longest = kernels.rle_read(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 
 import numpy as np
+
+from .. import options
 
 __all__ = ["Dataset", "DataError", "standardise_per_channel", "check_seed", "check_count",
            "check_no_data_dir"]
@@ -80,15 +81,11 @@ def standardise_per_channel(train_x: np.ndarray, *others: np.ndarray) -> None:
 
 
 def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed < 2**63:
-        raise DataError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    return int(seed)
+    return options.check_int("seed", seed, 0, 2**63 - 1, error=DataError)
 
 
 def check_count(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise DataError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return options.check_int(name, value, minimum, error=DataError)
 
 
 def check_no_data_dir(name: str, data_dir) -> None:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import options
+
 __all__ = ["ModelError", "Classifier", "check_int", "check_ints", "check_choice", "check_weight_decay",
            "half_squared_norm"]
 
@@ -19,9 +21,8 @@ class ModelError(ValueError):
 
 
 def check_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise ModelError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    """``value`` as an int >= ``minimum`` (bools and floats rejected), else ModelError."""
+    return options.check_int(name, value, minimum, error=ModelError)
 
 
 def check_ints(name: str, values, length: int) -> tuple[int, ...]:

@@ -8,8 +8,8 @@ writes ``drain_records()`` to the trace and checkpoints ``state_dict()``.
 """
 
 from .base import (BITS_LIMITS, Observation, Policy, PolicyError, available, get_policy,
-                   parse_policy_options, policy_class, policy_options, register_policy)
+                   policy_class, policy_options, register_policy)
 from . import fixed, schedule, adaptive, mqgrad, accordion, lgreco  # noqa: F401,E402  (register the policies)
 
 __all__ = ["BITS_LIMITS", "Observation", "Policy", "PolicyError", "available", "get_policy",
-           "parse_policy_options", "policy_class", "policy_options", "register_policy"]
+           "policy_class", "policy_options", "register_policy"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,9 +20,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import options
+
 __all__ = [
     "Policy", "PeriodicPolicy", "PolicyError", "Observation", "BITS_LIMITS", "register_policy", "get_policy",
-    "available", "policy_class", "policy_options", "parse_policy_options",
+    "available", "policy_class", "policy_options",
 ]
 
 #: Widest bits range any policy accepts; a codec may support less (see ``Policy.check_codec``).
@@ -45,9 +46,7 @@ class Observation:
     codec: object | None = None             # the run's codec (accepts_bits) for error-based policies
 
     def __post_init__(self):
-        if isinstance(self.iteration, bool) or not isinstance(self.iteration, (int, np.integer)) \
-                or self.iteration < 0:
-            raise PolicyError(f"observation iteration must be an integer >= 0, got {self.iteration!r}")
+        options.check_int("observation iteration", self.iteration, 0, error=PolicyError)
         ms = self.last_iteration_ms
         if not isinstance(ms, (int, float, np.floating, np.integer)) or not math.isfinite(ms) or ms < 0:
             raise PolicyError(f"observation last_iteration_ms must be finite and >= 0, got {ms!r}")
@@ -102,56 +101,12 @@ def get_policy(config: dict[str, Any], n_layers: int = 1, seed: int = 0) -> "Pol
     return policy_class(policy_id)(**params, n_layers=n_layers, seed=seed)
 
 
-def parse_policy_options(policy_id: str, pairs: Sequence[str]) -> dict[str, Any]:
-    """Turn command-line ``NAME=VALUE`` strings into typed options of ``policy_id``.
-
-    Each value is converted to the option's annotated type (bool accepts true/false/1/0/
-    yes/no; an optional option accepts ``none``). The result still goes through
-    ``get_policy``, which checks ranges.
-    """
-    cls = policy_class(policy_id)
-    hints = typing.get_type_hints(cls.__init__)
-    known = policy_options(policy_id)
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        name, sep, text = str(pair).partition("=")
-        name = name.strip()
-        if not sep or name not in known:
-            raise PolicyError(f"policy {policy_id!r}: expected NAME=VALUE with NAME one of "
-                              f"{', '.join(known)}, got {pair!r}")
-        options[name] = _parse_value(policy_id, name, text.strip(), hints.get(name, str))
-    return options
-
-
-def _parse_value(policy_id: str, name: str, text: str, hint: Any) -> Any:
-    kinds = typing.get_args(hint) or (hint,)
-    if type(None) in kinds and text.lower() in ("none", "null", ""):
-        return None
-    kind = next(k for k in kinds if k is not type(None))
-    try:
-        if kind is bool:
-            return {"true": True, "1": True, "yes": True,
-                    "false": False, "0": False, "no": False}[text.lower()]
-        if kind in (int, float):
-            return kind(text)
-        if kind is str:
-            return text
-        return json.loads(text)
-    except (KeyError, ValueError):
-        raise PolicyError(f"policy {policy_id!r}: option {name} expects {getattr(kind, '__name__', kind)}, "
-                          f"got {text!r}") from None
-
-
 # ---- option checks, shared by the policies' __init__ ---------------------------------
 
 def check_int(policy_id: str, name: str, value: Any, low: int | None = None,
               high: int | None = None) -> int:
     """``value`` as an int in [low, high]; PolicyError otherwise (bools and floats rejected)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-            or (low is not None and value < low) or (high is not None and value > high):
-        bounds = _bounds_text(low, high)
-        raise PolicyError(f"policy {policy_id!r}: {name} must be an integer{bounds}, got {value!r}")
-    return int(value)
+    return options.check_int(name, value, low, high, error=PolicyError, prefix=f"policy {policy_id!r}: ")
 
 
 def check_float(policy_id: str, name: str, value: Any, low: float, high: float = math.inf,
@@ -209,14 +164,6 @@ def bits_codec(policy_id: str, obs: "Observation") -> Any:
         raise PolicyError(f"policy {policy_id!r} needs the run's codec, one with a 'bits' option, "
                           f"in Observation.codec (got {codec!r})")
     return codec
-
-
-def _bounds_text(low: int | None, high: int | None) -> str:
-    if low is not None and high is not None:
-        return f" in [{low}, {high}]"
-    if low is not None:
-        return f" >= {low}"
-    return f" <= {high}" if high is not None else ""
 
 
 _RUN_ARGS = ("n_layers", "seed")

@@ -28,7 +28,7 @@ import h5py
 import numpy as np
 from h5py import h5s
 
-from .. import __version__
+from .. import __version__, options
 from .attrs import encode_attr, write_attrs
 from .schema import FORMAT_NAME, ROWS_DATASET, SCHEMA_VERSION, TraceError, validate_tables
 
@@ -111,9 +111,7 @@ class TraceWriter:
     # ---- construction ---------------------------------------------------------------
     def _setup(self, path: str | os.PathLike, tables: Mapping[str, Mapping], flush_every: int) -> None:
         self.path = Path(path)
-        if isinstance(flush_every, bool) or not isinstance(flush_every, (int, np.integer)) or flush_every < 1:
-            raise TraceError(f"flush_every must be a positive integer, got {flush_every!r}")
-        self.flush_every = int(flush_every)
+        self.flush_every = options.check_int("flush_every", flush_every, 1, error=TraceError)
         self._specs = validate_tables(tables)
         if self.path.is_dir():
             raise TraceError(f"{self.path} is a directory, not a trace file")
