@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from mpigrad.codecs import CodecError, get_codec, read_header
 from mpigrad.codecs.base import HEADER_SIZE, Header, _write_header
 from mpigrad.codecs.kernels import mcgq as kernels
-from mpigrad.codecs.mcgq import (K_LIMIT, MCGQ, DynamicSampling, rle_decode, rle_encode,
-                                 rle_stream_bits, sample_count, sampling_plan, wasserstein1,
-                                 weight_exponent, weight_factor)
+from mpigrad.codecs.mcgq import (MCGQ, rle_decode, rle_encode, rle_stream_bits, sample_count,
+                                 sampling_plan, weight_exponent, weight_factor)
+from mpigrad.codecs.mcgq_sampling import K_LIMIT, DynamicSampling, wasserstein1
 from mpigrad.codecs.reference import twin_of
 from mpigrad.codecs.reference import mcgq as twin
 
@@ -695,7 +695,7 @@ def test_dynamic_config_round_trip_and_defaults():
     assert get_codec(DYNAMIC) != get_codec({**DYNAMIC, "step": 1.0})
     assert get_codec({"id": "mcgq", "dynamic": False}) == MCGQ()
     # How `mpigrad train --codec mcgq --codec-opt dynamic=true` builds it.
-    from mpigrad.config import parse_value
+    from mpigrad.options import parse_value
     assert get_codec({"id": "mcgq", "dynamic": parse_value("true"), "step": parse_value("1000")}).dynamic
 
 

@@ -26,11 +26,12 @@ Buffer: header bits = B_g, param_a/param_b = low/high 32 bits of N; payload = fl
 code against the stream end and the element count, that the magnitudes sum to N, and that
 B_g and B_RLE are exactly the widths the data needs.
 
-Dynamic sampling (Alg. 3): ``MCGQ(dynamic=True, step=..., K_min=..., K_max=...)`` adapts its
-own K after every encode from ``wasserstein1(x, decode(buffer))`` (K is the initial amount;
-``state_dict`` carries the current K and the last distance). ``DynamicSampling`` applies the
-same rule to many layers from outside a plain codec, with per-call K in ``encode(x, K=...)``.
-The buffer is the same either way: decoding needs neither K nor the adaptive state.
+Dynamic sampling (Alg. 3, its rule in ``mcgq_sampling``): ``MCGQ(dynamic=True, step=...,
+K_min=..., K_max=...)`` adapts its own K after every encode from ``wasserstein1(x,
+decode(buffer))`` (K is the initial amount; ``state_dict`` carries the current K and the
+last distance). ``mcgq_sampling.DynamicSampling`` applies the same rule to many layers from
+outside a plain codec, with per-call K in ``encode(x, K=...)``. The buffer is the same
+either way: decoding needs neither K nor the adaptive state.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from numbers import Real
-from typing import Any, Hashable
+from typing import Any
 
 import numpy as np
 
@@ -47,12 +48,10 @@ from .base import (HEADER_SIZE, MAX_ELEMENTS, Codec, CodecError, Header, _as_flo
 from .kernels import common, mcgq as kernels
 from .. import options
 from . import checks
+from .mcgq_sampling import K_LIMIT, DynamicSampling, _wasserstein1, check_sampling_amount
 
-__all__ = ["MCGQ", "DynamicSampling", "rle_stream_bits", "rle_encode", "rle_decode",
-           "wasserstein1", "sample_count", "K_LIMIT"]
+__all__ = ["MCGQ", "rle_stream_bits", "rle_encode", "rle_decode", "sample_count"]
 
-#: Largest sampling amount K (keeps N below 2**45 and B_g below 47 bits).
-K_LIMIT = 1024
 SCALE_BYTES = 4
 PREAMBLE_BITS = 64
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -61,12 +60,6 @@ _NONFINITE_BITS = 0x7F800000
 
 
 # ---- scalar helpers (shared with the NumPy twin) ----------------------------------------------
-def check_sampling_amount(K: Any) -> float:
-    if isinstance(K, bool) or not isinstance(K, Real) or not 0 < K <= K_LIMIT:
-        raise CodecError(f"mcgq: K must be a number in (0, {K_LIMIT}], got {K!r}")
-    return float(K)
-
-
 def sample_count(n: int, K: float) -> int:
     """N = ceil(n * K), with K read as the decimal it prints as (so 100 * 0.07 gives 7)."""
     return math.ceil(n * Fraction(repr(float(K))))
@@ -188,37 +181,6 @@ def rle_decode(stream: np.ndarray, n: int) -> np.ndarray:
     raise_status(status)
     check_decoded(widths, max_mag, longest)
     return out
-
-
-def wasserstein1(g: np.ndarray, q: np.ndarray) -> float:
-    """W1 between the distributions |g|/||g||_1 and |q|/||q||_1 over the index axis.
-
-    Element k sits at k / n, so the result lies in [0, 1) whatever the layer size:
-    W1 = (1/n) sum_k |CDF_g(k) - CDF_q(k)|. Two zero vectors are at distance 0; a zero
-    vector and a non-zero one at distance 1.
-    """
-    g = _float_vector(g, "g")
-    q = _float_vector(q, "q")
-    if g.size != q.size:
-        raise CodecError(f"wasserstein1: g has {g.size} elements, q has {q.size}")
-    return _wasserstein1(g, q)
-
-
-def _wasserstein1(g: np.ndarray, q: np.ndarray) -> float:
-    """``wasserstein1`` of finite contiguous vectors of one size, unchecked and allocation-free."""
-    g_zero = not g.any()
-    q_zero = not q.any()
-    if g_zero or q_zero:
-        return 0.0 if g_zero and q_zero else 1.0
-    return float(kernels.wasserstein1_index(g, q))
-
-
-def _float_vector(x: Any, name: str) -> np.ndarray:
-    if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype.kind != "f":
-        raise CodecError(f"{name} must be a 1-D numpy floating-point array")
-    if not np.isfinite(x).all():
-        raise CodecError(f"{name} contains NaN or infinity")
-    return np.ascontiguousarray(x)
 
 
 # ---- the codec ----------------------------------------------------------------------------------
@@ -419,65 +381,3 @@ def check_counts(header: Header, scale: np.float32, n_samples: int, widths: tupl
     check_decoded(widths, max_mag, longest)
     if max_mag * float(scale) > _FLT_MAX:
         raise CodecError("mcgq: corrupted payload (decoded values overflow float32)")
-
-
-# ---- dynamic sampling (Alg. 3) --------------------------------------------------------------------
-class DynamicSampling:
-    """Per-layer sampling amount K, adapted by Alg. 3: K <- K + step * (d' - d).
-
-    d is ``wasserstein1(g, decoded)`` of this call (W1 over the index axis, see there),
-    d' the previous call's for the same layer; the first call of a layer only records d.
-    K is clipped to [K_min, K_max]. As in the paper, K grows when the distance shrank.
-
-        K = sampler.sampling_amount(key)
-        decoded = codec.decode(codec.encode(g, K=K))
-        sampler.update(key, g, decoded)
-    """
-
-    def __init__(self, K_init: float = 0.1, step: float = 1.0, K_min: float = 0.01, K_max: float = 1.0):
-        self.K_min = check_sampling_amount(K_min)
-        self.K_max = check_sampling_amount(K_max)
-        self.K_init = check_sampling_amount(K_init)
-        if not self.K_min <= self.K_init <= self.K_max:
-            raise CodecError(f"dynamic sampling needs K_min <= K_init <= K_max, got "
-                             f"{self.K_min} <= {self.K_init} <= {self.K_max}")
-        if isinstance(step, bool) or not isinstance(step, Real) or not 0 <= step < math.inf:
-            raise CodecError(f"dynamic sampling step must be a finite number >= 0, got {step!r}")
-        self.step = float(step)
-        self._K: dict[Hashable, float] = {}
-        self._distance: dict[Hashable, float] = {}
-
-    def sampling_amount(self, key: Hashable) -> float:
-        return self._K.get(key, self.K_init)
-
-    def distance(self, key: Hashable) -> float | None:
-        """The last W1 distance recorded for ``key`` (None before its first update)."""
-        return self._distance.get(key)
-
-    def update(self, key: Hashable, g: np.ndarray, decoded: np.ndarray) -> float:
-        """Record this call's distance and return the layer's next K."""
-        d = wasserstein1(g, decoded)
-        self._K[key] = self.next_amount(self.sampling_amount(key), self._distance.get(key), d)
-        self._distance[key] = d
-        return self._K[key]
-
-    def next_amount(self, K: float, previous: float | None, d: float) -> float:
-        """Alg. 3 for one layer: K + step * (previous - d) clipped to [K_min, K_max];
-        K itself when there is no previous distance (the layer's first call)."""
-        if previous is None:
-            previous = d
-        return min(max(K + self.step * (previous - d), self.K_min), self.K_max)
-
-    def state_dict(self) -> dict[str, dict]:
-        return {"K": dict(self._K), "distance": dict(self._distance)}
-
-    def load_state_dict(self, state: dict[str, dict]) -> None:
-        K = {key: float(v) for key, v in state["K"].items()}
-        distance = {key: float(v) for key, v in state["distance"].items()}
-        if set(K) != set(distance):
-            raise CodecError("dynamic sampling state: the K and distance entries name different layers")
-        bad = [key for key, v in K.items() if not self.K_min <= v <= self.K_max]
-        if bad:
-            raise CodecError(f"dynamic sampling state: K of layers {bad} lies outside "
-                             f"[{self.K_min}, {self.K_max}]")
-        self._K, self._distance = K, distance
