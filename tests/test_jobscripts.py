@@ -277,18 +277,19 @@ def test_multinode_and_gpu_examples_keep_the_stop_and_requeue_header(name, asks)
 
 
 def test_sweep_array_covers_the_five_methods():
-    assert _methods() == ["fix2", "fix4", "fix8", "adaptive", "mqgrad"]
+    assert _methods() == ["fix2", "fix4", "fix8", "adaptive", "mqgrad", "accordion", "lgreco"]
     assert _header(JOBSCRIPTS / "sweep.sbatch")["--array"] == f"0-{len(_methods()) - 1}"
 
 
 PAPER_METHODS = {"fix2": ("fixed", 2), "fix4": ("fixed", 4), "fix8": ("fixed", 8),
-                 "adaptive": ("adaptive", None), "mqgrad": ("mqgrad", None)}
+                 "adaptive": ("adaptive", None), "mqgrad": ("mqgrad", None),
+                 "accordion": ("accordion", None), "lgreco": ("lgreco", None)}
 
 
 @pytest.mark.parametrize("grid, ranks, data", [("paper-12nodes", 12, "cifar10"),
                                                ("paper-18nodes", 18, "cifar10"),
                                                ("quick", 4, "digits")])
-def test_example_grids_hold_the_five_methods(grid, ranks, data):
+def test_example_grids_hold_the_seven_methods(grid, ranks, data):
     directory = EXAMPLES / grid
     assert sorted(p.stem for p in directory.glob("*.toml")) == sorted(_methods())
     configs = {}
@@ -532,8 +533,8 @@ def test_failed_step_is_not_requeued(cluster):
      "four.toml is written for 4 ranks but this job has SLURM_NTASKS=2; submit with sbatch --ntasks=4"),
     (["--ntasks=4", "--cpus-per-task=0", "jobscripts/train.sbatch", "CFG"], {},
      "SLURM_CPUS_PER_TASK='0' is not a positive whole number"),
-    (["--array=5", "jobscripts/sweep.sbatch", "examples/quick"], {},
-     "array task '5' has no method: submit with --array=0-4"),
+    (["--array=7", "jobscripts/sweep.sbatch", "examples/quick"], {},
+     "array task '7' has no method: submit with --array=0-6"),
 ])
 def test_bad_submissions_fail_before_launching(cluster, args, env, message):
     cfg = cluster.config("four", iterations=1, ranks=4)

@@ -212,7 +212,7 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
 def test_sweep_array_writes_one_trace_per_task(submit):
     job = submit.sbatch("--ntasks=4", "--time=20", "jobscripts/sweep.sbatch", "examples/quick",
                         "--iterations", "6", "--eval-every", "3", *TINY)
-    methods = ["fix2", "fix4", "fix8", "adaptive", "mqgrad"]
+    methods = ["fix2", "fix4", "fix8", "adaptive", "mqgrad", "accordion", "lgreco"]
     for task, method in enumerate(methods):
         log = f"mpigrad-sweep-{job}_{task}.out"
         record = submit.wait(f"{job}_{task}", ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 900, log)
