@@ -63,6 +63,18 @@ def test_digits_shapes_split_and_standardisation(digits):
     assert digits.describe() == "digits: 1438 train / 359 test, 1x8x8, 10 classes"
 
 
+def test_embedded_digits_are_the_uci_optdigits_test_set():
+    """The embedded file holds what scikit-learn's load_digits returns (checked when it was
+    embedded; the hash pins it): 1797 images, pixel values 0..16, UCI's class counts."""
+    import hashlib
+
+    from mpigrad.data.digits import DIGITS_SHA256, digits_arrays
+    images, labels = digits_arrays()
+    assert images.shape == (1797, 8, 8) and images.dtype == np.uint8 and images.max() == 16
+    assert np.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    assert hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest() == DIGITS_SHA256
+
+
 def test_digits_split_is_seeded(digits):
     again = load_dataset("digits", seed=0)
     other = load_dataset("digits", seed=1)

@@ -1,28 +1,42 @@
-"""The default dataset: scikit-learn's bundled handwritten digits (no download).
+"""The default dataset: handwritten digits embedded in the package (no download).
 
-1797 real 8 x 8 grey images of the digits 0-9 (UCI optdigits test set), pixel values
-0..16. Scaled to [0, 1], split into train and test stratified by class with a seeded
-shuffle, then standardised with the training set's mean and std.
+1797 real 8 x 8 grey images of the digits 0-9, pixel values 0..16: the test part of UCI's
+"Optical Recognition of Handwritten Digits" (Alpaydin & Kaynak, 1998, CC BY 4.0), the same
+values and order as scikit-learn's ``load_digits`` (``digits.npz``: uint8 ``images``
+(1797, 8, 8) and ``labels``; ``DIGITS_SHA256`` pins them). Reading 45 kB here instead of
+importing scikit-learn saves every rank seconds of start-up. Scaled to [0, 1], split into
+train and test stratified by class with a seeded shuffle, then standardised with the
+training set's mean and std.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from .datasets import DataError, Dataset, check_no_data_dir, check_seed, standardise_per_channel
 
-__all__ = ["load_digits", "stratified_split"]
+__all__ = ["load_digits", "stratified_split", "digits_arrays", "DIGITS_SHA256"]
+
+_FILE = Path(__file__).with_name("digits.npz")
+#: sha256 of the embedded images' bytes followed by the labels' bytes.
+DIGITS_SHA256 = "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"
+
+
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The embedded (images uint8 (1797, 8, 8), labels uint8 (1797,)), as stored."""
+    with np.load(_FILE) as stored:
+        return stored["images"], stored["labels"]
 
 
 def load_digits(*, data_dir=None, seed: int = 0, test_fraction: float = 0.2) -> Dataset:
     """Digits as 1 x 8 x 8 images; ``test_fraction`` of each class goes to the test split."""
     check_no_data_dir("digits", data_dir)
     seed = check_seed(seed)
-    from sklearn.datasets import load_digits as sklearn_digits  # heavy import, only when used
-
-    bunch = sklearn_digits()
-    images = (bunch.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
-    labels = bunch.target.astype(np.int64)
+    stored_images, stored_labels = digits_arrays()
+    images = (stored_images.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    labels = stored_labels.astype(np.int64)
     train, test = stratified_split(labels, test_fraction, seed)
     train_x, test_x = images[train], images[test]
     standardise_per_channel(train_x, test_x)
