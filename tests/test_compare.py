@@ -128,3 +128,14 @@ def test_runs_with_different_configs_get_different_labels_everywhere(tmp_path, c
     assert group_labels(configs) == ["MQGrad policy_opts.epsilon=0.1", "MQGrad policy_opts.epsilon=0.2"]
     assert group_labels([{"policy": "mqgrad", "policy_opts": {"T": 5}}, {"policy": "fixed", "bits": 4}]) == \
         ["MQGrad", "Fix (4-bit)"]
+
+
+def test_a_key_an_older_trace_lacks_takes_its_default():
+    """Traces written before ``servers`` and ``shard_chunk`` existed group with new traces of
+    the same config (the defaults keep the old behaviour); an explicit other value does not."""
+    from mpigrad.analysis.labels import differing_keys
+    old = {"policy": "fixed", "bits": 2, "lr": 0.04, "seed": 1}
+    new = {**old, "servers": 1, "shard_chunk": 0, "seed": 2}
+    assert differing_keys([old, new]) == []
+    assert len(set(group_labels([old, new]))) == 1
+    assert differing_keys([old, {**new, "servers": 2}]) == ["servers"]

@@ -9,6 +9,7 @@ only when two runs agree on everything, seed included.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Sequence
 
@@ -25,15 +26,29 @@ _METHOD_PREFIXES = ("codec", "policy", "bits")
 
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``{"policy_opts": {"T": 5}}`` -> ``{"policy_opts.T": 5}``; nested dicts flattened with dots."""
+    """The run's effective config, flat: ``{"policy_opts": {"T": 5}}`` -> ``{"policy_opts.T": 5}``.
+
+    A top-level key the trace lacks (it was written before the key existed) takes today's
+    default, which keeps the old behaviour when a key is added (``servers = 1``,
+    ``shard_chunk = 0``): old and new traces of one config form one group."""
+    return _flatten({**_defaults(), **config})
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            for sub, inner in flat_config(value).items():
+            for sub, inner in _flatten(value).items():
                 flat[f"{key}.{sub}"] = inner
         else:
             flat[key] = value
     return flat
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    from ..config import RunConfig
+    return {key: value for key, value in RunConfig().to_dict().items() if not isinstance(value, dict)}
 
 
 def format_value(value: Any) -> str:
