@@ -37,7 +37,7 @@ TINY = ["--model-opt", "fc_sizes=[64,64]", "--min-quantize-size", "1000", "--pro
 #: so that they last long enough for a signal to land midway, at almost no CPU cost.
 DETERMINISTIC = """\
 # ranks: 2
-iterations = 250
+iterations = 100
 data = "digits"
 model_opts = { fc_sizes = [64, 64] }
 min_quantize_size = 1000
@@ -178,7 +178,7 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
     (submit.dir / "det.toml").write_text(DETERMINISTIC)
     job = submit.sbatch("--ntasks=2", "--time=10", "jobscripts/train.sbatch", "det.toml", "--net-mode", "sleep")
     log = f"mpigrad-train-{job}.out"
-    submit.wait_for_text(job, log, r"iter +5/250", 600)
+    submit.wait_for_text(job, log, r"iter +5/100", 600)
     submit.cluster.run(["scancel", "--batch", "--signal=USR1", job])
 
     def requeued(record):
@@ -193,7 +193,7 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
     assert "batch shell got SIGUSR1: asking the job step" in text
     stopped = re.search(r"received SIGUSR1: stopped after iteration (\d+)", text)
     assert stopped, text
-    assert 5 <= int(stopped[1]) < 250, "the run was meant to stop midway"
+    assert 5 <= int(stopped[1]) < 100, "the run was meant to stop midway"
     assert f"requeueing job {job}, the next start resumes" in text
     assert f"resuming from runs/det-{job}.h5.ckpt at iteration {stopped[1]}" in text
     assert text.count(f"mpigrad-job: job {job} restart") == 2, "--open-mode=append keeps both starts"
@@ -203,7 +203,7 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
                      mpi_env, timeout=600, cwd=submit.dir)
     assert result.returncode == 0, result.stderr
     resumed = _load(submit.dir / f"runs/det-{job}.h5")
-    assert resumed.complete and resumed.steps["iteration"].tolist() == list(range(250))
+    assert resumed.complete and resumed.steps["iteration"].tolist() == list(range(100))
     assert_same_trace(_load(straight), resumed)
 
 
@@ -231,14 +231,14 @@ def test_scancel_stops_at_a_checkpoint_and_the_trace_says_so(submit):
     (submit.dir / "det.toml").write_text(DETERMINISTIC)
     job = submit.sbatch("--ntasks=2", "--time=20", "jobscripts/train.sbatch", "det.toml", "--net-mode", "sleep")
     log = f"mpigrad-train-{job}.out"
-    submit.wait_for_text(job, log, r"iter +5/250", 600)
+    submit.wait_for_text(job, log, r"iter +5/100", 600)
     submit.cluster.run(["scancel", job])
     record = submit.wait(job, ("CANCELLED", "COMPLETED", "FAILED"), 120, log)
     text = submit.log(log)
     assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", text
     trace = _load(submit.dir / f"runs/det-{job}.h5")
     assert trace.status == "stopped" and not trace.complete, text
-    assert 5 <= len(trace.steps) < 250
+    assert 5 <= len(trace.steps) < 100
     assert (submit.dir / f"runs/det-{job}.h5.ckpt").exists()
     assert "batch shell got SIGTERM: asking the job step" in text
     assert re.search(r"received SIG(TERM|USR1): stopped after iteration", text), text
