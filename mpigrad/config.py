@@ -281,9 +281,7 @@ def coerce(key: str, value: Any) -> Any:
             raise UsageError(f"{key} must be true or false, got {value!r}")
         return value
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{key} must be an integer, got {value!r}")
-        return value
+        return options.check_int(key, value, error=UsageError)
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UsageError(f"{key} must be a number, got {value!r}")

@@ -139,3 +139,10 @@ def test_a_key_an_older_trace_lacks_takes_its_default():
     assert differing_keys([old, new]) == []
     assert len(set(group_labels([old, new]))) == 1
     assert differing_keys([old, {**new, "servers": 2}]) == ["servers"]
+
+
+def test_configs_not_written_by_train_are_taken_as_written():
+    from mpigrad.analysis.labels import flat_config
+    api = {"codec": {"id": "uniform", "bits": 2}, "note": "TraceWriter API"}
+    assert flat_config(api) == {"codec.id": "uniform", "codec.bits": 2, "note": "TraceWriter API"}
+    assert flat_config({"lr": 0.1})["servers"] == 1

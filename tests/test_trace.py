@@ -441,7 +441,7 @@ def test_default_tables_match_the_issue():
     assert tables["workers"]["loss"] == ("f8", (4,)) and tables["checksums"]["checksum"] == ("u8", (5,))
     with pytest.raises(TraceError, match="clashes"):
         step_columns({"loss": ("f8", ())})
-    with pytest.raises(TraceError, match="positive integer"):
+    with pytest.raises(TraceError, match="must be an integer >= 1, got 0"):
         workers_columns(0)
 
 

@@ -28,10 +28,14 @@ _METHOD_PREFIXES = ("codec", "policy", "bits")
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     """The run's effective config, flat: ``{"policy_opts": {"T": 5}}`` -> ``{"policy_opts.T": 5}``.
 
-    A top-level key the trace lacks (it was written before the key existed) takes today's
-    default, which keeps the old behaviour when a key is added (``servers = 1``,
-    ``shard_chunk = 0``): old and new traces of one config form one group."""
-    return _flatten({**_defaults(), **config})
+    In a config written by ``mpigrad train`` (every key a RunConfig option), a key the trace
+    lacks (written before the key existed) takes today's default, which keeps the old
+    behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new traces
+    of one config form one group. Other configs (the TraceWriter API) are taken as written."""
+    defaults = _defaults()
+    if config and set(config) <= set(defaults) | _NESTED_KEYS:
+        config = {**defaults, **config}
+    return _flatten(config)
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +47,9 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
         else:
             flat[key] = value
     return flat
+
+
+_NESTED_KEYS = frozenset({"model_opts", "data_opts", "codec_opts", "policy_opts"})
 
 
 @functools.cache
@@ -106,7 +113,7 @@ def run_labels(traces: Sequence[Trace]) -> list[str]:
     and the file name where two runs still share a label."""
     configs = [t.config for t in traces]
     labels = group_labels(configs)
-    seeds = [flat_config(c).get("seed", t.attrs.get("seed")) for c, t in zip(configs, traces)]
+    seeds = [c.get("seed", t.attrs.get("seed")) for c, t in zip(configs, traces)]
     for text in set(labels):
         members = [i for i, other in enumerate(labels) if other == text]
         if len(members) > 1 and len({str(seeds[i]) for i in members}) > 1:

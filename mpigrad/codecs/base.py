@@ -33,6 +33,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from .. import options
+
 __all__ = [
     "Codec", "CodecError", "FusedCodec", "Header", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
     "register_codec", "get_codec", "available", "codec_class", "read_header",
@@ -174,10 +176,8 @@ class Codec(ABC):
     stochastic: ClassVar[bool] = False
 
     def __init__(self, *, checksum: bool = False, seed: int = 0):
-        if not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**63:
-            raise CodecError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        self.seed = options.check_int("seed", seed, 0, 2**63 - 1, error=CodecError)
         self.checksum = bool(checksum)
-        self.seed = int(seed)
         self.calls = 0
         self._scratch = np.empty(0, np.float32)
 

@@ -10,8 +10,7 @@
 Loaders share the signature ``loader(*, data_dir=None, seed=0, **options) -> Dataset`` and
 raise ``DataError`` (a ValueError) with a one-line cause. A plugin factory named
 ``package.module:factory`` has the same signature and must return a ``Dataset`` (see
-docs/models.rst). This package needs only NumPy (and scikit-learn for digits, imported when
-used).
+docs/models.rst). This package needs only NumPy (the digits are embedded: digits.npz).
 """
 
 from __future__ import annotations

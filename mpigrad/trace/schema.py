@@ -16,6 +16,8 @@ from typing import Mapping
 
 import numpy as np
 
+from .. import options
+
 __all__ = [
     "SCHEMA_VERSION", "FORMAT_NAME", "TraceError", "Columns", "STEPS_COLUMNS", "EVAL_COLUMNS",
     "TABLE_NAMES", "step_columns", "layer_step_columns", "workers_columns", "servers_columns", "checksum_columns", "default_tables",
@@ -119,8 +121,7 @@ def default_tables(workers: int, policy_columns: Columns | None = None,
 
 
 def _check_count(what: str, value: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise TraceError(f"{what} must be a positive integer, got {value!r}")
+    options.check_int(what, value, 1, error=TraceError)
 
 
 def validate_tables(tables: Mapping[str, Columns]) -> dict[str, dict[str, tuple[np.dtype, tuple[int, ...]]]]:

@@ -88,8 +88,7 @@ class TraceWriter:
 
         self = cls.__new__(cls)
         self._setup(path, tables, flush_every)
-        if isinstance(truncate_at, bool) or not isinstance(truncate_at, (int, np.integer)):
-            raise TraceError(f"truncate_at must be an iteration number, got {truncate_at!r}")
+        options.check_int("truncate_at", truncate_at, 0, error=TraceError)
         raw = read_raw(self.path)
         if raw.schema_version != SCHEMA_VERSION:
             raise TraceError(f"{self.path} has trace schema version {raw.schema_version}; this "
