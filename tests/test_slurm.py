@@ -185,8 +185,11 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
         return int(record["Restarts"]) >= 1
 
     submit.wait(job, ("PENDING",), 240, log, until=requeued)
-    # A requeued job is held about two minutes (EligibleTime); release it, with time enough.
-    submit.cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10"])
+    # A requeued job is held about two minutes (EligibleTime); release it, with time enough,
+    # but not within the second of the requeue: slurmd revokes the old start's credential
+    # with a one-second resolution and kills a restart in that second ("Job credential
+    # revoked": the job ends FAILED without running; seen once in CI).
+    submit.cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3", "TimeLimit=10"])
     record = submit.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600, log)
     text = submit.log(log)
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", text
