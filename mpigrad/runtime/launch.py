@@ -175,6 +175,23 @@ def _end_together(comm, code: int) -> NoReturn:
     # Every file is closed (trace) or fsynced (checkpoint) by now: skip the interpreter's
     # teardown of torch, Numba and h5py, which takes seconds per rank (a stop near the
     # walltime should not spend them; measured in the issue-13 report).
+    _exit_skipping_teardown(code)
+
+
+def _exit_skipping_teardown(code: int) -> NoReturn:
+    """Exit through the C library's ``exit``: its atexit handlers run, Python's do not.
+
+    Not ``os._exit``: MPICH tells its process manager that a rank finished from a C atexit
+    handler (PMI finalize), and hydra SIGKILLs the ranks still running when one exits
+    without it, so ``mpiexec`` reported 9 instead of ``code`` whenever a rank was late.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    try:
+        import ctypes
+
+        libc_exit = ctypes.CDLL(None).exit
+    except (OSError, AttributeError):  # no C library to load: lose only the handlers
+        os._exit(code)
+    libc_exit(code)
+    os._exit(code)  # not reached
