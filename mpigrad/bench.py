@@ -10,7 +10,8 @@ accumulate=True)`` (add to a running sum, what the parameter server does for eve
 after the first), ``dec+add ns/el`` the same sum the unfused way: decode into a scratch
 array, then ``np.add``.
 
-``mpigrad bench iteration`` (mpigrad.bench_iteration) times whole training iterations.
+``mpigrad bench iteration`` (mpigrad.bench_iteration) times whole training iterations;
+``mpigrad bench trace`` (mpigrad.bench_trace) the trace writer alone.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ BENCH_CONFIGS: dict[str, list[dict[str, Any]]] = {
 _SUBCOMMANDS = {
     "codecs": (__name__, "encode/decode throughput of every codec against np.copyto and its NumPy twin"),
     "iteration": ("mpigrad.bench_iteration", "time per training iteration and codec/policy/trace overhead"),
+    "trace": ("mpigrad.bench_trace", "rank 0's trace-writer CPU time per iteration and at close"),
 }
 
 

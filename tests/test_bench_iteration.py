@@ -23,3 +23,20 @@ def test_bench_iteration_runs_the_chosen_model(mpi_env):
     row = report["results"][0]
     assert row["compute_ms"] > 0 and row["encode_ms"] > 0 and row["decode_ms"] > 0
     assert 0 < row["overhead_fraction_wall"] < 1
+
+
+def test_bench_trace_prints_the_cost_per_flush_interval():
+    command = [sys.executable, "-m", "mpigrad", "bench", "trace", "--iterations", "300", "--flush", "100,50",
+               "--repeat", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["100", "50"] and rows[0][2] == "1.00"
+    assert all(float(row[1]) > 0 and float(row[3]) > 0 for row in rows)
+
+
+def test_bench_trace_refuses_a_bad_flush_list():
+    command = [sys.executable, "-m", "mpigrad", "bench", "trace", "--flush", "100,x"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "--flush must be comma-separated integers" in result.stderr

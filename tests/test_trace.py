@@ -124,14 +124,34 @@ def test_round_trip_of_every_field(full_trace):
 
 
 def test_file_layout_is_resizable_chunked_compressed(full_trace):
+    """A closed trace holds exactly the committed rows, compressed, in chunks larger than
+    the flush block (here the whole 25 rows)."""
     with h5py.File(full_trace, "r") as h5file:
         assert json.loads(h5file["workers"].attrs["columns"])["loss"] == ["<f8", [P]]
         for table in all_tables():
             assert h5file[table]["_rows"][()] == 25
             for column in all_tables()[table]:
                 dataset = h5file[table][column]
-                assert dataset.maxshape[0] is None and dataset.chunks[0] == 10
+                assert dataset.maxshape[0] is None and dataset.chunks[0] == 25
                 assert dataset.compression == "gzip" and dataset.shape[0] == 25
+
+
+def test_a_live_file_is_uncompressed_and_grows_ahead_of_its_committed_rows(tmp_path):
+    """While running, flushes write uncompressed flush-sized chunks into datasets extended
+    geometrically (not at every flush); readers take ``_rows`` rows; close trims."""
+    path = tmp_path / "live.h5"
+    writer = TraceWriter(path, config=CONFIG, tables=all_tables(), flush_every=10)
+    write_rows(writer, range(31))  # three flushes, one row buffered
+    with h5py.File(path, "r", swmr=True) as h5file:
+        steps = h5file["steps"]
+        assert steps["_rows"][()] == 30
+        assert steps["loss"].compression is None and steps["loss"].chunks[0] == 10
+        assert steps["loss"].shape[0] == 80  # 8 flushes of capacity, extended once
+    assert_rows(load(path), range(30))
+    writer.close()
+    with h5py.File(path, "r") as h5file:
+        assert h5file["steps"]["loss"].shape[0] == 31 and h5file["steps"]["loss"].compression == "gzip"
+    assert_rows(load(path), range(31))
 
 
 def test_rows_are_flushed_in_blocks_and_readable_while_writing(tmp_path):
@@ -150,6 +170,34 @@ def test_rows_are_flushed_in_blocks_and_readable_while_writing(tmp_path):
     done = load(path)
     assert done.status == "stopped" and not done.complete
     assert_rows(done, range(11))
+
+
+def test_a_flush_inside_a_block_and_the_rows_after_it_share_one_chunk(tmp_path):
+    """A flush before the block is full (eval, checkpoint) writes the partial chunk; the rows
+    after it land in the same chunk, rewritten whole at the next flush, and a resume that
+    truncates inside a chunk continues it."""
+    path = tmp_path / "partial.h5"
+    writer = TraceWriter(path, config=CONFIG, tables=all_tables(), flush_every=10)
+    write_rows(writer, range(4))
+    writer.flush()
+    assert_rows(load(path), range(4))
+    write_rows(writer, range(4, 13))  # fills the chunk: rows 0-9 flushed, 10-12 buffered
+    assert_rows(load(path), range(10))
+    writer.flush()
+    assert_rows(load(path), range(13))
+    writer.close("stopped")
+    resumed = TraceWriter.open_append(path, tables=all_tables(), truncate_at=7, flush_every=10)
+    write_rows(resumed, range(7, 15))  # rows 7-9 complete the first chunk, 10-14 start the next
+    assert_rows(load(path), range(10))
+    resumed.close()
+    assert_rows(load(path), range(15))
+
+
+def test_flush_blocks_beyond_hdf5s_chunk_limit_are_refused(tmp_path):
+    tables = {"steps": {"iteration": ("i8", ()), "big": ("f8", (1 << 20,))}}
+    with pytest.raises(TraceError, match="flush_every 200 makes steps/big blocks of"):
+        TraceWriter(tmp_path / "big.h5", config=CONFIG, tables=tables, flush_every=200)
+    assert not (tmp_path / "big.h5").exists()
 
 
 def test_context_manager_marks_a_raising_run_failed(tmp_path):

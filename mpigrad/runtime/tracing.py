@@ -30,15 +30,7 @@ class RunTrace:
     @classmethod
     def open(cls, config, *, layout, workers: int, servers: int, policy_columns, data_description: str,
              hosts: list[str], argv: list[str], resume_at: int | None) -> "RunTrace":
-        n_layers = max(len(layout.quantized), 1)
-        tables = {
-            "steps": schema.step_columns(schema.layer_step_columns(n_layers)),
-            "workers": schema.workers_columns(workers),
-            "servers": schema.servers_columns(servers),
-            "eval": dict(schema.EVAL_COLUMNS),
-            "policy": policy_columns,
-            "checksums": schema.checksum_columns(workers + 1),
-        }
+        tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns)
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
                                                flush_every=config.trace_flush))
@@ -59,6 +51,18 @@ class RunTrace:
         }
         return cls(TraceWriter(config.trace, config=config.to_dict(), attrs=attrs, tables=tables,
                                force=config.force, flush_every=config.trace_flush))
+
+    @staticmethod
+    def tables(layers: int, workers: int, servers: int, policy_columns) -> dict[str, dict]:
+        """The trace's tables for a run of ``workers`` workers and ``servers`` servers."""
+        return {
+            "steps": schema.step_columns(schema.layer_step_columns(layers)),
+            "workers": schema.workers_columns(workers),
+            "servers": schema.servers_columns(servers),
+            "eval": dict(schema.EVAL_COLUMNS),
+            "policy": policy_columns,
+            "checksums": schema.checksum_columns(workers + 1),
+        }
 
     def record(self, record: IterationRecord) -> None:
         start = time.process_time()  # CPU time: oversubscribed ranks must not inflate it

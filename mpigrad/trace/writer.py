@@ -6,9 +6,13 @@ Crash safety rests on three rules:
   consistent on disk at every moment; each table's committed row count (its ``_rows``
   dataset) is written only after the block's data is flushed, so a reader sees exactly the
   rows of the completed flushes even when the writer is killed in the middle of one.
-- Every other change (creating the file, finalising attributes at close, truncating rows on
-  resume) is made on a temporary file in the same folder that replaces ``path`` atomically.
+- Every other change (creating the file, closing it, truncating rows on resume) is made on
+  a temporary file in the same folder that replaces ``path`` atomically.
 - Between flushes, ``append`` only copies values into preallocated numpy buffers.
+
+A live file is written for a cheap flush: uncompressed, and each table's datasets grow
+geometrically ahead of ``_rows`` (read ``_rows`` rows of a live file). ``close`` rewrites it
+compact: exactly the committed rows, gzip-compressed, in larger chunks.
 
 A file whose writer was killed keeps HDF5's "open for SWMR writing" mark: ``load`` reads it,
 and so does ``h5py.File(path, "r", swmr=True)``; ``h5clear -s FILE`` removes the mark for
@@ -20,7 +24,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -45,6 +48,12 @@ END_ATTRS = ("complete", "status", "end_time", "error", "last_iteration")
 RESERVED_ATTRS = frozenset({"format", "schema_version", "mpigrad_version", "config", "start_time",
                             "end_time", "complete", "status", "resumes", "json_attrs"})
 _CHUNK_BYTES_MAX = 1 << 20
+#: A live chunk is one flush block; HDF5 refuses chunks of 4 GiB or more.
+_LIVE_CHUNK_BYTES_MAX = 1 << 30
+#: Rows per chunk of a closed trace's datasets (capped at _CHUNK_BYTES_MAX bytes).
+_CLOSED_CHUNK_ROWS = 4096
+#: A table's datasets first grow to this many flushes of rows, then double.
+_MIN_CAPACITY_FLUSHES = 8
 _COMPRESSION = {"compression": "gzip", "compression_opts": 1}
 #: SWMR needs the HDF5 1.10 file format; capping it there keeps traces readable by any HDF5 >= 1.10.
 _LIBVER = ("v110", "v110")
@@ -112,6 +121,12 @@ class TraceWriter:
         self.path = Path(path)
         self.flush_every = options.check_int("flush_every", flush_every, 1, error=TraceError)
         self._specs = validate_tables(tables)
+        for table, specs in self._specs.items():
+            for name, (dtype, shape) in specs.items():
+                chunk = self.flush_every * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+                if chunk > _LIVE_CHUNK_BYTES_MAX:
+                    raise TraceError(f"flush_every {self.flush_every} makes {table}/{name} blocks of "
+                                     f"{chunk} bytes; at most {_LIVE_CHUNK_BYTES_MAX} (HDF5's chunk limit)")
         if self.path.is_dir():
             raise TraceError(f"{self.path} is a directory, not a trace file")
         if not self.path.parent.is_dir():
@@ -122,7 +137,11 @@ class TraceWriter:
         self._columns = {table: [(name, np.empty((self.flush_every, *shape), dtype), shape)
                                  for name, (dtype, shape) in specs.items()]
                          for table, specs in self._specs.items()}
-        self._pending = dict.fromkeys(self._specs, 0)
+        # The buffers hold one live chunk: buffer row i is file row _chunk_start + i, _fill
+        # rows are filled, the file holds _committed rows (_committed - _chunk_start of them
+        # from this buffer, written by an earlier flush of the same chunk).
+        self._fill = dict.fromkeys(self._specs, 0)
+        self._chunk_start = dict.fromkeys(self._specs, 0)
         self._committed = dict.fromkeys(self._specs, 0)
 
     def _create(self, root_attrs: dict[str, Any], initial_rows: dict[str, dict] | None) -> None:
@@ -136,18 +155,19 @@ class TraceWriter:
             self._attrs = {**root_attrs, "complete": False, "status": "running"}
             write_attrs(h5file, self._attrs)
             self._datasets, self._row_counters = {}, {}
+            self._capacity: dict[str, int] = {}
             for table, specs in self._specs.items():
                 rows = initial_rows[table] if initial_rows else None
                 self._committed[table] = len(rows["iteration"]) if rows else 0
-                group = h5file.create_group(table)
-                group.attrs["columns"] = json.dumps(
-                    {name: [dtype.str, list(shape)] for name, (dtype, shape) in specs.items()})
-                self._datasets[table] = [
-                    _create_column(group, name, dtype, shape, self.flush_every,
-                                   rows[name] if rows else None).id
-                    for name, (dtype, shape) in specs.items()]
-                counter = group.create_dataset(ROWS_DATASET, data=np.int64(self._committed[table]))
+                datasets, counter = _add_table(h5file, table, specs, rows, live_chunk_rows=self.flush_every)
+                self._datasets[table] = [dataset.id for dataset in datasets]
                 self._row_counters[table] = counter.id
+                self._capacity[table] = count = self._committed[table]
+                self._chunk_start[table] = start = count - count % self.flush_every
+                self._fill[table] = count - start
+                if rows:  # the buffer starts as the last, partial chunk
+                    for name, buffer, _ in self._columns[table]:
+                        buffer[:count - start] = rows[name][start:]
             h5file.flush()
             h5file.swmr_mode = True
             os.replace(temp, self.path)
@@ -156,7 +176,6 @@ class TraceWriter:
             temp.unlink(missing_ok=True)
             raise
         self._file = h5file
-        self._memory_spaces: dict[tuple, h5s.SpaceID] = {}
 
     # ---- appending ------------------------------------------------------------------
     def append(self, table: str, row: Mapping[str, Any]) -> None:
@@ -166,10 +185,10 @@ class TraceWriter:
         except KeyError:
             self._require_open()
             raise TraceError(f"unknown table {table!r}; this trace has {', '.join(self._columns)}") from None
-        n = self._pending[table]
+        n = self._fill[table]
         if n == self.flush_every:
             self.flush()
-            n = 0
+            n = self._fill[table]
         try:
             for name, buffer, shape in columns:
                 value = row[name]
@@ -186,7 +205,7 @@ class TraceWriter:
         if len(row) != len(columns):
             extra = sorted(set(row) - {name for name, _, _ in columns})
             raise TraceError(f"{table} row has unknown columns {extra}")
-        self._pending[table] = n + 1
+        self._fill[table] = n + 1
 
     def extend(self, table: str, block: Mapping[str, Any]) -> None:
         """Buffer n rows at once: ``block`` maps every column to an array of shape (n, *shape)
@@ -206,41 +225,48 @@ class TraceWriter:
                 raise TraceError(f"{table}/{name}: block of shape {arrays[name].shape}, expected {(n, *shape)}")
         done = 0
         while done < n:
-            if self._pending[table] == self.flush_every:
+            if self._fill[table] == self.flush_every:
                 self.flush()
-            start = self._pending[table]
+            start = self._fill[table]
             take = min(n - done, self.flush_every - start)
             for name, buffer, _ in columns:
                 buffer[start:start + take] = arrays[name][done:done + take]
-            self._pending[table] = start + take
+            self._fill[table] = start + take
             done += take
 
     def flush(self) -> None:
-        """Append every buffered row to the file; they survive the process being killed."""
+        """Append every buffered row to the file; they survive the process being killed.
+
+        Each table's buffer is written whole as its chunk (HDF5's direct chunk write: no
+        selection, conversion or filter, half the cost of a dataset write); rows past the
+        buffered ones are past ``_rows``, so not data. A full buffer then starts the next chunk.
+        """
         self._require_open()
-        blocks = [(table, n) for table, n in self._pending.items() if n]
-        if not blocks:
+        tables = [table for table in self._fill if self._chunk_start[table] + self._fill[table] > self._committed[table]]
+        if not tables:
             return
-        for table, n in blocks:
-            start = self._committed[table]
+        for table in tables:
+            start = self._chunk_start[table]
+            if start + self.flush_every > self._capacity[table]:
+                self._grow(table, start + self.flush_every)
             for (_, buffer, shape), dataset in zip(self._columns[table], self._datasets[table]):
-                dataset.set_extent((start + n, *shape))
-                file_space = dataset.get_space()
-                file_space.select_hyperslab((start,) + (0,) * len(shape), (n, *shape))
-                dataset.write(self._memory_space(n, shape), file_space, buffer[:n])
+                dataset.write_direct_chunk((start,) + (0,) * len(shape), buffer)
         self._file.flush()
-        for table, n in blocks:
-            self._committed[table] += n
-            self._pending[table] = 0
+        for table in tables:
+            self._committed[table] = self._chunk_start[table] + self._fill[table]
             self._row_counters[table].write(h5s.ALL, h5s.ALL, np.array(self._committed[table], np.int64))
+            if self._fill[table] == self.flush_every:
+                self._chunk_start[table] += self.flush_every
+                self._fill[table] = 0
         self._file.flush()
 
-    def _memory_space(self, n: int, shape: tuple[int, ...]) -> h5s.SpaceID:
-        key = (n, shape)
-        space = self._memory_spaces.get(key)
-        if space is None:
-            space = self._memory_spaces[key] = h5s.create_simple((n, *shape))
-        return space
+    def _grow(self, table: str, rows: int) -> None:
+        """Extend the table's datasets to hold at least ``rows`` rows, geometrically, so that
+        a flush only writes chunks (extending at every flush was a fifth of its cost)."""
+        capacity = max(rows, 2 * self._capacity[table], _MIN_CAPACITY_FLUSHES * self.flush_every)
+        for (_, _, shape), dataset in zip(self._columns[table], self._datasets[table]):
+            dataset.set_extent((capacity, *shape))
+        self._capacity[table] = capacity
 
     # ---- attributes and closing ---------------------------------------------------------
     def set_attr(self, name: str, value: Any) -> None:
@@ -258,7 +284,7 @@ class TraceWriter:
     @property
     def rows(self) -> dict[str, int]:
         """Rows per table, committed and buffered."""
-        return {table: self._committed[table] + self._pending[table] for table in self._pending}
+        return {table: self._chunk_start[table] + self._fill[table] for table in self._fill}
 
     def close(self, status: str = "complete") -> None:
         """Flush, then record ``status`` (one of STATUSES) and the ``set_attr`` values."""
@@ -271,9 +297,12 @@ class TraceWriter:
         finally:
             self._file.close()
             self._file, self._columns = None, {}
-        final = {**self._pending_attrs, "complete": status == "complete", "status": status,
+        from .reader import read_raw
+
+        raw = read_raw(self.path)
+        final = {**raw.attrs, **self._pending_attrs, "complete": status == "complete", "status": status,
                  "end_time": _now()}
-        _rewrite_attrs(self.path, final)
+        _write_closed(self.path, raw.specs, raw.arrays, final)
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -316,16 +345,14 @@ def repair(path: str | os.PathLike, error: str | None = None) -> str:
     steps = raw.arrays.get("steps", {}).get("iteration")
     last = int(steps.max()) if steps is not None and steps.size else -1
     new_status = "failed" if error else "incomplete" if status == "running" else status
-    self = TraceWriter.__new__(TraceWriter)
-    self._setup(path, raw.specs, flush_every=100)
-    self._create({name: value for name, value in raw.attrs.items() if name not in END_ATTRS},
-                 initial_rows=raw.arrays)
-    self._pending_attrs.update({"last_iteration": last, "repaired": _now()})
+    attrs = {name: value for name, value in raw.attrs.items() if name not in END_ATTRS}
+    attrs.update(last_iteration=last, repaired=_now(), complete=new_status == "complete", status=new_status,
+                 end_time=_now())
     if error:
-        self._pending_attrs["error"] = error
+        attrs["error"] = error
     elif "error" in raw.attrs:
-        self._pending_attrs["error"] = raw.attrs["error"]
-    self.close(new_status)
+        attrs["error"] = raw.attrs["error"]
+    _write_closed(path, raw.specs, raw.arrays, attrs)
     return (f"{path}: repaired: status {new_status!r}, last iteration {last}, "
             f"{sum(len(t['iteration']) for t in raw.arrays.values())} rows kept")
 
@@ -340,17 +367,47 @@ def _user_attrs(attrs: Mapping[str, Any] | None) -> dict[str, Any]:
     return attrs
 
 
-def _create_column(group: h5py.Group, name: str, dtype: np.dtype, shape: tuple[int, ...],
-                   flush_every: int, initial: np.ndarray | None) -> h5py.Dataset:
-    row_bytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-    chunk_rows = max(1, min(flush_every, _CHUNK_BYTES_MAX // row_bytes))
-    rows = 0 if initial is None else len(initial)
-    dataset = group.create_dataset(name, shape=(rows, *shape), maxshape=(None, *shape), dtype=dtype,
-                                   chunks=(chunk_rows, *shape), shuffle=dtype.itemsize > 1,
-                                   **_COMPRESSION)
-    if rows:
-        dataset[...] = initial
-    return dataset
+def _add_table(h5file: h5py.File, table: str, specs: Mapping, rows: Mapping[str, np.ndarray] | None, *,
+               live_chunk_rows: int | None) -> tuple[list[h5py.Dataset], h5py.Dataset]:
+    """Create ``table``'s group: its ``columns`` attribute, one resizable dataset per column
+    holding ``rows`` (None: empty), and its ``_rows`` counter.
+
+    A live table's chunks are its flush blocks (``live_chunk_rows``), uncompressed: a flush
+    writes each column's block as one chunk, unfiltered (compressing a chunk at every flush
+    was half of a flush's cost). A closed table is gzip-compressed in chunks of up to
+    _CLOSED_CHUNK_ROWS rows (and _CHUNK_BYTES_MAX bytes).
+    """
+    group = h5file.create_group(table)
+    group.attrs["columns"] = json.dumps({name: [dtype.str, list(shape)] for name, (dtype, shape) in specs.items()})
+    count = len(rows["iteration"]) if rows else 0
+    datasets = []
+    for name, (dtype, shape) in specs.items():
+        row_bytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        chunk_rows = live_chunk_rows or max(1, min(count, _CLOSED_CHUNK_ROWS, _CHUNK_BYTES_MAX // row_bytes))
+        packing = {} if live_chunk_rows else {"shuffle": dtype.itemsize > 1, **_COMPRESSION}
+        dataset = group.create_dataset(name, shape=(count, *shape), maxshape=(None, *shape), dtype=dtype,
+                                       chunks=(chunk_rows, *shape), **packing)
+        if count:
+            dataset[...] = rows[name]
+        datasets.append(dataset)
+    return datasets, group.create_dataset(ROWS_DATASET, data=np.int64(count))
+
+
+def _write_closed(path: Path, specs: Mapping[str, Mapping], arrays: Mapping[str, Mapping], attrs: Mapping) -> None:
+    """Replace ``path`` atomically with a closed trace: ``arrays`` (exactly the committed
+    rows), compressed, with root attributes ``attrs`` and no open-for-writing mark."""
+    temp = _temp_path(path)
+    try:
+        with h5py.File(temp, "w", libver=_LIBVER) as h5file:
+            write_attrs(h5file, attrs)
+            for table, table_specs in specs.items():
+                _add_table(h5file, table, table_specs, arrays[table], live_chunk_rows=None)
+        with open(temp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def _check_same_tables(path: Path, found: dict, wanted: dict) -> None:
@@ -365,21 +422,6 @@ def _check_same_tables(path: Path, found: dict, wanted: dict) -> None:
 def _describe(specs: dict) -> str:
     return ", ".join(f"{name}:{dtype.str}{list(shape) if shape else ''}"
                      for name, (dtype, shape) in specs.items())
-
-
-def _rewrite_attrs(path: Path, attrs: dict[str, Any]) -> None:
-    """Set root attributes of a closed trace through a copy that atomically replaces it."""
-    temp = _temp_path(path)
-    try:
-        shutil.copyfile(path, temp)
-        with h5py.File(temp, "r+", libver=_LIBVER) as h5file:
-            write_attrs(h5file, attrs)
-        with open(temp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
 
 
 def _temp_path(path: Path) -> Path:
