@@ -24,12 +24,15 @@ phase          worker                          server s > 0                 rank
 ``end``        SGD step; stop if told          stop if told                 SGD step; IterationRecord
 =============  ==============================  ===========================  ==============================
 
+Workers and shard servers share :class:`FollowerRole` (their ``buffers`` phase and loop).
+
 After an iteration whose Control says CHECKPOINT_AFTER (``--checkpoint-every``), every rank
 sends its state to rank 0 (``session``), which writes the checkpoint; then all go on.
 """
 
 from __future__ import annotations
 
+from .buffers import sync_due
 from .wire import CHECKPOINT_AFTER
 
 PHASES = ("losses", "control", "gradients", "broadcast", "reports", "buffers")
@@ -52,3 +55,18 @@ def run_until_stopped(role, start: int, iterations: int, on_checkpoint=None) -> 
         if on_checkpoint is not None and role.control_msg.command == CHECKPOINT_AFTER:
             on_checkpoint()
     return False
+
+
+class FollowerRole:
+    """What the roles that follow rank 0's Control (workers, shard servers) share: sync the
+    model's buffers when the command makes it due, and loop until told to stop. A subclass
+    sets ``config``, ``control_msg`` and ``buffer_sync``."""
+
+    def buffers(self, m: int) -> None:
+        if sync_due(self.config, m, self.control_msg.command):
+            self.buffer_sync.run(m)
+
+    def run(self, start_iteration: int = 0, on_checkpoint=None) -> bool:
+        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue.
+        ``on_checkpoint()`` runs after each iteration rank 0 marks for a periodic checkpoint."""
+        return run_until_stopped(self, start_iteration, self.config.iterations, on_checkpoint)

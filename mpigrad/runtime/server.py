@@ -27,7 +27,7 @@ from .buffers import BufferSync, sync_due
 from .clock import Clocks, IterationClock, LinkModel
 from .environment import threads_per_rank
 from .faults import Fault
-from .iteration import run_iteration, run_until_stopped
+from .iteration import FollowerRole, run_iteration
 from .record import IterationRecord
 from .stopping import StopFlag
 from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
@@ -136,7 +136,7 @@ def _stalled(m: int):
     return lambda: f"gradient broadcast of iteration {m} stalled"
 
 
-class ShardServer:
+class ShardServer(FollowerRole):
     """Rank s in 1..S-1: the server of shard s."""
 
     def __init__(self, config: RunConfig, channel: Channel):
@@ -192,18 +192,9 @@ class ShardServer:
             self.channel.send([(agg.pack_average(), 0)], TAG_AVERAGE,
                               lambda pending: f"rank 0 took no average for iteration {m}")
 
-    def buffers(self, m: int) -> None:
-        if sync_due(self.config, m, self.control_msg.command):
-            self.buffer_sync.run(m)
-
     def end(self, m: int) -> bool:
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
-
-    def run(self, start_iteration: int = 0, on_checkpoint=None) -> bool:
-        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue.
-        ``on_checkpoint()`` runs after each iteration rank 0 marks for a periodic checkpoint."""
-        return run_until_stopped(self, start_iteration, self.config.iterations, on_checkpoint)
 
     def state_dict(self) -> dict:
         return {"compressor": self.compressor.state_dict()}

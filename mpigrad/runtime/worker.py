@@ -12,16 +12,16 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
-from .buffers import BufferSync, sync_due
+from .buffers import BufferSync
 from .build import (base_codec, build_broadcast_compressor, build_compressor, build_replica, build_shards,
                     load_data, release_data)
 from .faults import Fault
-from .iteration import run_until_stopped
+from .iteration import FollowerRole
 from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
                    Control, FrameHeader, FrameLength, LossReport, error_frame)
 
 
-class Worker:
+class Worker(FollowerRole):
     def __init__(self, config: RunConfig, channel: Channel):
         self.config, self.channel = config, channel
         self.rank = channel.rank
@@ -122,21 +122,12 @@ class Worker:
     def reports(self, m: int) -> None:
         pass
 
-    def buffers(self, m: int) -> None:
-        if sync_due(self.config, m, self.control_msg.command):
-            self.buffer_sync.run(m)
-
     def end(self, m: int) -> bool:
         self.replica.apply_update(self.replica.update_host, self.config.lr)
         if self.fault:
             self.fault.after_update(m, self.replica.flat)
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
-
-    def run(self, start_iteration: int = 0, on_checkpoint=None) -> bool:
-        """Iterate until the end or until rank 0 asks to stop; True when stopped for requeue.
-        ``on_checkpoint()`` runs after each iteration rank 0 marks for a periodic checkpoint."""
-        return run_until_stopped(self, start_iteration, self.config.iterations, on_checkpoint)
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}
