@@ -6,7 +6,7 @@ import os
 import time
 
 from ..trace import TraceWriter, collect_versions, schema, slurm_ids
-from .record import IterationRecord
+from .record import TABLE_COLUMNS, IterationRecord, table_block
 
 
 class RunTrace:
@@ -65,27 +65,32 @@ class RunTrace:
         }
 
     def record(self, record: IterationRecord) -> None:
-        start = time.process_time()  # CPU time: oversubscribed ranks must not inflate it
+        """Keep ``record``; every ``flush_every`` records write and flush them (timed: keeping
+        a record is a list append, cheaper than reading the CPU clock twice)."""
         self._pending.append(record)
         self.last = record
         self.rows += 1
         if len(self._pending) >= self.writer.flush_every:
+            start = time.process_time()  # CPU time: oversubscribed ranks must not inflate it
             self._write_pending()
-        self.seconds += time.process_time() - start
+            self.seconds += time.process_time() - start
 
     def _write_pending(self) -> None:
         records, self._pending = self._pending, []
         if not records:
             return
-        for table, rows in (("steps", [r.steps_row() for r in records]),
-                            ("workers", [r.workers_row() for r in records]),
-                            ("servers", [r.servers_row() for r in records])):
-            self.writer.extend(table, {name: [row[name] for row in rows] for name in rows[0]})
-        for r in records:
-            if r.checksums is not None:
-                self.writer.append("checksums", {"iteration": r.iteration, "checksum": r.checksums})
-            for policy_row in r.policy_rows:
-                self.writer.append("policy", policy_row)
+        for table in TABLE_COLUMNS:
+            self.writer.extend(table, table_block(table, records))
+        checksums = [r for r in records if r.checksums is not None]
+        if checksums:
+            self.writer.extend("checksums", {"iteration": [r.iteration for r in checksums],
+                                             "checksum": [r.checksums for r in checksums]})
+        policy_rows = [row for r in records for row in r.policy_rows]
+        if policy_rows and all(row.keys() == policy_rows[0].keys() for row in policy_rows):
+            self.writer.extend("policy", {name: [row[name] for row in policy_rows] for name in policy_rows[0]})
+        else:  # row by row, so that a malformed row gets the writer's message
+            for row in policy_rows:
+                self.writer.append("policy", row)
         self.writer.flush()
 
     def eval(self, row: dict) -> None:
