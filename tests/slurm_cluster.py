@@ -180,6 +180,7 @@ KillWait={self.kill_wait}
 InactiveLimit=0
 MinJobAge=600
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 GresTypes=gpu
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus}{gres} State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP

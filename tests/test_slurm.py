@@ -188,7 +188,9 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
     # A requeued job is held about two minutes (EligibleTime); release it, with time enough,
     # but not within the second of the requeue: slurmd revokes the old start's credential
     # with a one-second resolution and kills a restart in that second ("Job credential
-    # revoked": the job ends FAILED without running; seen once in CI).
+    # revoked": the job ends FAILED without running; seen once in CI). The private cluster's
+    # schedulers run every 2 s (sched_interval, bf_interval): with Slurm's 60 s and 30 s the
+    # restart waited up to a minute for a pass after its StartTime.
     submit.cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3", "TimeLimit=10"])
     record = submit.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600, log)
     text = submit.log(log)
@@ -215,8 +217,8 @@ def test_walltime_signal_requeues_and_resumes_to_the_straight_trace(submit, mpi_
 def test_sweep_array_writes_one_trace_per_task(submit):
     """Fix 2, MQGrad and L-GreCo (a per-layer method) as tasks of one array; test_jobscripts
     runs every task of the sweep through fake Slurm, test_perlayer_policies each method in a
-    real run (five 4-rank tasks here took 72 s of CI's 2 cores, these three take about 30)."""
-    job = submit.sbatch("--ntasks=3", "--time=20", "--array=0,4,6", "jobscripts/sweep.sbatch", "examples/quick",
+    real run (five 4-rank tasks here took 72 s of CI's 2 cores)."""
+    job = submit.sbatch("--ntasks=4", "--time=20", "--array=0,4,6", "jobscripts/sweep.sbatch", "examples/quick",
                         "--iterations", "6", "--eval-every", "3", *TINY)
     methods = {0: "fix2", 4: "mqgrad", 6: "lgreco"}
     for task, method in methods.items():
