@@ -2,10 +2,11 @@
 
 Feeds a ``RunTrace`` synthetic iteration records shaped like a run's (``--workers``
 workers, one server, two quantized layers, MQGrad's policy rows every T = 5 iterations,
-checksums every 50) and reports, per ``--flush`` interval, the process CPU time of
-``RunTrace.record`` per iteration (flushes included; median of ``--repeat`` runs), the
-CPU time of ``close`` (the compact rewrite), the closed file's size, and the ratio of each
-interval's per-iteration cost to the first interval's, measured in the same run.
+checksums every 50) and reports, per ``--flush`` interval, the process CPU time
+per iteration that ``RunTrace`` counts in ``trace_seconds`` (its flushes: gathering the kept
+records' columns and writing them; median of ``--repeat`` runs), the CPU time of ``close``
+(the compact rewrite, not in ``trace_seconds``), the closed file's size, and the ratio of
+each interval's per-iteration cost to the first interval's, measured in the same run.
 """
 
 from __future__ import annotations

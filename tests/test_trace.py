@@ -193,6 +193,17 @@ def test_a_flush_inside_a_block_and_the_rows_after_it_share_one_chunk(tmp_path):
     assert_rows(load(path), range(15))
 
 
+def test_extend_keeps_uint64_values_beyond_int64_exactly(tmp_path):
+    """A block of Python ints mixing values >= 2**63 with small ones (checksums) must not
+    pass through float64 on its way into a u8 column."""
+    path = tmp_path / "u8.h5"
+    tables = {"checksums": checksum_columns(2)}
+    with TraceWriter(path, config=CONFIG, tables=tables, flush_every=4) as writer:
+        writer.extend("checksums", {"iteration": [0, 1], "checksum": [[1, 2**63 + 5], [2**64 - 1, 7]]})
+    np.testing.assert_array_equal(load(path).array("checksums", "checksum"),
+                                  np.array([[1, 2**63 + 5], [2**64 - 1, 7]], dtype=np.uint64))
+
+
 def test_flush_blocks_beyond_hdf5s_chunk_limit_are_refused(tmp_path):
     tables = {"steps": {"iteration": ("i8", ()), "big": ("f8", (1 << 20,))}}
     with pytest.raises(TraceError, match="flush_every 200 makes steps/big blocks of"):

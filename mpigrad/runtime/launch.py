@@ -190,8 +190,8 @@ def _exit_skipping_teardown(code: int) -> NoReturn:
     try:
         import ctypes
 
-        libc_exit = ctypes.CDLL(None).exit
-    except (OSError, AttributeError):  # no C library to load: lose only the handlers
+        libc_exit = ctypes.PyDLL(None).exit  # PyDLL: the GIL stays held while C tears down
+    except (ImportError, OSError, AttributeError):  # no C library to load: lose only the handlers
         os._exit(code)
     libc_exit(code)
     os._exit(code)  # not reached

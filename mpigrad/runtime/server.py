@@ -29,6 +29,7 @@ from .environment import threads_per_rank
 from .faults import Fault
 from .iteration import FollowerRole, run_iteration
 from .record import IterationRecord
+from .tracing import close_seconds
 from .stopping import StopFlag
 from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
                    FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
@@ -284,8 +285,8 @@ class ParameterServer:
         bits = list(self.policy.decide(self._observation(m, self.it["loss"])))
         self.it["t_policy"] = time.process_time() - start
         last = m + 1 == self.config.iterations
-        self.it["stop_after"] = not last and self.stop.requested(self._mean_iteration_seconds(m),
-                                                                 self.checkpoint_reserve)
+        reserve = self.checkpoint_reserve + close_seconds(m + 1)
+        self.it["stop_after"] = not last and self.stop.requested(self._mean_iteration_seconds(m), reserve)
         checkpoint_after = not (last or self.it["stop_after"]) and self.checkpoint_schedule.due(m + 1)
         self.command = (STOP_AFTER if self.it["stop_after"] else CHECKPOINT_AFTER if checkpoint_after
                         else CONTINUE)

@@ -9,6 +9,12 @@ from ..trace import TraceWriter, collect_versions, schema, slurm_ids
 from .record import TABLE_COLUMNS, IterationRecord, table_block
 
 
+def close_seconds(rows: int) -> float:
+    """Time to keep in hand for closing a trace of ``rows`` iterations (the compact rewrite:
+    measured 50-72 ms for 2000 rows and 160-180 ms for 20000; this is about twice that)."""
+    return 0.5 + 20e-6 * rows
+
+
 class RunTrace:
     """Rank 0's view of the trace: one ``record`` per iteration.
 

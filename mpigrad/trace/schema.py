@@ -1,7 +1,8 @@
 """The trace file layout: schema version, standard tables and column validation.
 
 A trace is one HDF5 file. Root attributes hold the run's metadata; each table is a group
-whose columns are resizable, chunked, compressed datasets of shape ``(rows, *per_row_shape)``.
+whose columns are resizable, chunked datasets of shape ``(rows, *per_row_shape)``
+(compressed once the writer closes the file; see trace/writer.py).
 A table is described by a dict ``{column name: (numpy dtype string, per-row shape)}``;
 every table has an integer ``iteration`` column (used to truncate rows on resume).
 

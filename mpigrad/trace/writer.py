@@ -134,7 +134,8 @@ class TraceWriter:
         self._file: h5py.File | None = None
         self._pending_attrs: dict[str, Any] = {}
         # Hot-path state: per table, (name, buffer, per-row shape) for each column.
-        self._columns = {table: [(name, np.empty((self.flush_every, *shape), dtype), shape)
+        # Zeroed: a flush writes whole chunks, rows past the filled ones included.
+        self._columns = {table: [(name, np.zeros((self.flush_every, *shape), dtype), shape)
                                  for name, (dtype, shape) in specs.items()]
                          for table, specs in self._specs.items()}
         # The buffers hold one live chunk: buffer row i is file row _chunk_start + i, _fill
@@ -218,7 +219,8 @@ class TraceWriter:
         if set(block) != {name for name, _, _ in columns}:
             raise TraceError(f"{table} block columns {sorted(block)} are not the table's "
                              f"{sorted(name for name, _, _ in columns)}")
-        arrays = {name: np.asarray(block[name]) for name, _, _ in columns}
+        # In the column's dtype: Python ints beyond 2**63 next to small ones would become floats.
+        arrays = {name: np.asarray(block[name], dtype=buffer.dtype) for name, buffer, _ in columns}
         n = len(arrays["iteration"])
         for name, _, shape in columns:
             if arrays[name].shape != (n, *shape):
