@@ -103,13 +103,14 @@ def warm_up(config) -> None:
 
 def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = None) -> int:
     """Run this rank's part; ``started`` (time.monotonic) is when the process began, for --walltime."""
-    from .wire.mpi import MpiChannel
+    from .wire.mpi import MpiChannel, barrier
 
     rank = comm.Get_rank()
-    # Rank 0 compiles first, so the others load from the Numba cache.
+    # Rank 0 compiles first, so the others load from the Numba cache (waiting without
+    # spinning: on a shared node a spinning rank slows the compile it waits for).
     if rank == 0:
         warm_up(config)
-    comm.Barrier()
+    barrier(comm, config.timeout, "rank 0 did not finish compiling the Numba kernels")
     if rank != 0:
         warm_up(config)
     stop = StopFlag(config.walltime, started).install()

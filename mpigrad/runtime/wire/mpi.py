@@ -27,6 +27,11 @@ def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[li
         backoff.sleep()
 
 
+def barrier(comm: MPI.Comm, timeout: float, what: str) -> None:
+    """MPI_Barrier, sleep-polled; PeerTimeout ("{what} within {timeout} s") past the timeout."""
+    _wait_all([comm.Ibarrier()], [None], timeout, lambda pending: what)
+
+
 class MpiChannel(Channel):
     def __init__(self, comm: MPI.Comm, servers: int, timeout: float):
         self.comm = comm
@@ -73,11 +78,19 @@ class MpiChannel(Channel):
         requests = [self._groups[group].Ibcast(buf, root=0) for buf, group in items]
         _wait_all(requests, [group for _, group in items], self.timeout, lambda pending: describe())
 
+    # The object collectives block, and a blocking MPI call spins: each first waits,
+    # sleep-polled, until every rank has arrived (rank 0 is often seconds ahead or behind).
     def gather_object(self, obj):
+        self._arrive()
         return self.comm.gather(obj, root=0)
 
     def scatter_object(self, objs):
+        self._arrive()
         return self.comm.scatter(objs, root=0)
 
     def bcast_object(self, obj):
+        self._arrive()
         return self.comm.bcast(obj, root=0)
+
+    def _arrive(self) -> None:
+        barrier(self.comm, self.timeout, "not every rank reached the set-up or checkpoint exchange")
