@@ -31,23 +31,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .options import check_int
 
-    check_int("--iterations", args.iterations, 1, error=UsageError, prefix="bench trace: ")
-    check_int("--workers", args.workers, 1, error=UsageError, prefix="bench trace: ")
-    check_int("--repeat", args.repeat, 1, error=UsageError, prefix="bench trace: ")
+    check_int("--iterations", args.iterations, 1, error=UsageError)
+    check_int("--workers", args.workers, 1, error=UsageError)
+    check_int("--repeat", args.repeat, 1, error=UsageError)
     try:
         flushes = [int(v) for v in args.flush.split(",")]
     except ValueError:
-        raise UsageError(f"bench trace: --flush must be comma-separated integers, got {args.flush!r}") from None
+        raise UsageError(f"--flush must be comma-separated integers, got {args.flush!r}") from None
     for value in flushes:
-        check_int("--flush", value, 1, error=UsageError, prefix="bench trace: ")
-    records = _records(args.iterations, args.workers)
+        check_int("--flush", value, 1, error=UsageError)
+    from .policies import get_policy
+
+    policy_columns = get_policy({"id": "mqgrad"}, n_layers=2).record_columns()
+    records = _records(args.iterations, args.workers, policy_columns)
     print(f"trace cost: {args.iterations} iterations, {args.workers} workers, 1 server, 2 layers, "
           f"MQGrad policy rows; process CPU time, median of {args.repeat}")
     print(f"{'flush':>6} {'us/iteration':>13} {'x first':>8} {'close ms':>9} {'file kB':>8}")
     first = None
     with tempfile.TemporaryDirectory(prefix="mpigrad-bench-trace-") as tmp:
         for flush in flushes:
-            runs = [_one_run(Path(tmp) / f"f{flush}-{k}.h5", records, args.workers, flush)
+            runs = [_one_run(Path(tmp) / f"f{flush}-{k}.h5", records, args.workers, policy_columns, flush)
                     for k in range(args.repeat)]
             per_iteration, close, size = (float(np.median(values)) for values in zip(*runs))
             first = first or per_iteration
@@ -55,12 +58,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_run(path: Path, records: list, workers: int, flush: int) -> tuple[float, float, int]:
-    from .policies import get_policy
+def _one_run(path: Path, records: list, workers: int, policy_columns: dict, flush: int) -> tuple[float, float, int]:
     from .runtime.tracing import RunTrace
     from .trace import TraceWriter
 
-    policy_columns = get_policy({"id": "mqgrad"}, n_layers=2).record_columns()
     tables = RunTrace.tables(2, workers, 1, policy_columns)
     trace = RunTrace(TraceWriter(path, config={}, tables=tables, flush_every=flush))
     for record in records:
@@ -71,14 +72,12 @@ def _one_run(path: Path, records: list, workers: int, flush: int) -> tuple[float
     return 1e6 * trace.seconds / len(records), 1e3 * close, path.stat().st_size
 
 
-def _records(iterations: int, workers: int) -> list:
-    """Records with a real run's shapes and varied values, built before any timing."""
-    from .policies import get_policy
+def _records(iterations: int, workers: int, columns: dict) -> list:
+    """Records with a real run's shapes and varied values (``columns``: the policy table's),
+    built before any timing."""
     from .runtime.record import IterationRecord
 
     rng = np.random.default_rng(0)
-    policy = get_policy({"id": "mqgrad"}, n_layers=2)
-    columns = policy.record_columns()
     records = []
     for m in range(iterations):
         losses = (2.0 + rng.random(workers)).tolist()
