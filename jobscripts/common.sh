@@ -153,7 +153,10 @@ mpigrad_launcher() {
             MPIGRAD_LAUNCH+=("${extra[@]}")
             ;;
         mpiexec|mpirun)
-            MPIGRAD_LAUNCH=("$MPIGRAD_LAUNCHER" -n "$SLURM_NTASKS")
+            # Open MPI as root (a container) needs --allow-run-as-root; MPICH needs nothing.
+            local extra=()
+            read -r -a extra <<< "${MPIGRAD_MPIEXEC_OPTS:-}"
+            MPIGRAD_LAUNCH=("$MPIGRAD_LAUNCHER" "${extra[@]}" -n "$SLURM_NTASKS")
             ;;
         *)
             mpigrad_die "MPIGRAD_LAUNCHER must be srun, mpiexec or mpirun, not '${MPIGRAD_LAUNCHER}'"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UsageError
+from .mpiexec import mpiexec_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,14 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside python, else PATH)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="extra 'mpigrad train' options after --, e.g. -- --codec qsgd --bits 4")
-
-
-def _mpiexec(explicit: str | None) -> str:
-    beside = Path(sys.executable).with_name("mpiexec")
-    found = explicit or (str(beside) if beside.exists() else shutil.which("mpiexec"))
-    if not found:
-        raise UsageError("mpiexec not found: pip install mpich, or pass --mpiexec")
-    return found
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,11 +65,11 @@ def run(args: argparse.Namespace) -> int:
             sharding = ["--servers", str(servers)]
             if servers > 1 and args.shard_chunk:
                 sharding += ["--shard-chunk", str(args.shard_chunk)]
-            command = [_mpiexec(args.mpiexec), "-n", str(p + servers), sys.executable, "-m", "mpi4py", "-m",
+            command = mpiexec_command(p + servers, [sys.executable, "-m", "mpi4py", "-m",
                        "mpigrad", "train", "--model", args.model, "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
                        "--policy", "fixed", "--bits", "2", "--iterations", str(args.iterations),
                        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0",
-                       "--trace", str(trace), *sharding, *extra]
+                       "--trace", str(trace), *sharding, *extra], args.mpiexec)
             done = subprocess.run(command, env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stderr, file=sys.stderr)

@@ -25,12 +25,12 @@ COMMANDS = {
 
 
 #: Environment variables through which MPI launchers tell a process its rank.
-_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
 def launch_rank() -> int:
     """This process's MPI rank as the launcher announced it (0 when not launched by MPI)."""
-    for name in _RANK_VARIABLES:
+    for name in RANK_VARIABLES:
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)

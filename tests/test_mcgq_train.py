@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SMALL_RUN, find_mpiexec, run_mpi
+from conftest import SMALL_RUN, mpiexec, run_mpi
 from mpigrad.runtime import EXIT_REQUEUE, checkpoint
 from mpigrad.trace import load
 
@@ -35,8 +35,8 @@ def test_dynamic_sampling_state_survives_stop_and_resume(tmp_path, mpi_env):
     assert result.returncode == 0, result.stderr
 
     stopped = tmp_path / "stopped.h5"
-    command = [find_mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train",
-               "--trace", str(stopped), *RESUMABLE]
+    command = mpiexec(3, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train",
+               "--trace", str(stopped), *RESUMABLE])
     process = subprocess.Popen(command, env=mpi_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, find_mpiexec, run_mpi
+from conftest import REPO, mpiexec, run_mpi
 from mpigrad.trace import load
 
 pytestmark = pytest.mark.mpi
@@ -44,8 +44,8 @@ def test_a_diverged_replica_is_still_caught_with_batchnorm(tmp_path, mpi_env):
 
 @pytest.mark.parametrize("servers", [1, 2])
 def test_buffer_sync_leaves_every_rank_with_the_workers_average(mpi_env, servers):
-    command = [find_mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", str(REPO / "tests" / "buffer_sync_ranks.py"),
-               str(servers)]
+    command = mpiexec(4, [sys.executable, "-m", "mpi4py", str(REPO / "tests" / "buffer_sync_ranks.py"),
+               str(servers)])
     try:
         result = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:

@@ -458,14 +458,18 @@ def test_tracing_an_iteration_costs_microseconds_not_milliseconds(tmp_path):
 
 def test_collect_versions_and_slurm_ids():
     script = ("import json, sys; from mpigrad.trace import collect_versions; "
-              "before = collect_versions(); assert 'mpi4py.MPI' not in sys.modules; "
-              "import mpi4py.MPI; print(json.dumps([before, collect_versions()]))")
+              "before = collect_versions(); assert 'mpi4py.MPI' not in sys.modules and 'torch' not in sys.modules; "
+              "import mpi4py.MPI, torch; print(json.dumps([before, collect_versions()]))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     before, after = json.loads(result.stdout)
     for key in ("python", "numpy", "numba", "torch", "h5py", "hdf5", "mpi4py"):
         assert before[key], key
     assert "mpi_library" not in before and after["mpi_library"].startswith(("MPICH", "Open MPI", "Intel"))
+    assert "\x00" not in after["mpi_library"] and after["mpi_library"] == after["mpi_library"].strip()
+    assert before["cpu"] and before["cpu"] == after["cpu"]
+    assert "torch_cpu_capability" not in before and after["torch_cpu_capability"] in (
+        "DEFAULT", "AVX2", "AVX512", "NEON", "SVE256", "VSX", "ZVECTOR")
     env = {"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2", "HOME": "/x",
            "SLURM_RESTART_COUNT": ""}
     assert slurm_ids(env) == {"job_id": "12", "array_job_id": "10", "array_task_id": "2"}

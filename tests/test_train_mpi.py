@@ -20,6 +20,7 @@ def train(tmp_path, env, *extra, ranks=3, name="run.h5", timeout=180):
     return result, trace
 
 
+@pytest.mark.each_mpi
 def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
     result, trace = train(tmp_path, mpi_env, "--iterations", "150", "--policy", "fixed", "--bits", "4",
                           "--lr", "0.1", "--weight-decay", "0", "--eval-every", "50")
@@ -80,6 +81,7 @@ def test_existing_trace_is_not_overwritten_without_force(tmp_path, mpi_env):
     pytest.param(["--device", "cuda"], "torch sees no CUDA device",
                  marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="has CUDA")),
 ])
+@pytest.mark.each_mpi
 def test_bad_options_fail_before_work_with_one_line(tmp_path, mpi_env, args, message):
     result = run_mpi(3, ["train", "--trace", str(tmp_path / "x.h5"), "--iterations", "2", *args],
                      mpi_env, timeout=120)
@@ -138,6 +140,7 @@ def test_world_size_must_match_slurm_ntasks(tmp_path, mpi_env):
     ("nan-grad:2:2", "worker rank 2 computed a non-finite gradient at iteration 2"),
     ("hang:1:3", "worker rank(s) 1 sent no loss for iteration 3 within 5 s"),
 ])
+@pytest.mark.each_mpi
 def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, message):
     env = dict(mpi_env, MPIGRAD_INJECT_FAULT=fault)
     result, trace = train(tmp_path, env, "--iterations", "50", "--timeout", "5", timeout=90)
@@ -202,6 +205,7 @@ def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(tmp_path, mpi_env):
         assert (recorded.loc[m].to_numpy() == checksums[m]).all(), m
 
 
+@pytest.mark.each_mpi
 def test_a_worker_that_dies_ends_the_run_instead_of_hanging(tmp_path, mpi_env):
     # The launcher sees the dead process and kills every rank (MPICH's mpiexec reports the
     # dead process's exit code, or the SIGKILL it sent the others, and "BAD TERMINATION");
@@ -222,6 +226,7 @@ def test_a_worker_that_dies_ends_the_run_instead_of_hanging(tmp_path, mpi_env):
         assert f.attrs["status"] == "failed" and f.attrs["last_iteration"] == 1
 
 
+@pytest.mark.each_mpi
 def test_two_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):
     """--servers 2 (ranks 0, 1 servers; 2, 3 workers), layer-aligned shards: the same seed
     gives the same losses and bit-identical parameters as one server with 2 workers."""

@@ -190,7 +190,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .compare import compare_columns, compare_rows, group_runs, partial_note, plot_compare
+    from .compare import (
+        compare_columns, compare_rows, group_runs, partial_note, plot_compare, provenance_warnings,
+    )
 
     points = parse_points(args.at) if args.at else []
     if args.smooth < 1:
@@ -198,6 +200,8 @@ def _compare(args: argparse.Namespace) -> int:
     skipped = _Skipped()
     traces, _ = _load_runs(args.files, skipped)
     groups = group_runs(traces, args.by, include_incomplete=args.include_incomplete)
+    for line in provenance_warnings(groups):
+        print(line, file=sys.stderr)
     rows = compare_rows(groups, args.target_loss, points, smooth=args.smooth)
     print(render(rows, compare_columns(args.target_loss, points), args.format), end="")
     if args.format != "csv":

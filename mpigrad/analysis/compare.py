@@ -15,6 +15,9 @@ group, over its runs (seeds):
   fixed-bits group (policy ``fixed``) whose runs all reached the target;
 - ``sent_mb``: mean megabytes sent per run (up and down);
 - training loss (smoothed) and test accuracy at the given simulated times, means over runs.
+
+A group whose runs come from different CPUs or library versions (``mixed_provenance``) is
+named in a one-line warning: such runs of one seed agree only within float noise.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..machine import FINGERPRINT_KEYS
 from ..trace import Trace
 from .labels import differing_keys, flat_config, group_key, group_labels
 from .summary import require_steps, smoothed_loss, time_to_target
 from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
 
-__all__ = ["Group", "group_runs", "compare_rows", "compare_columns", "student_t95", "mean_ci"]
+__all__ = ["Group", "group_runs", "compare_rows", "compare_columns", "student_t95", "mean_ci",
+           "mixed_provenance", "provenance_warnings"]
+
+#: Root attributes that say which machine and libraries a run's floats came from.
+PROVENANCE_KEYS = (*FINGERPRINT_KEYS, "mpi_library")
 
 
 #: Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (printed tables).
@@ -99,6 +107,30 @@ def group_runs(traces: Sequence[Trace], by: Sequence[str] | None = None, *,
         else:
             group.excluded.append(trace)
     return list(groups.values())
+
+
+def mixed_provenance(group: Group) -> dict[str, list[str]]:
+    """``PROVENANCE_KEYS`` whose recorded values differ among the group's runs -> those values
+    (traces that do not record a key are left out of its comparison)."""
+    runs = group.runs + group.excluded
+    mixed = {}
+    for key in PROVENANCE_KEYS:
+        seen = sorted({" ".join(str(t.attrs[key]).split()) for t in runs if t.attrs.get(key) is not None})
+        if len(seen) > 1:
+            mixed[key] = seen
+    return mixed
+
+
+def provenance_warnings(groups: Sequence[Group]) -> list[str]:
+    """One line per group that mixes machines or library versions."""
+    lines = []
+    for group in groups:
+        mixed = mixed_provenance(group)
+        if mixed:
+            what = "; ".join(f"{key} {' / '.join(values)}" for key, values in mixed.items())
+            lines.append(f"warning: {group.label}: runs from different machines or libraries ({what}): "
+                         "the same seed agrees only within float noise across them")
+    return lines
 
 
 def _loss_at(trace: Trace, seconds: float, smooth: int) -> float | None:

@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict
 
 from ..errors import UsageError
+from ..machine import mpi_implementation, mpi_library_version
 from .environment import (
     THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
     probe_rank, ranks_per_host, threads_per_rank,
@@ -82,8 +83,10 @@ def _report(mpi, gathered: list, size: int, threads: int) -> dict:
             check_world_size(size)
         except UsageError as exc:
             errors.append(str(exc))
+    library = mpi_library_version(mpi)
     return {
-        "mpi_library": mpi.Get_library_version().strip(),
+        "mpi_library": library,
+        "mpi_implementation": mpi_implementation(library),
         "mpi_standard": "%d.%d" % mpi.Get_version(),
         "world_size": size,
         "threads_per_rank": threads,
@@ -92,7 +95,7 @@ def _report(mpi, gathered: list, size: int, threads: int) -> dict:
         "version_mismatches": mismatches,
         "ranks": [asdict(info) for info in ranks],
         "warnings": _warnings(ranks, size, threads) + [
-            f"ranks load different {name} versions: {', '.join(seen)}" for name, seen in mismatches.items()],
+            f"ranks differ in {name}: {'; '.join(seen)}" for name, seen in mismatches.items()],
         "error": errors[0] if errors else None,
     }
 
@@ -128,7 +131,7 @@ def _format(report: dict) -> str:
     workers = report["world_size"] - 1
     lines = [
         "mpigrad doctor",
-        f"  MPI library      {library} (MPI {report['mpi_standard']})",
+        f"  MPI library      {report['mpi_implementation']}: {library} (MPI {report['mpi_standard']})",
         f"  world size       {report['world_size']} (rank 0 server, {workers} worker{'s' * (workers != 1)})",
         f"  Slurm            {slurm_line}",
         f"  threads/rank     {report['threads_per_rank']}",

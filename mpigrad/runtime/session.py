@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from ..codecs import get_codec
 from ..errors import UsageError
+from ..machine import mpi_library_version
 from ..models import check_model
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, load_data
@@ -212,7 +213,7 @@ def describe_run(config, server, size: int, log) -> None:
     layout = server.replica.layout
     quantized = sum(s.size for s in layout.quantized)
     servers = "server" if server.servers == 1 else f"{server.servers} servers"
-    log(f"mpigrad {_version()}: {size - server.servers} workers + {servers}, MPI: {MPI.Get_library_version().splitlines()[0]}")
+    log(f"mpigrad {_version()}: {size - server.servers} workers + {servers}, MPI: {mpi_library_version(MPI).splitlines()[0]}")
     log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
         f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
     if server.buffer_sync.size:

@@ -11,12 +11,12 @@ import importlib.metadata
 import json
 import os
 import platform
-import sys
 from typing import Any, Mapping
 
 import h5py
 import numpy as np
 
+from ..machine import cpu_model, mpi_library_version, torch_cpu_capability
 from .schema import TraceError
 
 __all__ = ["collect_versions", "slurm_ids", "encode_attr", "write_attrs", "read_attrs"]
@@ -32,22 +32,27 @@ _SLURM_VARIABLES = {
 
 
 def collect_versions() -> dict[str, str]:
-    """Versions of Python, the numeric stack, HDF5 and MPI, for the ``versions`` attribute.
+    """Versions of Python, the numeric stack, HDF5 and MPI, and the machine they ran on (the
+    CPU model, torch's CPU capability), for the ``versions`` attribute.
 
-    Packages are looked up in the installed metadata, never imported; the MPI library
-    string is included only when ``mpi4py.MPI`` is already imported by the caller.
+    Packages are looked up in the installed metadata, never imported; torch's capability
+    and the MPI library string are included only when the caller has imported torch and
+    ``mpi4py.MPI`` already.
     """
     versions = {"python": platform.python_version(), "platform": platform.platform(),
-                "numpy": np.__version__, "h5py": h5py.__version__,
+                "cpu": cpu_model(), "numpy": np.__version__, "h5py": h5py.__version__,
                 "hdf5": h5py.version.hdf5_version}
     for dist in ("numba", "torch", "mpi4py"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None:
-        versions["mpi_library"] = mpi.Get_library_version().strip()
+    capability = torch_cpu_capability()
+    if capability is not None:
+        versions["torch_cpu_capability"] = capability
+    library = mpi_library_version()
+    if library is not None:
+        versions["mpi_library"] = library
     return versions
 
 

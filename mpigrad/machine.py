@@ -1,0 +1,74 @@
+"""What a run ran on: the CPU, the kernels torch picked for it, the MPI library.
+
+A leaf module (no mpigrad imports). torch and mpi4py are consulted only when the caller
+has imported them already, so asking never starts MPI or loads torch.
+
+Float results depend on these: torch's CPU kernels (chosen per CPU: ``AVX512``, ``AVX2``,
+``DEFAULT``; ``ATEN_CPU_CAPABILITY`` lowers the choice) round differently, so two machines
+that differ here may give traces that agree only within float noise (docs/runtime.rst,
+"The same run").
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Mapping
+
+__all__ = ["cpu_model", "torch_cpu_capability", "mpi_library_version", "mpi_implementation",
+           "fingerprint", "FINGERPRINT_KEYS"]
+
+#: What must match for two runs of one seed to be expected bit for bit alike.
+FINGERPRINT_KEYS = ("cpu", "torch_cpu_capability", "torch", "numpy", "numba")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``; elsewhere what ``platform``
+    knows), or ``"unknown"``."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Processor", "cpu model"):
+                    return " ".join(value.split()) or "unknown"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def torch_cpu_capability() -> str | None:
+    """The vector instruction set of torch's CPU kernels (e.g. ``AVX512``), or None when
+    torch is not imported (or too old to say)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except AttributeError:
+        return None
+
+
+def mpi_library_version(mpi=None) -> str | None:
+    """``MPI.Get_library_version()`` without the trailing NUL byte Open MPI returns and without
+    surrounding whitespace; None when mpi4py.MPI is neither given nor imported."""
+    mpi = mpi if mpi is not None else sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return None
+    return mpi.Get_library_version().replace("\x00", "").strip()
+
+
+def mpi_implementation(library: str | None) -> str:
+    """The MPI implementation a library string names: ``Open MPI``, ``MPICH``, ``Intel MPI``,
+    ``MVAPICH``, ``Microsoft MPI`` or ``unknown``."""
+    text = (library or "").lower()
+    for marker, name in (("open mpi", "Open MPI"), ("intel", "Intel MPI"), ("mvapich", "MVAPICH"),
+                         ("microsoft", "Microsoft MPI"), ("mpich", "MPICH")):
+        if marker in text:
+            return name
+    return "unknown"
+
+
+def fingerprint(versions: Mapping[str, object]) -> dict[str, object]:
+    """The ``FINGERPRINT_KEYS`` of a versions record (``trace.collect_versions()``, or a
+    trace's root attributes); None for a key the record lacks."""
+    return {key: versions.get(key) for key in FINGERPRINT_KEYS}

