@@ -437,23 +437,29 @@ def test_sigkill_leaves_every_flushed_row_readable(tmp_path, mode):
 
 
 # ---- cost, metadata helpers, labels ---------------------------------------------------------------
-def test_tracing_an_iteration_costs_microseconds_not_milliseconds(tmp_path):
-    """One steps row + one workers row per iteration, flush every 100 (measured ~13-15 us on
-    our 2-core machines; one-row-at-a-time appends cost ~1.3 ms). Generous bound: shared CI."""
-    rows = [kill_writer.steps_row(i) for i in range(2000)]
-    workers = [kill_writer.workers_row(i) for i in range(2000)]
-    best = float("inf")
-    for attempt in range(3):
-        writer = TraceWriter(tmp_path / f"cost{attempt}.h5", config={}, tables=kill_writer.tables(),
-                             flush_every=100)
-        start = time.perf_counter()
-        for step, worker in zip(rows, workers):
-            writer.append("steps", step)
-            writer.append("workers", worker)
-        writer.flush()
-        best = min(best, (time.perf_counter() - start) / len(rows))
-        writer.close()
-    assert best < 100e-6, f"{best * 1e6:.1f} us per iteration"
+def test_buffered_tracing_costs_a_small_fraction_of_row_by_row_writes(tmp_path):
+    """One steps row + one workers row per iteration, flushed every 100 iterations against
+    every iteration, timed in the same run (a ratio, so that a slower or busier machine does
+    not decide it; ``mpigrad bench trace`` measures the absolute cost: ~13-15 us per iteration
+    at flush 100, ~0.9-1.3 ms row by row, on our 2-core machines)."""
+    def cost(flush_every: int, iterations: int) -> float:
+        rows = [kill_writer.steps_row(i) for i in range(iterations)]
+        workers = [kill_writer.workers_row(i) for i in range(iterations)]
+        best = float("inf")
+        for attempt in range(3):
+            writer = TraceWriter(tmp_path / f"cost{flush_every}-{attempt}.h5", config={},
+                                 tables=kill_writer.tables(), flush_every=flush_every)
+            start = time.perf_counter()
+            for step, worker in zip(rows, workers):
+                writer.append("steps", step)
+                writer.append("workers", worker)
+            writer.flush()
+            best = min(best, (time.perf_counter() - start) / iterations)
+            writer.close()
+        return best
+
+    buffered, row_by_row = cost(100, 2000), cost(1, 200)
+    assert buffered * 5 < row_by_row, f"{buffered * 1e6:.1f} us against {row_by_row * 1e6:.1f} us row by row"
 
 
 def test_collect_versions_and_slurm_ids():
