@@ -7,16 +7,47 @@ import math
 import pytest
 
 from mpigrad.cli import main
-from mpigrad.config import RunConfig, parse_assignments, parse_duration, parse_rate
+from mpigrad.config import RunConfig, format_rate, parse_assignments, parse_duration, parse_rate
 from mpigrad.errors import UsageError
 from mpigrad.runtime.clock import LinkModel
 
 
 @pytest.mark.parametrize("text, value", [
-    ("10MB/s", 1e7), ("1Gbit/s", 1.25e8), ("125MiB/s", 125 * 2**20), ("2.5e6", 2.5e6), (42, 42.0),
+    ("10MB/s", 1e7), ("10MBps", 1e7), ("125MiB/s", 125 * 2**20), ("2.5e6B/s", 2.5e6), ("1kB/s", 1e3),
+    # bits, as network people write them: a lower-case b or "bit"
+    ("100Mbps", 1.25e7), ("100Mbit/s", 1.25e7), ("1Gbit/s", 1.25e8), ("10Gb/s", 1.25e9), ("8b/s", 1.0),
 ])
 def test_rates(text, value):
     assert parse_rate(text) == value
+
+
+@pytest.mark.parametrize("text, spellings", [
+    ("10", "write e.g. 10MB/s (bytes per second) or 10Mbit/s (bits per second)"),
+    (10, "write e.g. 10MB/s (bytes per second) or 10Mbit/s (bits per second)"),
+    (1e7, "write e.g. 10MB/s (bytes per second) or 80Mbit/s (bits per second)"),  # a TOML number
+])
+def test_a_rate_without_unit_is_refused_showing_both_spellings(text, spellings):
+    with pytest.raises(UsageError, match="has no unit") as info:
+        parse_rate(text)
+    assert spellings in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, spellings", [
+    ("100mbps", "write 100Mbit/s or 100Mbps for bits, 100MB/s for bytes"),
+    ("10GB/S", "write 10Gbit/s or 10Gbps for bits, 10GB/s for bytes"),
+])
+def test_a_unit_that_differs_only_in_case_is_ambiguous(text, spellings):
+    with pytest.raises(UsageError, match="is ambiguous") as info:
+        parse_rate(text)
+    assert spellings in str(info.value)
+
+
+@pytest.mark.parametrize("rate, text", [(1e7, "10MB/s (80Mbit/s)"), (1.25e8, "125MB/s (1Gbit/s)"),
+                                        (1.25e7, "12.5MB/s (100Mbit/s)")])
+def test_format_rate_gives_bytes_and_bits_that_read_back(rate, text):
+    assert format_rate(rate) == text
+    as_bytes, as_bits = text.split(" ")
+    assert parse_rate(as_bytes) == parse_rate(as_bits.strip("()")) == rate
 
 
 @pytest.mark.parametrize("text, value", [("50ms", 0.05), ("2h", 7200.0), ("30", 30.0), ("250us", 2.5e-4)])
@@ -26,7 +57,7 @@ def test_durations(text, value):
 
 @pytest.mark.parametrize("bad", ["fast", "-5MB/s", "10 parsecs/s"])
 def test_bad_rate_says_how_to_write_one(bad):
-    with pytest.raises(UsageError, match="use e.g. 10MB/s"):
+    with pytest.raises(UsageError, match="use e.g. 100Mbps, 100Mbit/s or 10Gb/s \\(bits\\), 10MB/s"):
         parse_rate(bad)
 
 

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "into pieces quantized on their own, so that S servers can balance a model with few "
                    "big layers (changes each piece's min/max scaling; default 0: whole layers)")
     g = parser.add_argument_group("network model")
-    g.add_argument("--bandwidth", help="link bandwidth, e.g. 10MB/s, 1Gbit/s (default 10MB/s)")
+    g.add_argument("--bandwidth", help="link bandwidth with its unit: bytes 10MB/s, 125MiB/s; bits 100Mbps, 1Gbit/s, 10Gb/s (default 10MB/s)")
     g.add_argument("--latency", help="per-message latency, e.g. 0.5ms (default 0)")
     g.add_argument("--net-mode", choices=["virtual", "sleep", "off"], help="virtual clock, real sleeps, or no model (default virtual)")
     g.add_argument("--broadcast", choices=["star", "tree"], help="broadcast model (default star)")

@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..codecs import get_codec
+from ..config import format_rate
 from ..errors import UsageError
 from ..models import check_model
 from . import EXIT_REQUEUE, checkpoint
@@ -218,7 +219,17 @@ def describe_run(config, server, size: int, log) -> None:
     if server.buffer_sync.size:
         log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
             "workers after each evaluated iteration, before a checkpoint and at the end")
+    log(f"network: {network_description(config)}")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
+
+
+def network_description(config) -> str:
+    """The network model in words, the rate in bytes and in bits (``10MB/s (80Mbit/s)``)."""
+    if config.net_mode == "off":
+        return "not modelled (net_mode off: the simulated clock is the wall clock)"
+    clock = "simulated clock" if config.net_mode == "virtual" else "real sleeps"
+    return (f"{format_rate(config.bandwidth)} per link, latency {config.latency * 1e3:g}ms per message, "
+            f"{config.broadcast} broadcast, {clock}")
 
 
 def _version() -> str:
