@@ -58,6 +58,19 @@ def test_network_model_charges_bytes_over_bandwidth(tmp_path, mpi_env):
     np.testing.assert_allclose(np.diff(steps["sim_time"]), steps["t_comm"].iloc[1:], rtol=1e-9)
 
 
+def test_the_trace_directory_is_created(tmp_path, mpi_env):
+    trace = tmp_path / "runs" / "quick" / "run.h5"
+    result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "2"], mpi_env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert load(trace).complete
+    (tmp_path / "file").write_text("not a directory")
+    result = run_mpi(3, ["train", "--trace", str(tmp_path / "file" / "run.h5"), "--iterations", "2"],
+                     mpi_env, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"mpigrad train: error: {tmp_path / 'file'}, where the trace should go, "
+                                     "is not a directory"), result.stderr
+
+
 def test_existing_trace_is_not_overwritten_without_force(tmp_path, mpi_env):
     trace = tmp_path / "keep.h5"
     trace.write_bytes(b"precious results")

@@ -58,11 +58,22 @@ def _launch_problem(config, size: int) -> str | None:
                 raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
         elif trace.exists() and not config.force:
             raise UsageError(f"trace {trace} exists; pass --force to overwrite it or --trace to choose another")
-        if not trace.parent.exists() and str(trace.parent):
-            raise UsageError(f"directory {trace.parent} for the trace does not exist")
+        make_parent_directory(trace, "trace")
+        make_parent_directory(config.checkpoint_path, "checkpoint")
     except (UsageError, ValueError) as exc:
         return str(exc)
     return None
+
+
+def make_parent_directory(path: Path, what: str) -> None:
+    """Create the directory that will hold ``path``, as output options usually do
+    (``--trace runs/a.h5`` in a fresh clone); UsageError naming it if that fails."""
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UsageError(f"{path.parent}, where the {what} should go, is not a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create directory {path.parent} for the {what}: {exc.strerror or exc}") from None
 
 
 def check_quantizes_something(config, model: torch.nn.Module) -> None:
