@@ -255,9 +255,19 @@ _PREFIX_SPELLING = {"": "", "k": "k", "m": "M", "g": "G", "t": "T", "ki": "Ki", 
 _RATE_SPELLINGS = "use e.g. 100Mbps, 100Mbit/s or 10Gb/s (bits), 10MB/s or 125MiB/s (bytes)"
 
 
-def format_rate(bytes_per_second: float) -> str:
-    """A rate as ``parse_rate`` reads it, in bytes and in bits: ``1e7`` -> '10MB/s (80Mbit/s)'."""
-    return f"{_scaled(bytes_per_second)}B/s ({_scaled(8 * bytes_per_second)}bit/s)"
+def format_rate(bytes_per_second: float, *, bits: bool = True) -> str:
+    """A rate as ``parse_rate`` reads it, in bytes and in bits: ``1e7`` -> '10MB/s (80Mbit/s)'
+    (with ``bits=False``: '10MB/s')."""
+    text = f"{_scaled(bytes_per_second)}B/s"
+    return f"{text} ({_scaled(8 * bytes_per_second)}bit/s)" if bits else text
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as ``parse_duration`` reads it: ``0.0005`` -> '0.5ms', ``7200`` -> '2h'."""
+    for unit, scale in (("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 1e-3)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:g}{unit}"
+    return f"{seconds / 1e-6:g}us" if seconds else "0s"
 
 
 def _scaled(value: float) -> str:
