@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 try:
     import tomllib
@@ -77,6 +77,9 @@ class RunConfig:
     checkpoint: str | None = None
     checkpoint_every: int | str | None = None  # iterations (int) or a duration ("30m")
     resume: bool = False
+    #: (config file, N) when the file has a "# ranks: N" line, the world size it was written
+    #: for (set by from_sources; not an option, not in to_dict).
+    declared_ranks: ClassVar[tuple[str, int] | None] = None
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -99,6 +102,9 @@ class RunConfig:
             raise UsageError(str(exc)) from None
         if config.lr is None:
             config.lr = DEFAULT_LR.get(config.data, 0.2)
+        ranks = declared_ranks(config_file) if config_file else None
+        if ranks is not None:
+            config.declared_ranks = (config_file, ranks)
         config.validate()
         return config
 
@@ -345,6 +351,20 @@ def coerce(key: str, value: Any) -> Any:
     if kind is str and not isinstance(value, str):
         raise UsageError(f"{key} must be a string, got {value!r}")
     return value
+
+
+def declared_ranks(path: str) -> int | None:
+    """N of the file's first "# ranks: N" line: the world size a config was written for (the
+    jobscripts read the same line); None without one."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                match = re.match(r"# ranks: *([0-9]+)", line)
+                if match:
+                    return int(match.group(1))
+    except OSError:
+        return None
+    return None
 
 
 def load_toml(path: str) -> dict[str, Any]:

@@ -155,3 +155,14 @@ def test_periodic_checkpoint_schedule():
     timed.written()
     now[0] = 100.0
     assert not timed.due(7) and not Schedule(None).due(10)
+
+
+def test_a_config_files_ranks_line_is_read_but_is_no_option(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("# For 1 server + 3 workers.\n# ranks: 4\niterations = 5\n")
+    config = RunConfig.from_sources(str(path), {})
+    assert config.declared_ranks == (str(path), 4)
+    assert "declared_ranks" not in config.to_dict()
+    assert RunConfig.from_sources(None, {}).declared_ranks is None
+    with pytest.raises(UsageError, match="unknown option 'declared_ranks'"):
+        RunConfig.from_sources(None, {"declared_ranks": 4})

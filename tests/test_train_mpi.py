@@ -71,6 +71,17 @@ def test_the_trace_directory_is_created(tmp_path, mpi_env):
                                      "is not a directory"), result.stderr
 
 
+def test_a_config_written_for_other_ranks_is_refused(tmp_path, mpi_env):
+    config = tmp_path / "four.toml"
+    config.write_text("# Fix 2 for 1 server + 3 workers.\n# ranks: 4\npolicy = \"fixed\"\n")
+    result = run_mpi(3, ["train", "--config", str(config), "--trace", str(tmp_path / "x.h5"), "--iterations", "2"],
+                     mpi_env, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == (f"mpigrad train: error: {config} is written for 4 ranks (its '# ranks: 4' line) but "
+                             "this run has 3: launch with mpiexec -n 4, or edit that line in a copy\n")
+    assert not (tmp_path / "x.h5").exists()
+
+
 def test_existing_trace_is_not_overwritten_without_force(tmp_path, mpi_env):
     trace = tmp_path / "keep.h5"
     trace.write_bytes(b"precious results")

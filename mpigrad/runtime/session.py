@@ -40,6 +40,10 @@ def _launch_problem(config, size: int) -> str | None:
         if size < 2:
             raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the server, ranks 1.. "
                              "are workers): launch with mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+        if config.declared_ranks and config.declared_ranks[1] != size:
+            path, ranks = config.declared_ranks
+            raise UsageError(f"{path} is written for {ranks} ranks (its '# ranks: {ranks}' line) but this run "
+                             f"has {size}: launch with mpiexec -n {ranks}, or edit that line in a copy")
         if size < config.servers + 1:
             raise UsageError(f"--servers {config.servers} needs at least {config.servers + 1} MPI ranks "
                              f"(S servers and at least one worker), this run has {size}")
