@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -105,7 +106,7 @@ def test_train_help_lists_every_option(capsys):
         main(["train", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for field in RunConfig.__dataclass_fields__:
+    for field in (f.name for f in dataclasses.fields(RunConfig)):
         if not field.endswith("_opts"):
             assert "--" + field.replace("_", "-") in out, field
 
