@@ -123,7 +123,8 @@ def test_bad_options_are_refused_before_torch_and_mpi_start():
 
     probe = ("import sys\nfrom mpigrad.cli import main\ncode = main(sys.argv[1:])\n"
              "print(code, 'torch' in sys.modules, 'mpi4py.MPI' in sys.modules)")
-    for args in (["--codec", "nope"], ["--policy", "schedule"], ["--bandwidth", "fast"]):
+    for args in (["--codec", "nope"], ["--policy", "schedule"], ["--bandwidth", "fast"], ["--bandwidth", "10"],
+                 ["--bandwidth", "100mbps"]):
         result = subprocess.run([sys.executable, "-c", probe, "train", *args], capture_output=True,
                                 text=True, timeout=120)
         assert result.stdout.split() == ["2", "False", "False"], (args, result.stdout, result.stderr)
