@@ -270,8 +270,8 @@ def format_rate(bytes_per_second: float, *, bits: bool = True) -> str:
 
 def format_duration(seconds: float) -> str:
     """A duration as ``parse_duration`` reads it: ``0.0005`` -> '0.5ms', ``7200`` -> '2h'."""
-    for unit, scale in (("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 1e-3)):
-        if abs(seconds) >= scale:
+    for unit, scale, least in (("h", 3600.0, 3600.0), ("m", 60.0, 60.0), ("s", 1.0, 1.0), ("ms", 1e-3, 1e-4)):
+        if abs(seconds) >= least:
             return f"{seconds / scale:g}{unit}"
     return f"{seconds / 1e-6:g}us" if seconds else "0s"
 

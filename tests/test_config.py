@@ -8,7 +8,7 @@ import math
 import pytest
 
 from mpigrad.cli import main
-from mpigrad.config import RunConfig, format_rate, parse_assignments, parse_duration, parse_rate
+from mpigrad.config import RunConfig, format_duration, format_rate, parse_assignments, parse_duration, parse_rate
 from mpigrad.errors import UsageError
 from mpigrad.runtime.clock import LinkModel
 
@@ -167,3 +167,10 @@ def test_a_config_files_ranks_line_is_read_but_is_no_option(tmp_path):
     assert RunConfig.from_sources(None, {}).declared_ranks is None
     with pytest.raises(UsageError, match="unknown option 'declared_ranks'"):
         RunConfig.from_sources(None, {"declared_ranks": 4})
+
+
+@pytest.mark.parametrize("seconds, text", [(0.0, "0s"), (5e-4, "0.5ms"), (2e-5, "20us"), (0.02, "20ms"), (90.0, "1.5m"),
+                                           (7200.0, "2h")])
+def test_format_duration_reads_back(seconds, text):
+    assert format_duration(seconds) == text
+    assert math.isclose(parse_duration(text), seconds)

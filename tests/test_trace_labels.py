@@ -44,7 +44,7 @@ def cli(capsys, *args):
 def test_labels_show_rates_and_durations_in_their_units():
     configs = [{"policy": "fixed", "bits": 2, "bandwidth": 1e7, "latency": 5e-4},
                {"policy": "mqgrad", "bandwidth": 1.25e8, "latency": 0.0, "iterations": 300}]
-    assert group_labels(configs) == ["Fix (2-bit) bandwidth=10MB/s, latency=500us",
+    assert group_labels(configs) == ["Fix (2-bit) bandwidth=10MB/s, latency=0.5ms",
                                      "MQGrad bandwidth=125MB/s, latency=0s"]
 
 

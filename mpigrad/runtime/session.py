@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..codecs import get_codec
-from ..config import format_rate
+from ..config import format_duration, format_rate
 from ..errors import UsageError
 from ..models import check_model
 from . import EXIT_REQUEUE, checkpoint
@@ -243,7 +243,7 @@ def network_description(config) -> str:
     if config.net_mode == "off":
         return "not modelled (net_mode off: the simulated clock is the wall clock)"
     clock = "simulated clock" if config.net_mode == "virtual" else "real sleeps"
-    return (f"{format_rate(config.bandwidth)} per link, latency {config.latency * 1e3:g}ms per message, "
+    return (f"{format_rate(config.bandwidth)} per link, latency {format_duration(config.latency)} per message, "
             f"{config.broadcast} broadcast, {clock}")
 
 
