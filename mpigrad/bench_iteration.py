@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import parse_rate
 from .errors import UsageError
 from .mpiexec import mpiexec_command
 
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     server_counts = _counts(args.servers, "--servers")
     if args.iterations <= args.warmup:
         raise UsageError("--iterations must be larger than --warmup")
+    parse_rate(args.bandwidth)  # a bad rate fails now, not after the runs
     extra = [a for a in args.train_args if a != "--"]
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1")
     print(f"mpigrad bench iteration: {args.model} on synthetic 3x32x32; {os.cpu_count()} CPUs here; runs with more ranks than CPUs "
@@ -95,8 +97,6 @@ def _counts(text: str, option: str) -> list[int]:
 
 
 def _row(p: int, servers: int, tr, warmup: int, bandwidth: str) -> dict:
-    from .config import parse_rate
-
     steps = tr.steps.iloc[warmup:]
     iteration = np.diff(tr.steps["wall_time"].to_numpy())[warmup - 1:] if warmup else \
         np.diff(np.concatenate([[0.0], tr.steps["wall_time"].to_numpy()]))

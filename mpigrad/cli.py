@@ -57,16 +57,23 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str) -> tuple:
+    """(module, parser) of the command ``name`` (a key of COMMANDS): the parser that
+    ``mpigrad NAME`` parses with, subcommands included."""
+    module_name, text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = CommandParser(prog=f"mpigrad {name}", description=text)
+    module.add_arguments(parser)
+    return module, parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         _top_parser().parse_args(argv)  # prints help, version or the usage error and exits
         return 2
     name, rest = argv[0], argv[1:]
-    module_name, text = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = CommandParser(prog=f"mpigrad {name}", description=text)
-    module.add_arguments(parser)
+    module, parser = command_parser(name)
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)

@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 try:
     import tomllib
@@ -77,6 +77,9 @@ class RunConfig:
     checkpoint: str | None = None
     checkpoint_every: int | str | None = None  # iterations (int) or a duration ("30m")
     resume: bool = False
+    #: (config file, N) when the file has a "# ranks: N" line, the world size it was written
+    #: for (set by from_sources; not an option, not in to_dict).
+    declared_ranks: ClassVar[tuple[str, int] | None] = None
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -99,6 +102,9 @@ class RunConfig:
             raise UsageError(str(exc)) from None
         if config.lr is None:
             config.lr = DEFAULT_LR.get(config.data, 0.2)
+        ranks = declared_ranks(config_file) if config_file else None
+        if ranks is not None:
+            config.declared_ranks = (config_file, ranks)
         config.validate()
         return config
 
@@ -202,23 +208,79 @@ class RunConfig:
 
 
 # ---- parsing of units and files ---------------------------------------------------------
-_RATE_UNITS = {
-    "b/s": 1, "B/s": 1, "kB/s": 1e3, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9,
-    "KiB/s": 2**10, "MiB/s": 2**20, "GiB/s": 2**30,
-    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "Kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8,
-}
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 
 
+def _rate_units() -> dict[str, float]:
+    """Every unit spelling ``parse_rate`` reads, in bytes per second: an upper-case ``B`` is a
+    byte (``MB/s``, ``MBps``, ``MiB/s``), a lower-case ``b`` or ``bit`` a bit (``Mbps``,
+    ``Mb/s``, ``Mbit/s``), as network people write them."""
+    prefixes = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    units = {}
+    for prefix, scale in prefixes.items():
+        for per_second in ("/s", "ps"):
+            units[f"{prefix}B{per_second}"] = scale
+            units[f"{prefix}b{per_second}"] = scale / 8
+        units[f"{prefix}bit/s"] = scale / 8
+    return units
+
+
+_RATE_UNITS = _rate_units()
+#: Units that only differ in case from a known one ("mbps", "MBPS", "gb/s"): bits or bytes?
+_AMBIGUOUS_RATE_UNITS = {unit.lower() for unit in _RATE_UNITS}
+
+
 def parse_rate(text: Any) -> float:
-    """'10MB/s' -> 1e7 bytes/s; '1Gbit/s' -> 1.25e8; a bare number is bytes/s."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    match = re.fullmatch(_NUMBER + r"\s*([A-Za-z/]*)", str(text).strip())
-    if not match or (match.group(2) and match.group(2) not in _RATE_UNITS):
-        raise UsageError(f"cannot read bandwidth {text!r}: use e.g. 10MB/s, 1Gbit/s, 125MiB/s")
-    return float(match.group(1)) * _RATE_UNITS.get(match.group(2) or "B/s", 1)
+    """A bandwidth in bytes per second: '10MB/s' -> 1e7, '100Mbps' -> 1.25e7, '1Gbit/s' and
+    '1Gb/s' -> 1.25e8, '125MiB/s' -> 125 * 2**20. A number needs its unit (a bare '10' or a
+    TOML number is refused, not read as bytes/s), and a unit that differs from a known one
+    only in case ('mbps', 'MB/S') is refused as ambiguous; both errors show how to write
+    the rate in bits and in bytes."""
+    raw = str(text).strip()
+    match = re.fullmatch(_NUMBER + r"\s*([A-Za-z/]*)", raw)
+    if not match:
+        raise UsageError(f"cannot read bandwidth {text!r}: {_RATE_SPELLINGS}")
+    number, unit = match.groups()
+    if not unit:
+        value = float(number)  # large numbers were once read as bytes/s: offer that reading
+        as_bytes, as_bits = (_scaled(value), _scaled(8 * value)) if value >= 1000 else (number + "M",) * 2
+        raise UsageError(f"bandwidth {text!r} has no unit: write e.g. {as_bytes}B/s (bytes per second) or "
+                         f"{as_bits}bit/s (bits per second)")
+    if unit in _RATE_UNITS:
+        return float(number) * _RATE_UNITS[unit]
+    if unit.lower() in _AMBIGUOUS_RATE_UNITS:
+        prefix = _PREFIX_SPELLING[unit.lower().partition("b")[0]]
+        raise UsageError(f"bandwidth {text!r}: unit {unit!r} is ambiguous (bits or bytes?): write "
+                         f"{number}{prefix}bit/s or {number}{prefix}bps for bits, {number}{prefix}B/s for bytes")
+    raise UsageError(f"cannot read bandwidth {text!r}: {_RATE_SPELLINGS}")
+
+
+_PREFIX_SPELLING = {"": "", "k": "k", "m": "M", "g": "G", "t": "T", "ki": "Ki", "mi": "Mi", "gi": "Gi", "ti": "Ti"}
+_RATE_SPELLINGS = "use e.g. 100Mbps, 100Mbit/s or 10Gb/s (bits), 10MB/s or 125MiB/s (bytes)"
+
+
+def format_rate(bytes_per_second: float, *, bits: bool = True) -> str:
+    """A rate as ``parse_rate`` reads it, in bytes and in bits: ``1e7`` -> '10MB/s (80Mbit/s)'
+    (with ``bits=False``: '10MB/s')."""
+    text = f"{_scaled(bytes_per_second)}B/s"
+    return f"{text} ({_scaled(8 * bytes_per_second)}bit/s)" if bits else text
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as ``parse_duration`` reads it: ``0.0005`` -> '0.5ms', ``7200`` -> '2h'."""
+    for unit, scale, least in (("h", 3600.0, 3600.0), ("m", 60.0, 60.0), ("s", 1.0, 1.0), ("ms", 1e-3, 1e-4)):
+        if abs(seconds) >= least:
+            return f"{seconds / scale:g}{unit}"
+    return f"{seconds / 1e-6:g}us" if seconds else "0s"
+
+
+def _scaled(value: float) -> str:
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:g}{prefix}"
+    return f"{value:g}"
 
 
 def parse_duration(text: Any) -> float:
@@ -289,6 +351,20 @@ def coerce(key: str, value: Any) -> Any:
     if kind is str and not isinstance(value, str):
         raise UsageError(f"{key} must be a string, got {value!r}")
     return value
+
+
+def declared_ranks(path: str) -> int | None:
+    """N of the file's first "# ranks: N" line: the world size a config was written for (the
+    jobscripts read the same line); None without one."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                match = re.match(r"# ranks: *([0-9]+)", line)
+                if match:
+                    return int(match.group(1))
+    except OSError:
+        return None
+    return None
 
 
 def load_toml(path: str) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""Option values, one rule each: the integer check codecs, policies and models share, and the
-one ``KEY=VALUE`` parser (``--model-opt``, ``--data-opt``, ``--codec-opt``, ``--policy-opt``).
+"""Option values, one rule each: the integer check codecs, policies and models share, the
+one check that refuses unknown option names (codec, policy, model and data options alike,
+listing the valid ones), and the one ``KEY=VALUE`` parser (``--model-opt``, ``--data-opt``,
+``--codec-opt``, ``--policy-opt``).
 
 A leaf module: it imports nothing from mpigrad, and each caller passes its own error class
 and message prefix, so a bad option still names its owner (``qsgd: bits ...``).
@@ -7,11 +9,12 @@ and message prefix, so a bad option still names its owner (``qsgd: bits ...``).
 
 from __future__ import annotations
 
+import inspect
 import json
 from numbers import Integral
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["check_int", "parse_value", "parse_assignments"]
+__all__ = ["check_int", "check_keys", "keyword_names", "parse_value", "parse_assignments"]
 
 
 def check_int(name: str, value: Any, low: int | None = None, high: int | None = None, *,
@@ -23,6 +26,34 @@ def check_int(name: str, value: Any, low: int | None = None, high: int | None = 
             or (low is not None and value < low) or (high is not None and value > high):
         raise error(f"{prefix}{name} must be an integer{_bounds(low, high)}, got {value!r}")
     return int(value)
+
+
+def keyword_names(function: Callable[..., Any], *, exclude: Iterable[str] = ()) -> list[str] | None:
+    """The names ``function`` (or a class's ``__init__``) takes as keywords, in signature
+    order, less ``exclude``; None when it takes ``**kwargs`` or has no signature to read
+    (then any name may be valid, and the call itself decides)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    excluded = set(exclude)
+    return [p.name for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in excluded]
+
+
+def check_keys(owner: str, given: Iterable[str], valid: Sequence[str] | None, *,
+               error: type[Exception] = ValueError) -> None:
+    """``error`` when ``given`` holds a name not in ``valid`` (None: any name), one line that
+    names the unknown ones and lists the valid ones:
+    ``codec 'qsgd': unknown option(s) bucket; valid: bits, levels, bucket_size, ...``."""
+    if valid is None:
+        return
+    unknown = [key for key in given if key not in valid]
+    if unknown:
+        choices = f"valid: {', '.join(valid)}" if valid else "it takes no options"
+        raise error(f"{owner}: unknown option(s) {', '.join(unknown)}; {choices}")
 
 
 def _bounds(low: int | None, high: int | None) -> str:

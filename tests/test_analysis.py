@@ -48,9 +48,8 @@ def write_run(path: Path, *, config: dict, attrs: dict, loss: list[float], wall_
     return path
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("runs")
+def write_sample_runs(folder: Path) -> dict[str, Path]:
+    """fix2.h5 and mqgrad.h5, the two runs docs/trace.rst shows the commands' outputs for."""
     fix2 = write_run(folder / "fix2.h5",
                      config={"codec": {"id": "uniform", "bits": 2}, "policy": {"id": "fixed", "bits": 2},
                              "workers": 2},
@@ -63,9 +62,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                        attrs={}, loss=MQGRAD_LOSS, wall_step=200.0, bits=lambda i: 2 + i // 5,
                        bytes_each_way=lambda i: 50_000 * (2 + i // 5), t_encode=9.0, t_decode=9.0,
                        t_policy=36.0, evals={4: (1.2, 0.45), 9: (1.0, 0.55), 14: (0.8, 0.65), 19: (0.7, 0.70)})
+    return {"fix2": fix2, "mqgrad": mqgrad}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("runs")
+    samples = write_sample_runs(folder)
     empty_path = folder / "empty.h5"
     TraceWriter(empty_path, config={"policy": {"id": "adaptive"}}, tables=default_tables(2)).close()
-    return {"fix2": fix2, "mqgrad": mqgrad, "empty": empty_path}
+    return {**samples, "empty": empty_path}
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

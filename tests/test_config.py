@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from mpigrad.cli import main
-from mpigrad.config import RunConfig, parse_assignments, parse_duration, parse_rate
+from mpigrad.config import RunConfig, format_duration, format_rate, parse_assignments, parse_duration, parse_rate
 from mpigrad.errors import UsageError
 from mpigrad.runtime.clock import LinkModel
 
 
 @pytest.mark.parametrize("text, value", [
-    ("10MB/s", 1e7), ("1Gbit/s", 1.25e8), ("125MiB/s", 125 * 2**20), ("2.5e6", 2.5e6), (42, 42.0),
+    ("10MB/s", 1e7), ("10MBps", 1e7), ("125MiB/s", 125 * 2**20), ("2.5e6B/s", 2.5e6), ("1kB/s", 1e3),
+    # bits, as network people write them: a lower-case b or "bit"
+    ("100Mbps", 1.25e7), ("100Mbit/s", 1.25e7), ("1Gbit/s", 1.25e8), ("10Gb/s", 1.25e9), ("8b/s", 1.0),
 ])
 def test_rates(text, value):
     assert parse_rate(text) == value
+
+
+@pytest.mark.parametrize("text, spellings", [
+    ("10", "write e.g. 10MB/s (bytes per second) or 10Mbit/s (bits per second)"),
+    (10, "write e.g. 10MB/s (bytes per second) or 10Mbit/s (bits per second)"),
+    (1e7, "write e.g. 10MB/s (bytes per second) or 80Mbit/s (bits per second)"),  # a TOML number
+])
+def test_a_rate_without_unit_is_refused_showing_both_spellings(text, spellings):
+    with pytest.raises(UsageError, match="has no unit") as info:
+        parse_rate(text)
+    assert spellings in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, spellings", [
+    ("100mbps", "write 100Mbit/s or 100Mbps for bits, 100MB/s for bytes"),
+    ("10GB/S", "write 10Gbit/s or 10Gbps for bits, 10GB/s for bytes"),
+])
+def test_a_unit_that_differs_only_in_case_is_ambiguous(text, spellings):
+    with pytest.raises(UsageError, match="is ambiguous") as info:
+        parse_rate(text)
+    assert spellings in str(info.value)
+
+
+@pytest.mark.parametrize("rate, text", [(1e7, "10MB/s (80Mbit/s)"), (1.25e8, "125MB/s (1Gbit/s)"),
+                                        (1.25e7, "12.5MB/s (100Mbit/s)")])
+def test_format_rate_gives_bytes_and_bits_that_read_back(rate, text):
+    assert format_rate(rate) == text
+    as_bytes, as_bits = text.split(" ")
+    assert parse_rate(as_bytes) == parse_rate(as_bits.strip("()")) == rate
 
 
 @pytest.mark.parametrize("text, value", [("50ms", 0.05), ("2h", 7200.0), ("30", 30.0), ("250us", 2.5e-4)])
@@ -26,7 +58,7 @@ def test_durations(text, value):
 
 @pytest.mark.parametrize("bad", ["fast", "-5MB/s", "10 parsecs/s"])
 def test_bad_rate_says_how_to_write_one(bad):
-    with pytest.raises(UsageError, match="use e.g. 10MB/s"):
+    with pytest.raises(UsageError, match="use e.g. 100Mbps, 100Mbit/s or 10Gb/s \\(bits\\), 10MB/s"):
         parse_rate(bad)
 
 
@@ -74,7 +106,7 @@ def test_train_help_lists_every_option(capsys):
         main(["train", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for field in RunConfig.__dataclass_fields__:
+    for field in (f.name for f in dataclasses.fields(RunConfig)):
         if not field.endswith("_opts"):
             assert "--" + field.replace("_", "-") in out, field
 
@@ -124,3 +156,21 @@ def test_periodic_checkpoint_schedule():
     timed.written()
     now[0] = 100.0
     assert not timed.due(7) and not Schedule(None).due(10)
+
+
+def test_a_config_files_ranks_line_is_read_but_is_no_option(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("# For 1 server + 3 workers.\n# ranks: 4\niterations = 5\n")
+    config = RunConfig.from_sources(str(path), {})
+    assert config.declared_ranks == (str(path), 4)
+    assert "declared_ranks" not in config.to_dict()
+    assert RunConfig.from_sources(None, {}).declared_ranks is None
+    with pytest.raises(UsageError, match="unknown option 'declared_ranks'"):
+        RunConfig.from_sources(None, {"declared_ranks": 4})
+
+
+@pytest.mark.parametrize("seconds, text", [(0.0, "0s"), (5e-4, "0.5ms"), (2e-5, "20us"), (0.02, "20ms"), (90.0, "1.5m"),
+                                           (7200.0, "2h")])
+def test_format_duration_reads_back(seconds, text):
+    assert format_duration(seconds) == text
+    assert math.isclose(parse_duration(text), seconds)

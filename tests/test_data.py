@@ -39,8 +39,8 @@ def test_unknown_dataset_names_the_available_ones():
 
 
 @pytest.mark.parametrize("name, options, message", [
-    ("digits", dict(shape=(1, 8, 8)), "unexpected keyword argument 'shape'"),
-    ("synthetic", dict(test_fraction=0.2), "unexpected keyword argument 'test_fraction'"),
+    ("digits", dict(shape=(1, 8, 8)), r"dataset 'digits': unknown option\(s\) shape; valid: test_fraction$"),
+    ("synthetic", dict(test_fraction=0.2), r"unknown option\(s\) test_fraction; valid: shape, classes, "),
     ("digits", dict(data_dir="/tmp"), "needs no data directory"),
     ("synthetic", dict(data_dir="/tmp"), "needs no data directory"),
     ("digits", dict(seed=-1), "seed"),

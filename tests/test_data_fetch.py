@@ -310,3 +310,36 @@ def test_http_errors_are_one_line(capsys, tmp_path, http_server):
     code, _, err = _run(capsys, "fetch", "cifar10", str(tmp_path / "c10"), "--url", url)
     assert code == 2 and _one_error_line(err).endswith(f"download of {url} failed: HTTP 404 Not Found")
     assert not (tmp_path / "c10").exists()
+
+
+# ---- without internet, and directories filled by other tools -----------------------------
+
+def test_a_download_without_network_names_from_archive(capsys, tmp_path):
+    url = "http://127.0.0.1:9/cifar-10-python.tar.gz"  # discard port: nothing listens
+    code, _, err = _run(capsys, "fetch", "cifar10", str(tmp_path / "c10"), "--url", url, "--timeout", "5")
+    line = _one_error_line(err)
+    assert code == 2 and f"download of {url} failed: " in line
+    assert line.endswith(f"; without internet here, copy cifar-10-python.tar.gz from {SPEC.url} by hand and run: "
+                         f"mpigrad data fetch cifar10 {tmp_path / 'c10'} --from-archive cifar-10-python.tar.gz")
+
+
+def test_verify_takes_the_dataset_like_fetch(capsys, tmp_path, archive):
+    dest = tmp_path / "c10"
+    assert _run(capsys, "fetch", "cifar10", str(dest), "--from-archive", str(archive), "--md5", _md5(archive))[0] == 0
+    code, out, err = _run(capsys, "verify", "cifar10", str(dest))
+    assert (code, err) == (0, "") and out == f"cifar10: 7 files in {dest} match mpigrad-fetch.json\n"
+    assert _run(capsys, "verify", str(dest))[0] == 0
+
+
+def test_verify_reads_a_torchvision_style_folder_without_manifest(capsys, tmp_path):
+    from test_data import fake_cifar
+
+    folder = tmp_path / "torchvision" / PREFIX
+    fake_cifar(folder)
+    code, out, err = _run(capsys, "verify", "cifar10", str(tmp_path / "torchvision"))
+    assert (code, err) == (0, "")
+    assert out == (f"cifar10: 6 files in {folder} read as cifar10 (no mpigrad-fetch.json: checked by content, "
+                   "not by checksum)\n")
+    (folder / "data_batch_2").write_bytes(b"not a pickle")
+    code, _, err = _run(capsys, "verify", str(tmp_path / "torchvision"))
+    assert code == 2 and "data_batch_2" in _one_error_line(err)

@@ -192,7 +192,7 @@ def test_unknown_model_names_the_available_ones():
     (dict(input_shape=CIFAR, num_classes=10, fc_sizes=(2304,)), "fc_sizes"),
     (dict(input_shape=CIFAR, num_classes=10, fc_sizes=(2304, -1)), "fc_sizes"),
     (dict(input_shape=CIFAR, num_classes=10, conv_channels=0), "conv_channels"),
-    (dict(input_shape=CIFAR, num_classes=10, dropout=0.5), "unexpected keyword argument 'dropout'"),
+    (dict(input_shape=CIFAR, num_classes=10, dropout=0.5), r"model 'paper-cnn': unknown option\(s\) dropout; valid: fc_sizes, conv_channels$"),
     (dict(num_classes=10), "missing a required argument: 'input_shape'"),
 ])
 def test_bad_options_are_rejected_with_the_option_named(options, message):

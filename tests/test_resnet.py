@@ -120,7 +120,7 @@ def test_initialisation_follows_torchvision_and_the_seed():
     ("resnet20", dict(norm="group", groups=5), "groups=5 must divide"),
     ("resnet20", dict(width=0), "width"),
     ("resnet18", dict(stem="tiny"), "stem must be one of"),
-    ("resnet18", dict(depth=20), "unexpected keyword argument 'depth'"),
+    ("resnet18", dict(depth=20), r"model 'resnet18': unknown option\(s\) depth; valid: "),
     ("resnet18", dict(input_shape=(3, 32)), "input_shape"),
 ])
 def test_bad_options_are_rejected_with_the_option_named(name, options, message):

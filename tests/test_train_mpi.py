@@ -47,14 +47,40 @@ def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
 
 def test_network_model_charges_bytes_over_bandwidth(tmp_path, mpi_env):
     result, trace = train(tmp_path, mpi_env, "--iterations", "5", "--policy", "fixed", "--bits", "8",
-                          "--bandwidth", "1MB/s", "--latency", "1ms", "--compute-time", "0")
+                          "--bandwidth", "8Mbps", "--latency", "1ms", "--compute-time", "0")
     assert result.returncode == 0, result.stderr
+    # 8 Mbit/s is 1 MB/s; the start-up lines say so in both units.
+    assert "network: 1MB/s (8Mbit/s) per link, latency 1ms per message" in result.stdout, result.stdout
     steps = load(trace).steps
     workers = 2
     # Star model: every message costs latency + bytes / bandwidth, serialised on rank 0's link.
     expected = (steps["bytes_up"] + steps["bytes_down"]) / 1e6 + 1e-3 * 4 * workers
     np.testing.assert_allclose(steps["t_comm"], expected, rtol=1e-9)
     np.testing.assert_allclose(np.diff(steps["sim_time"]), steps["t_comm"].iloc[1:], rtol=1e-9)
+
+
+def test_the_trace_directory_is_created(tmp_path, mpi_env):
+    trace = tmp_path / "runs" / "quick" / "run.h5"
+    result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "2"], mpi_env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert load(trace).complete
+    (tmp_path / "file").write_text("not a directory")
+    result = run_mpi(3, ["train", "--trace", str(tmp_path / "file" / "run.h5"), "--iterations", "2"],
+                     mpi_env, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"mpigrad train: error: {tmp_path / 'file'}, where the trace should go, "
+                                     "is not a directory"), result.stderr
+
+
+def test_a_config_written_for_other_ranks_is_refused(tmp_path, mpi_env):
+    config = tmp_path / "four.toml"
+    config.write_text("# Fix 2 for 1 server + 3 workers.\n# ranks: 4\npolicy = \"fixed\"\n")
+    result = run_mpi(3, ["train", "--config", str(config), "--trace", str(tmp_path / "x.h5"), "--iterations", "2"],
+                     mpi_env, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == (f"mpigrad train: error: {config} is written for 4 ranks (its '# ranks: 4' line) but "
+                             "this run has 3: launch with mpiexec -n 4, or edit that line in a copy\n")
+    assert not (tmp_path / "x.h5").exists()
 
 
 def test_existing_trace_is_not_overwritten_without_force(tmp_path, mpi_env):
@@ -99,7 +125,8 @@ def test_bad_options_are_refused_before_torch_and_mpi_start():
 
     probe = ("import sys\nfrom mpigrad.cli import main\ncode = main(sys.argv[1:])\n"
              "print(code, 'torch' in sys.modules, 'mpi4py.MPI' in sys.modules)")
-    for args in (["--codec", "nope"], ["--policy", "schedule"], ["--bandwidth", "fast"]):
+    for args in (["--codec", "nope"], ["--policy", "schedule"], ["--bandwidth", "fast"], ["--bandwidth", "10"],
+                 ["--bandwidth", "100mbps"]):
         result = subprocess.run([sys.executable, "-c", probe, "train", *args], capture_output=True,
                                 text=True, timeout=120)
         assert result.stdout.split() == ["2", "False", "False"], (args, result.stdout, result.stderr)

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_smooth(plot)
 
     compare = actions.add_parser(
-        "compare", help="methods over seeds: time to a target loss with 95% CIs, loss/accuracy at times, bytes",
+        "compare", help="methods over seeds: time to a target loss with 95%% CIs, loss/accuracy at times, bytes",
         description="Group runs by the config keys in which they differ (the seed excepted) and "
                     "report per group: runs, how many reached the target, mean time to target on "
                     "the simulated clock with its 95% confidence interval (Student t), the ratio to "

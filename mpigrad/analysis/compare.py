@@ -12,7 +12,8 @@ group, over its runs (seeds):
   runs never reached it, the mean is marked as over the reaching runs only (``reached``
   says how many), never silently averaged with them;
 - ``vs_best_fixed``: the group's mean time to target divided by that of the fastest
-  fixed-bits group (policy ``fixed``) whose runs all reached the target;
+  fixed-bits group (policy ``fixed``) whose runs all reached the target, on the same
+  network model (``NETWORK_KEYS``): times at different bandwidths are not compared;
 - ``sent_mb``: mean megabytes sent per run (up and down);
 - training loss (smoothed) and test accuracy at the given simulated times, means over runs.
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..machine import FINGERPRINT_KEYS
 from ..trace import Trace
-from .labels import differing_keys, flat_config, group_key, group_labels
+from .labels import differing_keys, flat_config, format_value, group_key, group_labels
 from .summary import require_steps, smoothed_loss, time_to_target
 from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
 
@@ -167,13 +168,28 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
             row[f"loss{k}"] = float(np.mean(losses)) if losses else None
             row[f"acc{k}"] = float(np.mean(accuracies)) if accuracies else None
         rows.append((group, row))
-    complete_fixed = [row["target_mean"] for group, row in rows
-                      if group.fixed_bits and row["target_mean"] is not None and not row["target_partial"]]
-    best = min(complete_fixed) if complete_fixed else None
-    for _, row in rows:
-        row["vs_best_fixed"] = (row["target_mean"] / best
-                                if best and row["target_mean"] is not None and not row["target_partial"] else None)
+    firsts = [(group.runs or group.excluded)[0].config for group, _ in rows]
+    differing = [k for k in differing_keys(firsts) if k in NETWORK_KEYS]
+    networks = [network_label(config, differing) for config in firsts]
+    best = {}
+    for (group, row), network in zip(rows, networks):
+        if group.fixed_bits and row["target_mean"] is not None and not row["target_partial"]:
+            best[network] = min(best.get(network, math.inf), row["target_mean"])
+    for (_, row), network in zip(rows, networks):
+        row["network"] = network
+        row["vs_best_fixed"] = (row["target_mean"] / best[network] if network in best
+                                and row["target_mean"] is not None and not row["target_partial"] else None)
     return [row for _, row in rows]
+
+
+#: Config keys of the network model: vs_best_fixed compares groups that agree on them.
+NETWORK_KEYS = ("bandwidth", "latency", "net_mode", "broadcast")
+
+
+def network_label(config: dict[str, Any], keys: Sequence[str]) -> str:
+    """A run's values of the network ``keys``, e.g. 'bandwidth=10MB/s, latency=0s'."""
+    flat = flat_config(config)
+    return ", ".join(f"{k}={format_value(flat.get(k), k)}" for k in keys)
 
 
 def compare_columns(target_loss: float, points: Sequence[Point] = ()) -> list[Column]:
@@ -186,18 +202,24 @@ def compare_columns(target_loss: float, points: Sequence[Point] = ()) -> list[Co
 
 
 def partial_note(rows: Sequence[dict[str, Any]]) -> str:
-    """The footnote for groups whose mean covers only the runs that reached the target."""
+    """The footnotes: groups whose mean covers only the runs that reached the target, and
+    the network models when the groups ran on more than one."""
+    notes = ""
     partial = [row["method"] for row in rows if row["target_partial"]]
-    if not partial:
-        return ""
-    return ("* some runs never reached the target: the mean and CI cover the runs that did "
-            f"(see reached): {'; '.join(partial)}\n")
+    if partial:
+        notes += ("* some runs never reached the target: the mean and CI cover the runs that did "
+                  f"(see reached): {'; '.join(partial)}\n")
+    networks = list(dict.fromkeys(row["network"] for row in rows if row["network"]))
+    if networks:
+        notes += ("* the groups ran on different network models; vs_best_fixed compares each with the "
+                  f"best fixed-bits group on its own ({' | '.join(networks)})\n")
+    return notes
 
 
 def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: int = 200, title: str | None = None):
     """Mean smoothed training loss (and test accuracy) against simulated time per group,
     with a 95 % confidence band, on a grid up to the shortest run of each group."""
-    from .plots import _time_unit, check_output, finish
+    from .plots import _time_unit, check_output, finish, legend_below, loss_axis_label
 
     output = check_output(output)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -226,8 +248,8 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
                                           100 * t.eval["test_accuracy"].to_numpy(float),
                                           left=np.nan) for t in evaluated])
                 _band(axes[1], grid / scale, acc, color, group.label)
-    axes[0].set_ylabel("Training loss" + (f" (mean of {smooth} it.)" if smooth > 1 else ""))
-    axes[0].legend(frameon=False, fontsize="small")
+    axes[0].set_ylabel(loss_axis_label(smooth))
+    legend_below(figure, axes[0])
     if with_accuracy:
         axes[1].set_ylabel("Test accuracy (%)")
     axes[-1].set_xlabel(f"Simulated time ({unit})")

@@ -13,6 +13,7 @@ import functools
 import json
 from typing import Any, Sequence
 
+from ..config import format_duration, format_rate
 from ..trace import Trace, method_label
 
 __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value"]
@@ -58,7 +59,15 @@ def _defaults() -> dict[str, Any]:
     return {key: value for key, value in RunConfig().to_dict().items() if not isinstance(value, dict)}
 
 
-def format_value(value: Any) -> str:
+#: Config keys stored in base units, shown as a user writes them (10MB/s, 0.5ms).
+_UNIT_FORMATS = {"bandwidth": functools.partial(format_rate, bits=False), "latency": format_duration,
+                 "compute_time": format_duration}
+
+
+def format_value(value: Any, key: str | None = None) -> str:
+    """``value`` for a label; the value of config key ``key`` in its unit where it has one."""
+    if key in _UNIT_FORMATS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _UNIT_FORMATS[key](value)
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, (list, dict)):
@@ -93,7 +102,7 @@ def group_labels(configs: Sequence[dict[str, Any]], keys: Sequence[str] | None =
     flats = [flat_config(c) for c in configs]
 
     def label(config, flat, chosen):
-        extra = ", ".join(f"{k}={format_value(flat.get(k))}" for k in chosen)
+        extra = ", ".join(f"{k}={format_value(flat.get(k), k)}" for k in chosen)
         return f"{method_label(config)} {extra}".strip() if extra else method_label(config)
 
     plain = [k for k in keys if not _is_method_key(k)]
@@ -102,7 +111,7 @@ def group_labels(configs: Sequence[dict[str, Any]], keys: Sequence[str] | None =
         members = [i for i, other in enumerate(labels) if other == text]
         if len({group_key(configs[i], keys) for i in members}) > 1:
             extra = [k for k in keys if _is_method_key(k)
-                     and len({format_value(flats[i].get(k)) for i in members}) > 1]
+                     and len({format_value(flats[i].get(k), k) for i in members}) > 1]
             for i in members:
                 labels[i] = label(configs[i], flats[i], plain + extra)
     return labels

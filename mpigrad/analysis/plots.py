@@ -76,9 +76,8 @@ def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Pa
             axes["accuracy"].plot(evals[column].to_numpy(dtype=np.float64) / scale,
                                   100 * evals["test_accuracy"].to_numpy(), color=color, lw=1.4,
                                   marker="o" if len(evals) <= _MAX_MARKERS else None, ms=3, label=label)
-    loss_label = "Training loss" + (f" (mean of {smooth} it.)" if smooth > 1 else "")
-    axes["loss"].set_ylabel(loss_label)
-    axes["loss"].legend(title="method", frameon=False)
+    axes["loss"].set_ylabel(loss_axis_label(smooth))
+    legend_below(figure, axes["loss"], title="method")
     if with_accuracy:
         axes["accuracy"].set_ylabel("Test accuracy (%)")
     axes["bits"].set_ylabel("Bits")
@@ -88,6 +87,20 @@ def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Pa
     axes["bits"].yaxis.set_major_locator(MaxNLocator(nbins=min(high - low + 1, 6), integer=True))
     axes["bits"].set_xlabel(xlabel)
     return finish(figure, axes.values(), output, title)
+
+
+def loss_axis_label(smooth: int) -> str:
+    """The loss axis: the trace's ``loss`` column, which carries the l2 term (the progress
+    line's ``loss+l2``)."""
+    return "Training loss + l2" + (f" (mean of {smooth} it.)" if smooth > 1 else "")
+
+
+def legend_below(figure, ax, **options) -> None:
+    """The legend of ``ax``'s lines under the panels, where it covers no curve."""
+    handles, labels = ax.get_legend_handles_labels()
+    columns = 1 if max(map(len, labels), default=0) > 30 else min(len(labels), 2)
+    figure.legend(handles, labels, loc="outside lower center", ncols=max(columns, 1), frameon=False,
+                  fontsize="small", **options)
 
 
 def check_output(output: str | Path) -> Path:

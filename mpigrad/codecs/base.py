@@ -136,6 +136,7 @@ def get_codec(config: dict[str, Any]) -> "Codec":
         raise CodecError("codec config must be a dict with an 'id' key")
     params = dict(config)
     cls = codec_class(params.pop("id"))
+    options.check_keys(f"codec {cls.codec_id!r}", params, options.keyword_names(cls), error=CodecError)
     try:
         return cls(**params)
     except TypeError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from ..options import check_keys, keyword_names
 from ..plugins import call_factory, is_plugin, load_factory
 from .cifar10 import load_cifar10
 from .datasets import DataError, Dataset
@@ -34,6 +35,10 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
 }
 
 
+#: What every loader and factory is given besides the user's data options.
+_CONTRACT = ("data_dir", "seed")
+
+
 def available_datasets() -> list[str]:
     """Sorted names accepted by ``load_dataset``."""
     return sorted(_LOADERS)
@@ -43,6 +48,7 @@ def load_dataset(name: str, data_dir=None, seed: int = 0, **options: Any) -> Dat
     """Load dataset ``name``; DataError for an unknown name, bad options or bad files."""
     if is_plugin(name):
         factory = load_factory(name, DataError)
+        check_keys(f"data factory {name}", options, keyword_names(factory, exclude=_CONTRACT), error=DataError)
         dataset = call_factory(name, factory, dict(data_dir=data_dir, seed=seed, **options), DataError)
         if not isinstance(dataset, Dataset):
             raise DataError(f"data factory {name} returned {type(dataset).__name__}, "
@@ -53,6 +59,7 @@ def load_dataset(name: str, data_dir=None, seed: int = 0, **options: Any) -> Dat
     except (KeyError, TypeError):
         raise DataError(f"unknown dataset {name!r}; available: {', '.join(available_datasets())}, "
                         "or package.module:factory") from None
+    check_keys(f"dataset {name!r}", options, keyword_names(loader, exclude=_CONTRACT), error=DataError)
     try:
         inspect.signature(loader).bind(data_dir=data_dir, seed=seed, **options)
     except TypeError as exc:

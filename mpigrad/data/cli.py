@@ -2,7 +2,7 @@
 
     mpigrad data fetch cifar10 DIR                       # download, verify MD5, unpack
     mpigrad data fetch cifar10 DIR --from-archive FILE   # a tarball copied by hand
-    mpigrad data verify DIR                              # re-check files against the manifest
+    mpigrad data verify [cifar10] DIR                    # re-check files against the manifest
 
 Training jobs then read ``DIR`` (``data_dir = "DIR"``) and never download.
 """
@@ -35,8 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fetch.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                        help="network timeout (default 60)")
     fetch.set_defaults(handler=_run_fetch)
-    verify = actions.add_parser("verify", help="check a fetched directory against its manifest")
-    verify.add_argument("dir", metavar="DIR", help="directory written by 'mpigrad data fetch'")
+    verify = actions.add_parser(
+        "verify", help="check a fetched directory against its manifest",
+        description="Check the files in DIR against the manifest 'mpigrad data fetch' wrote (size and "
+                    "SHA-256). A directory without one (filled by hand or by torchvision, e.g. holding "
+                    "cifar-10-batches-py) is checked by reading its files as the dataset.")
+    verify.add_argument("dataset", nargs="?", choices=fetching.available(),
+                        help="the dataset DIR should hold (optional, as in fetch)")
+    verify.add_argument("dir", metavar="DIR", help="directory written by 'mpigrad data fetch' (or holding the files)")
     verify.set_defaults(handler=_run_verify)
 
 
@@ -63,9 +69,13 @@ def _run_fetch(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    manifest = fetching.verify(args.dir)
-    print(f"{manifest.get('dataset')}: {len(manifest['files'])} files in {args.dir} "
-          f"match {fetching.MANIFEST_NAME}")
+    manifest = fetching.verify(args.dir, args.dataset)
+    if manifest.get("checked") == "content":
+        print(f"{manifest['dataset']}: {len(manifest['files'])} files in {manifest['folder']} read as "
+              f"{manifest['dataset']} (no {fetching.MANIFEST_NAME}: checked by content, not by checksum)")
+    else:
+        print(f"{manifest.get('dataset')}: {len(manifest['files'])} files in {args.dir} "
+              f"match {fetching.MANIFEST_NAME}")
     return 0
 
 

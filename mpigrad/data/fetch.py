@@ -47,6 +47,10 @@ class FetchError(ValueError):
     """A download, archive or data directory that cannot be used; the message says why."""
 
 
+class UnreachableError(FetchError):
+    """The download could not start: no route, no DNS, refused (a node without internet)."""
+
+
 @dataclass(frozen=True)
 class ArchiveSpec:
     """Where a dataset's archive lives, how to check it, and which members to keep."""
@@ -123,7 +127,7 @@ def download(url: str, target: Path, *, timeout: float = 60.0, progress: Progres
             return
         raise FetchError(f"download of {url} failed: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise FetchError(f"download of {url} failed: {getattr(exc, 'reason', exc)}") from None
+        raise UnreachableError(f"download of {url} failed: {getattr(exc, 'reason', exc)}") from None
     with response:
         resumed = have > 0 and getattr(response, "status", None) == 206 and \
             re.match(rf"bytes {have}-", response.headers.get("Content-Range", "")) is not None
@@ -209,14 +213,22 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(dest: str | os.PathLike) -> dict:
-    """Check every file listed in ``dest``'s manifest (size and SHA-256); return the manifest."""
+def verify(dest: str | os.PathLike, dataset: str | None = None) -> dict:
+    """Check every file listed in ``dest``'s manifest (size and SHA-256); return the manifest.
+
+    A directory without a manifest that holds ``dataset``'s files (cifar10's, also in the
+    archive's ``cifar-10-batches-py`` folder, as torchvision leaves them) is checked by
+    reading them as that dataset instead; the manifest returned then says ``"checked":
+    "content"``. ``dataset`` None: cifar10 for such a directory.
+    """
     dest = Path(dest)
     path = dest / MANIFEST_NAME
+    if dataset is not None:
+        get_spec(dataset)
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FetchError(f"{dest} has no {MANIFEST_NAME}: not fetched by mpigrad data fetch") from None
+        return _verify_content(dest, get_spec(dataset or "cifar10"))
     except ValueError:
         manifest = None
     listed = manifest.get("files") if isinstance(manifest, dict) else None
@@ -230,7 +242,28 @@ def verify(dest: str | os.PathLike) -> dict:
             raise FetchError(f"{file} is missing (listed in {MANIFEST_NAME})")
         if file.stat().st_size != info["bytes"] or _file_sha256(file) != info["sha256"]:
             raise FetchError(f"{file} differs from the copy that was fetched (size or SHA-256)")
+    if dataset is not None and manifest.get("dataset") != dataset:
+        raise FetchError(f"{dest} holds the {manifest.get('dataset')!r} dataset, not {dataset!r}")
     return manifest
+
+
+def _verify_content(dest: Path, spec: ArchiveSpec) -> dict:
+    """A directory without a manifest: read ``spec``'s files as its dataset (FetchError if
+    they are absent, incomplete or malformed)."""
+    folder = dest if (dest / spec.files[0]).exists() or not (dest / spec.prefix).is_dir() else dest / spec.prefix
+    present = [name for name in spec.files if (folder / name).is_file()]
+    if not present:
+        raise FetchError(f"{dest} has no {MANIFEST_NAME} (not fetched by mpigrad data fetch) and holds no "
+                         f"{spec.dataset} files ({', '.join(spec.files)}, or a {spec.prefix} folder of them)")
+    from . import load_dataset  # the package's loaders: the same reading as training
+    from .datasets import DataError
+
+    try:
+        load_dataset(spec.dataset, data_dir=str(folder))
+    except DataError as exc:
+        raise FetchError(str(exc)) from None
+    return {"dataset": spec.dataset, "checked": "content", "folder": str(folder),
+            "files": {name: {"bytes": (folder / name).stat().st_size} for name in present}}
 
 
 def _already_present(dest: Path, spec: ArchiveSpec) -> dict | None:
@@ -312,7 +345,12 @@ def _obtain_archive(spec: ArchiveSpec, partial: Path, archive, url, timeout, pro
         return path, str(path.resolve())
     source = url or spec.url
     path = partial / spec.filename
-    download(source, path, timeout=timeout, progress=progress)
+    try:
+        download(source, path, timeout=timeout, progress=progress)
+    except UnreachableError as exc:
+        raise UnreachableError(f"{exc}; without internet here, copy {spec.filename} from {spec.url} by hand "
+                               f"and run: mpigrad data fetch {spec.dataset} {partial.parent} --from-archive "
+                               f"{spec.filename}") from None
     return path, source
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..options import check_keys, keyword_names
 from ..plugins import call_factory, is_plugin, load_factory
 from .base import Classifier, ModelError, check_int, check_ints
 from .cnn import DEFAULT_WEIGHT_DECAY, PaperCNN
@@ -60,11 +61,17 @@ def build_model(name: str, *, seed: int | None = None, **options: Any) -> nn.Mod
     except (KeyError, TypeError):
         raise ModelError(f"unknown model {name!r}; available: {', '.join(available_models())}, "
                          "or package.module:factory") from None
+    check_keys(f"model {name!r}", [k for k in options if k not in _CONTRACT],
+               keyword_names(builder, exclude=_CONTRACT), error=ModelError)
     try:
         inspect.signature(builder).bind(**options)
     except TypeError as exc:
         raise ModelError(f"bad options for model {name!r}: {exc}") from None
     return builder(**options)
+
+
+#: What every model builder and factory is given besides the user's model options.
+_CONTRACT = ("input_shape", "num_classes", "seed")
 
 
 class PluginModel(Classifier):
@@ -105,6 +112,7 @@ def _build_plugin(spec: str, seed: int | None, options: dict[str, Any]) -> Plugi
     except KeyError as exc:
         raise ModelError(f"model {spec}: missing {exc.args[0]}") from None
     factory = load_factory(spec, ModelError)
+    check_keys(f"model factory {spec}", options, keyword_names(factory, exclude=_CONTRACT), error=ModelError)
     kwargs = dict(input_shape=input_shape, num_classes=num_classes, seed=0 if seed is None else seed, **options)
     net = call_factory(spec, factory, kwargs, ModelError)
     if not isinstance(net, nn.Module):

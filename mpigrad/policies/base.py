@@ -93,11 +93,7 @@ def get_policy(config: dict[str, Any], n_layers: int = 1, seed: int = 0) -> "Pol
         raise PolicyError("policy config must be a dict with an 'id' key")
     params = dict(config)
     policy_id = params.pop("id")
-    known = policy_options(policy_id)
-    unknown = sorted(set(params) - set(known))
-    if unknown:
-        raise PolicyError(f"policy {policy_id!r}: unknown option(s) {', '.join(unknown)}; "
-                          f"valid: {', '.join(known)}")
+    options.check_keys(f"policy {policy_id!r}", params, list(policy_options(policy_id)), error=PolicyError)
     return policy_class(policy_id)(**params, n_layers=n_layers, seed=seed)
 
 

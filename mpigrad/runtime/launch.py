@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from ..config import RunConfig, parse_assignments
+from ..config import DEFAULT_LR, RunConfig, format_rate, parse_assignments
 from ..errors import UsageError
 from .environment import apply_thread_settings, export_thread_variables, threads_per_rank
 
@@ -24,10 +24,12 @@ EXIT_USAGE = 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options mirror RunConfig; every default is None so a --config file is not overridden."""
-    parser.epilog = ("Defaults follow the MQGrad paper (uniform codec, mqgrad policy from 2 bits, "
-                     "batch 32, lr 0.2, 10 MB/s). Launch: mpiexec -n P+1 python -m mpi4py -m mpigrad train")
-    parser.formatter_class = RegistryHelpFormatter
     d = RunConfig()
+    parser.epilog = (f"Defaults follow the MQGrad paper ({d.codec} codec, {d.policy} policy from {d.bits} bits, "
+                     f"batch {d.batch_size}, {format_rate(d.bandwidth, bits=False)}; lr {DEFAULT_LR['cifar10']} on "
+                     f"cifar10, {DEFAULT_LR[d.data]} on the default {d.data}). "
+                     "Launch: mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+    parser.formatter_class = RegistryHelpFormatter
     g = parser.add_argument_group("run")
     g.add_argument("--config", metavar="FILE", help="TOML file whose keys mirror these options")
     g.add_argument("--iterations", type=int, help=f"SGD iterations (default {d.iterations})")
@@ -68,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "into pieces quantized on their own, so that S servers can balance a model with few "
                    "big layers (changes each piece's min/max scaling; default 0: whole layers)")
     g = parser.add_argument_group("network model")
-    g.add_argument("--bandwidth", help="link bandwidth, e.g. 10MB/s, 1Gbit/s (default 10MB/s)")
+    g.add_argument("--bandwidth", help="link bandwidth with its unit: bytes 10MB/s, 125MiB/s; bits 100Mbps, 1Gbit/s, 10Gb/s (default 10MB/s)")
     g.add_argument("--latency", help="per-message latency, e.g. 0.5ms (default 0)")
     g.add_argument("--net-mode", choices=["virtual", "sleep", "off"], help="virtual clock, real sleeps, or no model (default virtual)")
     g.add_argument("--broadcast", choices=["star", "tree"], help="broadcast model (default star)")

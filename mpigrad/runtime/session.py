@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..codecs import get_codec
+from ..config import format_duration, format_rate
 from ..errors import UsageError
 from ..machine import mpi_library_version
 from ..models import check_model
@@ -40,6 +41,10 @@ def _launch_problem(config, size: int) -> str | None:
         if size < 2:
             raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the server, ranks 1.. "
                              "are workers): launch with mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+        if config.declared_ranks and config.declared_ranks[1] != size:
+            path, ranks = config.declared_ranks
+            raise UsageError(f"{path} is written for {ranks} ranks (its '# ranks: {ranks}' line) but this run "
+                             f"has {size}: launch with mpiexec -n {ranks}, or edit that line in a copy")
         if size < config.servers + 1:
             raise UsageError(f"--servers {config.servers} needs at least {config.servers + 1} MPI ranks "
                              f"(S servers and at least one worker), this run has {size}")
@@ -58,11 +63,22 @@ def _launch_problem(config, size: int) -> str | None:
                 raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
         elif trace.exists() and not config.force:
             raise UsageError(f"trace {trace} exists; pass --force to overwrite it or --trace to choose another")
-        if not trace.parent.exists() and str(trace.parent):
-            raise UsageError(f"directory {trace.parent} for the trace does not exist")
+        make_parent_directory(trace, "trace")
+        make_parent_directory(config.checkpoint_path, "checkpoint")
     except (UsageError, ValueError) as exc:
         return str(exc)
     return None
+
+
+def make_parent_directory(path: Path, what: str) -> None:
+    """Create the directory that will hold ``path``, as output options usually do
+    (``--trace runs/a.h5`` in a fresh clone); UsageError naming it if that fails."""
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UsageError(f"{path.parent}, where the {what} should go, is not a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create directory {path.parent} for the {what}: {exc.strerror or exc}") from None
 
 
 def check_quantizes_something(config, model: torch.nn.Module) -> None:
@@ -219,7 +235,17 @@ def describe_run(config, server, size: int, log) -> None:
     if server.buffer_sync.size:
         log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
             "workers after each evaluated iteration, before a checkpoint and at the end")
+    log(f"network: {network_description(config)}")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
+
+
+def network_description(config) -> str:
+    """The network model in words, the rate in bytes and in bits (``10MB/s (80Mbit/s)``)."""
+    if config.net_mode == "off":
+        return "not modelled (net_mode off: the simulated clock is the wall clock)"
+    clock = "simulated clock" if config.net_mode == "virtual" else "real sleeps"
+    return (f"{format_rate(config.bandwidth)} per link, latency {format_duration(config.latency)} per message, "
+            f"{config.broadcast} broadcast, {clock}")
 
 
 def _version() -> str:
