@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     topology = Topology(args.name, args.nodes, args.subnet)
     rates = _rates(args)
     events = [LinkEvent.parse(text) for text in args.event or []]
+    for event in events:
+        topology.node(event.node)  # UsageError for a node the lab does not have
     latency = parse_duration(args.latency) if args.latency else 0.0
     if events and not command:
         raise UsageError("--event needs a command to run")

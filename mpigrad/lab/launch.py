@@ -134,18 +134,27 @@ class CommandRun:
         return RunResult(code, time.monotonic() - self.started)
 
     def stop(self, grace: float = 3.0) -> None:
-        """SIGTERM every process group, SIGKILL what is left after ``grace`` seconds."""
-        self._signal(signal.SIGTERM)
+        """SIGTERM every process group, SIGKILL what is left after ``grace`` seconds, and
+        wait (up to ``grace`` more) until the groups are empty."""
+        if not self._signal(signal.SIGTERM):
+            return
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.processes):
+        while time.monotonic() < deadline and self._signal(0):
             time.sleep(0.05)
         self._signal(signal.SIGKILL)
         for proc in self.processes:
             proc.wait()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self._signal(0):
+            time.sleep(0.05)
 
-    def _signal(self, sig: int) -> None:
+    def _signal(self, sig: int) -> bool:
+        """Send ``sig`` to every process group; whether any group still had a process."""
+        alive = False
         for proc in self.processes:
             try:
                 os.killpg(proc.pid, sig)
+                alive = True
             except (ProcessLookupError, PermissionError):
                 pass
+        return alive

@@ -115,8 +115,6 @@ class EventSchedule:
     ``stop()`` ends it (events not yet due are dropped). Each applied event is logged."""
 
     def __init__(self, links: Links, events: list[LinkEvent], log=print):
-        for event in events:
-            links.topology.node(event.node)  # UsageError for a node the lab does not have
         self.links = links
         self.events = sorted(events, key=lambda e: e.at)
         self.log = log

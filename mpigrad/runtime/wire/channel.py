@@ -96,6 +96,11 @@ class Channel(ABC):
         """Take part in the broadcast of each ``(buffer, group)`` (all posted, then all
         awaited): the group's root sends its buffer, members receive into theirs."""
 
+    @abstractmethod
+    def has_message(self, source: int, tag: int) -> bool:
+        """Whether a message from ``source`` with ``tag`` has arrived and waits to be received
+        (for diagnosis: which peers went on while a broadcast stalled)."""
+
     def report_error(self, iteration: int, text: str) -> None:
         """A worker or shard server that cannot go on tells rank 0 (message 8), then waits up
         to ``timeout`` for rank 0 to record it and end the run; returns if rank 0 does not.

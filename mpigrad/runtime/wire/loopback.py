@@ -85,6 +85,10 @@ class LoopbackChannel(Channel):
             waiting.discard(source)
             yield source, buffers[source][:data.size]
 
+    def has_message(self, source: int, tag: int) -> bool:
+        with self.box.cond:
+            return bool(self.box.queues.get((source, tag)))
+
     def broadcast(self, items, describe) -> None:
         for buf, group in items:
             members = self.members(group)

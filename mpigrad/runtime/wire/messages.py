@@ -51,6 +51,7 @@ TAG_REPORT = 13
 TAG_AVERAGE = 14
 TAG_BUFFERS = 15
 TAG_ERROR = 16
+TAG_OBJECT = 17  # the set-up and checkpoint plane: one pickled object per message (wire/mpi.py)
 
 # Control commands.
 CONTINUE = 1

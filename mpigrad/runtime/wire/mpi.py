@@ -9,6 +9,7 @@ and the trace closed, by rank 0 itself.
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any, Callable, Iterator
 
@@ -16,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .channel import WORLD, Backoff, Channel, PeerFailed
-from .messages import TAG_ERROR, ErrorReport, FrameError
+from .messages import TAG_ERROR, TAG_OBJECT, ErrorReport, FrameError
 
 #: How long a failed rank's error report may take to leave (it is small: sent eagerly).
 _REPORT_SEND_SECONDS = 10.0
@@ -37,10 +38,9 @@ def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[li
         backoff.sleep()
 
 
-def barrier(comm: MPI.Comm, timeout: float, what: str, poll: Callable[[], None] | None = None) -> None:
-    """MPI_Barrier, sleep-polled; PeerTimeout ("{what} within {timeout} s") past the timeout;
-    ``poll()`` runs between polls (rank 0: :func:`check_error_reports`)."""
-    _wait_all([comm.Ibarrier()], [None], timeout, lambda pending: what, poll)
+def barrier(comm: MPI.Comm, timeout: float, what: str) -> None:
+    """MPI_Barrier, sleep-polled; PeerTimeout ("{what} within {timeout} s") past the timeout."""
+    _wait_all([comm.Ibarrier()], [None], timeout, lambda pending: what)
 
 
 def check_error_reports(comm: MPI.Comm, servers: int) -> None:
@@ -106,26 +106,45 @@ class MpiChannel(Channel):
             backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
             yield source, buffers[source][:count]
 
+    def has_message(self, source: int, tag: int) -> bool:
+        return bool(self.comm.Iprobe(source=source, tag=tag))
+
     def broadcast(self, items, describe) -> None:
         requests = [self._groups[group].Ibcast(buf, root=0) for buf, group in items]
         _wait_all(requests, [group for _, group in items], self.timeout, lambda pending: describe(), self._poll)
 
-    # The object collectives block, and a blocking MPI call spins: each first waits,
-    # sleep-polled, until every rank has arrived (rank 0 is often seconds ahead or behind).
+    # The set-up and checkpoint plane: pickled objects as point-to-point byte messages (tag
+    # OBJECT), so that every wait sleep-polls, times out and names the ranks it still waits
+    # for (MPI's object collectives block: a rank that is gone hangs them, spinning).
     def gather_object(self, obj):
-        self._arrive()
-        return self.comm.gather(obj, root=0)
+        if self.rank != 0:
+            self._send_objects([(obj, 0)], "rank 0 took no set-up or checkpoint data")
+            return None
+        others = list(range(1, self.size))
+        gathered = [obj] + [None] * len(others)
+        buffers = {rank: np.empty(0, np.uint8) for rank in others}
+        describe = lambda pending: (f"rank(s) {', '.join(map(str, pending))} sent no set-up or "  # noqa: E731
+                                    "checkpoint data")
+        for source, view in self.frames(others, TAG_OBJECT, buffers, describe):
+            gathered[source] = pickle.loads(view)
+        return gathered
 
     def scatter_object(self, objs):
-        self._arrive()
-        return self.comm.scatter(objs, root=0)
+        if self.rank == 0:
+            self._send_objects([(objs[rank], rank) for rank in range(1, self.size)],
+                               "set-up or checkpoint data did not reach rank(s) {}")
+            return objs[0]
+        buffers = {0: np.empty(0, np.uint8)}
+        _, view = next(self.frames([0], TAG_OBJECT, buffers, lambda pending: "rank 0 sent no set-up data"))
+        return pickle.loads(view)
 
     def bcast_object(self, obj):
-        self._arrive()
-        return self.comm.bcast(obj, root=0)
+        return self.scatter_object([obj] * self.size if self.rank == 0 else None)
 
-    def _arrive(self) -> None:
-        barrier(self.comm, self.timeout, "not every rank reached the set-up or checkpoint exchange", self._poll)
+    def _send_objects(self, items: list, what: str) -> None:
+        buffers = [(np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8), dest)
+                   for obj, dest in items]
+        self.send(buffers, TAG_OBJECT, lambda pending: what.format(", ".join(map(str, pending))))
 
     def report_error(self, iteration: int, text: str) -> None:
         request = self.comm.Isend(ErrorReport(iteration, text).pack(), dest=0, tag=TAG_ERROR)
