@@ -191,10 +191,12 @@ def test_a_real_iteration_tracks_the_simulated_one(tmp_path, mpi_env):
 @needs_lab
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_a_downed_link_is_named_and_resume_gives_the_straight_trace(tmp_path, mpi_env):
-    """Node 2's link goes down mid-run: rank 0 names worker 2 and the iteration within
-    --timeout and closes the trace "failed"; --resume (outside the lab) from the last
-    periodic checkpoint finishes the trace of a straight run."""
+def test_a_collapsed_link_slows_the_run_a_downed_one_is_named_and_resume_gives_the_straight_trace(
+        tmp_path, mpi_env):
+    """At 2 MB/s: node 1's link collapses to 1 % for 10 s (the run slows, nothing else), then
+    node 2's link goes down: rank 0 names worker 2 and the iteration within --timeout and
+    closes the trace "failed"; --resume (outside the lab) from the last periodic checkpoint
+    finishes the trace of a straight run, so the collapse changed nothing but wall time."""
     from mpigrad.trace import load
 
     run = ["--iterations", "300", "--checkpoint-every", "20", "--trace-flush", "20", "--progress-every", "50",
@@ -203,25 +205,31 @@ def test_a_downed_link_is_named_and_resume_gives_the_straight_trace(tmp_path, mp
     done = run_mpi(3, ["train", "--trace", str(straight), *run], mpi_env, timeout=120)
     assert done.returncode == 0, done.stderr
     failed = tmp_path / "failed.h5"
-    down_at, timeout = 20.0, 5.0
+    down_at, timeout = 28.0, 10.0
+    events = ["12s:node1:rate=20kB/s", "22s:node1:rate=2MB/s", f"{down_at:g}s:node2:down"]
     result = subprocess.run(lab_command(
-        "--nodes", "3", "--rate", "2MB/s", "--check", "none", "--event", f"{down_at:g}s:node2:down", "--",
+        "--nodes", "3", "--rate", "2MB/s", "--check", "none", *[f"--event={e}" for e in events], "--",
         "train", "--trace", str(failed), "--timeout", f"{timeout:g}", *run),
         env=mpi_env, capture_output=True, text=True, timeout=150)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "lab: 20.0 s: node 2 link down" in result.stdout, result.stdout
+    for line in ("12.0 s: node 1 rate 0.02 MB/s", "22.0 s: node 1 rate 2 MB/s", "28.0 s: node 2 link down"):
+        assert f"lab: {line}" in result.stdout, result.stdout
     assert "rank 0: error: worker rank(s) 2 " in result.stderr, result.stdout + result.stderr
     ended = float(result.stdout.split("lab: command exited 1 after ")[1].split(" s")[0])
     assert ended < down_at + timeout + 5, result.stdout
     trace = load(failed)
     assert trace.status == "failed" and "worker rank(s) 2 " in trace.attrs["error"]
     assert f"iteration {trace.attrs['last_iteration'] + 1}" in trace.attrs["error"]
+    step_seconds = np.diff(trace.steps["wall_time"].to_numpy())
+    slow = int(np.argmax(step_seconds))
+    print(f"\n[lab] 2 MB/s -> 20 kB/s for 10 s: slowest iteration {step_seconds[slow]:.2f} s, "
+          f"median {np.median(step_seconds):.3f} s; failed at {trace.attrs['error']!r}")
+    assert step_seconds[slow] > 10 * np.median(step_seconds) and slow + 20 < len(step_seconds)
     assert_nothing_left(str(failed))
     resumed = run_mpi(3, ["train", "--trace", str(failed), *run, "--resume"], mpi_env, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
     assert_same_trace(load(straight), load(failed))
-
 
 
 @needs_lab
