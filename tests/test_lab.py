@@ -107,6 +107,17 @@ def test_a_host_without_root_or_tools_is_refused_with_one_line(monkeypatch, caps
         host.probe.cache_clear()
 
 
+@needs_lab
+def test_latency_is_refused_with_one_line_where_the_kernel_has_no_netem():
+    if host.probe().netem:
+        pytest.skip("this kernel has netem: --latency is accepted (that path is not tested)")
+    result = subprocess.run(lab_command("--latency", "1ms"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("mpigrad lab: error: --latency needs tc's netem qdisc, which this kernel does not "
+                             "have (sch_netem): the lab shapes rates only here\n")
+    assert_nothing_left()
+
+
 # ---- in a lab -------------------------------------------------------------------------------
 @pytest.fixture
 def lab():
@@ -234,7 +245,7 @@ def test_a_collapsed_link_slows_the_run_a_downed_one_is_named_and_resume_gives_t
 
 @needs_lab
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_lab_removes_everything(sig):
     marker = f"{NAME}-sleeper-{sig.name}"
     lab = subprocess.Popen(lab_command("--nodes", "2", "--check", "none", "--launch", "each", "--",

@@ -17,8 +17,8 @@ from functools import lru_cache
 from ..errors import UsageError
 
 #: Where a user without root goes instead (docs/lab.rst has the commands).
-WITHOUT_ROOT = ("run it as root, in a container with --cap-add NET_ADMIN (and --privileged or a writable "
-                "/run/netns for ip netns), or in a VM")
+WITHOUT_ROOT = ("run it as root, in a container with --cap-add NET_ADMIN --cap-add SYS_ADMIN, in a VM, or in a "
+                "user namespace (unshare --user --map-root-user --net --mount; see docs/lab.rst)")
 
 
 class LabError(RuntimeError):
