@@ -55,7 +55,7 @@ class Links:
         for end in self._ends(index):
             if self.latency:
                 run(["tc", *end, "root", "handle", "1:", *netem_arguments(self.latency)])
-                run(["tc", *end, "parent", "1:", "handle", "2:", *tbf_arguments(rate)])
+                run(["tc", *end, "parent", "1:1", "handle", "2:", *tbf_arguments(rate)])
             else:
                 run(["tc", *end, "root", *tbf_arguments(rate)])
         self.rates[index] = rate
@@ -112,7 +112,8 @@ class LinkEvent:
 
 class EventSchedule:
     """Applies link events in time order from a background thread, from ``start()`` on;
-    ``stop()`` ends it (events not yet due are dropped). Each applied event is logged."""
+    ``stop()`` ends it. Each event applied, failed or dropped (not yet due at ``stop()``) is
+    logged; ``applied`` holds (seconds after start, event), ``errors`` the failures' text."""
 
     def __init__(self, links: Links, events: list[LinkEvent], log=print):
         self.links = links
@@ -120,6 +121,7 @@ class EventSchedule:
         self.log = log
         self.applied: list[tuple[float, LinkEvent]] = []
         self.errors: list[str] = []
+        self._next = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lab-events", daemon=True)
 
@@ -133,6 +135,7 @@ class EventSchedule:
         for event in self.events:
             if self._stop.wait(max(0.0, self.started + event.at - time.monotonic())):
                 return
+            self._next += 1
             try:
                 event.apply(self.links)
             except LabError as exc:
@@ -147,3 +150,5 @@ class EventSchedule:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        for event in self.events[self._next:]:
+            self.log(f"lab: event at {event.at:g} s ({event.describe()}) dropped: the command ended first")
