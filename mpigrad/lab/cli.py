@@ -97,12 +97,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"mpigrad lab: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the teardown itself is not interrupted
+        _remove(lab, log, previous)
+
+
+def _remove(lab: Lab, log, sigterm_handler) -> None:
+    """Tear the lab down with SIGINT and SIGTERM ignored (a second Ctrl-C must not leave half a
+    lab); a failure is printed as one line (the names left are in it)."""
+    sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
         removed = lab.teardown()
         if removed.namespaces:
             ended = f", ended {len(removed.killed)} process(es) left inside" if removed.killed else ""
             log(f"lab: removed {', '.join(removed.namespaces)}{ended}")
-        signal.signal(signal.SIGTERM, previous)
+    except LabError as exc:
+        print(f"mpigrad lab: error: teardown: {exc}", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGINT, sigint_handler)
+        signal.signal(signal.SIGTERM, sigterm_handler)
 
 
 def _run_in_lab(lab: Lab, rates: dict[int, float], latency: float, events: list[LinkEvent], plan,

@@ -158,7 +158,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
         clocks.pause()  # checkpoint time stays off the wall clock
         trace.flush()  # first: the trace must hold every row before the checkpoint's iteration
         state = server.state_dict()
-        states = channel.gather_object(None)
+        states = channel.gather_object(None, f"checkpoint state after iteration {server.iteration}")
         size = checkpoint.save(config.checkpoint_path, ident, state, states[server.servers:],
                                servers=states[1:server.servers])
         clocks.resume()
@@ -218,7 +218,7 @@ def run_other_rank(config, channel) -> int:
         start = channel.bcast_object(None)
 
         def send_state() -> None:
-            channel.gather_object(role.state_dict())
+            channel.gather_object(role.state_dict(), f"checkpoint state after iteration {role.iteration}")
 
         if role.run(start, on_checkpoint=send_state):
             send_state()

@@ -108,7 +108,9 @@ class Channel(ABC):
 
     # ---- set-up and checkpoint plane: pickled objects, rank 0 as root ----------------------
     @abstractmethod
-    def gather_object(self, obj: Any) -> list[Any] | None: ...
+    def gather_object(self, obj: Any, what: str = "set-up data") -> list[Any] | None:
+        """Rank 0 gets every rank's ``obj`` (a list by rank), the others None; ``what`` names
+        the data in a timeout's message (e.g. "checkpoint state after iteration 80")."""
 
     @abstractmethod
     def scatter_object(self, objs: list[Any] | None) -> Any: ...

@@ -116,15 +116,14 @@ class MpiChannel(Channel):
     # The set-up and checkpoint plane: pickled objects as point-to-point byte messages (tag
     # OBJECT), so that every wait sleep-polls, times out and names the ranks it still waits
     # for (MPI's object collectives block: a rank that is gone hangs them, spinning).
-    def gather_object(self, obj):
+    def gather_object(self, obj, what="set-up data"):
         if self.rank != 0:
-            self._send_objects([(obj, 0)], "rank 0 took no set-up or checkpoint data")
+            self._send_objects([(obj, 0)], f"rank 0 took no {what}")
             return None
         others = list(range(1, self.size))
         gathered = [obj] + [None] * len(others)
         buffers = {rank: np.empty(0, np.uint8) for rank in others}
-        describe = lambda pending: (f"rank(s) {', '.join(map(str, pending))} sent no set-up or "  # noqa: E731
-                                    "checkpoint data")
+        describe = lambda pending: f"rank(s) {', '.join(map(str, pending))} sent no {what}"  # noqa: E731
         for source, view in self.frames(others, TAG_OBJECT, buffers, describe):
             gathered[source] = pickle.loads(view)
         return gathered
@@ -132,7 +131,7 @@ class MpiChannel(Channel):
     def scatter_object(self, objs):
         if self.rank == 0:
             self._send_objects([(objs[rank], rank) for rank in range(1, self.size)],
-                               "set-up or checkpoint data did not reach rank(s) {}")
+                               "set-up data did not reach rank(s) {}")
             return objs[0]
         buffers = {0: np.empty(0, np.uint8)}
         _, view = next(self.frames([0], TAG_OBJECT, buffers, lambda pending: "rank 0 sent no set-up data"))
