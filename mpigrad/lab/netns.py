@@ -187,11 +187,16 @@ class Lab:
         self.teardown()
 
 
-def remove_namespaces(names: list[str], grace: float = 3.0) -> Teardown:
-    """End the processes inside ``names`` (SIGTERM, then SIGKILL after ``grace`` s), then delete
-    the namespaces: their interfaces, bridge and qdiscs go with them."""
+def remove_namespaces(names: list[str], grace: float = 3.0, settle: float = 1.0) -> Teardown:
+    """End the processes inside ``names`` (after ``settle`` s for those already on their way
+    out, e.g. ranks MPI_Abort is killing: SIGTERM, then SIGKILL after ``grace`` s), then
+    delete the namespaces: their interfaces, bridge and qdiscs go with them."""
     result = Teardown()
     pids = sorted({pid for ns in names for pid in namespace_pids(ns)})
+    deadline = time.monotonic() + settle
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
