@@ -25,10 +25,14 @@ _MIN_BURST = 64 * 1024
 _BURST_SECONDS = 0.01
 
 
+def tbf_burst(rate: float) -> int:
+    """The bucket's size in bytes for ``rate`` bytes/s: what passes at line speed after idling."""
+    return max(_MIN_BURST, int(rate * _BURST_SECONDS))
+
+
 def tbf_arguments(rate: float) -> list[str]:
-    """tc arguments for a tbf of ``rate`` bytes/s (the burst grows with the rate)."""
-    burst = max(_MIN_BURST, int(rate * _BURST_SECONDS))
-    return ["tbf", "rate", f"{round(rate * 8)}bit", "burst", str(burst), "latency", _QUEUE_LATENCY]
+    """tc arguments for a tbf of ``rate`` bytes/s."""
+    return ["tbf", "rate", f"{round(rate * 8)}bit", "burst", str(tbf_burst(rate)), "latency", _QUEUE_LATENCY]
 
 
 def netem_arguments(latency: float) -> list[str]:
