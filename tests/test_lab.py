@@ -283,7 +283,12 @@ def test_a_live_lab_of_the_same_name_is_refused_and_a_stale_one_removed():
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"removing a stale lab {NAME!r} (its process {dead.pid} is gone)" in result.stdout
         assert result.stdout.count("lab: rate check (tcp)") == 3
+        host.run(["ip", "netns", "add", f"{NAME}-7"])  # not a lab's: no hub, no owner
+        result = subprocess.run(lab_command("--check", "none"), capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1
+        assert f"namespaces {NAME}-7 exist but are no mpigrad lab's" in result.stderr
     finally:
         live.teardown()
+        host.run(["ip", "netns", "delete", f"{NAME}-7"], check=False)
     assert_nothing_left()
 

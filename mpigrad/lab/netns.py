@@ -7,7 +7,8 @@ Layout of lab NAME with N nodes (nothing is created in the host's own namespace)
 
 Every name the lab makes starts with its ``NAME-`` prefix. The bridge's alias records the
 owner process (``mpigrad-lab pid=PID``): a lab of the same name whose owner is gone is stale
-and is removed before a new one is built; one whose owner still runs is refused.
+and is removed before a new one is built; one whose owner still runs is refused, and so are
+namespaces of the lab's names that record no owner (they may be someone else's).
 """
 
 from __future__ import annotations
@@ -154,11 +155,13 @@ class Lab:
         if not found:
             return
         owner = self._owner() if t.hub in found else None
-        if owner is not None and owner != os.getpid() and _alive(owner):
+        if owner is None:
+            raise UsageError(f"namespaces {', '.join(sorted(found))} exist but are no mpigrad lab's (no owner "
+                             f"recorded in {t.hub}): remove them (ip netns delete NAME) or pick another --name")
+        if owner != os.getpid() and _alive(owner):
             raise UsageError(f"a lab named {t.name!r} is in use by process {owner} (namespaces "
                              f"{', '.join(sorted(found))}): pick another --name")
-        gone = f"its process {owner} is gone" if owner else "no owner recorded"
-        self.log(f"lab: removing a stale lab {t.name!r} ({gone}): {', '.join(sorted(found))}")
+        self.log(f"lab: removing a stale lab {t.name!r} (its process {owner} is gone): {', '.join(sorted(found))}")
         remove_namespaces(found)
 
     def _owner(self) -> int | None:
