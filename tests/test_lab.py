@@ -277,7 +277,7 @@ def test_a_live_lab_of_the_same_name_is_refused_and_a_stale_one_removed():
         assert result.stderr.count("\n") == 1
         dead = subprocess.Popen(["true"])  # a pid that no longer runs
         dead.wait()
-        host.run(["ip", "-n", topology.hub, "link", "set", "br0", "alias", f"mpigrad-lab pid={dead.pid}"])
+        host.run(["ip", "-n", topology.hub, "link", "set", "br0", "alias", f"mpigrad-lab pid={dead.pid} start=1"])
         result = subprocess.run(lab_command("--nodes", "3", "--check", "tcp"), capture_output=True, text=True,
                                 timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr

@@ -6,7 +6,7 @@ Layout of lab NAME with N nodes (nothing is created in the host's own namespace)
     namespace NAME-I     lab0: node I's end, address SUBNET.I+1/PREFIX, and lo
 
 Every name the lab makes starts with its ``NAME-`` prefix. The bridge's alias records the
-owner process (``mpigrad-lab pid=PID``): a lab of the same name whose owner is gone is stale
+owner process (``mpigrad-lab pid=PID start=TICKS``): a lab of the same name whose owner is gone is stale
 and is removed before a new one is built; one whose owner still runs is refused, and so are
 namespaces of the lab's names that record no owner (they may be someone else's).
 """
@@ -27,7 +27,7 @@ from .host import LabError, in_namespace, run
 IFACE = "lab0"
 BRIDGE = "br0"
 _NAME = re.compile(r"[a-z][a-z0-9]{0,11}")
-_OWNER = re.compile(r"mpigrad-lab pid=(\d+)")
+_OWNER = re.compile(r"mpigrad-lab pid=(\d+) start=(\d+)")
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,12 @@ class Topology:
         return namespace == self.hub or re.fullmatch(rf"{re.escape(self.name)}-\d+", namespace) is not None
 
 
+def owner_alias(pid: int) -> str:
+    """The bridge alias that records lab owner ``pid`` (with its start time: pids are reused)."""
+    stat = _stat(pid)
+    return f"mpigrad-lab pid={pid} start={stat[1] if stat else 0}"
+
+
 def namespaces() -> list[str]:
     """Every network namespace on the host, by name."""
     return [line.split()[0] for line in run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]
@@ -94,14 +100,20 @@ def namespace_pids(namespace: str) -> list[int]:
     return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) of a process, None when there is none."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[19])
+
+
+def _alive(pid: int, start: int | None = None) -> bool:
+    """Whether ``pid`` runs (a zombie does not), and is the process that started at ``start``."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z" and (start is None or stat[1] == start)
 
 
 @dataclass
@@ -130,7 +142,7 @@ class Lab:
         self._add_namespace(t.hub)
         hub = ["ip", "-n", t.hub]
         run([*hub, "link", "add", BRIDGE, "type", "bridge"])
-        run([*hub, "link", "set", BRIDGE, "alias", f"mpigrad-lab pid={os.getpid()}"])
+        run([*hub, "link", "set", BRIDGE, "alias", owner_alias(os.getpid())])
         run([*hub, "link", "set", BRIDGE, "up"])
         prefix = t.network.prefixlen
         for node in t.node_list:
@@ -158,20 +170,22 @@ class Lab:
         if owner is None:
             raise UsageError(f"namespaces {', '.join(sorted(found))} exist but are no mpigrad lab's (no owner "
                              f"recorded in {t.hub}): remove them (ip netns delete NAME) or pick another --name")
-        if owner != os.getpid() and _alive(owner):
-            raise UsageError(f"a lab named {t.name!r} is in use by process {owner} (namespaces "
+        pid, start = owner
+        if pid != os.getpid() and _alive(pid, start):
+            raise UsageError(f"a lab named {t.name!r} is in use by process {pid} (namespaces "
                              f"{', '.join(sorted(found))}): pick another --name")
-        self.log(f"lab: removing a stale lab {t.name!r} (its process {owner} is gone): {', '.join(sorted(found))}")
+        self.log(f"lab: removing a stale lab {t.name!r} (its process {pid} is gone): {', '.join(sorted(found))}")
         remove_namespaces(found)
 
-    def _owner(self) -> int | None:
+    def _owner(self) -> tuple[int, int] | None:
+        """(pid, start time) recorded in the hub's bridge alias, None when there is none."""
         done = run(["ip", "-n", self.topology.hub, "-j", "link", "show", BRIDGE], check=False)
         try:
             alias = json.loads(done.stdout)[0].get("ifalias", "")
         except (ValueError, IndexError, AttributeError):
             return None
         match = _OWNER.fullmatch(alias or "")
-        return int(match.group(1)) if match else None
+        return (int(match.group(1)), int(match.group(2))) if match else None
 
     # ---- running inside ----------------------------------------------------------------------
     def exec_prefix(self, index: int) -> list[str]:
