@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from .host import in_namespace
 from .netns import IFACE, Topology
 
 #: MPICH (ch4): no shared memory between ranks, TCP through libfabric on the lab's interface.
@@ -76,7 +77,7 @@ def is_open_mpi(mpiexec: str) -> bool:
 
 def _in_node(topology: Topology, index: int, command: list[str]) -> list[str]:
     env = [f"{k}={v}" for k, v in node_environment(topology, index).items()]
-    return ["ip", "netns", "exec", topology.node(index).namespace, "env", *env, *command]
+    return in_namespace(topology.node(index).namespace, ["env", *env, *command])
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ Layout of lab NAME with N nodes (nothing is created in the host's own namespace)
     namespace NAME-I     lab0: node I's end, address SUBNET.I+1/PREFIX, and lo
 
 Every name the lab makes starts with its ``NAME-`` prefix. The bridge's alias records the
-owner process (``mpigrad-lab pid=PID start=TICKS``): a lab of the same name whose owner is gone is stale
-and is removed before a new one is built; one whose owner still runs is refused, and so are
-namespaces of the lab's names that record no owner (they may be someone else's).
+owner process (``mpigrad-lab pid=PID start=TICKS``): a lab of the same name whose owner is
+gone is stale and is removed before a new one is built; one whose owner still runs is
+refused, and so are namespaces of the lab's names that record no owner (they may be someone
+else's).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-from .host import LabError, in_namespace, run
+from .host import LabError, run
 
 IFACE = "lab0"
 BRIDGE = "br0"
@@ -186,11 +187,6 @@ class Lab:
             return None
         match = _OWNER.fullmatch(alias or "")
         return (int(match.group(1)), int(match.group(2))) if match else None
-
-    # ---- running inside ----------------------------------------------------------------------
-    def exec_prefix(self, index: int) -> list[str]:
-        """The command prefix that runs a program inside node ``index``."""
-        return in_namespace(self.topology.node(index).namespace, [])
 
     # ---- teardown -----------------------------------------------------------------------------
     def teardown(self) -> Teardown:
