@@ -31,8 +31,9 @@ from .netns import IFACE, Topology
 #: MPICH (ch4): no shared memory between ranks, TCP through libfabric on the lab's interface.
 MPICH_VARIABLES = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
                    "FI_TCP_IFACE": IFACE}
-#: Open MPI's equivalent (not tested here: the lab was measured with the mpich wheel).
-OPENMPI_ARGUMENTS = ["--oversubscribe", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+#: Open MPI's equivalent (not tested here: the lab was measured with the mpich wheel). The
+#: lab runs as root, which Open MPI refuses without --allow-run-as-root.
+OPENMPI_ARGUMENTS = ["--oversubscribe", "--allow-run-as-root", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
                      "--mca", "btl_tcp_if_include", IFACE, "--mca", "oob_tcp_if_include", IFACE]
 MASTER_PORT = "29500"
 
