@@ -243,15 +243,16 @@ def test_a_collapsed_link_slows_the_run_a_downed_one_is_named_and_resume_gives_t
     assert_same_trace(load(straight), load(failed))
 
 
-GLOO_PEER = """
+GLOO_PEER = r"""
 import os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 x = torch.full((250_000,), float(dist.get_rank() + 1))  # 1 MB
 dist.all_reduce(x)
 began = time.perf_counter()
 dist.all_reduce(x)
-print(f"node {os.environ['MPIGRAD_LAB_NODE']} at {os.environ['MPIGRAD_LAB_ADDR']}: {x[0].item():g} "
-      f"in {time.perf_counter() - began:.2f} s", flush=True)
+line = (f"node {os.environ['MPIGRAD_LAB_NODE']} at {os.environ['MPIGRAD_LAB_ADDR']}: {x[0].item():g} "
+        f"in {time.perf_counter() - began:.2f} s\n")
+os.write(1, line.encode())  # one write: both nodes share the lab's stdout
 dist.destroy_process_group()
 """
 
