@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("mpigrad.bench", "throughput benchmarks (codecs, iteration overhead)"),
     "data": ("mpigrad.data.cli", "fetch and verify datasets on a login node"),
     "doctor": ("mpigrad.runtime.doctor", "check the MPI launch, threads and versions"),
+    "lab": ("mpigrad.lab.cli", "run on real rate-limited links: network namespaces on one machine (root)"),
 }
 
 

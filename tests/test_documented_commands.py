@@ -55,6 +55,9 @@ EXCLUDED = [
     (r"^python -m venv|^source ~/venvs|^module load|^export MPIGRAD_ENV_SCRIPT",
      "sets up a cluster account (site modules, a venv in $HOME)"),
     (r"^python -m pytest", "runs the test suite, of which this test is part"),
+    (r"^mpigrad lab\b", "builds network namespaces as root (tests/test_lab.py runs small labs)"),
+    (r"^mpiexec (--oversubscribe )?.*ip netns exec NAME", "the lab's launch line, with placeholders"),
+    (r"^(MPIGRAD_LAB_|RANK=I|GLOO_SOCKET_IFNAME=lab0)", "the variables a lab node is given, not a command"),
     (r"^mpirun --oversubscribe", "Open MPI's flags, which MPICH's mpirun refuses (.ci/run's Open MPI pass starts "
                                  "its runs with them, through mpigrad/mpiexec.py)"),
     (r"^(sbatch|srun|salloc|squeue|scontrol|sacct|scancel|exit)\b", _SLURM),
@@ -85,6 +88,7 @@ ILLUSTRATIVE_SAMPLES = [
     ("README.rst", r"^iter \d+/\d+ ", "a 300-iteration run; test_readme_progress_line checks its fields and traffic"),
     ("docs/models.rst", r"^mpigrad train: error: ", "errors of broken plugins (tests/test_plugins.py checks them)"),
     ("jobscripts/README.md", r"^mpigrad doctor: error: ", "needs srun's PMI mismatch on a cluster"),
+    ("docs/lab.rst", r"^mpigrad lab: error: ", "needs a machine without root (tests/test_lab.py checks the refusals)"),
 ]
 _SAMPLE_LINE = re.compile(r"^(iter \d+/\d+ |mpigrad [a-z]+: error: )")
 

@@ -198,6 +198,17 @@ def test_frames_are_checked_before_any_codec_reads_them():
         FrameHeader.read(frame[:10], 2)
 
 
+def test_error_reports_carry_the_iteration_and_the_text_and_are_checked():
+    from mpigrad.runtime.wire import ErrorReport
+
+    buf = ErrorReport(7, "injected fault é" + "x" * 2000).pack()
+    report = ErrorReport.unpack(buf)
+    assert report.iteration == 7 and report.text.startswith("injected fault é")
+    assert len(report.text.encode()) <= ErrorReport.MAX_TEXT
+    with pytest.raises(FrameError, match="bad error report"):
+        ErrorReport.unpack(buf[4:])
+
+
 def test_shards_are_layer_aligned_and_balanced_by_bytes():
     layout = Layout((Segment("a", 0, 600), Segment("b", 600, 300), Segment("c", 900, 300)),
                     Segment("small layers", 1200, 50), 1250)

@@ -189,6 +189,25 @@ def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, messag
             assert f.attrs["status"] == "failed"
 
 
+@pytest.mark.parametrize("fault, ranks, extra, named", [
+    ("raise:2:3", 3, [], "worker rank 2 failed at iteration 3: injected fault at iteration 3"),
+    ("raise:1:3", 4, ["--servers", "2"], "server rank 1 failed at iteration 3: injected fault at iteration 3"),
+])
+def test_a_rank_that_raises_has_rank_0_close_the_trace_failed(tmp_path, mpi_env, fault, ranks, extra, named):
+    """The failed rank sends rank 0 an error report (message 8): rank 0 names it, closes the
+    trace "failed" with the rows before it, and ends the run (no trace left "running")."""
+    env = dict(mpi_env, MPIGRAD_INJECT_FAULT=fault)
+    result, trace = train(tmp_path, env, "--iterations", "50", "--timeout", "20", "--trace-flush", "2",
+                          *extra, ranks=ranks, timeout=90)
+    assert result.returncode != 0
+    assert f"rank 0: error: {named}" in result.stderr, result.stderr
+    tr = load(trace)
+    assert (tr.status, tr.attrs["last_iteration"]) == ("failed", 2)
+    assert named in tr.attrs["error"] and list(tr.steps["iteration"]) == [0, 1, 2]
+    with h5py.File(trace, "r") as f:  # closed by rank 0: plain h5py opens it
+        assert f.attrs["status"] == "failed"
+
+
 def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(tmp_path, mpi_env):
     """With lossless fp32 frames, 2 workers equal one process stepping on the mean gradient."""
     import zlib

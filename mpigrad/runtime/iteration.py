@@ -39,7 +39,9 @@ PHASES = ("losses", "control", "gradients", "broadcast", "reports", "buffers")
 
 
 def run_iteration(role, m: int):
-    """Run iteration m on this rank; return what the role's ``end`` returns."""
+    """Run iteration m on this rank (``role.iteration`` is m until its ``end`` moves it on);
+    return what the role's ``end`` returns."""
+    role.iteration = m
     role.begin(m)
     for phase in PHASES:
         getattr(role, phase)(m)

@@ -149,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("MPIGRAD_DEBUG"):
             traceback.print_exc()
         print(f"mpigrad train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        from .session import RankFailure
+        if isinstance(exc, RankFailure):
+            exc.report()  # rank 0 closes the trace "failed" and ends the run (returns if it does not)
         _abort(comm, EXIT_FAILURE)
     return EXIT_FAILURE
 

@@ -308,7 +308,8 @@ class ParameterServer:
             if self.frames[s].size < int(self.lengths[s][0]):
                 self.frames[s] = np.empty(int(self.lengths[s][0]), np.uint8)
         received = {s: self.frames[s][:int(self.lengths[s][0])] for s in others}
-        self.channel.broadcast([(agg.frame, 0)] + [(received[s], s) for s in others], _stalled(m))
+        self.channel.broadcast([(agg.frame, 0)] + [(received[s], s) for s in others],
+                               lambda: self._broadcast_stalled(m))
         start = time.process_time()
         for s, frame in [(0, agg.frame), *received.items()]:
             try:
@@ -379,6 +380,18 @@ class ParameterServer:
         return run_iteration(self, m)
 
     # ---- helpers of the phases ----------------------------------------------------------------
+    def _broadcast_stalled(self, m: int) -> str:
+        """Why rank 0's gradient broadcast of iteration m stalled. A collective does not say
+        which member is missing, but a worker it reached goes on and sends its loss for
+        m + 1: the workers whose loss has not come are named when some others' has."""
+        went_on = [rank for rank in self.worker_ranks if self.channel.has_message(rank, TAG_LOSS)]
+        silent = [rank for rank in self.worker_ranks if rank not in went_on]
+        if not went_on or not silent:
+            return _stalled(m)()
+        return (f"worker rank(s) {', '.join(map(str, silent))} did not take the gradient broadcast of "
+                f"iteration {m} (the other workers went on to iteration {m + 1})")
+
+
     def _check_replicas(self, m: int, reports: list[LossReport]) -> list[int] | None:
         every = self.config.checksum_every
         if not every or m % every:

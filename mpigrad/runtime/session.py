@@ -131,7 +131,9 @@ def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = No
     if rank != 0:
         warm_up(config)
     stop = StopFlag(config.walltime, started).install()
-    channel = MpiChannel(comm, config.servers, config.timeout)
+    # Rank 0 detects and names a silent rank; the others give it twice as long before
+    # concluding that rank 0 itself is gone (they would otherwise time out together with it).
+    channel = MpiChannel(comm, config.servers, config.timeout if rank == 0 else 2 * config.timeout)
     if rank == 0:
         log = lambda message: print(message, flush=True)  # noqa: E731
         return run_parameter_server(config, channel, stop, argv, log)
@@ -173,7 +175,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
         clocks.pause()  # checkpoint time stays off the wall clock
         trace.flush()  # first: the trace must hold every row before the checkpoint's iteration
         state = server.state_dict()
-        states = channel.gather_object(None)
+        states = channel.gather_object(None, f"checkpoint state after iteration {server.iteration}")
         size = checkpoint.save(config.checkpoint_path, ident, state, states[server.servers:],
                                servers=states[1:server.servers])
         clocks.resume()
@@ -201,28 +203,48 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
     return 0
 
 
+class RankFailure(RuntimeError):
+    """A worker's or shard server's error (its text unchanged), raised from the original by
+    :func:`run_other_rank` with the iteration it happened in. ``report()`` sends it to rank 0
+    (message 8) and waits for rank 0 to close the trace "failed" and end the run."""
+
+    def __init__(self, error: Exception, channel, iteration: int):
+        super().__init__(str(error) or type(error).__name__)
+        self.channel, self.iteration = channel, iteration
+
+    def report(self) -> None:
+        self.channel.report_error(self.iteration, str(self))
+
+
 def run_other_rank(config, channel) -> int:
-    """A worker's or a shard server's session."""
-    if channel.rank < channel.servers:
-        from .server import ShardServer
-        role = ShardServer(config, channel)
-        if config.resume:
-            role.load_state_dict(channel.scatter_object(None))
-    else:
-        from .worker import Worker
-        role = Worker(config, channel)
-        if config.resume:
-            role.load_state_dict(*channel.scatter_object(None))
-    channel.gather_object(socket.gethostname())
-    start = channel.bcast_object(None)
+    """A worker's or a shard server's session; an error (other than a UsageError) comes out
+    as a :class:`RankFailure` carrying the iteration the role was in (-1 before it existed)."""
+    role = None
+    try:
+        if channel.rank < channel.servers:
+            from .server import ShardServer
+            role = ShardServer(config, channel)
+            if config.resume:
+                role.load_state_dict(channel.scatter_object(None))
+        else:
+            from .worker import Worker
+            role = Worker(config, channel)
+            if config.resume:
+                role.load_state_dict(*channel.scatter_object(None))
+        channel.gather_object(socket.gethostname())
+        start = channel.bcast_object(None)
 
-    def send_state() -> None:
-        channel.gather_object(role.state_dict())
+        def send_state() -> None:
+            channel.gather_object(role.state_dict(), f"checkpoint state after iteration {role.iteration}")
 
-    if role.run(start, on_checkpoint=send_state):
-        send_state()
-        return EXIT_REQUEUE
-    return 0
+        if role.run(start, on_checkpoint=send_state):
+            send_state()
+            return EXIT_REQUEUE
+        return 0
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise RankFailure(exc, channel, role.iteration if role is not None else -1) from exc
 
 
 def describe_run(config, server, size: int, log) -> None:

@@ -50,9 +50,6 @@ class Worker(FollowerRole):
         self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
-        # Rank 0 detects and names a silent worker; workers give it twice as long before
-        # concluding that a server itself is gone.
-        self.timeout = 2 * config.timeout
 
     def _compute(self) -> tuple[float, float, float]:
         """Forward and backward on the next batch; return (loss, CPU s, wall s)."""

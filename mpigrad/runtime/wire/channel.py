@@ -29,6 +29,10 @@ class PeerTimeout(RuntimeError):
     """A peer did not answer within the run's --timeout."""
 
 
+class PeerFailed(RuntimeError):
+    """Rank 0 received a peer's error report (message 8): the message names the rank."""
+
+
 class Backoff:
     """Sleep between polls, 50 us doubling to 2 ms; PeerTimeout past the deadline."""
 
@@ -92,9 +96,21 @@ class Channel(ABC):
         """Take part in the broadcast of each ``(buffer, group)`` (all posted, then all
         awaited): the group's root sends its buffer, members receive into theirs."""
 
+    @abstractmethod
+    def has_message(self, source: int, tag: int) -> bool:
+        """Whether a message from ``source`` with ``tag`` has arrived and waits to be received
+        (for diagnosis: which peers went on while a broadcast stalled)."""
+
+    def report_error(self, iteration: int, text: str) -> None:
+        """A worker or shard server that cannot go on tells rank 0 (message 8), then waits up
+        to ``timeout`` for rank 0 to record it and end the run; returns if rank 0 does not.
+        In-process ranks (loopback) share the exception instead: nothing to send."""
+
     # ---- set-up and checkpoint plane: pickled objects, rank 0 as root ----------------------
     @abstractmethod
-    def gather_object(self, obj: Any) -> list[Any] | None: ...
+    def gather_object(self, obj: Any, what: str = "set-up data") -> list[Any] | None:
+        """Rank 0 gets every rank's ``obj`` (a list by rank), the others None; ``what`` names
+        the data in a timeout's message (e.g. "checkpoint state after iteration 80")."""
 
     @abstractmethod
     def scatter_object(self, objs: list[Any] | None) -> Any: ...

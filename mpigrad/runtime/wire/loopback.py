@@ -85,6 +85,10 @@ class LoopbackChannel(Channel):
             waiting.discard(source)
             yield source, buffers[source][:data.size]
 
+    def has_message(self, source: int, tag: int) -> bool:
+        with self.box.cond:
+            return bool(self.box.queues.get((source, tag)))
+
     def broadcast(self, items, describe) -> None:
         for buf, group in items:
             members = self.members(group)
@@ -96,7 +100,7 @@ class LoopbackChannel(Channel):
             if root != self.rank:
                 self._recv_into(buf, root, ("bcast", group), describe)
 
-    def gather_object(self, obj):
+    def gather_object(self, obj, what="set-up data"):
         if self.rank:
             self.net.boxes[0].put((self.rank, _OBJECT), obj)
             return None

@@ -23,6 +23,14 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), per iteration m
                     float64[B] (every buffer, flattened in model order); then rank 0 -> every
                     rank, broadcast on the world, float64[B]: the workers' average.
 
+Outside the iteration's order:
+
+8. ``ErrorReport``  a worker or shard server that raised -> rank 0, tag ERROR, uint8: magic
+                    b"MGEX", the iteration the rank was in (int64, -1 before its first), then
+                    the error's text (UTF-8, cut to 1000 bytes). Rank 0 looks for it whenever
+                    it waits, closes the trace "failed" naming the rank, and ends the run
+                    (before, MPI_Abort from the failed rank killed rank 0 with the trace open).
+
 Frame header (little-endian): magic b"MGFR" (4), piece count uint32 (4), the sender's encode
 seconds float64 (8), then each piece's byte length uint64 (8 per piece). A decoder checks the
 magic, the count and that the lengths fill the frame exactly before it hands any piece to a
@@ -42,6 +50,8 @@ TAG_GRAD = 12
 TAG_REPORT = 13
 TAG_AVERAGE = 14
 TAG_BUFFERS = 15
+TAG_ERROR = 16
+TAG_OBJECT = 17  # the set-up and checkpoint plane: one pickled object per message (wire/mpi.py)
 
 # Control commands.
 CONTINUE = 1
@@ -173,6 +183,31 @@ def error_frame() -> np.ndarray:
 
 def is_error_frame(frame: np.ndarray) -> bool:
     return frame.size == 16 and frame[:4].tobytes() == ERROR_MAGIC
+
+
+@dataclass
+class ErrorReport:
+    """Message 8: a rank's error, for rank 0 to record and end the run with."""
+
+    iteration: int
+    text: str
+
+    MAGIC = b"MGEX"
+    MAX_TEXT = 1000
+    _HEAD = struct.Struct("<4sq")
+
+    def pack(self) -> np.ndarray:
+        text = self.text.encode("utf-8", "replace")[:self.MAX_TEXT]
+        return np.frombuffer(self._HEAD.pack(self.MAGIC, self.iteration) + text, np.uint8).copy()
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray) -> "ErrorReport":
+        """FrameError when the buffer is not an error report."""
+        raw = buf.tobytes()
+        if len(raw) < cls._HEAD.size or raw[:4] != cls.MAGIC:
+            raise FrameError(f"bad error report of {len(raw)} bytes")
+        _, iteration = cls._HEAD.unpack_from(raw)
+        return cls(int(iteration), raw[cls._HEAD.size:cls._HEAD.size + cls.MAX_TEXT].decode("utf-8", "replace"))
 
 
 class FrameLength:

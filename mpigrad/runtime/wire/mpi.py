@@ -2,20 +2,29 @@
 
 MPI's blocking calls spin a core while they wait. With more ranks than cores (laptops, CI,
 oversubscribed nodes) a spinning rank steals the cycles the computing ranks need, so every
-wait here polls ``Test`` and sleeps between polls (:class:`~.channel.Backoff`).
+wait here polls ``Test`` and sleeps between polls (:class:`~.channel.Backoff`). Rank 0 also
+looks for a peer's error report (message 8) at every poll: a worker that raised is named,
+and the trace closed, by rank 0 itself.
 """
 
 from __future__ import annotations
 
+import pickle
+import time
 from typing import Any, Callable, Iterator
 
 import numpy as np
 from mpi4py import MPI
 
-from .channel import WORLD, Backoff, Channel
+from .channel import WORLD, Backoff, Channel, PeerFailed
+from .messages import TAG_ERROR, TAG_OBJECT, ErrorReport, FrameError
+
+#: How long a failed rank's error report may take to leave (it is small: sent eagerly).
+_REPORT_SEND_SECONDS = 10.0
 
 
-def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[list], str]) -> None:
+def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[list], str],
+              poll: Callable[[], None] | None = None) -> None:
     pending = set(range(len(requests)))
     backoff = Backoff(timeout, lambda: describe([keys[i] for i in sorted(pending)]))
     while True:
@@ -24,12 +33,32 @@ def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[li
                 pending.discard(i)
         if not pending:
             return
+        if poll is not None:
+            poll()
         backoff.sleep()
 
 
 def barrier(comm: MPI.Comm, timeout: float, what: str) -> None:
     """MPI_Barrier, sleep-polled; PeerTimeout ("{what} within {timeout} s") past the timeout."""
     _wait_all([comm.Ibarrier()], [None], timeout, lambda pending: what)
+
+
+def check_error_reports(comm: MPI.Comm, servers: int) -> None:
+    """Rank 0: PeerFailed naming the rank, its iteration and its error when a peer sent an
+    error report (message 8); nothing otherwise."""
+    status = MPI.Status()
+    if not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ERROR, status=status):
+        return
+    source = status.Get_source()
+    buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+    comm.Recv([buf, MPI.BYTE], source=source, tag=TAG_ERROR)
+    role = "server" if source < servers else "worker"
+    try:
+        report = ErrorReport.unpack(buf)
+    except FrameError as exc:
+        raise PeerFailed(f"{role} rank {source} failed ({exc})") from None
+    at = f" at iteration {report.iteration}" if report.iteration >= 0 else " before its first iteration"
+    raise PeerFailed(f"{role} rank {source} failed{at}: {report.text}")
 
 
 class MpiChannel(Channel):
@@ -39,6 +68,7 @@ class MpiChannel(Channel):
         self.size = comm.Get_size()
         self.servers = servers
         self.timeout = timeout
+        self._poll = (lambda: check_error_reports(comm, servers)) if self.rank == 0 else None
         self._groups: dict[Any, MPI.Comm] = {WORLD: comm}
         if servers == 1:
             self._groups[0] = comm
@@ -52,11 +82,11 @@ class MpiChannel(Channel):
 
     def send(self, items, tag, describe) -> None:
         requests = [self.comm.Isend(buf, dest=dest, tag=tag) for buf, dest in items]
-        _wait_all(requests, [dest for _, dest in items], self.timeout, describe)
+        _wait_all(requests, [dest for _, dest in items], self.timeout, describe, self._poll)
 
     def recv(self, items, tag, describe) -> None:
         requests = [self.comm.Irecv(buf, source=source, tag=tag) for buf, source in items]
-        _wait_all(requests, [source for _, source in items], self.timeout, describe)
+        _wait_all(requests, [source for _, source in items], self.timeout, describe, self._poll)
 
     def frames(self, sources, tag, buffers, describe) -> Iterator[tuple[int, np.ndarray]]:
         waiting = set(sources)
@@ -64,6 +94,8 @@ class MpiChannel(Channel):
         backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
         while waiting:
             if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+                if self._poll is not None:
+                    self._poll()
                 backoff.sleep()
                 continue
             source, count = status.Get_source(), status.Get_count(MPI.BYTE)
@@ -74,23 +106,50 @@ class MpiChannel(Channel):
             backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
             yield source, buffers[source][:count]
 
+    def has_message(self, source: int, tag: int) -> bool:
+        return bool(self.comm.Iprobe(source=source, tag=tag))
+
     def broadcast(self, items, describe) -> None:
         requests = [self._groups[group].Ibcast(buf, root=0) for buf, group in items]
-        _wait_all(requests, [group for _, group in items], self.timeout, lambda pending: describe())
+        _wait_all(requests, [group for _, group in items], self.timeout, lambda pending: describe(), self._poll)
 
-    # The object collectives block, and a blocking MPI call spins: each first waits,
-    # sleep-polled, until every rank has arrived (rank 0 is often seconds ahead or behind).
-    def gather_object(self, obj):
-        self._arrive()
-        return self.comm.gather(obj, root=0)
+    # The set-up and checkpoint plane: pickled objects as point-to-point byte messages (tag
+    # OBJECT), so that every wait sleep-polls, times out and names the ranks it still waits
+    # for (MPI's object collectives block: a rank that is gone hangs them, spinning).
+    def gather_object(self, obj, what="set-up data"):
+        if self.rank != 0:
+            self._send_objects([(obj, 0)], f"rank 0 took no {what}")
+            return None
+        others = list(range(1, self.size))
+        gathered = [obj] + [None] * len(others)
+        buffers = {rank: np.empty(0, np.uint8) for rank in others}
+        describe = lambda pending: f"rank(s) {', '.join(map(str, pending))} sent no {what}"  # noqa: E731
+        for source, view in self.frames(others, TAG_OBJECT, buffers, describe):
+            gathered[source] = pickle.loads(view)
+        return gathered
 
     def scatter_object(self, objs):
-        self._arrive()
-        return self.comm.scatter(objs, root=0)
+        if self.rank == 0:
+            self._send_objects([(objs[rank], rank) for rank in range(1, self.size)],
+                               "set-up data did not reach rank(s) {}")
+            return objs[0]
+        buffers = {0: np.empty(0, np.uint8)}
+        _, view = next(self.frames([0], TAG_OBJECT, buffers, lambda pending: "rank 0 sent no set-up data"))
+        return pickle.loads(view)
 
     def bcast_object(self, obj):
-        self._arrive()
-        return self.comm.bcast(obj, root=0)
+        return self.scatter_object([obj] * self.size if self.rank == 0 else None)
 
-    def _arrive(self) -> None:
-        barrier(self.comm, self.timeout, "not every rank reached the set-up or checkpoint exchange")
+    def _send_objects(self, items: list, what: str) -> None:
+        buffers = [(np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8), dest)
+                   for obj, dest in items]
+        self.send(buffers, TAG_OBJECT, lambda pending: what.format(", ".join(map(str, pending))))
+
+    def report_error(self, iteration: int, text: str) -> None:
+        request = self.comm.Isend(ErrorReport(iteration, text).pack(), dest=0, tag=TAG_ERROR)
+        deadline = time.monotonic() + _REPORT_SEND_SECONDS
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(1e-3)
+        time.sleep(self.timeout)  # rank 0 closes the trace and calls MPI_Abort, which ends this rank

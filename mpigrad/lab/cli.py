@@ -1,0 +1,143 @@
+"""``mpigrad lab``: build N namespaces on a bridge with rate-limited links, check each link's
+rate, run a command one rank per node (link events on a schedule), and remove it all.
+
+    mpigrad lab --nodes 3 --rate 10MB/s                       # build, check the links, remove
+    mpigrad lab --nodes 3 --rate 10MB/s -- train --iterations 50 --net-mode off
+    mpigrad lab --nodes 3 --event 20s:node2:down -- train --timeout 10 ...
+    mpigrad lab --nodes 2 --launch each -- python ddp_peer.py  # RANK, MASTER_ADDR, ... set
+
+Exit: the command's exit code; 2 for a usage error or a host that cannot build a lab (one
+line: not root, no ip netns, no tbf); 1 when the lab itself fails; 130 on Ctrl-C. Whatever
+way it ends, the lab's namespaces, links, qdiscs and processes are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from ..config import parse_duration, parse_rate
+from ..errors import UsageError
+from .host import LabError, require_lab
+from .launch import CommandRun, each_plan, expand_command, mpi_plan
+from .netns import Lab, Topology
+from .ratecheck import check_links, summary
+from .shaping import EventSchedule, LinkEvent, Links
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = ("A command starting with 'train' runs as 'python -m mpi4py -m mpigrad train ...'. "
+                     "Needs root (or a container with NET_ADMIN, or a VM): see docs/lab.rst.")
+    parser.add_argument("--nodes", type=int, default=3, help="nodes, one rank each (default 3)")
+    parser.add_argument("--rate", default="10MB/s", help="every link's rate, both directions, e.g. 10MB/s, "
+                        "80Mbit/s (default 10MB/s)")
+    parser.add_argument("--node-rate", action="append", metavar="I=RATE", help="node I's link at another rate")
+    parser.add_argument("--latency", help="added one-way delay per link end, e.g. 1ms (needs netem in the kernel)")
+    parser.add_argument("--event", action="append", metavar="TIME:nodeI:ACTION",
+                        help="at TIME after the command starts: down, up or rate=RATE, e.g. 5s:node2:down, "
+                             "3s:node1:rate=1MB/s")
+    parser.add_argument("--launch", choices=["mpi", "each"], default="mpi",
+                        help="mpi: one mpiexec, rank I in node I (default); each: the command once per node")
+    parser.add_argument("--name", default="mgl", help="lab name, the prefix of its namespaces (default mgl)")
+    parser.add_argument("--subnet", default="10.77.0.0/24", help="the nodes' addresses (default 10.77.0.0/24)")
+    parser.add_argument("--check", choices=["mpi", "tcp", "none"], default=None,
+                        help="rate check before the command: MPI messages under mpiexec, plain TCP sockets, or "
+                             "none (default: mpi with --launch mpi, tcp with --launch each)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run (after --)")
+
+
+def _rates(args: argparse.Namespace) -> dict[int, float]:
+    rate = parse_rate(args.rate)
+    rates = {i: rate for i in range(args.nodes)}
+    for item in args.node_rate or []:
+        index, sep, value = item.partition("=")
+        if not sep or not index.strip().isdigit() or int(index) not in rates:
+            raise UsageError(f"--node-rate {item!r}: use I=RATE with I a node 0..{args.nodes - 1}")
+        rates[int(index)] = parse_rate(value)
+    for i, value in rates.items():
+        if not value > 0:
+            raise UsageError(f"node {i}'s rate must be positive")
+    return rates
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: stop the command, remove the lab, exit 130."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    topology = Topology(args.name, args.nodes, args.subnet)
+    rates = _rates(args)
+    events = [LinkEvent.parse(text) for text in args.event or []]
+    for event in events:
+        topology.node(event.node)  # UsageError for a node the lab does not have
+    latency = parse_duration(args.latency) if args.latency else 0.0
+    if events and not command:
+        raise UsageError("--event needs a command to run")
+    support = require_lab()
+    if latency and support.latency_reason:
+        raise UsageError(support.latency_reason)
+    plan = None
+    if command:
+        command = expand_command(command)
+        plan = mpi_plan(topology, command) if args.launch == "mpi" else each_plan(topology, command)
+    log = lambda message: print(message, flush=True)  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    lab = Lab(topology, log=log)
+    try:
+        check = args.check or ("tcp" if args.launch == "each" else "mpi")
+        return _run_in_lab(lab, rates, latency, events, plan, check, log)
+    except LabError as exc:
+        print(f"mpigrad lab: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        _remove(lab, log, previous)
+
+
+def _remove(lab: Lab, log, sigterm_handler) -> None:
+    """Tear the lab down with SIGINT and SIGTERM ignored (a second Ctrl-C must not leave half a
+    lab); a failure is printed as one line (the names left are in it)."""
+    sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        removed = lab.teardown()
+        if removed.namespaces:
+            ended = f", ended {len(removed.killed)} process(es) left inside" if removed.killed else ""
+            log(f"lab: removed {', '.join(removed.namespaces)}{ended}")
+    except LabError as exc:
+        print(f"mpigrad lab: error: teardown: {exc}", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGINT, sigint_handler)
+        signal.signal(signal.SIGTERM, sigterm_handler)
+
+
+def _run_in_lab(lab: Lab, rates: dict[int, float], latency: float, events: list[LinkEvent], plan,
+                check: str, log) -> int:
+    topology = lab.topology
+    lab.build()
+    links = Links(topology, latency)
+    for index, rate in rates.items():
+        links.set_rate(index, rate)
+    for node in topology.node_list:
+        log(f"lab: node {node.index}: namespace {node.namespace}, {node.address} on lab0, "
+            f"{rates[node.index] / 1e6:g} MB/s each way" + (f", +{latency * 1e3:g} ms" if latency else ""))
+    if check != "none":
+        log(summary(check_links(topology, links, check, log=log)))
+    if plan is None:
+        return 0
+    schedule = EventSchedule(links, events, log=log)
+    running = CommandRun(plan)
+    schedule.start()
+    try:
+        result = running.wait()
+    finally:
+        schedule.stop()
+        running.stop()
+    log(f"lab: command exited {result.returncode} after {result.seconds:.1f} s")
+    return result.returncode

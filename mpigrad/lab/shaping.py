@@ -1,0 +1,158 @@
+"""Link shaping: each node's link limited in both directions by tbf, and link events
+(a new rate, down, up) applied at given times during a run.
+
+Node I's link is two queues: tbf on ``lab0`` inside the node (what it sends) and tbf on
+``vI`` in the hub (what it receives). "down" takes the hub's end down: the node's frames
+are dropped on the wire, its sockets see nothing but silence (as when a cable is pulled).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+from ..config import parse_duration, parse_rate
+from ..errors import UsageError
+from .host import LabError, run
+from .netns import IFACE, Topology
+
+#: tbf's queue: packets wait at most this long before tbf drops them.
+_QUEUE_LATENCY = "400ms"
+_MIN_BURST = 64 * 1024
+#: The bucket must hold what the rate brings in one timer tick (HZ may be 100): 10 ms of it.
+_BURST_SECONDS = 0.01
+
+
+def tbf_burst(rate: float) -> int:
+    """The bucket's size in bytes for ``rate`` bytes/s: what passes at line speed after idling."""
+    return max(_MIN_BURST, int(rate * _BURST_SECONDS))
+
+
+def tbf_arguments(rate: float) -> list[str]:
+    """tc arguments for a tbf of ``rate`` bytes/s."""
+    return ["tbf", "rate", f"{round(rate * 8)}bit", "burst", str(tbf_burst(rate)), "latency", _QUEUE_LATENCY]
+
+
+def netem_arguments(latency: float) -> list[str]:
+    return ["netem", "delay", f"{latency * 1e6:.0f}us"]
+
+
+class Links:
+    """The links of a built lab. ``rates[i]`` is node i's configured rate (bytes/s)."""
+
+    def __init__(self, topology: Topology, latency: float = 0.0):
+        self.topology = topology
+        self.latency = latency
+        self.rates: dict[int, float] = {}
+        self.down: set[int] = set()
+
+    def _ends(self, index: int) -> list[list[str]]:
+        node = self.topology.node(index)
+        return [["-n", node.namespace, "qdisc", "replace", "dev", IFACE],
+                ["-n", self.topology.hub, "qdisc", "replace", "dev", node.hub_port]]
+
+    def set_rate(self, index: int, rate: float) -> None:
+        """Limit node ``index``'s link to ``rate`` bytes/s in both directions (with netem's delay
+        under it when ``latency`` is set)."""
+        for end in self._ends(index):
+            if self.latency:
+                run(["tc", *end, "root", "handle", "1:", *netem_arguments(self.latency)])
+                run(["tc", *end, "parent", "1:1", "handle", "2:", *tbf_arguments(rate)])
+            else:
+                run(["tc", *end, "root", *tbf_arguments(rate)])
+        self.rates[index] = rate
+
+    def set_down(self, index: int, down: bool) -> None:
+        node = self.topology.node(index)
+        run(["ip", "-n", self.topology.hub, "link", "set", node.hub_port, "down" if down else "up"])
+        (self.down.add if down else self.down.discard)(index)
+
+    def path_rate(self, sender: int, receiver: int) -> float:
+        """What a transfer from ``sender`` to ``receiver`` should carry: the slower link's rate."""
+        return min(self.rates[sender], self.rates[receiver])
+
+
+# ---- link events ----------------------------------------------------------------------------
+_EVENT = re.compile(r"(?P<at>[^:]+):(?:node)?(?P<node>\d+):(?P<action>down|up|rate=(?P<rate>.+))")
+
+
+@dataclass(frozen=True)
+class LinkEvent:
+    """At ``at`` seconds after the command starts: node ``node``'s link goes down, up, or to
+    ``rate`` bytes/s."""
+
+    at: float
+    node: int
+    action: str
+    rate: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "LinkEvent":
+        """``5s:node2:down``, ``13s:node2:up``, ``3s:node1:rate=1MB/s`` (``node`` optional)."""
+        match = _EVENT.fullmatch(text.strip())
+        if not match:
+            raise UsageError(f"--event {text!r}: use TIME:nodeI:down, TIME:nodeI:up or TIME:nodeI:rate=RATE, "
+                             "e.g. 5s:node2:down")
+        at = parse_duration(match["at"])
+        if at < 0:
+            raise UsageError(f"--event {text!r}: the time must be >= 0")
+        rate = parse_rate(match["rate"]) if match["rate"] else None
+        if rate is not None and not rate > 0:
+            raise UsageError(f"--event {text!r}: the rate must be positive")
+        return cls(at, int(match["node"]), "rate" if rate is not None else match["action"], rate)
+
+    def describe(self) -> str:
+        what = {"down": "link down", "up": "link up"}.get(self.action) or f"rate {self.rate / 1e6:g} MB/s"
+        return f"node {self.node} {what}"
+
+    def apply(self, links: Links) -> None:
+        if self.action == "rate":
+            links.set_rate(self.node, self.rate)
+        else:
+            links.set_down(self.node, self.action == "down")
+
+
+class EventSchedule:
+    """Applies link events in time order from a background thread, from ``start()`` on;
+    ``stop()`` ends it. Each event applied, failed or dropped (not yet due at ``stop()``) is
+    logged; ``applied`` holds (seconds after start, event), ``errors`` the failures' text."""
+
+    def __init__(self, links: Links, events: list[LinkEvent], log=print):
+        self.links = links
+        self.events = sorted(events, key=lambda e: e.at)
+        self.log = log
+        self.applied: list[tuple[float, LinkEvent]] = []
+        self.errors: list[str] = []
+        self._next = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lab-events", daemon=True)
+
+    def start(self) -> "EventSchedule":
+        self.started = time.monotonic()
+        if self.events:
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for event in self.events:
+            if self._stop.wait(max(0.0, self.started + event.at - time.monotonic())):
+                return
+            self._next += 1
+            try:
+                event.apply(self.links)
+            except LabError as exc:
+                self.errors.append(str(exc))
+                self.log(f"lab: event {event.describe()} failed: {exc}")
+                continue
+            elapsed = time.monotonic() - self.started
+            self.applied.append((elapsed, event))
+            self.log(f"lab: {elapsed:.1f} s: {event.describe()}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for event in self.events[self._next:]:
+            self.log(f"lab: event at {event.at:g} s ({event.describe()}) dropped: the command ended first")
