@@ -11,15 +11,16 @@ that differ here may give traces that agree only within float noise (docs/runtim
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import sys
 from collections.abc import Mapping
 
-__all__ = ["cpu_model", "torch_cpu_capability", "mpi_library_version", "mpi_implementation",
+__all__ = ["cpu_model", "cpu_signature", "torch_cpu_capability", "mpi_library_version", "mpi_implementation",
            "fingerprint", "FINGERPRINT_KEYS"]
 
 #: What must match for two runs of one seed to be expected bit for bit alike.
-FINGERPRINT_KEYS = ("cpu", "torch_cpu_capability", "torch", "numpy", "numba")
+FINGERPRINT_KEYS = ("cpu", "cpu_signature", "torch_cpu_capability", "torch", "numpy", "numba")
 
 
 def cpu_model() -> str:
@@ -34,6 +35,27 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_signature() -> str:
+    """What tells CPUs of one model name apart (a VM may call them all "AMD EPYC"): vendor,
+    family/model/stepping and a digest of the feature flags, from ``/proc/cpuinfo``, e.g.
+    ``AuthenticAMD 25/17/1 flags 3f9c0a1b2c4d``; ``"unknown"`` where there is none."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip():
+                    break                      # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    if not fields:
+        return "unknown"
+    flags = hashlib.sha1(" ".join(sorted(fields.get("flags", "").split())).encode()).hexdigest()[:12]
+    return (f"{fields.get('vendor_id', '?')} {fields.get('cpu family', '?')}/{fields.get('model', '?')}/"
+            f"{fields.get('stepping', '?')} flags {flags}")
 
 
 def torch_cpu_capability() -> str | None:

@@ -60,17 +60,20 @@ STEP_COLUMNS = ("iteration", "loss", "bits", "bytes_up", "bytes_down", "t_comm",
 
 #: Across machines. Losses: torch's kernels for another CPU round differently (1e-7 at the
 #: first iteration); 13 iterations grew that to at most 1e-4 (MCGQ, whose sampling turns
-#: float noise into other samples) under torch's AVX512, AVX2 and DEFAULT kernels.
+#: float noise into other samples) under torch's AVX512, AVX2 and DEFAULT kernels: ten times
+#: that.
 LOSS_RTOL = 1e-3
 #: Test accuracy on the 359 held-out digits (seen: 0.005 apart).
 ACCURACY_ATOL = 0.05
 #: Policy records (smoothed losses, slopes, Q-values, errors: differences of nearly equal
 #: numbers, seen up to 5e-4 apart), relative to each column's largest magnitude.
 POLICY_RTOL = 1e-2
-#: Codecs whose frame size depends on the values (Elias-coded QSGD, MCGQ's samples): bytes
-#: and the time charged for them (seen: MCGQ's bytes 9 % apart, its simulated time 0.5 %).
-VALUE_SIZED_CASES = {"qsgd-adaptive-residual", "mcgq-accumulate-tree", RESUMED[0]}
-BYTES_RTOL, SIM_TIME_RTOL = 0.2, 0.05
+#: Codecs whose frame size depends on the values -> the relative band of their bytes and of
+#: the time charged for them. MCGQ's sampling turns float noise into other samples (seen:
+#: bytes 9 % apart, simulated time 0.5 %); QSGD's Elias codes change only where a value's
+#: stochastic rounding flips (seen: none).
+VALUE_SIZED_CASES = {"qsgd-adaptive-residual": 0.01, "mcgq-accumulate-tree": 0.2, RESUMED[0]: 0.01}
+SIM_TIME_RTOL = 0.05
 
 
 def summarise(trace_path) -> dict:
@@ -147,7 +150,7 @@ def compare_portable(name: str, got: dict, expected: dict) -> None:
     traffic = ("bytes_up", "bytes_down", "worker_bytes", "t_comm", "sim_time")
     if name in VALUE_SIZED_CASES:
         for key in traffic:
-            rtol = SIM_TIME_RTOL if key == "sim_time" else BYTES_RTOL
+            rtol = min(SIM_TIME_RTOL, VALUE_SIZED_CASES[name]) if key == "sim_time" else VALUE_SIZED_CASES[name]
             _close(got[key], expected[key], f"{name}: {key}", rtol=rtol)
     else:
         for key in traffic:

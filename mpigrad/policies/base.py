@@ -6,6 +6,11 @@ iteration, in order, before the workers quantize. ``decide`` returns the bits of
 quantized layer for that iteration. Policies that learn or adapt log one row per
 decision in ``drain_records()``; ``state_dict()`` / ``load_state_dict()`` carry
 everything a resumed run needs to make the same decisions.
+
+A policy of the user's own is named ``package.module:Class`` wherever an id is taken
+(``--policy``, ``get_policy({"id": ...})``): the class is imported, checked (a ``Policy``
+subclass with a ``policy_id`` of its own and every abstract method implemented), and
+registered under its ``policy_id``; docs/extending.rst shows one in one file.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,10 +27,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import options
+from ..plugins import call_factory, is_plugin, load_factory
 
 __all__ = [
     "Policy", "PeriodicPolicy", "PolicyError", "Observation", "BITS_LIMITS", "register_policy", "get_policy",
-    "available", "policy_class", "policy_options",
+    "available", "policy_class", "policy_options", "check_decision",
 ]
 
 #: Widest bits range any policy accepts; a codec may support less (see ``Policy.check_codec``).
@@ -69,10 +76,31 @@ def available() -> list[str]:
 
 
 def policy_class(policy_id: str) -> type["Policy"]:
+    """The class of a registered id, or of a plugin ``package.module:Class`` (loaded, checked
+    and registered by ``_plugin_class``)."""
+    if is_plugin(policy_id):
+        return _plugin_class(policy_id)
     try:
         return _REGISTRY[policy_id]
     except (KeyError, TypeError):
-        raise PolicyError(f"unknown policy {policy_id!r}; available: {', '.join(available())}") from None
+        raise PolicyError(f"unknown policy {policy_id!r}; available: {', '.join(available())} "
+                          "(or a class of your own: package.module:Class)") from None
+
+
+def _plugin_class(spec: str) -> type["Policy"]:
+    cls = load_factory(spec, PolicyError)
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        what = f"the class {cls.__qualname__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise PolicyError(f"policy {spec} is {what}, not a subclass of mpigrad.policies.Policy")
+    policy_id = cls.__dict__.get("policy_id")
+    if not isinstance(policy_id, str) or not policy_id or is_plugin(policy_id):
+        raise PolicyError(f"policy {spec} must set policy_id = \"a-name-of-its-own\" (no ':')")
+    if inspect.isabstract(cls):
+        raise PolicyError(f"policy {spec} does not implement {', '.join(sorted(cls.__abstractmethods__))}")
+    if _REGISTRY.get(policy_id, cls) is not cls:
+        raise PolicyError(f"policy {spec}: policy_id {policy_id!r} is taken by "
+                          f"{_REGISTRY[policy_id].__module__}.{_REGISTRY[policy_id].__qualname__}")
+    return register_policy(cls)
 
 
 def policy_options(policy_id: str) -> dict[str, Any]:
@@ -94,7 +122,24 @@ def get_policy(config: dict[str, Any], n_layers: int = 1, seed: int = 0) -> "Pol
     params = dict(config)
     policy_id = params.pop("id")
     options.check_keys(f"policy {policy_id!r}", params, list(policy_options(policy_id)), error=PolicyError)
+    if is_plugin(policy_id):  # the user's code: any failure in one line
+        return call_factory(policy_id, policy_class(policy_id), {**params, "n_layers": n_layers, "seed": seed},
+                            PolicyError)
     return policy_class(policy_id)(**params, n_layers=n_layers, seed=seed)
+
+
+def check_decision(policy: "Policy", bits: Any, iteration: int) -> list[int]:
+    """``bits`` as ``decide`` returned them, checked: one whole number per quantized layer,
+    each in the policy's ``bits_range()``; PolicyError naming the policy and iteration."""
+    lo, hi = policy.bits_range()
+    try:
+        decided = [operator.index(b) for b in bits]
+    except TypeError:
+        decided = None
+    if decided is None or len(decided) != policy.n_layers or not all(lo <= b <= hi for b in decided):
+        raise PolicyError(f"policy {policy.policy_id!r} decided bits {bits!r} for iteration {iteration}: "
+                          f"expected {policy.n_layers} whole number(s) in [{lo}, {hi}]")
+    return decided
 
 
 # ---- option checks, shared by the policies' __init__ ---------------------------------

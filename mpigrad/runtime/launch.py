@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); "
                    "uniform: 2**bits levels from min to max; qsgd: the sign is one of the bits, "
                    "s = 2**(bits-1) - 1 levels per sign (bits 4 gives s = 7)")
-    g.add_argument("--policy", help=f"bit policy: %(policies)s (default {d.policy}; schedule needs "
-                   "--policy-opt schedule=0:2,500:4)")
+    g.add_argument("--policy", help=f"bit policy: %(policies)s | package.module:Class, a policy of your own "
+                   f"(docs/extending.rst) (default {d.policy}; schedule needs --policy-opt schedule=0:2,500:4)")
     g.add_argument("--policy-opt", action="append", metavar="KEY=VALUE", help="policy option, e.g. epsilon=0.1")
     g.add_argument("--min-quantize-size", type=int, help="quantize every parameter of at least this many elements, "
                    "the rest travels as float32 (default: the layers the paper quantizes, the weights "

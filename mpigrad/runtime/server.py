@@ -19,7 +19,7 @@ import torch
 
 from ..codecs import CodecError
 from ..config import RunConfig
-from ..policies import Observation, get_policy, policy_class
+from ..policies import Observation, check_decision, get_policy, policy_class
 from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
@@ -282,7 +282,7 @@ class ParameterServer:
 
     def control(self, m: int) -> None:
         start = time.process_time()
-        bits = list(self.policy.decide(self._observation(m, self.it["loss"])))
+        bits = check_decision(self.policy, self.policy.decide(self._observation(m, self.it["loss"])), m)
         self.it["t_policy"] = time.process_time() - start
         last = m + 1 == self.config.iterations
         reserve = self.checkpoint_reserve + close_seconds(m + 1)

@@ -20,6 +20,7 @@ from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
+from .wire import PeerTimeout
 
 if TYPE_CHECKING:
     import torch
@@ -241,7 +242,7 @@ def run_other_rank(config, channel) -> int:
             send_state()
             return EXIT_REQUEUE
         return 0
-    except UsageError:
+    except (UsageError, PeerTimeout):  # a silent peer (rank 0 itself, often): nobody to report to
         raise
     except Exception as exc:
         raise RankFailure(exc, channel, role.iteration if role is not None else -1) from exc

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import h5py
 import numpy as np
 
-from ..machine import cpu_model, mpi_library_version, torch_cpu_capability
+from ..machine import cpu_model, cpu_signature, mpi_library_version, torch_cpu_capability
 from .schema import TraceError
 
 __all__ = ["collect_versions", "slurm_ids", "encode_attr", "write_attrs", "read_attrs"]
@@ -40,7 +40,7 @@ def collect_versions() -> dict[str, str]:
     ``mpi4py.MPI`` already.
     """
     versions = {"python": platform.python_version(), "platform": platform.platform(),
-                "cpu": cpu_model(), "numpy": np.__version__, "h5py": h5py.__version__,
+                "cpu": cpu_model(), "cpu_signature": cpu_signature(), "numpy": np.__version__, "h5py": h5py.__version__,
                 "hdf5": h5py.version.hdf5_version}
     for dist in ("numba", "torch", "mpi4py"):
         try:

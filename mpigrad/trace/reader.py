@@ -148,8 +148,8 @@ def method_label(config: dict[str, Any]) -> str:
     if policy_id == "fixed":
         bits = policy.get("bits", codec.get("bits"))
         label = f"Fix ({bits}-bit)" if bits is not None else "Fix"
-    else:
-        label = _POLICY_LABELS.get(policy_id, policy_id)
+    else:  # a plugin package.module:Class is labelled by its class name
+        label = _POLICY_LABELS.get(policy_id, policy_id.rpartition(":")[2])
     return label if codec_id == _DEFAULT_CODEC else f"{label} [{codec_id}]"
 
 

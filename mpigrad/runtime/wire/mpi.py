@@ -21,6 +21,7 @@ from .messages import TAG_ERROR, TAG_OBJECT, ErrorReport, FrameError
 
 #: How long a failed rank's error report may take to leave (it is small: sent eagerly).
 _REPORT_SEND_SECONDS = 10.0
+_REPORT_WAIT_SECONDS = 30.0
 
 
 def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[list], str],
@@ -152,4 +153,6 @@ class MpiChannel(Channel):
             if time.monotonic() > deadline:
                 return
             time.sleep(1e-3)
-        time.sleep(self.timeout)  # rank 0 closes the trace and calls MPI_Abort, which ends this rank
+        # Rank 0 closes the trace and calls MPI_Abort, which ends this rank; if it does not
+        # come, this rank aborts the run itself.
+        time.sleep(min(self.timeout, _REPORT_WAIT_SECONDS))
