@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "codecs": ("mpigrad.bench.codecs", "encode/decode throughput of every codec against np.copyto and its NumPy twin"),
     "iteration": ("mpigrad.bench.iteration", "time per training iteration and codec/policy/trace overhead"),
     "trace": ("mpigrad.bench.trace", "rank 0's trace-writer CPU time per iteration and at close"),
+    "peers": ("mpigrad.bench.peers", "torch DDP (fp32, fp16 hook, PowerSGD) beside mpigrad on one config's task"),
 }
 
 
