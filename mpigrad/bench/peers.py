@@ -231,10 +231,15 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
 
 
 def _child_main(spec_path: str, rank: int) -> None:
+    """Run rank ``rank`` of the spec, write its records, and exit without the interpreter's
+    teardown (torch's and gloo's threads can abort it after the work is done and written)."""
     spec = json.loads(Path(spec_path).read_text())
     records = _ddp_rank(spec, rank)
     out = Path(spec["out"]) / f"rank{rank}.json"
     out.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the parent: runs, traces, table --------------------------------------------------------
@@ -396,29 +401,40 @@ def _run_ddp(spec: dict, env: dict) -> dict[str, RankRecord]:
     spec_path.write_text(json.dumps(spec))
     for old in out.glob("rank*.json"):
         old.unlink()
-    procs = [subprocess.Popen([sys.executable, "-m", "mpigrad.bench.peers", str(spec_path), str(rank)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(spec["workers"])]
-    failed = None
+    logs = [out / f"ddp-rank{rank}.log" for rank in range(spec["workers"])]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as handle:
+            procs.append(subprocess.Popen([sys.executable, "-m", "mpigrad.bench.peers", str(spec_path), str(rank)],
+                                          env=env, stdout=handle, stderr=subprocess.STDOUT))
+    failed = []
     for rank, proc in enumerate(procs):
-        _, err = proc.communicate()
-        if proc.returncode != 0 and failed is None:
-            failed = (rank, proc.returncode, err.strip().splitlines()[-1] if err.strip() else "")
+        proc.wait()
+        if proc.returncode != 0:
+            failed.append(f"rank {rank} (exit {proc.returncode}): {_cause(logs[rank].read_text())}")
             for other in procs:
                 if other.poll() is None:
                     other.kill()
     if failed:
-        raise RuntimeError(f"DDP rank {failed[0]} failed (exit {failed[1]}): {failed[2]}")
+        raise RuntimeError(f"DDP failed: {'; '.join(failed)} (logs: {out}/ddp-rank*.log)")
     per_rank = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(spec["workers"])]
     merged = {}
     for k, name in enumerate(spec["variants"]):
         first = RankRecord(**per_rank[0][k])
         first.losses = np.mean([r[k]["losses"] for r in per_rank], axis=0).tolist()
         merged[name] = first
-    for rank in range(spec["workers"]):
+    for rank, log in enumerate(logs):
         (out / f"rank{rank}.json").unlink()
+        log.unlink()
     spec_path.unlink()
     return merged
+
+
+def _cause(stderr: str) -> str:
+    """The line of a child's stderr that says why it failed: its last error line, else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no message"])[-1]
 
 
 def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankRecord, spec: dict) -> Path:
