@@ -84,6 +84,9 @@ def test_every_variant_trains_and_is_tabled(peers_run):
         assert len(losses) == 8 and np.isfinite(losses).all() and losses[-1] < losses[0]
         assert row["s_per_iteration"] > 0 and row["s_p10"] <= row["s_per_iteration"] <= row["s_p90"]
         assert row["iterations_to_target"] is not None and row["seconds_to_target"] > 0
+        if "peer" in trace.config:  # each rank's losses, and the global loss their mean
+            ranks = trace.workers[["loss_0", "loss_1"]].to_numpy()
+            assert np.allclose(ranks.mean(axis=1), losses) and not np.allclose(ranks[:, 0], ranks[:, 1])
     mpigrad = report["rows"][-1]
     assert mpigrad["iteration_vs_mpigrad"] == 1.0 and mpigrad["target_vs_mpigrad"] == 1.0
 

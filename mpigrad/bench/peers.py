@@ -143,13 +143,15 @@ class HookTally:
 # ---- one DDP rank (a child process) --------------------------------------------------------
 @dataclass
 class RankRecord:
-    """What one DDP rank measured for one variant, per iteration."""
+    """What one DDP rank measured for one variant, per iteration (after merging: ``losses``
+    the mean over ranks, ``rank_losses`` each rank's)."""
 
     variant: str
     losses: list[float]
     wall_times: list[float]       # s since the loop started, at each iteration's end
     bytes_per_node: list[float]
     hook_calls: list[int]         # DDP buckets per iteration (hooked variants; 0 for fp32)
+    rank_losses: list[list[float]] | None = None
 
 
 def _ddp_rank(spec: dict[str, Any], rank: int) -> list[RankRecord]:
@@ -380,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"mpigrad bench peers: error: {exc}", file=sys.stderr)
         return 1
-    rows = [_row(path, workers, args, start if "powersgd" in path.name else 0) for path in traces]
+    rows = [_row(path, workers, args) for path in traces]
     if args.mpigrad:
         _ratios(rows, rows[-1])
     _print_table(rows, args.target_loss, args.smooth)
@@ -421,7 +423,8 @@ def _run_ddp(spec: dict, env: dict) -> dict[str, RankRecord]:
     merged = {}
     for k, name in enumerate(spec["variants"]):
         first = RankRecord(**per_rank[0][k])
-        first.losses = np.mean([r[k]["losses"] for r in per_rank], axis=0).tolist()
+        first.rank_losses = [r[k]["losses"] for r in per_rank]
+        first.losses = np.mean(first.rank_losses, axis=0).tolist()
         merged[name] = first
     for rank, log in enumerate(logs):
         (out / f"rank{rank}.json").unlink()
@@ -458,7 +461,7 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
                 "loss": record.losses[m], "bits": 16 if variant.hook == "fp16" else 32,
                 "bytes_up": half, "bytes_down": half, "t_compute": math.nan, "t_encode": math.nan,
                 "t_decode": math.nan, "t_comm": math.nan, "t_policy": 0.0})
-            writer.append("workers", {"iteration": m, "loss": [math.nan] * workers,
+            writer.append("workers", {"iteration": m, "loss": [losses[m] for losses in record.rank_losses],
                                       "t_compute": [math.nan] * workers,
                                       "bytes_sent": [int(round(record.bytes_per_node[m]))] * workers})
         if fp32_node is not None:
@@ -482,16 +485,18 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
     return trace
 
 
-def _row(path: Path, workers: int, args, powersgd_start: int) -> PeerRow:
-    """The row of one trace: time statistics over iterations >= max(warmup, compression start + 1)."""
+def _row(path: Path, workers: int, args) -> PeerRow:
+    """The row of one trace: time and byte statistics over the iterations from max(warmup,
+    PowerSGD's start + 1) on (its first compressed iteration allocates its factors)."""
     from ..analysis.summary import iterations_to_target, smoothed_loss, time_to_target
     from ..trace import load
 
     trace = load(path)
     steps = trace.steps
+    powersgd_start = (trace.config.get("peer") or {}).get("start_powerSGD_iter")
     wall = steps["wall_time"].to_numpy(float)
     per_iteration = np.diff(np.concatenate([[0.0], wall]))
-    first = max(args.warmup, powersgd_start + 1 if powersgd_start else 0)
+    first = max(args.warmup, powersgd_start + 1 if powersgd_start is not None else 0)
     steady = per_iteration[first:]
     up = steps["bytes_up"].to_numpy(float)[first:]
     down = steps["bytes_down"].to_numpy(float)[first:]
