@@ -59,7 +59,7 @@ def peers_run(tmp_path_factory, mpi_env):
     config.write_text(TINY)
     out = root / "out"
     command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(out),
-               "--warmup", "2", "--target-loss", str(TARGET), "--smooth", "2"]
+               "--warmup", "2", "--target-loss", str(TARGET), "--smooth", "2", "--seeds", "1,2"]
     try:
         done = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
@@ -76,17 +76,19 @@ def test_every_variant_trains_and_is_tabled(peers_run):
     report = json.loads((out / "peers.json").read_text())
     methods = [row["method"] for row in report["rows"]]
     assert methods == [v.label for v in VARIANTS.values()] + ["FP32"]
-    assert report["workers"] == 2 and report["powersgd_start"] == 2
+    assert report["workers"] == 2 and report["powersgd_start"] == 2 and report["seeds"] == [1, 2]
     for row in report["rows"]:
-        assert row["method"] in stdout
-        trace = load(out / row["trace"])
-        losses = trace.steps["loss"].to_numpy()
-        assert len(losses) == 8 and np.isfinite(losses).all() and losses[-1] < losses[0]
+        assert row["method"] in stdout and len(row["traces"]) == 2
+        for name, seed in zip(row["traces"], (1, 2)):
+            trace = load(out / name)
+            assert trace.config["seed"] == seed and name.endswith(f"-seed{seed}.h5")
+            losses = trace.steps["loss"].to_numpy()
+            assert len(losses) == 8 and np.isfinite(losses).all() and losses[-1] < losses[0]
+            if "peer" in trace.config:  # each rank's losses, and the global loss their mean
+                ranks = trace.workers[["loss_0", "loss_1"]].to_numpy()
+                assert np.allclose(ranks.mean(axis=1), losses) and not np.allclose(ranks[:, 0], ranks[:, 1])
         assert row["s_per_iteration"] > 0 and row["s_p10"] <= row["s_per_iteration"] <= row["s_p90"]
-        assert row["iterations_to_target"] is not None and row["seconds_to_target"] > 0
-        if "peer" in trace.config:  # each rank's losses, and the global loss their mean
-            ranks = trace.workers[["loss_0", "loss_1"]].to_numpy()
-            assert np.allclose(ranks.mean(axis=1), losses) and not np.allclose(ranks[:, 0], ranks[:, 1])
+        assert row["reached"] == 2 and row["iterations_to_target"] >= 1 and row["seconds_to_target"] > 0
     mpigrad = report["rows"][-1]
     assert mpigrad["iteration_vs_mpigrad"] == 1.0 and mpigrad["target_vs_mpigrad"] == 1.0
 
@@ -107,7 +109,7 @@ def test_bytes_per_node_follow_the_hooks(peers_run):
     assert rows["DDP fp32"]["sent_mb_per_node"] == pytest.approx(ring_allreduce_bytes(2, n) / 1e6)
     assert rows["DDP fp16 hook"]["sent_mb_per_node"] == pytest.approx(ring_allreduce_bytes(2, n, 2) / 1e6)
     for rank in (1, 2, 4):
-        trace = load(out / f"ddp-powersgd{rank}.h5")
+        trace = load(out / f"ddp-powersgd{rank}-seed1.h5")
         per_node = (trace.steps["bytes_up"] + trace.steps["bytes_down"]).to_numpy() / 2
         # iterations 0 and 1 all-reduce the whole bucket (start_powerSGD_iter = 2), then P and Q
         assert per_node[:2] == pytest.approx(ring_allreduce_bytes(2, n), abs=1)
@@ -123,9 +125,11 @@ def test_ddp_fp32_and_mpigrad_fp32_losses_track(peers_run):
     from mpigrad.trace import load
 
     out, _ = peers_run
-    ddp = load(out / "ddp-fp32.h5").steps["loss"].to_numpy()
-    ours = load(out / "mpigrad.h5").steps["loss"].to_numpy()
-    assert np.abs(ddp - ours).max() < 1e-4
+    for seed in (1, 2):
+        ddp = load(out / f"ddp-fp32-seed{seed}.h5").steps["loss"].to_numpy()
+        ours = load(out / f"mpigrad-seed{seed}.h5").steps["loss"].to_numpy()
+        assert np.abs(ddp - ours).max() < 1e-4
+    assert np.abs(ddp - load(out / "ddp-fp32-seed1.h5").steps["loss"].to_numpy()).max() > 1e-3  # seeds differ
 
 
 @pytest.mark.mpi
@@ -135,7 +139,8 @@ def test_trace_compare_reads_ddp_runs_as_groups(peers_run, capsys):
     assert cli_main(["trace", "compare", *files, "--target-loss", str(TARGET), "--smooth", "2"]) == 0
     table = capsys.readouterr().out
     for label in [v.label for v in VARIANTS.values()] + ["FP32"]:
-        assert sum(line.startswith(label + " ") for line in table.splitlines()) == 1, table
+        rows = [line.split() for line in table.splitlines() if line.startswith(label + " ")]
+        assert len(rows) == 1 and "2/2" in rows[0], table  # one group, both seeds
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
@@ -147,5 +152,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert cli_main(["bench", "peers", "--config", str(config), "--variants", "fp32,powersgd3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown DDP variant 'powersgd3'" in err
+    assert cli_main(["bench", "peers", "--config", str(config), "--seeds", "1,x"]) == 2
+    assert "--seeds expects comma-separated integers" in capsys.readouterr().err
     assert cli_main(["bench", "peers", "--config", str(config), "--", "--model-opt", "fc_sizes=[0]"]) == 2
     assert capsys.readouterr().err.count("\n") == 1

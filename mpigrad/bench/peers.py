@@ -28,7 +28,7 @@ matrix and r = min(n, m, rank). A DDP trace splits them as bytes_up = P x the re
 half and bytes_down = P x the all-gather half, so bytes_up + bytes_down is every byte on the
 wire, as in an mpigrad trace.
 
-Output in ``--out DIR``: one mpigrad-format trace per run (``ddp-VARIANT.h5``, ``mpigrad.h5``;
+Output in ``--out DIR``: one mpigrad-format trace per run (``ddp-VARIANT-seedS.h5``, ``mpigrad-seedS.h5``;
 a DDP trace's config is the mpigrad config without its codec and policy keys, plus ``label``
 and ``peer``), so ``mpigrad trace compare DIR/*.h5 --target-loss X`` reads them as groups
 side by side (its simulated clock equals the wall clock here); and ``peers.json``, the
@@ -247,19 +247,20 @@ def _child_main(spec_path: str, rank: int) -> None:
 # ---- the parent: runs, traces, table --------------------------------------------------------
 @dataclass
 class PeerRow:
-    """One row of the table: a DDP variant or mpigrad's method, measured in this run."""
+    """One row of the table: a DDP variant or mpigrad's method, over its runs (one per seed)."""
 
     method: str
-    trace: str
+    traces: list[str]
     iterations: int
-    s_per_iteration: float | None        # median over the steady iterations
+    s_per_iteration: float | None        # median over the steady iterations of every run
     s_p10: float | None
     s_p90: float | None
-    sent_mb_per_node: float | None       # per iteration, steady state
+    sent_mb_per_node: float | None       # per iteration, median over the steady iterations
     received_mb_per_node: float | None
-    iterations_to_target: int | None
-    seconds_to_target: float | None
-    final_loss: float                    # smoothed
+    reached: int | None                  # runs whose smoothed loss reached the target
+    iterations_to_target: float | None   # mean over the runs that reached it
+    seconds_to_target: float | None      # mean over the runs that reached it
+    final_loss: float                    # smoothed, mean over the runs
     iteration_vs_mpigrad: float | None = None
     target_vs_mpigrad: float | None = None
 
@@ -275,6 +276,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--powersgd-start", type=int, default=None, metavar="K",
                         help="PowerSGD's start_powerSGD_iter (default: 10%% of the iterations, at least 2, "
                              "as torch's documentation recommends)")
+    parser.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                        help="seeds, one run of every method each (default: the config's seed)")
     parser.add_argument("--target-loss", type=float, default=None,
                         help="training loss to reach (trailing mean of --smooth losses), as trace compare")
     parser.add_argument("--smooth", type=int, default=20, help="losses in the trailing mean (default 20)")
@@ -298,6 +301,18 @@ def _variants(text: str) -> list[str]:
         raise UsageError(f"unknown DDP variant {', '.join(map(repr, unknown)) or repr(text)}; "
                          f"choose from {', '.join(VARIANTS)}")
     return names
+
+
+def _seeds(text: str | None, default: int) -> list[int]:
+    if text is None:
+        return [default]
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds expects comma-separated integers, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) < len(seeds):
+        raise UsageError(f"--seeds expects distinct non-negative integers, got {text!r}")
+    return seeds
 
 
 def _config(args: argparse.Namespace):
@@ -355,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers must be at least 1, got {workers}")
     if args.warmup < 0 or args.smooth < 1:
         raise UsageError("--warmup must be >= 0 and --smooth >= 1")
+    seeds = _seeds(args.seeds, config.seed)
     start = args.powersgd_start if args.powersgd_start is not None else max(2, config.iterations // 10)
     if start < 2:
         raise UsageError("--powersgd-start must be at least 2 (torch's minimum with error feedback)")
@@ -367,26 +383,30 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"mpigrad bench peers: {config.model} on {config.data}, P = {workers} workers, batch {config.batch_size}"
           f"/worker, lr {config.lr:g}, weight decay {config.weight_decay:g}, {config.iterations} iterations, "
-          f"seed {config.seed}, {threads} thread(s)/rank; DDP over {args.address}; PowerSGD from iteration {start}; "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+          f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; DDP over {args.address}; PowerSGD from "
+          f"iteration {start}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
 
-    spec = {"config": config.to_dict(), "variants": variants, "workers": workers, "threads": threads,
-            "iterations": config.iterations, "powersgd_start": start, "address": args.address,
-            "port": _free_port(args.address), "out": str(out)}
+    runs: dict[str, list[Path]] = {name: [] for name in [*variants, *(["mpigrad"] if args.mpigrad else [])]}
     try:
-        records = _run_ddp(spec, env)
-        traces = [_write_peer_trace(out / f"ddp-{name}.h5", config, VARIANTS[name], records[name], spec)
-                  for name in variants]
-        if args.mpigrad:
-            traces.append(_run_mpigrad(args, config, workers, out, env))
+        for seed in seeds:
+            seeded = dataclasses.replace(config, seed=seed)
+            spec = {"config": seeded.to_dict(), "variants": variants, "workers": workers, "threads": threads,
+                    "iterations": config.iterations, "powersgd_start": start, "address": args.address,
+                    "port": _free_port(args.address), "out": str(out)}
+            records = _run_ddp(spec, env)
+            for name in variants:
+                path = out / f"ddp-{name}-seed{seed}.h5"
+                runs[name].append(_write_peer_trace(path, seeded, VARIANTS[name], records[name], spec))
+            if args.mpigrad:
+                runs["mpigrad"].append(_run_mpigrad(args, seeded, workers, out, env))
     except RuntimeError as exc:
         print(f"mpigrad bench peers: error: {exc}", file=sys.stderr)
         return 1
-    rows = [_row(path, workers, args) for path in traces]
+    rows = [_row(paths, workers, args) for paths in runs.values()]
     if args.mpigrad:
         _ratios(rows, rows[-1])
     _print_table(rows, args.target_loss, args.smooth)
-    report = {"bench": "peers", "workers": workers, "address": args.address, "powersgd_start": start,
+    report = {"bench": "peers", "workers": workers, "seeds": seeds, "address": args.address, "powersgd_start": start,
               "target_loss": args.target_loss, "smooth": args.smooth, "warmup": args.warmup,
               "cpus": os.cpu_count(), "config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows]}
     (out / "peers.json").write_text(json.dumps(report, indent=1))
@@ -472,10 +492,10 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
 def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
     from ..mpiexec import mpiexec_command
 
-    trace = out / "mpigrad.h5"
+    trace = out / f"mpigrad-seed{config.seed}.h5"
     command = mpiexec_command(workers + config.servers, [
         sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train", "--config", args.config,
-        *[a for a in args.train_args if a != "--"], "--iterations", str(config.iterations),
+        *[a for a in args.train_args if a != "--"], "--iterations", str(config.iterations), "--seed", str(config.seed),
         "--net-mode", "off", "--eval-every", "0", "--progress-every", "0", "--trace", str(trace), "--force"],
         args.mpiexec)
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -485,37 +505,45 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
     return trace
 
 
-def _row(path: Path, workers: int, args) -> PeerRow:
-    """The row of one trace: time and byte statistics over the iterations from max(warmup,
-    PowerSGD's start + 1) on (its first compressed iteration allocates its factors)."""
+def _row(paths: list[Path], workers: int, args) -> PeerRow:
+    """The row of one method's traces: time and byte statistics over the iterations from
+    max(warmup, PowerSGD's start + 1) on (its first compressed iteration allocates its
+    factors), pooled over the runs; the target as ``trace compare`` reads it."""
     from ..analysis.summary import iterations_to_target, smoothed_loss, time_to_target
     from ..trace import load
 
-    trace = load(path)
-    steps = trace.steps
-    powersgd_start = (trace.config.get("peer") or {}).get("start_powerSGD_iter")
-    wall = steps["wall_time"].to_numpy(float)
-    per_iteration = np.diff(np.concatenate([[0.0], wall]))
-    first = max(args.warmup, powersgd_start + 1 if powersgd_start is not None else 0)
-    steady = per_iteration[first:]
-    up = steps["bytes_up"].to_numpy(float)[first:]
-    down = steps["bytes_down"].to_numpy(float)[first:]
-    peer = "peer" in trace.config
-    # DDP: every node sends and receives bytes_up + bytes_down over P; mpigrad: a worker sends
-    # its frame (bytes_up / P) and receives the broadcast (bytes_down / P).
-    sent = (up + down) / workers if peer else up / workers
-    received = sent if peer else down / workers
-    target = args.target_loss
+    steady, sent, received, its, seconds, final = [], [], [], [], [], []
+    for path in paths:
+        trace = load(path)
+        steps = trace.steps
+        peer = trace.config.get("peer")
+        powersgd_start = (peer or {}).get("start_powerSGD_iter")
+        first = max(args.warmup, powersgd_start + 1 if powersgd_start is not None else 0)
+        steady.append(np.diff(np.concatenate([[0.0], steps["wall_time"].to_numpy(float)]))[first:])
+        up = steps["bytes_up"].to_numpy(float)[first:]
+        down = steps["bytes_down"].to_numpy(float)[first:]
+        # DDP: each node sends and receives (bytes_up + bytes_down) / P; mpigrad: a worker sends
+        # its frame (bytes_up / P) and receives the broadcast (bytes_down / P).
+        sent.append((up + down) / workers if peer else up / workers)
+        received.append(sent[-1] if peer else down / workers)
+        final.append(float(smoothed_loss(trace, args.smooth)[-1]))
+        if args.target_loss is not None:
+            its.append(iterations_to_target(trace, args.target_loss, args.smooth))
+            seconds.append(time_to_target(trace, args.target_loss, "wall", args.smooth))
+    times, sent_all, received_all = (np.concatenate(x) for x in (steady, sent, received))
+    reached_its = [x for x in its if x is not None]
+    reached_seconds = [x for x in seconds if x is not None]
     return PeerRow(
-        method=trace.label, trace=path.name, iterations=len(steps),
-        s_per_iteration=float(np.median(steady)) if steady.size else None,
-        s_p10=float(np.percentile(steady, 10)) if steady.size else None,
-        s_p90=float(np.percentile(steady, 90)) if steady.size else None,
-        sent_mb_per_node=float(np.median(sent)) / 1e6 if sent.size else None,
-        received_mb_per_node=float(np.median(received)) / 1e6 if received.size else None,
-        iterations_to_target=iterations_to_target(trace, target, args.smooth) if target is not None else None,
-        seconds_to_target=time_to_target(trace, target, "wall", args.smooth) if target is not None else None,
-        final_loss=float(smoothed_loss(trace, args.smooth)[-1]))
+        method=trace.label, traces=[p.name for p in paths], iterations=len(steps),
+        s_per_iteration=float(np.median(times)) if times.size else None,
+        s_p10=float(np.percentile(times, 10)) if times.size else None,
+        s_p90=float(np.percentile(times, 90)) if times.size else None,
+        sent_mb_per_node=float(np.median(sent_all)) / 1e6 if sent_all.size else None,
+        received_mb_per_node=float(np.median(received_all)) / 1e6 if received_all.size else None,
+        reached=len(reached_its) if args.target_loss is not None else None,
+        iterations_to_target=float(np.mean(reached_its)) if reached_its else None,
+        seconds_to_target=float(np.mean(reached_seconds)) if reached_seconds else None,
+        final_loss=float(np.mean(final)))
 
 
 def _ratios(rows: list[PeerRow], mpigrad: PeerRow) -> None:
@@ -532,12 +560,13 @@ def _print_table(rows: list[PeerRow], target: float | None, smooth: int) -> None
 
     goal = f"{target:g}" if target is not None else "-"
     print(f"{'method':<22} {'s/it':>7} {'p10-p90 s':>13} {'MB sent/node/it':>16} {'MB recv/node/it':>16} "
-          f"{'its to ' + goal:>10} {'s to ' + goal:>9} {'loss(' + str(smooth) + ')':>9} {'x mpigrad s/it':>15} "
-          f"{'x mpigrad to target':>20}")
+          f"{'reached':>8} {'its to ' + goal:>10} {'s to ' + goal:>9} {'loss(' + str(smooth) + ')':>9} "
+          f"{'x mpigrad s/it':>15} {'x mpigrad to target':>20}")
     for r in rows:
         spread = f"{f(r.s_p10, '.3f')}-{f(r.s_p90, '.3f')}"
+        reached = f"{r.reached}/{len(r.traces)}" if r.reached is not None else "-"
         print(f"{r.method:<22} {f(r.s_per_iteration, '.3f'):>7} {spread:>13} {f(r.sent_mb_per_node, '.3f'):>16} "
-              f"{f(r.received_mb_per_node, '.3f'):>16} {f(r.iterations_to_target, 'd'):>10} "
+              f"{f(r.received_mb_per_node, '.3f'):>16} {reached:>8} {f(r.iterations_to_target, '.1f'):>10} "
               f"{f(r.seconds_to_target, '.1f'):>9} {r.final_loss:>9.4f} {f(r.iteration_vs_mpigrad, '.2f'):>15} "
               f"{f(r.target_vs_mpigrad, '.2f'):>20}", flush=True)
 
