@@ -234,7 +234,9 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
 
 def _child_main(spec_path: str, rank: int) -> None:
     """Run rank ``rank`` of the spec, write its records, and exit without the interpreter's
-    teardown (torch's and gloo's threads can abort it after the work is done and written)."""
+    teardown, as ``mpigrad train`` does: the work is written by then, and a DDP rank was seen
+    to abort here ("terminate called without an active exception", exit -6; the moment and
+    cause were not established)."""
     spec = json.loads(Path(spec_path).read_text())
     records = _ddp_rank(spec, rank)
     out = Path(spec["out"]) / f"rank{rank}.json"
