@@ -66,8 +66,10 @@ EXCLUDED = [
     (r"runs/paper-1[28]nodes", _GRID),
     (r"^python examples/compare/run\.py", _COMPARISON),
     (r"^mpigrad trace compare runs/compare/", "reads the comparison's traces (" + _COMPARISON + ")"),
-    (r"^mpigrad bench (codecs|iteration|trace)",
-     "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small)"),
+    (r"^mpigrad bench (codecs|iteration|trace|peers)",
+     "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "
+     "tests/test_bench_peers.py bench peers)"),
+    (r"^mpigrad trace compare bench-peers/", "reads bench peers' traces (tests/test_bench_peers.py compares them)"),
 ]
 
 #: (regex, replacement) applied to a command before it runs: short but real runs.

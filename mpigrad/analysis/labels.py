@@ -23,7 +23,7 @@ BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_eve
                          "timeout", "walltime", "threads", "device", "checksum_every", "label",
                          "eval_every", "eval_samples"})
 #: Keys the method label already expresses (or that only come with a method).
-_METHOD_PREFIXES = ("codec", "policy", "bits")
+_METHOD_PREFIXES = ("codec", "policy", "bits", "peer")
 
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:

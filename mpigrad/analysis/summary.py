@@ -20,7 +20,7 @@ import numpy as np
 from ..trace import STEPS_COLUMNS, Trace
 from .tables import CLOCKS, AnalysisError, Column
 
-__all__ = ["require_steps", "marked_label", "smoothed_loss", "time_to_target", "overhead_fraction",
+__all__ = ["require_steps", "marked_label", "smoothed_loss", "time_to_target", "iterations_to_target", "overhead_fraction",
            "compression_ratio", "summarize", "summary_columns", "describe"]
 
 
@@ -49,8 +49,20 @@ def smoothed_loss(trace: Trace, smooth: int = 1) -> np.ndarray:
 
 def time_to_target(trace: Trace, target: float, clock: str = "sim", smooth: int = 1) -> float | None:
     """Seconds on ``clock`` until the (smoothed) loss first reaches ``target``; None if never."""
+    row = _first_at_target(trace, target, smooth)
+    return None if row is None else float(trace.steps[CLOCKS[clock]].iloc[row])
+
+
+def iterations_to_target(trace: Trace, target: float, smooth: int = 1) -> int | None:
+    """Iterations run until the (smoothed) loss first reaches ``target`` (that iteration
+    included); None if never. The same rule as ``time_to_target``."""
+    row = _first_at_target(trace, target, smooth)
+    return None if row is None else row + 1
+
+
+def _first_at_target(trace: Trace, target: float, smooth: int) -> int | None:
     reached = np.flatnonzero(smoothed_loss(trace, smooth) <= target)
-    return None if reached.size == 0 else float(trace.steps[CLOCKS[clock]].iloc[reached[0]])
+    return None if reached.size == 0 else int(reached[0])
 
 
 def overhead_fraction(trace: Trace, clock: str = "sim") -> float | None:

@@ -19,7 +19,7 @@ from .layout import Layout, Shard, pieces_of, plan_shards
 from .replica import Replica
 
 __all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "base_codec", "broadcast_codec", "load_data", "release_data",
-           "build_replica", "build_shards", "build_compressor"]
+           "build_config_model", "build_replica", "build_shards", "build_compressor"]
 
 #: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
 SERVER_STREAM = 0
@@ -60,11 +60,16 @@ def release_data() -> None:
 _seeding = threading.Lock()  # in-process ranks (loopback) share torch's global RNG
 
 
-def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
+def build_config_model(config: RunConfig, dataset: Dataset) -> torch.nn.Module:
+    """The run's model as every rank builds it: ``config.model`` sized for ``dataset``,
+    initialised from ``config.seed`` (the same weights on every rank, and in a DDP peer)."""
     with _seeding:
-        model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
-                            seed=config.seed, **config.model_opts)
-    return Replica(model, config.min_quantize_size, resolve_device(config.device))
+        return build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                           seed=config.seed, **config.model_opts)
+
+
+def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
+    return Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device))
 
 
 def build_shards(config: RunConfig, layout: Layout, codec: Codec) -> tuple[Shard, ...]:

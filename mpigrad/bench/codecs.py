@@ -1,6 +1,4 @@
-"""``mpigrad bench``: throughput benchmarks (not timed tests).
-
-``mpigrad bench codecs`` times every codec that has a NumPy twin on one float32 vector
+"""``mpigrad bench codecs`` times every codec that has a NumPy twin on one float32 vector
 (2**24 values by default, one Numba thread): encode and decode ns per element and GB/s
 of float32 gradient processed, the ratio to ``np.copyto`` of the same vector measured in
 the same run, the speed-up over the codec's NumPy twin, and the bits per element actually
@@ -9,21 +7,17 @@ buffers (``out=``), as the runtime does. ``acc ns/el`` times ``decode(buf, out,
 accumulate=True)`` (add to a running sum, what the parameter server does for every worker
 after the first), ``dec+add ns/el`` the same sum the unfused way: decode into a scratch
 array, then ``np.add``.
-
-``mpigrad bench iteration`` (mpigrad.bench_iteration) times whole training iterations;
-``mpigrad bench trace`` (mpigrad.bench_trace) the trace writer alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 #: Configurations benchmarked per codec id; a registered codec with a twin and no entry
 #: here is benchmarked with its default config. ``"levels": "sqrt"`` means s = sqrt(n).
@@ -39,31 +33,8 @@ BENCH_CONFIGS: dict[str, list[dict[str, Any]]] = {
     "sign": [{}],
 }
 
-_SUBCOMMANDS = {
-    "codecs": (__name__, "encode/decode throughput of every codec against np.copyto and its NumPy twin"),
-    "iteration": ("mpigrad.bench_iteration", "time per training iteration and codec/policy/trace overhead"),
-    "trace": ("mpigrad.bench_trace", "rank 0's trace-writer CPU time per iteration and at close"),
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, (module_name, text) in _SUBCOMMANDS.items():
-        child = sub.add_parser(name, help=text, description=text)
-        if module_name == __name__:
-            _add_codec_arguments(child)
-            child.set_defaults(bench_run=_codec_run)
-        else:
-            module = importlib.import_module(module_name)
-            module.add_arguments(child)
-            child.set_defaults(bench_run=module.run)
-
-
-def run(args: argparse.Namespace) -> int:
-    return int(args.bench_run(args) or 0)
-
-
-def _add_codec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=2**24, help="float32 values per vector (default 2**24)")
     parser.add_argument("--repeat", type=int, default=7,
                         help="timed calls per measurement; the minimum is kept (default 7)")
@@ -74,11 +45,11 @@ def _add_codec_arguments(parser: argparse.ArgumentParser) -> None:
                         help="codec ids to run (default: every registered codec with a NumPy twin)")
 
 
-def _codec_run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import numba
 
-    from .codecs import available
-    from .codecs.reference import has_twin
+    from ..codecs import available
+    from ..codecs.reference import has_twin
 
     if args.size < 1 or args.repeat < 1 or args.twin_size < 1:
         raise UsageError("--size, --repeat and --twin-size must be positive")
@@ -100,8 +71,8 @@ def _codec_run(args: argparse.Namespace) -> int:
 def _codec_table(args: argparse.Namespace, chosen: list[str]) -> None:
     import numba
 
-    from .codecs import get_codec
-    from .codecs.reference import twin_of
+    from ..codecs import get_codec
+    from ..codecs.reference import twin_of
 
     n = args.size
     x = (np.random.default_rng(0).standard_normal(n) * 1e-3).astype(np.float32)

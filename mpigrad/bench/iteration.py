@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import parse_rate
-from .errors import UsageError
-from .mpiexec import mpiexec_command
+from ..config import parse_rate
+from ..errors import UsageError
+from ..mpiexec import mpiexec_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .trace import load
+    from ..trace import load
 
     counts = _counts(args.workers, "--workers")
     server_counts = _counts(args.servers, "--servers")

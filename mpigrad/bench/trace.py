@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .options import check_int
+    from ..options import check_int
 
     check_int("--iterations", args.iterations, 1, error=UsageError)
     check_int("--workers", args.workers, 1, error=UsageError)
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--flush must be comma-separated integers, got {args.flush!r}") from None
     for value in flushes:
         check_int("--flush", value, 1, error=UsageError)
-    from .policies import get_policy
+    from ..policies import get_policy
 
     policy_columns = get_policy({"id": "mqgrad"}, n_layers=2).record_columns()
     records = _records(args.iterations, args.workers, policy_columns)
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one_run(path: Path, records: list, workers: int, policy_columns: dict, flush: int) -> tuple[float, float, int]:
-    from .runtime.tracing import RunTrace
-    from .trace import TraceWriter
+    from ..runtime.tracing import RunTrace
+    from ..trace import TraceWriter
 
     tables = RunTrace.tables(2, workers, 1, policy_columns)
     trace = RunTrace(TraceWriter(path, config={}, tables=tables, flush_every=flush))
@@ -75,7 +75,7 @@ def _one_run(path: Path, records: list, workers: int, policy_columns: dict, flus
 def _records(iterations: int, workers: int, columns: dict) -> list:
     """Records with a real run's shapes and varied values (``columns``: the policy table's),
     built before any timing."""
-    from .runtime.record import IterationRecord
+    from ..runtime.record import IterationRecord
 
     rng = np.random.default_rng(0)
     records = []

@@ -1,0 +1,577 @@
+"""``mpigrad bench peers``: torch DDP with its communication hooks beside mpigrad, on one task.
+
+From one mpigrad config (``--config FILE`` plus ``mpigrad train`` options after ``--``), DDP
+trains the same model (``build_config_model``: same init from the seed), on the same data
+shards (``ShardSampler``: worker k's batches are DDP rank k's), with the same batch per
+worker, learning rate (plain SGD, as mpigrad's update), weight decay (``model.loss``), worker
+count and threads per rank, for each variant:
+
+- ``fp32``: DDP's built-in all-reduce, no hook, default buckets (25 MiB);
+- ``fp16``: ``default_hooks.fp16_compress_hook``, default buckets;
+- ``powersgd1/2/4``: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=r,
+  start_powerSGD_iter=K)`` and torch's defaults otherwise (error feedback and warm start on,
+  ``min_compression_rate=2``); K is 10 % of the iterations (at least 2), the start the
+  hook's documentation recommends. One bucket (``bucket_cap_mb`` above the model's size):
+  over gloo with several buckets the hook fails with a collective size mismatch.
+
+Ranks are processes on this machine talking over 127.0.0.1 (gloo; nccl with ``--device
+cuda``). mpigrad's own method runs beside them under mpiexec, with ``net_mode = "off"`` so
+that both are timed on the real wire. Evaluation is off in both.
+
+Bytes per node per iteration are those of a ring all-reduce of n elements of s bytes,
+2 (P - 1) / P * s * n sent (and as many received) by each node, counted for what each hook
+all-reduces: fp32 every gradient (s = 4), fp16 every gradient at s = 2, PowerSGD before its
+start the whole bucket at s = 4, then three all-reduces at s = 4: the tensors it leaves
+uncompressed (vectors, and matrices for which (n + m) r * min_compression_rate >= n m), the
+P factors (sum of n r) and the Q factors (sum of m r), for each gradient viewed as an n x m
+matrix and r = min(n, m, rank). A DDP trace splits them as bytes_up = P x the reduce-scatter
+half and bytes_down = P x the all-gather half, so bytes_up + bytes_down is every byte on the
+wire, as in an mpigrad trace.
+
+Output in ``--out DIR``: one mpigrad-format trace per run (``ddp-VARIANT-seedS.h5``, ``mpigrad-seedS.h5``;
+a DDP trace's config is the mpigrad config without its codec and policy keys, plus ``label``
+and ``peer``), so ``mpigrad trace compare DIR/*.h5 --target-loss X`` reads them as groups
+side by side (its simulated clock equals the wall clock here); and ``peers.json``, the
+printed table as data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class PeerVariant:
+    """One DDP configuration: ``hook`` is "allreduce" (DDP's own), "fp16" or "powersgd"."""
+
+    name: str
+    label: str
+    hook: str
+    rank: int | None = None
+
+
+VARIANTS = {v.name: v for v in (
+    PeerVariant("fp32", "DDP fp32", "allreduce"),
+    PeerVariant("fp16", "DDP fp16 hook", "fp16"),
+    PeerVariant("powersgd1", "DDP PowerSGD r1", "powersgd", 1),
+    PeerVariant("powersgd2", "DDP PowerSGD r2", "powersgd", 2),
+    PeerVariant("powersgd4", "DDP PowerSGD r4", "powersgd", 4),
+)}
+
+#: torch's default ``min_compression_rate`` of PowerSGDState, kept.
+POWERSGD_MIN_COMPRESSION_RATE = 2
+#: Keys of an mpigrad config that describe mpigrad's method, absent from a DDP trace's config.
+_METHOD_KEYS = ("codec", "codec_opts", "bits", "policy", "policy_opts")
+
+
+# ---- bytes on the wire ----------------------------------------------------------------------
+def ring_allreduce_bytes(workers: int, elements: int, itemsize: int = 4) -> float:
+    """Bytes each of ``workers`` nodes sends (and receives) in a ring all-reduce of
+    ``elements`` values of ``itemsize`` bytes: 2 (P - 1) / P * itemsize * elements."""
+    return 2 * (workers - 1) / workers * itemsize * elements
+
+
+def powersgd_elements(shapes: Sequence[Sequence[int]], rank: int,
+                      min_compression_rate: float = POWERSGD_MIN_COMPRESSION_RATE) -> tuple[int, int, int]:
+    """(uncompressed, P, Q) element counts that ``powerSGD_hook`` all-reduces for gradients of
+    ``shapes`` in one bucket: each viewed as n x m (n = shape[0]), r = min(n, m, rank),
+    compressed when (n + m) r * min_compression_rate < n m (torch's ``_should_compress``)."""
+    uncompressed = p = q = 0
+    for shape in shapes:
+        n = int(shape[0]) if len(shape) else 1
+        m = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p += n * r
+            q += m * r
+        else:
+            uncompressed += n * m
+    return uncompressed, p, q
+
+
+def powersgd_bytes(workers: int, shapes: Sequence[Sequence[int]], rank: int,
+                   min_compression_rate: float = POWERSGD_MIN_COMPRESSION_RATE) -> float:
+    """Bytes per node of one compressed PowerSGD iteration: three float32 all-reduces."""
+    return sum(ring_allreduce_bytes(workers, n) for n in powersgd_elements(shapes, rank, min_compression_rate))
+
+
+class HookTally:
+    """Wraps a comm hook and counts, per iteration, the hook's calls (DDP buckets) and the
+    bytes per node its all-reduces move (see the module docstring)."""
+
+    def __init__(self, variant: PeerVariant, workers: int):
+        self.variant, self.workers = variant, workers
+        self.calls = 0
+        self.bytes = 0.0
+
+    def wrap(self, hook):
+        def counted(state, bucket):
+            if self.variant.hook == "fp16":
+                self.bytes += ring_allreduce_bytes(self.workers, bucket.buffer().numel(), 2)
+            elif state.iter < state.start_powerSGD_iter:  # read before the hook advances it
+                self.bytes += ring_allreduce_bytes(self.workers, bucket.buffer().numel())
+            else:
+                shapes = [tuple(g.shape) for g in bucket.gradients()]
+                self.bytes += powersgd_bytes(self.workers, shapes, state.matrix_approximation_rank,
+                                             state.min_compression_rate)
+            self.calls += 1
+            return hook(state, bucket)
+        return counted
+
+    def take(self) -> tuple[int, float]:
+        """(calls, bytes per node) since the last take."""
+        calls, sent = self.calls, self.bytes
+        self.calls, self.bytes = 0, 0.0
+        return calls, sent
+
+
+# ---- one DDP rank (a child process) --------------------------------------------------------
+@dataclass
+class RankRecord:
+    """What one DDP rank measured for one variant, per iteration (after merging: ``losses``
+    the mean over ranks, ``rank_losses`` each rank's)."""
+
+    variant: str
+    losses: list[float]
+    wall_times: list[float]       # s since the loop started, at each iteration's end
+    bytes_per_node: list[float]
+    hook_calls: list[int]         # DDP buckets per iteration (hooked variants; 0 for fp32)
+    rank_losses: list[list[float]] | None = None
+
+
+def _ddp_rank(spec: dict[str, Any], rank: int) -> list[RankRecord]:
+    """Train every variant of ``spec`` as DDP rank ``rank``; the process group comes from
+    ``spec`` (address, port, world size)."""
+    import datetime
+
+    from ..config import RunConfig
+    from ..runtime.build import load_data, resolve_device
+    from ..runtime.environment import apply_thread_settings
+
+    apply_thread_settings(spec["threads"])
+    import torch
+    import torch.distributed as dist
+
+    config = RunConfig(**spec["config"])
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://{spec['address']}:{spec['port']}", rank=rank,
+                            world_size=spec["workers"], timeout=datetime.timedelta(seconds=config.timeout))
+    try:
+        dataset = load_data(config)
+        return [_train_variant(VARIANTS[name], config, dataset, rank, spec, device) for name in spec["variants"]]
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict, device) -> RankRecord:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..data import ShardSampler
+    from ..runtime.build import build_config_model
+
+    workers = spec["workers"]
+    model = build_config_model(config, dataset).to(device)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    one_bucket_mb = None
+    if variant.hook == "powersgd":
+        one_bucket_mb = math.ceil(4 * n_params / 2**20) + 1
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  bucket_cap_mb=one_bucket_mb)
+    tally = HookTally(variant, workers)
+    if variant.hook == "fp16":
+        ddp.register_comm_hook(None, tally.wrap(default_hooks.fp16_compress_hook))
+    elif variant.hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=variant.rank,
+                                            start_powerSGD_iter=spec["powersgd_start"],
+                                            min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE,
+                                            use_error_feedback=True, warm_start=True, random_seed=config.seed)
+        ddp.register_comm_hook(state, tally.wrap(powerSGD_hook.powerSGD_hook))
+    sampler = ShardSampler(len(dataset.train_y), rank, workers, config.batch_size, config.seed)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr)  # w <- w - lr * mean gradient, as mpigrad
+    record = RankRecord(variant.name, [], [], [], [])
+    fp32_bytes = ring_allreduce_bytes(workers, n_params)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(spec["iterations"]):
+        idx = sampler.next_batch()
+        x = torch.from_numpy(dataset.train_x[idx]).to(device)
+        y = torch.from_numpy(dataset.train_y[idx]).to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.loss(ddp(x), y, config.weight_decay)
+        loss.backward()
+        optimizer.step()
+        record.losses.append(loss.item())
+        record.wall_times.append(time.perf_counter() - start)
+        calls, sent = tally.take()
+        record.hook_calls.append(calls)
+        record.bytes_per_node.append(sent if variant.hook != "allreduce" else fp32_bytes)
+    if variant.hook == "powersgd" and any(c != 1 for c in record.hook_calls[2:]):
+        raise RuntimeError(f"{variant.label}: DDP used {max(record.hook_calls)} buckets, not one")
+    return record
+
+
+def _child_main(spec_path: str, rank: int) -> None:
+    """Run rank ``rank`` of the spec, write its records, and exit without the interpreter's
+    teardown, as ``mpigrad train`` does: the work is written by then, and a DDP rank was seen
+    to abort here ("terminate called without an active exception", exit -6; the moment and
+    cause were not established)."""
+    spec = json.loads(Path(spec_path).read_text())
+    records = _ddp_rank(spec, rank)
+    out = Path(spec["out"]) / f"rank{rank}.json"
+    out.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ---- the parent: runs, traces, table --------------------------------------------------------
+@dataclass
+class PeerRow:
+    """One row of the table: a DDP variant or mpigrad's method, over its runs (one per seed)."""
+
+    method: str
+    traces: list[str]
+    iterations: int
+    s_per_iteration: float | None        # median over the steady iterations of every run
+    s_p10: float | None
+    s_p90: float | None
+    sent_mb_per_node: float | None       # per iteration, median over the steady iterations
+    received_mb_per_node: float | None
+    reached: int | None                  # runs whose smoothed loss reached the target
+    iterations_to_target: float | None   # mean over the runs that reached it
+    seconds_to_target: float | None      # mean over the runs that reached it
+    final_loss: float                    # smoothed, mean over the runs
+    iteration_vs_mpigrad: float | None = None
+    target_vs_mpigrad: float | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", required=True,
+                        help="the mpigrad config (TOML) whose task the peers train, e.g. examples/compare/fix2.toml")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="workers P (default: the config's '# ranks: N' line minus its servers, else 2)")
+    parser.add_argument("--iterations", type=int, default=None, help="iterations per run (default: the config's)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated DDP variants (default {','.join(VARIANTS)})")
+    parser.add_argument("--powersgd-start", type=int, default=None, metavar="K",
+                        help="PowerSGD's start_powerSGD_iter (default: 10%% of the iterations, at least 2, "
+                             "as torch's documentation recommends)")
+    parser.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                        help="seeds, one run of every method each (default: the config's seed)")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="training loss to reach (trailing mean of --smooth losses), as trace compare")
+    parser.add_argument("--smooth", type=int, default=20, help="losses in the trailing mean (default 20)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="iterations left out of the time statistics (default 5)")
+    parser.add_argument("--out", default="bench-peers", metavar="DIR",
+                        help="directory for the traces and peers.json (default bench-peers)")
+    parser.add_argument("--no-mpigrad", dest="mpigrad", action="store_false",
+                        help="run the DDP variants only")
+    parser.add_argument("--address", default="127.0.0.1",
+                        help="address of DDP's rendezvous (default 127.0.0.1: loopback)")
+    parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside python, else PATH)")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="'mpigrad train' options after --, applied to both, e.g. -- --model-opt fc_sizes=[64,64]")
+
+
+def _variants(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise UsageError(f"unknown DDP variant {', '.join(map(repr, unknown)) or repr(text)}; "
+                         f"choose from {', '.join(VARIANTS)}")
+    return names
+
+
+def _seeds(text: str | None, default: int) -> list[int]:
+    if text is None:
+        return [default]
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds expects comma-separated integers, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) < len(seeds):
+        raise UsageError(f"--seeds expects distinct non-negative integers, got {text!r}")
+    return seeds
+
+
+def _config(args: argparse.Namespace):
+    """The task's RunConfig, read as ``mpigrad train`` reads it, evaluation and network model off."""
+    from ..runtime.launch import add_arguments as train_arguments
+    from ..runtime.launch import config_from_args
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UsageError(f"train options after --: {message}")
+
+    parser = _Parser(prog="mpigrad train", add_help=False)
+    train_arguments(parser)
+    train = parser.parse_args(["--config", args.config, *[a for a in args.train_args if a != "--"]])
+    config = config_from_args(train)
+    changes = {"eval_every": 0, "net_mode": "off", "progress_every": 0}
+    if args.iterations is not None:
+        changes["iterations"] = args.iterations
+    config = dataclasses.replace(config, **changes)
+    config.validate()
+    return config
+
+
+def _check_task(config, workers: int) -> None:
+    """UsageError now for data or model options that would fail inside every rank."""
+    from ..data import DataError, ShardSampler
+    from ..models import ModelError
+    from ..runtime.build import build_config_model, load_data
+
+    try:
+        dataset = load_data(config)
+        ShardSampler(len(dataset.train_y), workers - 1, workers, config.batch_size, config.seed)
+        build_config_model(config, dataset)
+    except (DataError, ModelError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import declared_ranks
+    from ..runtime.environment import THREAD_VARIABLES, threads_per_rank
+
+    variants = _variants(args.variants)
+    if not Path(args.config).is_file():
+        raise UsageError(f"config file {args.config} does not exist")
+    config = _config(args)
+    ranks = declared_ranks(args.config)
+    workers = args.workers if args.workers is not None else (ranks - config.servers if ranks else 2)
+    if workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
+    if args.warmup < 0 or args.smooth < 1:
+        raise UsageError("--warmup must be >= 0 and --smooth >= 1")
+    seeds = _seeds(args.seeds, config.seed)
+    start = args.powersgd_start if args.powersgd_start is not None else max(2, config.iterations // 10)
+    if start < 2:
+        raise UsageError("--powersgd-start must be at least 2 (torch's minimum with error feedback)")
+    _check_task(config, workers)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = threads_per_rank(config.threads)
+    env = dict(os.environ, **{name: str(threads) for name in THREAD_VARIABLES})
+    if args.address == "127.0.0.1":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    print(f"mpigrad bench peers: {config.model} on {config.data}, P = {workers} workers, batch {config.batch_size}"
+          f"/worker, lr {config.lr:g}, weight decay {config.weight_decay:g}, {config.iterations} iterations, "
+          f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; DDP over {args.address}; PowerSGD from "
+          f"iteration {start}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+
+    runs: dict[str, list[Path]] = {name: [] for name in [*variants, *(["mpigrad"] if args.mpigrad else [])]}
+    try:
+        for seed in seeds:
+            seeded = dataclasses.replace(config, seed=seed)
+            spec = {"config": seeded.to_dict(), "variants": variants, "workers": workers, "threads": threads,
+                    "iterations": config.iterations, "powersgd_start": start, "address": args.address,
+                    "port": _free_port(args.address), "out": str(out)}
+            records = _run_ddp(spec, env)
+            for name in variants:
+                path = out / f"ddp-{name}-seed{seed}.h5"
+                runs[name].append(_write_peer_trace(path, seeded, VARIANTS[name], records[name], spec))
+            if args.mpigrad:
+                runs["mpigrad"].append(_run_mpigrad(args, seeded, workers, out, env))
+    except RuntimeError as exc:
+        print(f"mpigrad bench peers: error: {exc}", file=sys.stderr)
+        return 1
+    rows = [_row(paths, workers, args) for paths in runs.values()]
+    if args.mpigrad:
+        _ratios(rows, rows[-1])
+    _print_table(rows, args.target_loss, args.smooth)
+    report = {"bench": "peers", "workers": workers, "seeds": seeds, "address": args.address, "powersgd_start": start,
+              "target_loss": args.target_loss, "smooth": args.smooth, "warmup": args.warmup,
+              "cpus": os.cpu_count(), "config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows]}
+    (out / "peers.json").write_text(json.dumps(report, indent=1))
+    print(f"wrote {out / 'peers.json'} and the traces; compare them with: mpigrad trace compare {out}/*.h5 "
+          f"--target-loss X --smooth {args.smooth}")
+    return 0
+
+
+def _run_ddp(spec: dict, env: dict) -> dict[str, RankRecord]:
+    """Start the P DDP ranks, wait, and merge their records: losses averaged over ranks
+    (mpigrad's global loss), times and bytes from rank 0."""
+    out = Path(spec["out"])
+    spec_path = out / "ddp-spec.json"
+    spec_path.write_text(json.dumps(spec))
+    for old in out.glob("rank*.json"):
+        old.unlink()
+    logs = [out / f"ddp-rank{rank}.log" for rank in range(spec["workers"])]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as handle:
+            procs.append(subprocess.Popen([sys.executable, "-m", "mpigrad.bench.peers", str(spec_path), str(rank)],
+                                          env=env, stdout=handle, stderr=subprocess.STDOUT))
+    failed = []
+    for rank, proc in enumerate(procs):
+        proc.wait()
+        if proc.returncode != 0:
+            failed.append(f"rank {rank} (exit {proc.returncode}): {_cause(logs[rank].read_text())}")
+            for other in procs:
+                if other.poll() is None:
+                    other.kill()
+    if failed:
+        raise RuntimeError(f"DDP failed: {'; '.join(failed)} (logs: {out}/ddp-rank*.log)")
+    per_rank = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(spec["workers"])]
+    merged = {}
+    for k, name in enumerate(spec["variants"]):
+        first = RankRecord(**per_rank[0][k])
+        first.rank_losses = [r[k]["losses"] for r in per_rank]
+        first.losses = np.mean(first.rank_losses, axis=0).tolist()
+        merged[name] = first
+    for rank, log in enumerate(logs):
+        (out / f"rank{rank}.json").unlink()
+        log.unlink()
+    spec_path.unlink()
+    return merged
+
+
+def _cause(stderr: str) -> str:
+    """The line of a child's stderr that says why it failed: its last error line, else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no message"])[-1]
+
+
+def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankRecord, spec: dict) -> Path:
+    """An mpigrad-format trace of one DDP run (see the module docstring for its config and bytes)."""
+    from ..trace import TraceWriter, collect_versions, default_tables
+
+    workers, n = spec["workers"], len(record.losses)
+    peer_config = {k: v for k, v in config.to_dict().items() if k not in _METHOD_KEYS}
+    peer_config["label"] = variant.label
+    peer_config["peer"] = {"system": "torch DDP", "hook": variant.hook, "rank": variant.rank,
+                           "start_powerSGD_iter": spec["powersgd_start"] if variant.hook == "powersgd" else None,
+                           "buckets": "one" if variant.hook == "powersgd" else "default"}
+    attrs = {"argv": " ".join(sys.argv), "workers": workers, "servers": 0, "seed": config.seed,
+             "peer": json.dumps(peer_config["peer"]), **collect_versions()}
+    fp32_node = record.bytes_per_node[0] if variant.hook == "allreduce" else None
+    with TraceWriter(path, config=peer_config, attrs=attrs, tables=default_tables(workers), force=True) as writer:
+        for m in range(n):
+            half = int(round(workers * record.bytes_per_node[m] / 2))
+            writer.append("steps", {
+                "iteration": m, "wall_time": record.wall_times[m], "sim_time": record.wall_times[m],
+                "loss": record.losses[m], "bits": 16 if variant.hook == "fp16" else 32,
+                "bytes_up": half, "bytes_down": half, "t_compute": math.nan, "t_encode": math.nan,
+                "t_decode": math.nan, "t_comm": math.nan, "t_policy": 0.0})
+            writer.append("workers", {"iteration": m, "loss": [losses[m] for losses in record.rank_losses],
+                                      "t_compute": [math.nan] * workers,
+                                      "bytes_sent": [int(round(record.bytes_per_node[m]))] * workers})
+        if fp32_node is not None:
+            writer.set_attr("float32_bytes_per_iteration", int(round(workers * fp32_node)))
+    return path
+
+
+def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
+    from ..mpiexec import mpiexec_command
+
+    trace = out / f"mpigrad-seed{config.seed}.h5"
+    command = mpiexec_command(workers + config.servers, [
+        sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train", "--config", args.config,
+        *[a for a in args.train_args if a != "--"], "--iterations", str(config.iterations), "--seed", str(config.seed),
+        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0", "--trace", str(trace), "--force"],
+        args.mpiexec)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr, file=sys.stderr)
+        raise RuntimeError(f"the mpigrad run failed (exit {done.returncode})")
+    return trace
+
+
+def _row(paths: list[Path], workers: int, args) -> PeerRow:
+    """The row of one method's traces: time and byte statistics over the iterations from
+    max(warmup, PowerSGD's start + 1) on (its first compressed iteration allocates its
+    factors), pooled over the runs; the target as ``trace compare`` reads it."""
+    from ..analysis.summary import iterations_to_target, smoothed_loss, time_to_target
+    from ..trace import load
+
+    steady, sent, received, its, seconds, final = [], [], [], [], [], []
+    for path in paths:
+        trace = load(path)
+        steps = trace.steps
+        peer = trace.config.get("peer")
+        powersgd_start = (peer or {}).get("start_powerSGD_iter")
+        first = max(args.warmup, powersgd_start + 1 if powersgd_start is not None else 0)
+        steady.append(np.diff(np.concatenate([[0.0], steps["wall_time"].to_numpy(float)]))[first:])
+        up = steps["bytes_up"].to_numpy(float)[first:]
+        down = steps["bytes_down"].to_numpy(float)[first:]
+        # DDP: each node sends and receives (bytes_up + bytes_down) / P; mpigrad: a worker sends
+        # its frame (bytes_up / P) and receives the broadcast (bytes_down / P).
+        sent.append((up + down) / workers if peer else up / workers)
+        received.append(sent[-1] if peer else down / workers)
+        final.append(float(smoothed_loss(trace, args.smooth)[-1]))
+        if args.target_loss is not None:
+            its.append(iterations_to_target(trace, args.target_loss, args.smooth))
+            seconds.append(time_to_target(trace, args.target_loss, "wall", args.smooth))
+    times, sent_all, received_all = (np.concatenate(x) for x in (steady, sent, received))
+    reached_its = [x for x in its if x is not None]
+    reached_seconds = [x for x in seconds if x is not None]
+    return PeerRow(
+        method=trace.label, traces=[p.name for p in paths], iterations=len(steps),
+        s_per_iteration=float(np.median(times)) if times.size else None,
+        s_p10=float(np.percentile(times, 10)) if times.size else None,
+        s_p90=float(np.percentile(times, 90)) if times.size else None,
+        sent_mb_per_node=float(np.median(sent_all)) / 1e6 if sent_all.size else None,
+        received_mb_per_node=float(np.median(received_all)) / 1e6 if received_all.size else None,
+        reached=len(reached_its) if args.target_loss is not None else None,
+        iterations_to_target=float(np.mean(reached_its)) if reached_its else None,
+        seconds_to_target=float(np.mean(reached_seconds)) if reached_seconds else None,
+        final_loss=float(np.mean(final)))
+
+
+def _ratios(rows: list[PeerRow], mpigrad: PeerRow) -> None:
+    for row in rows:
+        if row.s_per_iteration and mpigrad.s_per_iteration:
+            row.iteration_vs_mpigrad = row.s_per_iteration / mpigrad.s_per_iteration
+        if row.seconds_to_target is not None and mpigrad.seconds_to_target:
+            row.target_vs_mpigrad = row.seconds_to_target / mpigrad.seconds_to_target
+
+
+def _print_table(rows: list[PeerRow], target: float | None, smooth: int) -> None:
+    def f(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    goal = f"{target:g}" if target is not None else "-"
+    print(f"{'method':<22} {'s/it':>7} {'p10-p90 s':>13} {'MB sent/node/it':>16} {'MB recv/node/it':>16} "
+          f"{'reached':>8} {'its to ' + goal:>10} {'s to ' + goal:>9} {'loss(' + str(smooth) + ')':>9} "
+          f"{'x mpigrad s/it':>15} {'x mpigrad to target':>20}")
+    for r in rows:
+        spread = f"{f(r.s_p10, '.3f')}-{f(r.s_p90, '.3f')}"
+        reached = f"{r.reached}/{len(r.traces)}" if r.reached is not None else "-"
+        print(f"{r.method:<22} {f(r.s_per_iteration, '.3f'):>7} {spread:>13} {f(r.sent_mb_per_node, '.3f'):>16} "
+              f"{f(r.received_mb_per_node, '.3f'):>16} {reached:>8} {f(r.iterations_to_target, '.1f'):>10} "
+              f"{f(r.seconds_to_target, '.1f'):>9} {r.final_loss:>9.4f} {f(r.iteration_vs_mpigrad, '.2f'):>15} "
+              f"{f(r.target_vs_mpigrad, '.2f'):>20}", flush=True)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], int(sys.argv[2]))
