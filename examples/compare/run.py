@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -81,11 +80,12 @@ def status(trace: Path) -> str | None:
 
 
 def train_command(run: Run, extra: list[str]) -> list[str]:
-    beside = Path(sys.executable).with_name("mpiexec")
-    mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
-    return [mpiexec, "-n", str(RANKS), sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train",
-            "--config", str(run.config), "--seed", str(run.seed), "--lr", f"{run.lr:g}",
-            "--trace", str(run.trace), "--force", *extra]
+    """The run under this Python's MPI, with the flags that MPI needs (mpigrad.mpiexec)."""
+    from mpigrad.mpiexec import mpiexec_command
+
+    return mpiexec_command(RANKS, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train",
+                                   "--config", str(run.config), "--seed", str(run.seed), "--lr", f"{run.lr:g}",
+                                   "--trace", str(run.trace), "--force", *extra])
 
 
 def run_all(runs: list[Run], extra: list[str], log=print) -> int:
