@@ -249,7 +249,10 @@ def parse_rate(text: Any) -> float:
         raise UsageError(f"bandwidth {text!r} has no unit: write e.g. {as_bytes}B/s (bytes per second) or "
                          f"{as_bits}bit/s (bits per second)")
     if unit in _RATE_UNITS:
-        return float(number) * _RATE_UNITS[unit]
+        rate = float(number) * _RATE_UNITS[unit]
+        if not (rate > 0 and math.isfinite(rate)):
+            raise UsageError(f"bandwidth {text!r} must be positive and finite")
+        return rate
     if unit.lower() in _AMBIGUOUS_RATE_UNITS:
         prefix = _PREFIX_SPELLING[unit.lower().partition("b")[0]]
         raise UsageError(f"bandwidth {text!r}: unit {unit!r} is ambiguous (bits or bytes?): write "

@@ -83,8 +83,8 @@ def mpi_implementation(library: str | None) -> str:
     """The MPI implementation a library string names: ``Open MPI``, ``MPICH``, ``Intel MPI``,
     ``MVAPICH``, ``Microsoft MPI`` or ``unknown``."""
     text = (library or "").lower()
-    for marker, name in (("open mpi", "Open MPI"), ("intel", "Intel MPI"), ("mvapich", "MVAPICH"),
-                         ("microsoft", "Microsoft MPI"), ("mpich", "MPICH")):
+    for marker, name in (("open mpi", "Open MPI"), ("openrte", "Open MPI"), ("intel", "Intel MPI"),
+                         ("mvapich", "MVAPICH"), ("microsoft", "Microsoft MPI"), ("mpich", "MPICH")):
         if marker in text:
             return name
     return "unknown"

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from .errors import UsageError
+from .machine import mpi_implementation
 
 __all__ = ["find_mpiexec", "mpiexec_flavour", "launch_flags", "mpiexec_command"]
 
@@ -35,17 +36,16 @@ def find_mpiexec(explicit: str | None = None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def mpiexec_flavour(mpiexec: str) -> str:
-    """``"Open MPI"``, ``"MPICH"`` or ``"unknown"``, from ``mpiexec --version``."""
+    """The MPI implementation ``mpiexec --version`` names (``machine.mpi_implementation``:
+    ``"Open MPI"``, ``"MPICH"``, ...; ``"unknown"`` when it cannot say). MPICH's hydra
+    prints "HYDRA build details" and its configure line."""
     try:
         done = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    text = (done.stdout + done.stderr).lower()
-    if "open mpi" in text or "openrte" in text or "prte" in text:
-        return "Open MPI"
-    if "hydra" in text or "mpich" in text:
-        return "MPICH"
-    return "unknown"
+    text = done.stdout + done.stderr
+    flavour = mpi_implementation(text)
+    return "MPICH" if flavour == "unknown" and "HYDRA" in text else flavour
 
 
 def launch_flags(flavour: str, *, root: bool | None = None) -> list[str]:

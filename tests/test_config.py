@@ -62,6 +62,13 @@ def test_bad_rate_says_how_to_write_one(bad):
         parse_rate(bad)
 
 
+@pytest.mark.parametrize("bad", ["0MB/s", "0Mbps", "1e400GB/s"])
+def test_a_rate_must_be_positive_and_finite(bad):
+    """One rule for every rate: --bandwidth, the lab's --rate, --node-rate and events."""
+    with pytest.raises(UsageError, match=f"bandwidth '{bad}' must be positive and finite"):
+        parse_rate(bad)
+
+
 def test_toml_then_command_line_precedence(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('iterations = 50\nbandwidth = "1Gbit/s"\ncodec = "qsgd"\nbits = 4\n'

@@ -223,3 +223,23 @@ def test_report_names_open_mpi_without_the_nul_its_library_string_ends_in():
     report = doctor._report(mpi, [(_rank(0, "a", range(2)), doctor.library_versions(), None)], size=1, threads=1)
     assert report["mpi_implementation"] == "Open MPI" and "\x00" not in report["mpi_library"]
     assert "  MPI library      Open MPI: Open MPI v5.0.11, package" in doctor._format(report)
+
+
+@pytest.mark.parametrize("version, flavour, flags", [
+    ("mpiexec (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/",
+     "Open MPI", ["--oversubscribe", "--allow-run-as-root"]),
+    ("mpirun (Open MPI) 4.1.5", "Open MPI", ["--oversubscribe", "--allow-run-as-root"]),
+    ("HYDRA build details:\n    Version:                                 5.0.2", "MPICH", []),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "Intel MPI", []),
+    ("something else", "unknown", []),
+])
+def test_mpiexec_flavour_and_the_flags_it_needs(tmp_path, version, flavour, flags):
+    from mpigrad.mpiexec import launch_flags, mpiexec_command, mpiexec_flavour
+
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\ncat <<'END'\n{version}\nEND\n")
+    fake.chmod(0o755)
+    assert mpiexec_flavour(str(fake)) == flavour
+    assert launch_flags(flavour, root=True) == flags
+    assert launch_flags(flavour, root=False) == flags[:1]
+    assert mpiexec_command(2, ["x"], str(fake))[-3:] == ["-n", "2", "x"]

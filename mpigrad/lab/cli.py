@@ -56,9 +56,6 @@ def _rates(args: argparse.Namespace) -> dict[int, float]:
         if not sep or not index.strip().isdigit() or int(index) not in rates:
             raise UsageError(f"--node-rate {item!r}: use I=RATE with I a node 0..{args.nodes - 1}")
         rates[int(index)] = parse_rate(value)
-    for i, value in rates.items():
-        if not value > 0:
-            raise UsageError(f"node {i}'s rate must be positive")
     return rates
 
 
@@ -92,17 +89,18 @@ def run(args: argparse.Namespace) -> int:
     lab = Lab(topology, log=log)
     try:
         check = args.check or ("tcp" if args.launch == "each" else "mpi")
-        return _run_in_lab(lab, rates, latency, events, plan, check, log)
+        code = _run_in_lab(lab, rates, latency, events, plan, check, log)
     except LabError as exc:
         print(f"mpigrad lab: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        code = 1
     finally:
-        _remove(lab, log, previous)
+        removed = _remove(lab, log, previous)
+    return code if removed else max(code, 1)
 
 
-def _remove(lab: Lab, log, sigterm_handler) -> None:
+def _remove(lab: Lab, log, sigterm_handler) -> bool:
     """Tear the lab down with SIGINT and SIGTERM ignored (a second Ctrl-C must not leave half a
-    lab); a failure is printed as one line (the names left are in it)."""
+    lab); False when that failed, printed as one line (the names left are in it)."""
     sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -110,8 +108,10 @@ def _remove(lab: Lab, log, sigterm_handler) -> None:
         if removed.namespaces:
             ended = f", ended {len(removed.killed)} process(es) left inside" if removed.killed else ""
             log(f"lab: removed {', '.join(removed.namespaces)}{ended}")
+        return True
     except LabError as exc:
         print(f"mpigrad lab: error: teardown: {exc}", file=sys.stderr, flush=True)
+        return False
     finally:
         signal.signal(signal.SIGINT, sigint_handler)
         signal.signal(signal.SIGTERM, sigterm_handler)
@@ -137,7 +137,11 @@ def _run_in_lab(lab: Lab, rates: dict[int, float], latency: float, events: list[
     try:
         result = running.wait()
     finally:
-        schedule.stop()
-        running.stop()
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C waits for the stop
+        try:
+            schedule.stop()
+            running.stop()
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
     log(f"lab: command exited {result.returncode} after {result.seconds:.1f} s")
     return result.returncode

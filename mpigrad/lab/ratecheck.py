@@ -13,6 +13,8 @@ bytes of a full frame).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -120,11 +122,17 @@ def check_links_mpi(topology: Topology, links: Links, seconds: float = _SECONDS,
         chunk = max(2 * tbf_burst(rate), int(rate * seconds / (_MPI_MESSAGES - 1)))
         plan.append(f"{chunk}:{_MPI_MESSAGES}")
     launch = mpi_plan(topology, [sys.executable, "-m", "mpigrad.lab.mpiprobe", ",".join(plan)])
+    process = subprocess.Popen(launch.commands[0], env=launch.env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run(launch.commands[0], env=launch.env, capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         raise LabError(f"rate check: the MPI transfers did not finish within {timeout:g} s") from None
+    finally:
+        if process.poll() is None:  # timed out or interrupted: mpiexec's whole session goes
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     found = [line for line in done.stdout.splitlines() if line.startswith("MPIPROBE ")]
     if done.returncode or not found:
         lines = [line for line in (done.stderr.strip() or done.stdout.strip()).splitlines()

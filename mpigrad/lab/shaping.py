@@ -99,8 +99,6 @@ class LinkEvent:
         if at < 0:
             raise UsageError(f"--event {text!r}: the time must be >= 0")
         rate = parse_rate(match["rate"]) if match["rate"] else None
-        if rate is not None and not rate > 0:
-            raise UsageError(f"--event {text!r}: the rate must be positive")
         return cls(at, int(match["node"]), "rate" if rate is not None else match["action"], rate)
 
     def describe(self) -> str:
