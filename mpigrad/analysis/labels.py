@@ -22,18 +22,20 @@ __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_la
 BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
                          "timeout", "walltime", "threads", "device", "checksum_every", "label",
                          "eval_every", "eval_samples"})
-#: Keys the method label already expresses (or that only come with a method).
-_METHOD_PREFIXES = ("codec", "policy", "bits")
+#: Keys the method label already expresses (or that only come with a method); ``retimed``
+#: (set by `mpigrad trace retime`) shows as the label's " (retimed)".
+_METHOD_PREFIXES = ("codec", "policy", "bits", "retimed")
 
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     """The run's effective config, flat: ``{"policy_opts": {"T": 5}}`` -> ``{"policy_opts.T": 5}``.
 
-    In a config written by ``mpigrad train`` (every key a RunConfig option), a key the trace
-    lacks (written before the key existed) takes today's default, which keeps the old
-    behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new traces
-    of one config form one group. Other configs (the TraceWriter API) are taken as written."""
-    defaults = _defaults()
+    In a config written by ``mpigrad train`` (every key a RunConfig option, or ``retimed``),
+    a key the trace lacks (written before the key existed) takes today's default, which keeps
+    the old behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new
+    traces of one config form one group, and a re-timed trace (``retimed = true``) a group of
+    its own. Other configs (the TraceWriter API) are taken as written."""
+    defaults = {**_defaults(), "retimed": False}
     if config and set(config) <= set(defaults) | _NESTED_KEYS:
         config = {**defaults, **config}
     return _flatten(config)
