@@ -43,10 +43,11 @@ class LinkModel:
         """Messages into one rank, serialised on its link."""
         return sum(self.message(n) for n in sizes)
 
-    def bcast(self, nbytes: int, receivers: int) -> float:
+    def bcast(self, nbytes: int, workers: int) -> float:
+        """One message to ``workers`` receivers (any ranks, despite the name)."""
         if self.broadcast == "tree":
-            return math.ceil(math.log2(receivers + 1)) * self.message(nbytes)
-        return receivers * self.message(nbytes)
+            return math.ceil(math.log2(workers + 1)) * self.message(nbytes)
+        return workers * self.message(nbytes)
 
     # ---- the phases of an iteration (mpigrad.runtime.iteration) ------------------------
     def losses(self, workers: int, loss_bytes: int) -> float:
