@@ -160,6 +160,36 @@ def test_refusals_are_one_line_and_write_nothing(runs, tmp_path, capsys, edit, a
     assert not out.exists() and not list(tmp_path.glob(".*tmp"))
 
 
+def _without(source, path, table, column=None, *, add_to_bytes_up=0):
+    """A copy of ``source`` lacking ``table`` (or one of its columns), or whose bytes_up is off."""
+    raw = read_raw(source)
+    specs = {t: dict(c) for t, c in raw.specs.items()}
+    arrays = {t: dict(c) for t, c in raw.arrays.items()}
+    if column:
+        del specs[table][column], arrays[table][column]
+    elif table:
+        del specs[table], arrays[table]
+    arrays["steps"]["bytes_up"] = arrays["steps"]["bytes_up"] + add_to_bytes_up
+    write_closed(path, specs, arrays, raw.attrs)
+    return path
+
+
+def test_traces_that_lack_the_bytes_are_refused(runs, tmp_path, capsys):
+    out = tmp_path / "out.h5"
+    cases = [(_without(runs["slow-2s"], tmp_path / "a.h5", "servers", "frame_bytes"),
+              "records no frame sizes per server and worker"),
+             (_without(runs["slow"], tmp_path / "b.h5", "servers"), "has no servers table"),
+             (_without(runs["slow"], tmp_path / "c.h5", None, add_to_bytes_up=1), "iteration 0: bytes up")]
+    for source, message in cases:
+        code, _, stderr = cli(capsys, "retime", source, "--bandwidth", "100MB/s", "-o", out)
+        assert code == 2 and message in stderr and stderr.count("\n") == 1, stderr
+        assert not out.exists()
+    # One server: the workers' bytes are its frames, so a trace without frame_bytes still re-times.
+    source = _without(runs["slow"], tmp_path / "d.h5", "servers", "frame_bytes")
+    assert cli(capsys, "retime", source, "--bandwidth", "100MB/s", "-o", out)[0] == 0
+    np.testing.assert_array_equal(load(out).array("steps", "sim_time"), load(runs["fast"]).array("steps", "sim_time"))
+
+
 def test_an_existing_output_needs_force(runs, tmp_path, capsys):
     out = tmp_path / "out.h5"
     out.write_bytes(b"keep me")
