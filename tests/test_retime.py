@@ -148,6 +148,7 @@ def _edited(source, path, *, status=None, **config):
     ({"policy": "mqgrad"}, [], "policy 'mqgrad' reads the clock to choose its bits"),
     ({"status": "stopped"}, [], "trace status 'stopped'; only a complete run is re-timed"),
     ({"net_mode": "off"}, [], "run with --net-mode off"),
+    ({"peer": {"system": "torch DDP"}}, [], "a peer system's run"),
     ({}, ["--bandwidth", "100"], "bandwidth '100' has no unit"),
     ({}, ["--bandwidth", "0MB/s"], "bandwidth must be positive"),
     ({}, ["--latency", "soon"], "cannot read duration 'soon'"),

@@ -90,6 +90,8 @@ def _check_retimable(path: Path, attrs: dict, config) -> None:
     status = str(attrs.get("status", "running"))
     if status != "complete":
         raise TraceError(f"{path}: trace status {status!r}; only a complete run is re-timed")
+    if isinstance(config, dict) and "peer" in config:
+        raise TraceError(f"{path}: a peer system's run (mpigrad bench peers), not timed by mpigrad's clock model")
     needed = ("bandwidth", "latency", "broadcast", "net_mode", "policy")
     if not isinstance(config, dict) or any(key not in config for key in needed):
         raise TraceError(f"{path}: not a trace of `mpigrad train` (its config lacks {', '.join(needed)})")
@@ -111,8 +113,8 @@ def _recorded_traffic(path: Path, raw) -> list[IterationTraffic]:
     arrays = raw.arrays
     steps, servers = arrays["steps"], arrays.get("servers")
     if servers is None:
-        raise TraceError(f"{path}: the trace has no servers table (written before per-server bytes were "
-                         "recorded), so its broadcasts cannot be re-charged")
+        raise TraceError(f"{path}: the trace has no servers table (not written by mpigrad train, or before "
+                         "per-server bytes were recorded), so its broadcasts cannot be re-charged")
     if "frame_bytes" in servers:
         frames_in = servers["frame_bytes"]
     elif servers["bytes_out"].shape[1] == 1:  # one server: its frames are the workers' bytes
