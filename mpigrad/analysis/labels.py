@@ -22,9 +22,10 @@ __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_la
 BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
                          "timeout", "walltime", "threads", "device", "checksum_every", "label",
                          "eval_every", "eval_samples"})
-#: Keys the method label already expresses (or that only come with a method); ``retimed``
-#: (set by `mpigrad trace retime`) shows as the label's " (retimed)".
-_METHOD_PREFIXES = ("codec", "policy", "bits", "retimed")
+#: Keys the method label already expresses (or that only come with a method).
+_METHOD_PREFIXES = ("codec", "policy", "bits")
+#: Set by `mpigrad trace retime`; the method label shows it as " (retimed)".
+RETIMED_KEY = "retimed"
 
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -35,7 +36,7 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     the old behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new
     traces of one config form one group, and a re-timed trace (``retimed = true``) a group of
     its own. Other configs (the TraceWriter API) are taken as written."""
-    defaults = {**_defaults(), "retimed": False}
+    defaults = {**_defaults(), RETIMED_KEY: False}
     if config and set(config) <= set(defaults) | _NESTED_KEYS:
         config = {**defaults, **config}
     return _flatten(config)
@@ -93,7 +94,7 @@ def group_key(config: dict[str, Any], keys: Sequence[str]) -> str:
 
 
 def _is_method_key(key: str) -> bool:
-    return key.split(".")[0].split("_")[0] in _METHOD_PREFIXES
+    return key == RETIMED_KEY or key.split(".")[0].split("_")[0] in _METHOD_PREFIXES
 
 
 def group_labels(configs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> list[str]:
