@@ -24,8 +24,6 @@ BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_eve
                          "eval_every", "eval_samples"})
 #: Keys the method label already expresses (or that only come with a method).
 _METHOD_PREFIXES = ("codec", "policy", "bits")
-#: Set by `mpigrad trace retime`; the method label shows it as " (retimed)".
-RETIMED_KEY = "retimed"
 
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +89,10 @@ def differing_keys(configs: Sequence[dict[str, Any]], *, seed: bool = False) -> 
 def group_key(config: dict[str, Any], keys: Sequence[str]) -> str:
     flat = flat_config(config)
     return json.dumps([flat.get(k) for k in keys], sort_keys=True, default=str)
+
+
+#: Set by `mpigrad trace retime`; the method label shows it as " (retimed)".
+RETIMED_KEY = "retimed"
 
 
 def _is_method_key(key: str) -> bool:
