@@ -59,6 +59,18 @@ def test_link_events_parse_and_bad_ones_are_named():
             LinkEvent.parse(bad)
 
 
+def test_open_mpi_is_refused_for_mpi_launches_with_one_line(tmp_path):
+    """Open MPI's ranks fail MPI_Init across the lab's namespaces (docs/lab.rst): refused
+    before anything is built, with the way out."""
+    from mpigrad.lab.launch import mpi_plan
+
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'mpiexec (Open MPI) 5.0.11'\n")
+    fake.chmod(0o755)
+    with pytest.raises(UsageError, match="Open MPI's, whose ranks fail MPI_Init .*mpich wheel, or use --launch each"):
+        mpi_plan(Topology("mgx", 2, "10.79.0.0/24"), ["true"], str(fake))
+
+
 def test_topology_names_and_addresses():
     t = Topology("mgl", 3, "10.77.0.0/24")
     assert [(n.namespace, n.hub_port, n.address) for n in t.node_list] == [

@@ -5,7 +5,8 @@ Two ways (``--launch``):
 ``mpi``   one ``mpiexec`` whose rank I runs inside node I's namespace
           (``mpiexec -n 1 ip netns exec NAME-0 CMD : -n 1 ip netns exec NAME-1 CMD ...``), with
           the variables that make MPICH talk TCP over the lab's interface
-          (:data:`MPICH_VARIABLES`) or, for Open MPI, :data:`OPENMPI_ARGUMENTS` (not tested).
+          (:data:`MPICH_VARIABLES`). Open MPI is refused: its ranks fail MPI_Init across the
+          lab's namespaces here (docs/lab.rst).
 ``each``  the command started once inside every node, told its place by environment
           variables (:func:`node_environment`): torch DDP over gloo and other peers run as is.
 
@@ -23,18 +24,13 @@ import time
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..mpiexec import find_mpiexec, launch_flags, mpiexec_flavour
+from ..mpiexec import find_mpiexec, mpiexec_flavour
 from .host import in_namespace
 from .netns import IFACE, Topology
 
 #: MPICH (ch4): no shared memory between ranks, TCP through libfabric on the lab's interface.
 MPICH_VARIABLES = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
                    "FI_TCP_IFACE": IFACE}
-#: Open MPI's equivalent, after the flags mpigrad.mpiexec adds (--oversubscribe, and
-#: --allow-run-as-root: the lab runs as root); not tested here, the lab was measured with
-#: the mpich wheel.
-OPENMPI_ARGUMENTS = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
-                     "--mca", "btl_tcp_if_include", IFACE, "--mca", "oob_tcp_if_include", IFACE]
 MASTER_PORT = "29500"
 
 
@@ -73,13 +69,12 @@ class LaunchPlan:
 
 def mpi_plan(topology: Topology, command: list[str], mpiexec: str | None = None) -> LaunchPlan:
     mpiexec = find_mpiexec(mpiexec)
-    flavour = mpiexec_flavour(mpiexec)
-    env = dict(os.environ)
-    argv = [mpiexec, *launch_flags(flavour)]
-    if flavour == "Open MPI":
-        argv += OPENMPI_ARGUMENTS
-    else:
-        env.update(MPICH_VARIABLES)
+    if mpiexec_flavour(mpiexec) == "Open MPI":
+        raise UsageError(f"{mpiexec} is Open MPI's, whose ranks fail MPI_Init across the lab's namespaces "
+                         "('PML add procs failed', docs/lab.rst): run the lab from a virtual environment "
+                         "with the mpich wheel, or use --launch each")
+    env = {**os.environ, **MPICH_VARIABLES}
+    argv = [mpiexec]
     for i in range(topology.nodes):
         argv += [*([":"] if i else []), "-n", "1", *_in_node(topology, i, command)]
     return LaunchPlan([argv], env)

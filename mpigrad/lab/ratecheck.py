@@ -127,7 +127,9 @@ def check_links_mpi(topology: Topology, links: Links, seconds: float = _SECONDS,
         raise LabError(f"rate check: the MPI transfers did not finish within {timeout:g} s") from None
     found = [line for line in done.stdout.splitlines() if line.startswith("MPIPROBE ")]
     if done.returncode or not found:
-        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:]
+        lines = [line for line in (done.stderr.strip() or done.stdout.strip()).splitlines()
+                 if line.strip("- ")]                # not the dashes of Open MPI's framed notices
+        tail = lines[-1:]
         raise LabError(f"rate check: mpiexec exited {done.returncode}: {' '.join(tail)}")
     return [LinkCheck(r["sender"], r["receiver"], links.path_rate(r["sender"], r["receiver"]),
                       r["bytes"] / r["seconds"] if r["seconds"] > 0 else 0.0, r["bytes"])
