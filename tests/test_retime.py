@@ -150,7 +150,7 @@ def _edited(source, path, *, status=None, **config):
     ({"net_mode": "off"}, [], "run with --net-mode off"),
     ({"peer": {"system": "torch DDP"}}, [], "a peer system's run"),
     ({}, ["--bandwidth", "100"], "bandwidth '100' has no unit"),
-    ({}, ["--bandwidth", "0MB/s"], "bandwidth must be positive"),
+    ({}, ["--bandwidth", "0MB/s"], "must be positive"),  # parse_rate or retime says it
     ({}, ["--latency", "soon"], "cannot read duration 'soon'"),
 ])
 def test_refusals_are_one_line_and_write_nothing(runs, tmp_path, capsys, edit, args, message):
