@@ -83,6 +83,8 @@ SHORTEN = [
 ILLUSTRATIVE = [
     (r"^mpigrad trace info", "dates, version and config of the run that wrote the file"),
     (r"^mpigrad trace repair", "the repair of a killed 1800-iteration run; the placeholder is complete"),
+    (r"^mpigrad trace retime", "the placeholders are written through the TraceWriter API, with none of the "
+                               "bytes a run records (tests/test_retime.py re-times real runs)"),
 ]
 
 #: (document, regex of a sample line shown without a command, reason).

@@ -1,7 +1,8 @@
-"""`mpigrad trace ACTION`: info, summary, table, plot and export for HDF5 traces, and
-repair for the trace of a run whose writer died.
+"""`mpigrad trace ACTION`: info, summary, table, plot and export for HDF5 traces, retime
+(a run's simulated clock under another network), and repair for the trace of a run whose
+writer died.
 
-Never imports mpi4py, torch or numba; only ``repair`` writes (through mpigrad.trace).
+Never imports mpi4py, torch or numba; only ``retime`` and ``repair`` write (through mpigrad.trace).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import sys
 from typing import Callable
 
+from ..config import BROADCASTS, parse_duration, parse_rate
 from ..errors import UsageError
 from ..trace import Trace, TraceError, load
 from .tables import CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, parse_points, render
@@ -74,6 +76,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     export.add_argument("file")
     export.add_argument("--csv", required=True, metavar="DIR", help="output folder (created if needed)")
     export.add_argument("--force", action="store_true", help="overwrite existing files in DIR")
+
+    retime = actions.add_parser(
+        "retime", help="re-charge a complete run's simulated clock under another network",
+        description="Write a copy of TRACE whose simulated times (steps sim_time and t_comm, eval "
+                    "sim_time) are charged again, by the runtime's clock model, at the given bandwidth, "
+                    "latency and broadcast, from the bytes and local costs the run recorded; losses, "
+                    "accuracies, bits and bytes are kept. Refused for a policy whose bits depend on the "
+                    "clock (MQGrad), a run that is not complete, and a --net-mode off run.")
+    retime.add_argument("file", metavar="TRACE")
+    retime.add_argument("--bandwidth", required=True, metavar="RATE", help="e.g. 100MB/s or 1Gbit/s")
+    retime.add_argument("--latency", metavar="DURATION", help="per message, e.g. 1ms (default: the run's)")
+    retime.add_argument("--broadcast", choices=BROADCASTS, help="broadcast shape (default: the run's)")
+    retime.add_argument("-o", "--output", required=True, metavar="OUT", help="the re-timed trace (.h5)")
+    retime.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
     repair = actions.add_parser(
         "repair", help="close the trace of a run whose writer died (status failed or incomplete)",
@@ -218,6 +234,15 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _retime(args: argparse.Namespace) -> int:
+    from .retime import retime
+
+    latency = None if args.latency is None else parse_duration(args.latency)
+    print(retime(args.file, args.output, bandwidth=parse_rate(args.bandwidth), latency=latency,
+                 broadcast=args.broadcast, force=args.force))
+    return 0
+
+
 def _repair(args: argparse.Namespace) -> int:
     from ..trace import repair
 
@@ -227,5 +252,5 @@ def _repair(args: argparse.Namespace) -> int:
 
 _ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
     "info": _info, "summary": _summary, "table": _table, "plot": _plot, "compare": _compare,
-    "export": _export, "repair": _repair,
+    "export": _export, "retime": _retime, "repair": _repair,
 }

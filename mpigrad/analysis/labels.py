@@ -29,11 +29,12 @@ _METHOD_PREFIXES = ("codec", "policy", "bits", "peer")
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     """The run's effective config, flat: ``{"policy_opts": {"T": 5}}`` -> ``{"policy_opts.T": 5}``.
 
-    In a config written by ``mpigrad train`` (every key a RunConfig option), a key the trace
-    lacks (written before the key existed) takes today's default, which keeps the old
-    behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new traces
-    of one config form one group. Other configs (the TraceWriter API) are taken as written."""
-    defaults = _defaults()
+    In a config written by ``mpigrad train`` (every key a RunConfig option, or ``retimed``),
+    a key the trace lacks (written before the key existed) takes today's default, which keeps
+    the old behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new
+    traces of one config form one group, and a re-timed trace (``retimed = true``) a group of
+    its own. Other configs (the TraceWriter API) are taken as written."""
+    defaults = {**_defaults(), RETIMED_KEY: False}
     if config and set(config) <= set(defaults) | _NESTED_KEYS:
         config = {**defaults, **config}
     return _flatten(config)
@@ -90,8 +91,12 @@ def group_key(config: dict[str, Any], keys: Sequence[str]) -> str:
     return json.dumps([flat.get(k) for k in keys], sort_keys=True, default=str)
 
 
+#: Set by `mpigrad trace retime`; the method label shows it as " (retimed)".
+RETIMED_KEY = "retimed"
+
+
 def _is_method_key(key: str) -> bool:
-    return key.split(".")[0].split("_")[0] in _METHOD_PREFIXES
+    return key == RETIMED_KEY or key.split(".")[0].split("_")[0] in _METHOD_PREFIXES
 
 
 def group_labels(configs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> list[str]:

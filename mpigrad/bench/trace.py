@@ -93,7 +93,8 @@ def _records(iterations: int, workers: int, columns: dict) -> list:
             t_decode=rng.random(), t_policy=rng.random(), t_comm=rng.random(), wall_time=0.1 * m,
             sim_time=0.2 * m, worker_losses=losses, worker_compute=rng.random(workers).tolist(),
             worker_bytes=rng.integers(1e5, 1e6, workers).tolist(), server_bytes_in=[int(rng.integers(1e6, 2e6))],
-            server_bytes_out=[int(rng.integers(1e5, 1e6))], server_t_decode=[rng.random()],
+            server_bytes_out=[int(rng.integers(1e5, 1e6))],
+            server_frame_bytes=[rng.integers(1e5, 1e6, workers).tolist()], server_t_decode=[rng.random()],
             server_t_encode=[rng.random()], norm_ratio=rng.random(2).tolist(),
             checksums=rng.integers(0, 2**62, workers + 1).tolist() if m % 50 == 0 else None,
             policy_rows=policy_rows))

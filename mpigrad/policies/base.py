@@ -223,6 +223,9 @@ class Policy(ABC):
     policy_id: ClassVar[str]
     #: True when ``decide`` reads ``Observation.gradients`` and ``Observation.codec``.
     uses_gradients: ClassVar[bool] = False
+    #: True when ``decide`` reads the clock (``Observation.last_iteration_ms``): its bits,
+    #: and so the whole run, depend on the network, and ``mpigrad trace retime`` refuses it.
+    reads_clock: ClassVar[bool] = False
 
     def __init__(self, *, n_layers: int = 1, seed: int = 0):
         self.n_layers = check_int(self.policy_id, "n_layers", n_layers, 1)

@@ -131,6 +131,7 @@ class MQGradPolicy(Policy):
     """
 
     policy_id = "mqgrad"
+    reads_clock = True  # the reward divides by the time of the last T iterations
 
     def __init__(self, *, T: int = 5, alpha: float = 0.01, gamma: float = 300.0,
                  discount: float = 0.5, epsilon: float = 0.1, eta: float = 0.1, hidden: int = 10,

@@ -1,18 +1,7 @@
-"""The clock model, in one place: what an iteration costs on the run's two clocks.
+"""The run's clocks and the charging of one iteration as it happens.
 
-Network: every message costs ``latency + bytes / bandwidth``. A server's link is the
-bottleneck of a parameter server: the P messages it receives in a round are serialised on
-it, and a star broadcast sends one copy per receiver over it one after another. A
-binomial-tree broadcast (``--broadcast tree``) takes ceil(log2(receivers + 1)) rounds of one
-message each, the copies being forwarded by workers. With S servers each has its own link:
-the gradient round takes as long as the slowest server's (its P frames of its shard), and so
-does the broadcast round (server s > 0 also sends its shard to rank 0). Rank 0's loss
-gather and its control broadcast (to the P workers and S - 1 other servers) are as with one
-server; the servers' small reports to rank 0 are not charged.
-
-Local work runs in parallel across ranks, so the simulated clock charges the slowest
-worker's compute and encode, then the slowest server's decode/average/encode and rank 0's
-policy time (see :class:`IterationClock`).
+What each phase and an iteration cost is :mod:`mpigrad.clockmodel` (shared with
+``mpigrad trace retime``); this module applies it to the running clocks.
 
 Modes: ``virtual`` advances the simulated clock only; ``sleep`` also makes rank 0 really
 wait for the modelled time of each communication phase; ``off`` models nothing: the
@@ -21,39 +10,11 @@ simulated clock then equals the wall clock and t_comm is the measured wait.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
+from ..clockmodel import IterationTraffic, LinkModel, iteration_seconds
 
-@dataclass(frozen=True)
-class LinkModel:
-    bandwidth: float           # bytes per second
-    latency: float             # seconds per message
-    mode: str = "virtual"      # virtual | sleep | off
-    broadcast: str = "star"    # star | tree
-
-    def message(self, nbytes: int) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-    def gather(self, sizes: list[int]) -> float:
-        """P messages into rank 0, serialised on its link."""
-        return sum(self.message(n) for n in sizes)
-
-    def bcast(self, nbytes: int, workers: int) -> float:
-        if self.broadcast == "tree":
-            return math.ceil(math.log2(workers + 1)) * self.message(nbytes)
-        return workers * self.message(nbytes)
-
-    def charge(self, seconds: float) -> float:
-        """Apply a modelled communication phase: sleep in ``sleep`` mode; return the charge."""
-        if self.mode == "sleep" and seconds > 0:
-            time.sleep(seconds)
-        return seconds if self.mode != "off" else 0.0
-
-    @property
-    def modelled(self) -> bool:
-        return self.mode != "off"
+__all__ = ["Clocks", "IterationClock", "IterationTraffic", "LinkModel"]
 
 
 class Clocks:
@@ -102,18 +63,18 @@ class IterationClock:
         self.t_comm = 0.0
         self.wall_start = self.clocks.now_wall()
 
+    # Each phase charged as it ends, in the order of LinkModel.comm_seconds.
     def losses(self, nbytes: int) -> None:
-        self.t_comm = self.link.charge(self.link.gather([nbytes] * self.workers))
+        self.t_comm = self.link.charge(self.link.losses(self.workers, nbytes))
 
     def control(self, nbytes: int) -> None:
-        self.t_comm += self.link.charge(self.link.bcast(nbytes, self.workers + self.servers - 1))
+        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes))
 
     def gradients(self, sizes_per_server: list[list[int]]) -> None:
-        self.t_comm += self.link.charge(max(self.link.gather(sizes) for sizes in sizes_per_server))
+        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server))
 
     def broadcasts(self, bytes_per_server: list[int]) -> None:
-        self.t_comm += self.link.charge(max(
-            self.link.bcast(n, self.workers + (s > 0)) for s, n in enumerate(bytes_per_server)))
+        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall
@@ -127,8 +88,7 @@ class IterationClock:
             local = compute_wall + t_encode + t_decode + t_policy
             t_comm = max(0.0, (wall_now - self.wall_start) - local)
             self.clocks.sim = wall_now
-        elif self.compute_time is not None:
-            self.clocks.sim += self.compute_time + t_comm
         else:
-            self.clocks.sim += t_compute + t_encode + t_decode + t_policy + t_comm
+            self.clocks.sim += iteration_seconds(t_comm, self.compute_time, t_compute, t_encode, t_decode,
+                                                 t_policy)
         return wall_now, self.clocks.sim, t_comm

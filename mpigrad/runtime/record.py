@@ -32,6 +32,7 @@ class IterationRecord:
     worker_bytes: list[int]         # each worker's frames, all servers together
     server_bytes_in: list[int]      # per server: the frames it received
     server_bytes_out: list[int]     # per server: its broadcast frame (one copy, length included)
+    server_frame_bytes: list[list[int]]  # per server, each worker's frame to it (what the clock charges)
     server_t_decode: list[float]
     server_t_encode: list[float]
     norm_ratio: list[float]         # ||Q(g)|| / ||g|| per quantized layer (g the workers' average)
@@ -50,7 +51,8 @@ TABLE_COLUMNS: dict[str, dict[str, Callable[[IterationRecord], object]]] = {
     "workers": {"iteration": _get("iteration"), "loss": _get("worker_losses"),
                 "t_compute": _get("worker_compute"), "bytes_sent": _get("worker_bytes")},
     "servers": {"iteration": _get("iteration"), "bytes_in": _get("server_bytes_in"),
-                "bytes_out": _get("server_bytes_out"), "t_decode": _get("server_t_decode"),
+                "bytes_out": _get("server_bytes_out"),
+                "frame_bytes": _get("server_frame_bytes"), "t_decode": _get("server_t_decode"),
                 "t_encode": _get("server_t_encode")},
 }
 

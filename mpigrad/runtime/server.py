@@ -24,7 +24,7 @@ from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
 from .buffers import BufferSync, sync_due
-from .clock import Clocks, IterationClock, LinkModel
+from .clock import Clocks, IterationClock, IterationTraffic, LinkModel
 from .environment import threads_per_rank
 from .faults import Fault
 from .iteration import FollowerRole, run_iteration
@@ -357,17 +357,17 @@ class ParameterServer:
                                                       t_encode, t_decode, it["t_policy"])
         self.last_iteration_ms = 1e3 * (sim_now - sim_before)
         frames_down = [FrameLength.NBYTES + n for n in it["frame_bytes"]]
+        traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
+                                   tuple(tuple(s.sizes) for s in servers), tuple(frames_down))
         worker_bytes = [int(sum(s.sizes[w] for s in servers)) for w in range(P)]
         bits = it["bits"] if self.codec.takes_policy_bits else [self.codec.fixed_bits] * len(it["bits"])
         record = IterationRecord(
-            iteration=m, loss=it["loss"], bits=bits,
-            bytes_up=sum(worker_bytes) + P * LossReport.NBYTES,
-            bytes_down=(P + self.servers - 1) * self.control_msg.buf.nbytes
-            + sum((P + (s > 0)) * n for s, n in enumerate(frames_down)),
+            iteration=m, loss=it["loss"], bits=bits, bytes_up=traffic.bytes_up, bytes_down=traffic.bytes_down,
             t_compute=max(compute), t_encode=t_encode, t_decode=t_decode, t_policy=it["t_policy"],
             t_comm=t_comm, wall_time=wall_now, sim_time=sim_now,
             worker_losses=[r.loss for r in reports], worker_compute=compute, worker_bytes=worker_bytes,
             server_bytes_in=[int(sum(s.sizes)) for s in servers], server_bytes_out=frames_down,
+            server_frame_bytes=[list(s.sizes) for s in servers],
             server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
             norm_ratio=self._norm_ratio(servers),
             checksums=it["checksums"], policy_rows=self.policy.drain_records())

@@ -64,7 +64,7 @@ class RunTrace:
         return {
             "steps": schema.step_columns(schema.layer_step_columns(layers)),
             "workers": schema.workers_columns(workers),
-            "servers": schema.servers_columns(servers),
+            "servers": schema.servers_columns(servers, workers),
             "eval": dict(schema.EVAL_COLUMNS),
             "policy": policy_columns,
             "checksums": schema.checksum_columns(workers + 1),

@@ -132,13 +132,23 @@ _PLAIN_CODECS = {"fp32": "FP32", "fp16": "FP16"}
 _DEFAULT_CODEC = "uniform"
 
 
+#: Appended to the label of a trace that ``mpigrad trace retime`` wrote (config ``retimed``).
+RETIMED_MARK = " (retimed)"
+
+
 def method_label(config: dict[str, Any]) -> str:
     """The paper's method label: "Fix (2-bit)", "Adaptive", "MQGrad" (plus "[codec]" when
-    the codec is not the paper's uniform quantizer); ``config["label"]`` overrides."""
+    the codec is not the paper's uniform quantizer); ``config["label"]`` overrides; either
+    ends in " (retimed)" for a re-timed trace."""
     if not isinstance(config, dict):
         return "unknown"
+    mark = RETIMED_MARK if config.get("retimed") is True else ""
     if isinstance(config.get("label"), str) and config["label"]:
-        return config["label"]
+        return config["label"] + mark
+    return _method(config) + mark
+
+
+def _method(config: dict[str, Any]) -> str:
     codec = _component(config, "codec")
     policy = _component(config, "policy")
     codec_id = str(codec.get("id", _DEFAULT_CODEC))

@@ -94,13 +94,16 @@ def workers_columns(workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
             "t_compute": ("f8", (workers,)), "bytes_sent": ("i8", (workers,))}
 
 
-def servers_columns(servers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def servers_columns(servers: int, workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Per-iteration, per-server values; index s is server rank s (rank 0 serves shard 0).
     ``bytes_in``: the workers' frames the server received; ``bytes_out``: one copy of its
-    broadcast (length message included); ``t_decode``/``t_encode``: its CPU seconds."""
+    broadcast (length message included); ``frame_bytes[s, k]``: worker k's frame to server s
+    (the messages the clock charges one by one); ``t_decode``/``t_encode``: its CPU seconds."""
     _check_count("servers", servers)
+    _check_count("workers", workers)
     return {"iteration": ("i8", ()), "bytes_in": ("i8", (servers,)), "bytes_out": ("i8", (servers,)),
-            "t_decode": ("f8", (servers,)), "t_encode": ("f8", (servers,))}
+            "frame_bytes": ("i8", (servers, workers)), "t_decode": ("f8", (servers,)),
+            "t_encode": ("f8", (servers,))}
 
 
 def checksum_columns(ranks: int, dtype: str = "u8") -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -35,7 +35,7 @@ from .. import __version__, options
 from .attrs import encode_attr, write_attrs
 from .schema import FORMAT_NAME, ROWS_DATASET, SCHEMA_VERSION, TraceError, validate_tables
 
-__all__ = ["TraceWriter", "STATUSES", "repair"]
+__all__ = ["TraceWriter", "STATUSES", "repair", "write_closed"]
 
 #: Status values ``close`` accepts: a run that finished, one stopped at an iteration
 #: boundary with a checkpoint (to be requeued), one that raised, and one whose writer died
@@ -304,7 +304,7 @@ class TraceWriter:
         raw = read_raw(self.path)
         final = {**raw.attrs, **self._pending_attrs, "complete": status == "complete", "status": status,
                  "end_time": _now()}
-        _write_closed(self.path, raw.specs, raw.arrays, final)
+        write_closed(self.path, raw.specs, raw.arrays, final)
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -354,7 +354,7 @@ def repair(path: str | os.PathLike, error: str | None = None) -> str:
         attrs["error"] = error
     elif "error" in raw.attrs:
         attrs["error"] = raw.attrs["error"]
-    _write_closed(path, raw.specs, raw.arrays, attrs)
+    write_closed(path, raw.specs, raw.arrays, attrs)
     return (f"{path}: repaired: status {new_status!r}, last iteration {last}, "
             f"{sum(len(t['iteration']) for t in raw.arrays.values())} rows kept")
 
@@ -395,7 +395,7 @@ def _add_table(h5file: h5py.File, table: str, specs: Mapping, rows: Mapping[str,
     return datasets, group.create_dataset(ROWS_DATASET, data=np.int64(count))
 
 
-def _write_closed(path: Path, specs: Mapping[str, Mapping], arrays: Mapping[str, Mapping], attrs: Mapping) -> None:
+def write_closed(path: Path, specs: Mapping[str, Mapping], arrays: Mapping[str, Mapping], attrs: Mapping) -> None:
     """Replace ``path`` atomically with a closed trace: ``arrays`` (exactly the committed
     rows), compressed, with root attributes ``attrs`` and no open-for-writing mark."""
     temp = _temp_path(path)

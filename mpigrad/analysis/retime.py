@@ -1,0 +1,149 @@
+"""`mpigrad trace retime`: a finished run's simulated clock, charged again under another network.
+
+Every iteration's charge is a function of its messages' bytes and its local costs
+(:mod:`mpigrad.clockmodel`), and a trace records both: each server's frames from each worker
+(``servers/frame_bytes``; with one server, ``workers/bytes_sent``) and its broadcast
+(``servers/bytes_out``); the loss report's and the Control's sizes follow from
+``steps/bytes_up`` and ``bytes_down``; the local work is ``compute_time`` or
+``steps/t_compute + t_encode + t_decode + t_policy``. The re-timed trace keeps every other
+column (losses, accuracies, bits, bytes, wall times) and re-charges ``steps/t_comm``,
+``steps/sim_time`` and ``eval/sim_time`` with the same code the runtime charged them with.
+
+Refused: a trace that is not complete, one whose network was not modelled (``--net-mode
+off``), and one whose policy reads the clock (``Policy.reads_clock``: its bits, hence its
+bytes and losses, would differ on another network).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..clockmodel import IterationTraffic, LinkModel, iteration_seconds
+from ..config import BROADCASTS, format_duration, format_rate
+from ..policies import PolicyError, policy_class
+from ..trace import TraceError, read_raw
+from ..trace.writer import write_closed
+from .labels import flat_config
+
+__all__ = ["retime"]
+
+
+def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float,
+           latency: float | None = None, broadcast: str | None = None, force: bool = False) -> str:
+    """Write ``output``: the trace ``source`` re-charged at ``bandwidth`` (bytes/s), ``latency``
+    (s; default the run's) and ``broadcast`` (default the run's); return a one-line summary.
+    TraceError (one line) for a trace that cannot be re-timed or an output that may not be written."""
+    source, output = Path(source), Path(output)
+    if not (bandwidth > 0 and math.isfinite(bandwidth)):
+        raise TraceError(f"bandwidth must be positive, got {bandwidth!r} bytes/s")
+    if latency is not None and not (latency >= 0 and math.isfinite(latency)):
+        raise TraceError(f"latency must be >= 0, got {latency!r} s")
+    if broadcast is not None and broadcast not in BROADCASTS:
+        raise TraceError(f"broadcast must be one of {', '.join(BROADCASTS)}, got {broadcast!r}")
+    if output.exists() and output.resolve() == source.resolve():
+        raise TraceError(f"{output} is the trace being re-timed; write to another file")
+    if output.exists() and not force:
+        raise TraceError(f"{output} exists; pass --force to overwrite it")
+    raw = read_raw(source)
+    config = raw.attrs.get("config")
+    _check_retimable(source, raw.attrs, config)
+    link = LinkModel(bandwidth, config["latency"] if latency is None else latency, "virtual",
+                     config["broadcast"] if broadcast is None else broadcast)
+    arrays = {table: dict(columns) for table, columns in raw.arrays.items()}
+    steps = arrays["steps"]
+    traffic = _recorded_traffic(source, raw)
+    compute_time = config.get("compute_time")
+    t_comm = np.empty(len(traffic))
+    sim_time = np.empty(len(traffic))
+    sim = 0.0
+    for row, iteration_traffic in enumerate(traffic):
+        t_comm[row] = link.comm_seconds(iteration_traffic)
+        sim += iteration_seconds(t_comm[row], compute_time, steps["t_compute"][row], steps["t_encode"][row],
+                                 steps["t_decode"][row], steps["t_policy"][row])
+        sim_time[row] = sim
+    old_end = float(steps["sim_time"][-1])
+    steps["t_comm"], steps["sim_time"] = t_comm, sim_time
+    if "eval" in arrays:
+        arrays["eval"]["sim_time"] = _at_iterations(source, steps["iteration"], sim_time,
+                                                    arrays["eval"]["iteration"])
+    new_config = {**config, "bandwidth": link.bandwidth, "latency": link.latency, "broadcast": link.broadcast,
+                  "retimed": True}
+    attrs = {**raw.attrs, "config": new_config, "retimed_from": str(source),
+             "retimed_from_network": {key: config[key] for key in ("bandwidth", "latency", "broadcast")},
+             "retimed_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    write_closed(output, raw.specs, arrays, attrs)
+    return (f"wrote {output}: {len(sim_time)} iterations re-timed from {_network(config)} to {_network(new_config)}: "
+            f"{old_end:.1f} s -> {sim:.1f} s simulated")
+
+
+def _network(config: dict) -> str:
+    return (f"{format_rate(config['bandwidth'], bits=False)} latency {format_duration(config['latency'])} "
+            f"{config['broadcast']}")
+
+
+def _check_retimable(path: Path, attrs: dict, config) -> None:
+    status = str(attrs.get("status", "running"))
+    if status != "complete":
+        raise TraceError(f"{path}: trace status {status!r}; only a complete run is re-timed")
+    if isinstance(config, dict) and "peer" in config:
+        raise TraceError(f"{path}: a peer system's run (mpigrad bench peers), not timed by mpigrad's clock model")
+    needed = ("bandwidth", "latency", "broadcast", "net_mode", "policy")
+    if not isinstance(config, dict) or any(key not in config for key in needed):
+        raise TraceError(f"{path}: not a trace of `mpigrad train` (its config lacks {', '.join(needed)})")
+    if config["net_mode"] == "off":
+        raise TraceError(f"{path}: run with --net-mode off, so its times were measured, not modelled; "
+                         "nothing to re-charge")
+    policy = flat_config(config).get("policy")
+    try:
+        reads_clock = policy_class(policy).reads_clock
+    except PolicyError as exc:
+        raise TraceError(f"{path}: {exc}") from None
+    if reads_clock:
+        raise TraceError(f"{path}: policy {policy!r} reads the clock to choose its bits, so on another "
+                         "network the run itself would differ; re-run it instead")
+
+
+def _recorded_traffic(path: Path, raw) -> list[IterationTraffic]:
+    """Each steps row's messages, from the trace's columns."""
+    arrays = raw.arrays
+    steps, servers = arrays["steps"], arrays.get("servers")
+    if servers is None:
+        raise TraceError(f"{path}: the trace has no servers table (not written by mpigrad train, or before "
+                         "per-server bytes were recorded), so its broadcasts cannot be re-charged")
+    if "frame_bytes" in servers:
+        frames_in = servers["frame_bytes"]
+    elif servers["bytes_out"].shape[1] == 1:  # one server: its frames are the workers' bytes
+        frames_in = arrays["workers"]["bytes_sent"][:, np.newaxis, :]
+    else:
+        raise TraceError(f"{path}: the trace records no frame sizes per server and worker "
+                         "(servers/frame_bytes, written since issue 24), which a run with several servers needs")
+    iterations = steps["iteration"]
+    sources = {"servers": servers["iteration"]}
+    if "frame_bytes" not in servers:
+        sources["workers"] = arrays["workers"]["iteration"]
+    for table, rows in sources.items():
+        if not np.array_equal(rows, iterations):
+            raise TraceError(f"{path}: the {table} table's iterations are not the steps table's (damaged trace)")
+    traffic = []
+    for row in range(len(iterations)):
+        try:
+            traffic.append(IterationTraffic.from_totals(steps["bytes_up"][row], steps["bytes_down"][row],
+                                                        frames_in[row], servers["bytes_out"][row]))
+        except ValueError as exc:
+            raise TraceError(f"{path}: iteration {int(iterations[row])}: {exc}") from None
+    return traffic
+
+
+def _at_iterations(path: Path, iterations: np.ndarray, values: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """``values`` of the steps rows whose iteration is each of ``wanted`` (an evaluation's
+    simulated time is that of the iteration it follows)."""
+    row_of = {int(m): row for row, m in enumerate(iterations)}
+    missing = [int(m) for m in wanted if int(m) not in row_of]
+    if missing:
+        raise TraceError(f"{path}: evaluations after iterations {missing} that the steps table lacks")
+    return np.array([values[row_of[int(m)]] for m in wanted], dtype=np.float64)
