@@ -70,6 +70,8 @@ EXCLUDED = [
      "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "
      "tests/test_bench_peers.py bench peers)"),
     (r"^mpigrad trace compare bench-peers/", "reads bench peers' traces (tests/test_bench_peers.py compares them)"),
+    (r"^mpigrad trace retime", "the placeholders are written through the TraceWriter API, with none of the "
+                               "bytes a run records (tests/test_retime.py re-times real runs)"),
 ]
 
 #: (regex, replacement) applied to a command before it runs: short but real runs.
@@ -83,8 +85,6 @@ SHORTEN = [
 ILLUSTRATIVE = [
     (r"^mpigrad trace info", "dates, version and config of the run that wrote the file"),
     (r"^mpigrad trace repair", "the repair of a killed 1800-iteration run; the placeholder is complete"),
-    (r"^mpigrad trace retime", "the placeholders are written through the TraceWriter API, with none of the "
-                               "bytes a run records (tests/test_retime.py re-times real runs)"),
 ]
 
 #: (document, regex of a sample line shown without a command, reason).

@@ -60,6 +60,8 @@ class Observation:
 
 
 _REGISTRY: dict[str, type["Policy"]] = {}
+#: Plugin classes loaded in this process, by their own policy_id.
+_PLUGINS: dict[str, type["Policy"]] = {}
 
 
 def register_policy(cls: type["Policy"]) -> type["Policy"]:
@@ -76,12 +78,13 @@ def available() -> list[str]:
 
 
 def policy_class(policy_id: str) -> type["Policy"]:
-    """The class of a registered id, or of a plugin ``package.module:Class`` (loaded, checked
-    and registered by ``_plugin_class``)."""
+    """The class of a registered id, of a plugin ``package.module:Class`` (loaded and checked
+    by ``_plugin_class``), or of a loaded plugin's own ``policy_id`` (what its ``get_config``
+    says). Plugins are not listed by ``available()``."""
     if is_plugin(policy_id):
         return _plugin_class(policy_id)
     try:
-        return _REGISTRY[policy_id]
+        return _REGISTRY[policy_id] if policy_id in _REGISTRY else _PLUGINS[policy_id]
     except (KeyError, TypeError):
         raise PolicyError(f"unknown policy {policy_id!r}; available: {', '.join(available())} "
                           "(or a class of your own: package.module:Class)") from None
@@ -97,10 +100,11 @@ def _plugin_class(spec: str) -> type["Policy"]:
         raise PolicyError(f"policy {spec} must set policy_id = \"a-name-of-its-own\" (no ':')")
     if inspect.isabstract(cls):
         raise PolicyError(f"policy {spec} does not implement {', '.join(sorted(cls.__abstractmethods__))}")
-    if _REGISTRY.get(policy_id, cls) is not cls:
-        raise PolicyError(f"policy {spec}: policy_id {policy_id!r} is taken by "
-                          f"{_REGISTRY[policy_id].__module__}.{_REGISTRY[policy_id].__qualname__}")
-    return register_policy(cls)
+    taken = _REGISTRY.get(policy_id) or _PLUGINS.get(policy_id, cls)
+    if taken is not cls:
+        raise PolicyError(f"policy {spec}: policy_id {policy_id!r} is taken by {taken.__module__}.{taken.__qualname__}")
+    _PLUGINS[policy_id] = cls
+    return cls
 
 
 def policy_options(policy_id: str) -> dict[str, Any]:
