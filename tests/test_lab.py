@@ -71,6 +71,15 @@ def test_open_mpi_is_refused_for_mpi_launches_with_one_line(tmp_path):
         mpi_plan(Topology("mgx", 2, "10.79.0.0/24"), ["true"], str(fake))
 
 
+def test_an_mpigrad_mpi_command_under_launch_each_is_refused():
+    from mpigrad.lab.launch import expand_command
+
+    with pytest.raises(UsageError, match="mpigrad train needs one MPI world over the nodes: use --launch mpi"):
+        expand_command(["train", "--iterations", "3"], "each")
+    assert expand_command(["train"], "mpi")[-3:] == ["-m", "mpigrad", "train"]
+    assert expand_command(["python", "ddp.py"], "each") == ["python", "ddp.py"]
+
+
 def test_topology_names_and_addresses():
     t = Topology("mgl", 3, "10.77.0.0/24")
     assert [(n.namespace, n.hub_port, n.address) for n in t.node_list] == [

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(support.latency_reason)
     plan = None
     if command:
-        command = expand_command(command)
+        command = expand_command(command, args.launch)
         plan = mpi_plan(topology, command) if args.launch == "mpi" else each_plan(topology, command)
     log = lambda message: print(message, flush=True)  # noqa: E731
     previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -45,11 +45,18 @@ def node_environment(topology: Topology, index: int) -> dict[str, str]:
             "MASTER_PORT": os.environ.get("MASTER_PORT", MASTER_PORT), "GLOO_SOCKET_IFNAME": IFACE}
 
 
-def expand_command(command: list[str]) -> list[str]:
-    """``train ...`` (any mpigrad command name first) is short for ``python -m mpi4py -m mpigrad train ...``."""
+#: mpigrad's MPI commands, which ``expand_command`` writes out and ``--launch each`` refuses.
+MPI_COMMANDS = ("train", "doctor")
+
+
+def expand_command(command: list[str], launch: str = "mpi") -> list[str]:
+    """``train ...`` or ``doctor ...`` is short for ``python -m mpi4py -m mpigrad train ...``;
+    under ``--launch each`` they are refused (each node would be a one-rank MPI world)."""
     if not command:
         raise UsageError("no command to run")
-    if command[0] in ("train", "doctor"):
+    if command[0] in MPI_COMMANDS:
+        if launch != "mpi":
+            raise UsageError(f"mpigrad {command[0]} needs one MPI world over the nodes: use --launch mpi")
         return [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *command]
     return list(command)
 
