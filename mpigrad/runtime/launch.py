@@ -167,7 +167,8 @@ _FORWARD_SECONDS = 0.5
 
 
 def _end_together(comm, code: int) -> NoReturn:
-    """Finalize every rank cleanly, then exit each with ``code`` at once.
+    """Finalize every rank cleanly, then exit each with ``code`` (a non-zero one from rank 0
+    first).
 
     A finalized MPI exits with a non-zero code instead of calling MPI_Abort (whose banner
     would follow the one-line error, and which kills ranks that may still be writing).
@@ -175,8 +176,13 @@ def _end_together(comm, code: int) -> NoReturn:
     """
     from mpi4py import MPI
 
+    rank = comm.Get_rank()
     comm.Barrier()
     MPI.Finalize()
+    if code and rank:
+        # Rank 0 (which printed the one line) exits first: Open MPI's launcher ends the job at
+        # the first non-zero exit, and output of a rank it then kills can be lost.
+        time.sleep(_FORWARD_SECONDS)
     # Every file is closed (trace) or fsynced (checkpoint) by now: skip the interpreter's
     # teardown of torch, Numba and h5py, which takes seconds per rank (a stop near the
     # walltime should not spend them; measured in the issue-13 report).
