@@ -52,8 +52,8 @@ class IterationClock:
     """
 
     def __init__(self, link: LinkModel, workers: int, servers: int, cpu_clock: bool,
-                 compute_time: float | None, clocks: Clocks | None = None):
-        self.link, self.workers, self.servers = link, workers, servers
+                 compute_time: float | None, clocks: Clocks | None = None, colocated: bool = False):
+        self.link, self.workers, self.servers, self.colocated = link, workers, servers, colocated
         self.cpu_clock, self.compute_time = cpu_clock, compute_time
         self.clocks = clocks or Clocks()
         self.t_comm = 0.0
@@ -68,13 +68,13 @@ class IterationClock:
         self.t_comm = self.link.charge(self.link.losses(self.workers, nbytes))
 
     def control(self, nbytes: int) -> None:
-        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes))
+        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes, self.colocated))
 
     def gradients(self, sizes_per_server: list[list[int]]) -> None:
-        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server))
+        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server, self.colocated))
 
     def broadcasts(self, bytes_per_server: list[int]) -> None:
-        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server))
+        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server, self.colocated))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall
