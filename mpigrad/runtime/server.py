@@ -287,6 +287,9 @@ class ParameterServer:
         self.frames = {s: np.empty(0, np.uint8) for s in range(1, self.servers)}
         self.start_iteration = 0
         self.session_started = time.perf_counter()
+        #: Rank 0's CPU time in its iterations this session (its own work: receiving, the
+        #: policy, its shard with separate servers, tracing, waits' polls), evaluation excluded.
+        self.iteration_cpu_seconds = 0.0
 
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------
     def begin(self, m: int) -> None:
@@ -490,8 +493,10 @@ class ParameterServer:
         config = self.config
         for m in range(start_iteration, config.iterations):
             self.iteration = m
+            cpu = time.process_time()
             record = self.step(m)
             trace.record(record)
+            self.iteration_cpu_seconds += time.process_time() - cpu
             self.iteration = m + 1
             last = m + 1 == config.iterations
             if config.eval_every and ((m + 1) % config.eval_every == 0 or last):
