@@ -259,6 +259,8 @@ def describe_run(config, server, size: int, log) -> None:
         log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
             "workers after each evaluated iteration, before a checkpoint and at the end")
     log(f"network: {network_description(config)}")
+    if config.compute_time is not None and config.net_mode != "off":
+        log(f"local work: {local_work_description(config, server)}")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
 
 
@@ -269,6 +271,18 @@ def network_description(config) -> str:
     clock = "simulated clock" if config.net_mode == "virtual" else "real sleeps"
     return (f"{format_rate(config.bandwidth)} per link, latency {format_duration(config.latency)} per message, "
             f"{config.broadcast} broadcast, {clock}")
+
+
+def local_work_description(config, server) -> str:
+    """What a --compute-time run charges for local work, in words."""
+    compute = f"{format_duration(config.compute_time)} per iteration for compute"
+    if server.clock.local_costs is None:
+        return f"{compute}; encode, decode and average not charged (--cost-model none)"
+    model, _ = server.clock.local_costs
+    name = "the package's" if config.cost_model == "default" else config.cost_model
+    return (f"{compute}, encode, decode and average by cost model {name} (measured on {model.machine}); "
+            f"{1e3 * server.clock.local_seconds([config.bits] * max(len(server.replica.layout.quantized), 1)):.2f} ms "
+            f"per iteration at {config.bits} bits")
 
 
 def _version() -> str:
