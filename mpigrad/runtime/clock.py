@@ -62,6 +62,7 @@ class IterationClock:
         charged = compute_time is not None and link.modelled and cost_model is not None
         #: (model, work) when the cost model charges local work, else None.
         self.local_costs = (cost_model, local_work) if charged else None
+        self._local_memo: dict[tuple[int, ...], float] = {}
         self.clocks = clocks or Clocks()
         self.t_comm = 0.0
         self.wall_start = 0.0
@@ -90,8 +91,12 @@ class IterationClock:
         """The cost model's charge for this iteration's local work at ``bits`` (0 without one)."""
         if self.local_costs is None:
             return 0.0
-        model, work = self.local_costs
-        return work.seconds(model, bits)
+        key = tuple(int(b) for b in bits)
+        seconds = self._local_memo.get(key)
+        if seconds is None:  # a pure function of the bits: evaluated once per choice (~30 us)
+            model, work = self.local_costs
+            seconds = self._local_memo[key] = work.seconds(model, key)
+        return seconds
 
     def finish(self, t_compute: float, compute_wall: float, t_encode: float, t_decode: float,
                t_policy: float, bits=()) -> tuple[float, float, float]:

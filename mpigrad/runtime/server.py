@@ -522,6 +522,7 @@ class ParameterServer:
             model, work = self.clock.local_costs
             if recorded != model.to_dict():
                 self.clock.local_costs = (CostModel.from_dict(recorded, source="of the checkpoint"), work)
+                self.clock._local_memo.clear()
                 self.log(f"mpigrad: the cost model {model.source} has changed since the run began; "
                          "going on with the one it began with (from the checkpoint)")
         if state["previous_average"] is not None:

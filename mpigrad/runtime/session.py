@@ -279,8 +279,8 @@ def local_work_description(config, server) -> str:
     if server.clock.local_costs is None:
         return f"{compute}; encode, decode and average not charged (--cost-model none)"
     model, _ = server.clock.local_costs
-    name = "the package's" if config.cost_model == "default" else config.cost_model
-    return (f"{compute}, encode, decode and average by cost model {name} (measured on {model.machine}); "
+    name = "the package's cost model" if config.cost_model == "default" else f"cost model {config.cost_model}"
+    return (f"{compute}, encode, decode and average by {name} (measured on {model.machine}): "
             f"{1e3 * server.clock.local_seconds([config.bits] * max(len(server.replica.layout.quantized), 1)):.2f} ms "
             f"per iteration at {config.bits} bits")
 
