@@ -252,3 +252,25 @@ def test_a_stopped_and_resumed_run_charges_as_the_straight_one(runs, tmp_path, m
     assert resumed.returncode == 0, resumed.stderr
     assert_same_trace(load(runs["default"]), load(trace))
     assert read_raw(trace).attrs["cost_model"] == read_raw(runs["default"]).attrs["cost_model"]
+
+
+@pytest.mark.mpi
+def test_retime_gives_back_the_charge_of_two_servers_feedback_and_another_broadcast_codec(tmp_path, mpi_env):
+    """sign's fixed 1 bit up, uniform at the policy's 4 bits down, error feedback, S = 2: the
+    runtime's charge and retime's (from the trace's bits_layers, which record sign's 1 bit)
+    agree to the last bit."""
+    from mpigrad.trace import read_raw
+
+    trace = tmp_path / "sign.h5"
+    args = [*RUN, "--codec", "sign", "--bits", "4", "--broadcast-codec", "uniform", "--error-feedback", "residual",
+            "--servers", "2", "--shard-chunk", "20000"]
+    result = run_mpi(4, ["train", "--trace", str(trace), *args], mpi_env, timeout=180)
+    assert result.returncode == 0, result.stderr
+    raw = read_raw(trace)
+    work = LocalWork.from_dict(raw.attrs["local_work"])
+    assert (work.codec, work.codec_bits, work.down_codec, work.down_bits, work.feedback) == \
+        ("sign", 1, "uniform", 4, "residual")
+    assert len(work.shards) == 2 and all(work.shards)
+    again = tmp_path / "again.h5"
+    assert main(["trace", "retime", str(trace), "--bandwidth", "10MB/s", "-o", str(again)]) == 0
+    assert np.array_equal(read_raw(again).arrays["steps"]["sim_time"], raw.arrays["steps"]["sim_time"])

@@ -65,12 +65,18 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     traffic = _recorded_traffic(source, raw)
     compute_time = config.get("compute_time")
     local = _local_costs(source, raw.attrs, compute_time, cost_model)
+    local_memo: dict[tuple[int, ...], float] = {}
     t_comm = np.empty(len(traffic))
     sim_time = np.empty(len(traffic))
     sim = 0.0
     for row, iteration_traffic in enumerate(traffic):
         t_comm[row] = link.comm_seconds(iteration_traffic)
-        t_local = local[1].seconds(local[0], steps["bits_layers"][row]) if local else 0.0
+        t_local = 0.0
+        if local:
+            bits = tuple(int(b) for b in steps["bits_layers"][row])
+            if bits not in local_memo:
+                local_memo[bits] = local[1].seconds(local[0], bits)
+            t_local = local_memo[bits]
         sim += iteration_seconds(t_comm[row], compute_time, steps["t_compute"][row], steps["t_encode"][row],
                                  steps["t_decode"][row], steps["t_policy"][row], t_local)
         sim_time[row] = sim

@@ -388,6 +388,11 @@ class ParameterServer:
         down, down_bits = broadcast_codec(self.config)
         if down_bits is None and not down.takes_policy_bits:
             down_bits = down.fixed_bits
+        elif down_bits is None and not self.codec.takes_policy_bits:
+            # The trace then records the workers' fixed bits, not the policy's: name the
+            # broadcast's width here (a policy that cannot move bits for such a codec).
+            lowest, highest = self.policy.bits_range()
+            down_bits = lowest if lowest == highest else None
         return LocalWork(self.workers, self.codec.codec_id,
                          None if self.codec.takes_policy_bits else self.codec.fixed_bits,
                          down.codec_id, down_bits, self.config.error_feedback,
