@@ -13,7 +13,7 @@ server; the servers' small reports to rank 0 are not charged.
 Local work runs in parallel across ranks, so a modelled iteration charges the slowest
 worker's compute and encode, then the slowest server's decode/average/encode and rank 0's
 policy time, or a fixed ``compute_time`` in place of the compute plus the cost model's
-charge for encoding, decoding and averaging (:mod:`mpigrad.costmodel`) in place of the
+charge for the policy, encoding, decoding and averaging (:mod:`mpigrad.costmodel`) in place of the
 rest (``iteration_seconds``).
 
 The runtime (:mod:`mpigrad.runtime.clock`) charges each phase as it happens and
@@ -144,7 +144,7 @@ class IterationTraffic:
 def iteration_seconds(t_comm: float, compute_time: float | None, t_compute: float, t_encode: float,
                       t_decode: float, t_policy: float, t_local: float = 0.0) -> float:
     """Simulated seconds of one modelled iteration: a fixed ``compute_time`` (deterministic
-    runs) plus ``t_local``, the cost model's encode, decode and average
+    runs) plus ``t_local``, the cost model's policy, encode, decode and average
     (:mod:`mpigrad.costmodel`; 0 with ``--cost-model none``), or the measured local work,
     plus its communication."""
     if compute_time is not None:

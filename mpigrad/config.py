@@ -62,7 +62,7 @@ class RunConfig:
     broadcast: str = "star"
     broadcast_codec: str = "paper"
     compute_time: float | None = None
-    #: With compute_time: the cost model of local work (encode, decode, average) charged on
+    #: With compute_time: the cost model of local work (policy, encode, decode, average) charged on
     #: the simulated clock: "default" (the package's, mpigrad/cost_model.json), "none" or a
     #: JSON file written by ``mpigrad bench calibrate`` (mpigrad.costmodel).
     cost_model: str = "default"

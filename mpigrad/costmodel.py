@@ -5,8 +5,11 @@ the fixed figure for the workers' forward and backward pass, the modelled messag
 (:mod:`mpigrad.clockmodel`), and, from this model, the local work around them: each
 worker's encode of its frames, each server's decode of the P frames of its shard, its
 average and re-encode, and the decode of the broadcast. The model is measured on a machine
-by ``mpigrad bench calibrate`` (process CPU time, one Numba thread, median of repeats) and
-fitted per codec, width and operation as ``seconds = a + b * elements``; a run records the
+by ``mpigrad bench calibrate`` (process CPU time, one Numba thread, median of repeats) per
+codec, width and operation at several element counts, and evaluated through those points
+(piecewise linear, with the fit ``seconds = a + b * elements`` below the smallest; per
+element, costs rise by up to 2x once a vector leaves the caches, which one line fits
+only to 10-70 %: :class:`Cost`); a run records the
 model it charged in its trace (root attribute ``cost_model``) with what it charged it for
 (``local_work``: the pieces of each server's shard), so that two runs of one seed are
 identical and ``mpigrad trace retime`` charges the same local work again.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["CostModel", "CostModelError", "LocalWork", "DEFAULT_MODEL_PATH", "FORMAT", "VERSION",
+__all__ = ["Cost", "CostModel", "CostModelError", "LocalWork", "DEFAULT_MODEL_PATH", "FORMAT", "VERSION",
            "CODEC_OPERATIONS", "OPERATIONS", "resolve", "fit_linear"]
 
 FORMAT = "mpigrad-cost-model"
@@ -55,27 +58,64 @@ def resolve(option: str | None) -> "CostModel | None":
     return CostModel.load(DEFAULT_MODEL_PATH if option == "default" else option)
 
 
-def _pair(value: Any, where: str) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Cost:
+    """Seconds of one operation as a function of the elements it handles: through the
+    measured points (``measured``: (elements, seconds), sizes ascending) piecewise
+    linearly, beyond the largest along the last two points' slope, below the smallest
+    along the fitted line, never below 0; ``a + b * elements`` where nothing was measured
+    (a hand-written model)."""
+
+    a: float
+    b: float
+    points: tuple[tuple[float, float], ...] = ()
+
+    def __call__(self, elements: float) -> float:
+        points = self.points
+        if len(points) < 2 or elements <= points[0][0]:
+            if points and elements <= points[0][0]:
+                return min(points[0][1], max(0.0, self.a + self.b * elements))
+            return self.a + self.b * elements
+        for (n0, t0), (n1, t1) in zip(points, points[1:]):
+            if elements <= n1:
+                break
+        return max(0.0, t0 + (t1 - t0) * (elements - n0) / (n1 - n0))
+
+
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def _pair(value: Any, where: str) -> Cost:
     if isinstance(value, Mapping) and set(value) >= {"a", "b"}:
         a, b = value["a"], value["b"]
     else:
         raise CostModelError(f"{where}: expected {{\"a\": seconds, \"b\": seconds per element}}, got {value!r}")
     for name, number in (("a", a), ("b", b)):
-        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) \
-                or number < 0:
+        if not _number(number):
             raise CostModelError(f"{where}: {name} must be a finite number >= 0, got {number!r}")
-    return float(a), float(b)
+    measured = value.get("measured", [])
+    if not isinstance(measured, list) or any(
+            not isinstance(p, (list, tuple)) or len(p) != 2 or not all(map(_number, p)) for p in measured):
+        raise CostModelError(f"{where}: measured must be a list of [elements, seconds] pairs >= 0")
+    sizes = [p[0] for p in measured]
+    if any(n1 <= n0 for n0, n1 in zip(sizes, sizes[1:])):
+        raise CostModelError(f"{where}: measured sizes must increase")
+    return Cost(float(a), float(b), tuple((float(n), float(t)) for n, t in measured))
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """``codecs[codec][bits][operation] = (a, b)`` and ``operations[name] = (a, b)``:
-    seconds = a + b * elements. ``document`` is the JSON it was read from (what a trace records)."""
+    """``codecs[codec][bits][operation]`` and ``operations[name]``: a :class:`Cost` each.
+    ``document`` is the JSON it was read from (what a trace records)."""
 
-    codecs: Mapping[str, Mapping[int, Mapping[str, tuple[float, float]]]]
-    operations: Mapping[str, tuple[float, float]]
+    codecs: Mapping[str, Mapping[int, Mapping[str, Cost]]]
+    operations: Mapping[str, Cost]
     document: Mapping[str, Any]
     source: str = "<dict>"
+    #: ``policies[id] = (a, b)``: a policy's decision per iteration, averaged over many
+    #: iterations (the periodic ones included), b per quantized element; optional.
+    policies: Mapping[str, Cost] = None  # type: ignore[assignment]
 
     # ---- reading ------------------------------------------------------------------------
     @classmethod
@@ -107,7 +147,7 @@ class CostModel:
             raise CostModelError(f"{where}: \"codecs\" must be a non-empty table of codec -> bits -> operation")
         if not isinstance(raw_ops, Mapping):
             raise CostModelError(f"{where}: \"operations\" must be a table of {', '.join(OPERATIONS)}")
-        codecs: dict[str, dict[int, dict[str, tuple[float, float]]]] = {}
+        codecs: dict[str, dict[int, dict[str, Cost]]] = {}
         for codec, widths in raw_codecs.items():
             if not isinstance(widths, Mapping) or not widths:
                 raise CostModelError(f"{where}: codecs.{codec} must be a non-empty table of bits -> operation")
@@ -125,7 +165,11 @@ class CostModel:
         if missing:
             raise CostModelError(f"{where}: operations lacks {', '.join(missing)}")
         operations = {op: _pair(raw_ops[op], f"{where}: operations.{op}") for op in OPERATIONS}
-        return cls(codecs, operations, json.loads(json.dumps(document)), source)
+        raw_policies = document.get("policies", {})
+        if not isinstance(raw_policies, Mapping):
+            raise CostModelError(f"{where}: \"policies\" must be a table of policy -> {{\"a\", \"b\"}}")
+        policies = {name: _pair(fit, f"{where}: policies.{name}") for name, fit in raw_policies.items()}
+        return cls(codecs, operations, json.loads(json.dumps(document)), source, policies)
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.document))
@@ -151,12 +195,19 @@ class CostModel:
         fit = widths.get(bits)
         if fit is None:
             fit = widths[min(widths, key=lambda w: (abs(w - bits), -w))]
-        a, b = fit[operation]
-        return a + b * elements
+        return fit[operation](elements)
 
     def operation(self, name: str, elements: int) -> float:
-        a, b = self.operations[name]
-        return a + b * elements
+        return self.operations[name](elements)
+
+    def policy(self, name: str, elements: int) -> float:
+        """Policy ``name``'s decision per iteration for ``elements`` quantized elements; 0 for
+        a policy the model lacks (a plugin's: ``charges_policy`` says so)."""
+        fit = (self.policies or {}).get(name)
+        return 0.0 if fit is None else fit(elements)
+
+    def charges_policy(self, name: str) -> bool:
+        return name in (self.policies or {})
 
 
 @dataclass(frozen=True)
@@ -169,7 +220,8 @@ class LocalWork:
     rank decodes every shard's broadcast. ``codec_bits``/``down_bits``: the workers' and
     the broadcast's fixed widths, None where they follow the policy's bits per layer.
     ``feedback``: the error-feedback mode (``none``, ``residual``, ``accumulate``), which
-    applies to the workers' encode and the servers' re-encode.
+    applies to the workers' encode and the servers' re-encode. ``policy``: the bit policy's
+    id, whose decision rank 0 makes before the gradients are sent.
     """
 
     workers: int
@@ -179,12 +231,13 @@ class LocalWork:
     down_bits: int | None
     feedback: str
     shards: tuple[tuple[tuple[int, int], ...], ...]
+    policy: str = ""
 
     def seconds(self, model: CostModel, bits: Sequence[int]) -> float:
-        """Local work on the simulated clock: the slowest worker's encode (all alike in the
-        model), then the slowest server's decode, average and re-encode, then the decode of
-        the broadcast (the workers' and rank 0's at once), as ``iteration_seconds`` orders
-        measured local work."""
+        """Local work on the simulated clock: rank 0's policy decision, the slowest worker's
+        encode (all alike in the model), then the slowest server's decode, average and
+        re-encode, then the decode of the broadcast (the workers' and rank 0's at once), as
+        ``iteration_seconds`` orders measured local work."""
         bits = [int(b) for b in bits]
 
         def up(layer: int) -> tuple[str, int]:
@@ -222,7 +275,13 @@ class LocalWork:
         for shard in self.shards:
             for layer, n in shard:
                 broadcast += model.seconds(*down(layer), "decode", n)
-        return worker + server + broadcast
+        policy = model.policy(self.policy, self.quantized) if self.policy else 0.0
+        return policy + worker + server + broadcast
+
+    @property
+    def quantized(self) -> int:
+        """Quantized elements: what a policy's decision is charged by."""
+        return sum(n for shard in self.shards for layer, n in shard if layer >= 0)
 
     def check(self, model: CostModel) -> None:
         """CostModelError unless ``model`` has costs for every codec this work uses."""
@@ -232,7 +291,7 @@ class LocalWork:
     def to_dict(self) -> dict[str, Any]:
         return {"workers": self.workers, "codec": self.codec, "codec_bits": self.codec_bits,
                 "down_codec": self.down_codec, "down_bits": self.down_bits, "feedback": self.feedback,
-                "shards": [[list(piece) for piece in shard] for shard in self.shards]}
+                "shards": [[list(piece) for piece in shard] for shard in self.shards], "policy": self.policy}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LocalWork":
@@ -241,7 +300,8 @@ class LocalWork:
                        None if data["codec_bits"] is None else int(data["codec_bits"]),
                        str(data["down_codec"]), None if data["down_bits"] is None else int(data["down_bits"]),
                        str(data["feedback"]),
-                       tuple(tuple((int(layer), int(n)) for layer, n in shard) for shard in data["shards"]))
+                       tuple(tuple((int(layer), int(n)) for layer, n in shard) for shard in data["shards"]),
+                       str(data.get("policy", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise CostModelError(f"malformed local_work record: {exc}") from None
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import SMALL_RUN, assert_same_trace, run_mpi
 from mpigrad.cli import main
 from mpigrad.clockmodel import iteration_seconds
-from mpigrad.costmodel import (DEFAULT_MODEL_PATH, FORMAT, VERSION, CostModel, CostModelError, LocalWork,
+from mpigrad.costmodel import (DEFAULT_MODEL_PATH, FORMAT, VERSION, Cost, CostModel, CostModelError, LocalWork,
                                fit_linear, resolve)
 
 
@@ -62,6 +62,20 @@ def test_fit_keeps_coefficients_non_negative():
 
 
 # ---- the model and the charge ------------------------------------------------------------------
+def test_a_cost_goes_through_its_measured_points():
+    cost = Cost(1.0, 0.5, ((10, 2.0), (20, 4.0), (40, 12.0)))
+    assert [cost(n) for n in (10, 15, 20, 30, 40)] == [2.0, 3.0, 4.0, 8.0, 12.0]
+    assert cost(50) == 16.0                       # beyond: the last slope
+    assert cost(0) == 1.0 and cost(4) == 2.0      # below: the fit, at most the first point
+    assert Cost(1.0, 0.5)(4) == 3.0               # nothing measured: the line
+    doc = document()
+    doc["codecs"]["fp32"]["32"]["encode"]["measured"] = [[10, 2.0], [20, 4.0]]
+    assert CostModel.from_dict(doc).seconds("fp32", 32, "encode", 15) == 3.0
+    doc["codecs"]["fp32"]["32"]["encode"]["measured"] = [[20, 2.0], [10, 4.0]]
+    with pytest.raises(CostModelError, match="measured sizes must increase"):
+        CostModel.from_dict(doc)
+
+
 def test_the_charge_of_a_tiny_iteration_by_hand():
     """2 workers, one server; pieces: layer 0 of 10 elements, layer 1 of 20, float32 rest of 4."""
     model = CostModel.from_dict(document(uniform={2: ((10.0, 1.0), (20.0, 2.0), (30.0, 3.0)),
@@ -76,6 +90,15 @@ def test_the_charge_of_a_tiny_iteration_by_hand():
               + worker)                                                       # re-encode, as the workers'
     broadcast = (20 + 2 * 10) + (50 + 5 * 20) + 2.0                           # decode of the broadcast
     assert work.seconds(model, bits) == pytest.approx(worker + server + broadcast, rel=1e-15)
+    # The policy's decision, by the quantized elements (30); one the model lacks costs nothing.
+    doc = document(uniform={2: ((10.0, 1.0), (20.0, 2.0), (30.0, 3.0)), 4: ((40.0, 4.0), (50.0, 5.0), (60.0, 6.0))})
+    doc["policies"] = {"accordion": pair(7.0, 0.1)}
+    with_policy = CostModel.from_dict(doc)
+    charged = LocalWork.from_dict({**work.to_dict(), "policy": "accordion"})
+    assert charged.seconds(with_policy, bits) == pytest.approx(7.0 + 0.1 * 30 + worker + server + broadcast, rel=1e-15)
+    plugin = LocalWork.from_dict({**work.to_dict(), "policy": "mine.module:Policy"})
+    assert plugin.seconds(with_policy, bits) == work.seconds(with_policy, bits)
+    assert with_policy.charges_policy("accordion") and not with_policy.charges_policy("mine.module:Policy")
     # Fixed widths ignore the policy's bits; a width the model lacks takes the nearest.
     fixed = LocalWork(2, "uniform", 4, "uniform", 4, "none", (((0, 10),),))
     assert fixed.seconds(model, [2]) == fixed.seconds(model, [4]) == fixed.seconds(model, [7])
@@ -111,6 +134,8 @@ def test_the_package_model_is_valid_and_covers_every_codec():
     for codec in available():
         model.check_codec(codec)
     assert model.document["machine"]["cpu"]
+    from mpigrad.policies import available as policies
+    assert all(model.charges_policy(p) for p in policies())
     assert resolve("none") is None
     assert model.seconds("uniform", 2, "encode", 10**6) > 0
 
@@ -137,20 +162,26 @@ def test_malformed_models_are_refused_in_one_line(change, message):
 def test_calibrate_writes_a_model_train_reads(tmp_path, capsys):
     out = tmp_path / "costs.json"
     code = main(["bench", "calibrate", "-o", str(out), "--sizes", "256,4096", "--repeat", "1",
-                 "--codecs", "sign"])
+                 "--codecs", "sign", "--policies", "fixed,accordion"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "wrote" in printed and "feedback:residual" in printed
     model = CostModel.load(out)
     assert sorted(model.codecs) == ["fp32", "sign"] and list(model.codecs["sign"]) == [1]
     assert model.document["machine"]["cpu"] and model.document["sizes"] == [256, 4096]
+    assert sorted(model.policies) == ["accordion", "fixed"] and model.policy("accordion", 4096) > 0
+    assert model.seconds("sign", 1, "encode", 4096) == model.document["codecs"]["sign"]["1"]["encode"]["measured"][1][1]
     for op in ("encode", "decode", "accumulate"):
-        a, b = model.codecs["sign"][1][op]
-        assert a >= 0 and b >= 0 and a + b * 4096 > 0
+        cost = model.codecs["sign"][1][op]
+        assert cost.a >= 0 and cost.b >= 0 and cost(4096) > 0 and len(cost.points) == 2
     assert main(["bench", "calibrate", "-o", str(out), "--sizes", "256,4096"]) == 2  # exists
     assert main(["bench", "calibrate", "-o", str(tmp_path / "x.json"), "--sizes", "256"]) == 2
     assert main(["bench", "calibrate", "-o", str(tmp_path / "x.json"), "--codecs", "nope"]) == 2
-    assert capsys.readouterr().err.count("\n") == 3
+    assert main(["bench", "calibrate", "-o", str(tmp_path / "x.json"), "--policies", "nope"]) == 2
+    assert capsys.readouterr().err.count("\n") == 4
+    assert main(["bench", "calibrate", "-o", str(tmp_path / "y.json"), "--sizes", "256,1024", "--repeat", "1",
+                 "--codecs", "fp32", "--policies", "none"]) == 0
+    assert CostModel.load(tmp_path / "y.json").policies == {}
 
 
 # ---- refusals by mpigrad train (before MPI starts) ---------------------------------------------

@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     retime.add_argument("--latency", metavar="DURATION", help="per message, e.g. 1ms (default: the run's)")
     retime.add_argument("--broadcast", choices=BROADCASTS, help="broadcast shape (default: the run's)")
     retime.add_argument("--cost-model", metavar="none|default|FILE",
-                        help="charge the run's local work (a --compute-time run's encode, decode, average) "
+                        help="charge the run's local work (a --compute-time run's policy, encode, decode, average) "
                              "by this cost model instead of the one the run recorded; none: charge none")
     retime.add_argument("-o", "--output", required=True, metavar="OUT", help="the re-timed trace (.h5)")
     retime.add_argument("--force", action="store_true", help="overwrite OUT if it exists")

@@ -4,7 +4,9 @@ Times, for every codec at every width it takes (its fixed width when a policy ca
 it), ``encode`` into a reused buffer, ``decode`` into a reused array and ``accumulate``
 (decode-add into a running sum, what a server does for every worker after the first), and
 the codec-free work: the server's in-place average (``np.multiply``) and the error-feedback
-memory's compensate + update. Each is timed on vectors of several element counts in
+memory's compensate + update; and each built-in bit policy's decision (default options,
+the uniform codec, the elements in two layers), averaged over 100 iterations after 100
+unmeasured ones, so that its periodic work counts as in a run (median of up to 3). Each is timed on vectors of several element counts in
 process CPU time on one Numba thread (as a rank of a run on one thread), the median of
 ``--repeat`` measurements of enough calls to take about a millisecond; then
 ``seconds = a + b * elements`` is fitted per (codec, width, operation) by
@@ -44,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measurements per size; the median is kept (default 5)")
     parser.add_argument("--codecs", nargs="+", default=None, metavar="ID",
                         help="codec ids to calibrate (default every registered codec; fp32 always)")
+    parser.add_argument("--policies", nargs="+", default=None, metavar="ID",
+                        help="bit policies to calibrate (default every built-in policy; none: no policy)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
 
 
@@ -76,11 +80,19 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"no codec {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     chosen = ["fp32"] + [c for c in dict.fromkeys(chosen) if c != "fp32"]
+    from ..policies import available as policies
+
+    named = policies() if args.policies is None else [p for part in args.policies for p in part.split(",") if p]
+    named = [] if named == ["none"] else list(dict.fromkeys(named))
+    unknown = sorted(set(named) - set(policies()))
+    if unknown:
+        raise UsageError(f"no built-in policy {', '.join(map(repr, unknown))}; choose from {', '.join(policies())} "
+                         "or none")
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
     started = time.perf_counter()
     try:
-        document = calibrate(chosen, sizes, args.repeat, log=print)
+        document = calibrate(chosen, sizes, args.repeat, log=print, policies=named)
     finally:
         numba.set_num_threads(threads)
     CostModel.from_dict(document, source=str(output))  # what train reads back
@@ -90,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate(codec_ids: list[str], sizes: list[int], repeat: int, log: Callable[[str], None] = print) -> dict:
-    """The cost-model document (see the module docstring) for ``codec_ids`` at ``sizes``."""
+def calibrate(codec_ids: list[str], sizes: list[int], repeat: int, log: Callable[[str], None] = print,
+              policies: list[str] = ()) -> dict:
+    """The cost-model document (see the module docstring) for ``codec_ids`` and ``policies``
+    at ``sizes``."""
     from ..codecs import get_codec
     from ..feedback import ErrorFeedback
     from ..machine import fingerprint
@@ -139,13 +153,48 @@ def calibrate(codec_ids: list[str], sizes: list[int], repeat: int, log: Callable
                 memory.update("x", memory.compensate("x", g), decoded)
             times.append(_median_seconds(step, repeat))
         operations[f"feedback:{mode}"] = _fit(sizes, times, log, f"{'-':<10} {'-':>4}  {'feedback:' + mode:<20}")
-    return {"format": FORMAT, "version": VERSION,
+    fitted_policies = {}
+    for policy_id in policies:
+        times = [statistics.median(_policy_seconds(policy_id, vectors[n]) for _ in range(min(repeat, 3)))
+                 for n in sizes]
+        fitted_policies[policy_id] = _fit(sizes, times, log, f"{'-':<10} {'-':>4}  {'policy:' + policy_id:<20}")
+        fitted_policies[policy_id]["iterations"] = POLICY_ITERATIONS
+    return {"format": FORMAT, "version": VERSION, "policies": fitted_policies,
             "machine": fingerprint(collect_versions()),
             "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "clock": f"process CPU time, one Numba thread, median of {repeat}",
             "command": "mpigrad bench calibrate " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "calibrate"]
             else "mpigrad bench calibrate",
             "sizes": list(sizes), "codecs": codecs, "operations": operations}
+
+
+#: A policy is timed over this many decisions after as many unmeasured ones: every built-in
+#: policy's periodic work (L-GreCo's default interval is 50) is then in the mean.
+POLICY_ITERATIONS = 100
+#: Options a policy cannot do without, for calibration.
+POLICY_OPTIONS = {"schedule": {"schedule": "0:2,50:4"}}
+
+
+def _policy_seconds(policy_id: str, x: np.ndarray) -> float:
+    """Mean process CPU seconds of one ``decide`` of ``policy_id`` (default options, the
+    uniform codec) over POLICY_ITERATIONS iterations, the vector split into two layers as
+    the paper CNN's two FC layers."""
+    from ..codecs import get_codec
+    from ..policies import Observation, get_policy
+
+    half = x.size // 2
+    layers = (x[:half], x[half:])
+    policy = get_policy({"id": policy_id, **POLICY_OPTIONS.get(policy_id, {})}, n_layers=2, seed=0)
+    codec = get_codec({"id": "uniform", "bits": 2})
+    total = 0.0
+    for m in range(2 * POLICY_ITERATIONS):
+        observation = Observation(iteration=m, loss=2.0 / (1 + 0.01 * m), last_iteration_ms=400.0,
+                                  gradients=layers if m else (), codec=codec)
+        start = time.process_time()
+        policy.decide(observation)
+        if m >= POLICY_ITERATIONS:
+            total += time.process_time() - start
+    return max(total / POLICY_ITERATIONS, 1e-9)
 
 
 def _widths(codec) -> list[tuple[int, object]]:

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "CPU time, e.g. 50ms (deterministic runs); encoding, decoding and averaging are then charged "
                    "by --cost-model")
     g.add_argument("--cost-model", metavar="default|none|FILE", help="with --compute-time: the cost model of "
-                   "encode, decode and average on the simulated clock: default (the package's, measured by "
+                   "the policy, encode, decode and average on the simulated clock: default (the package's, measured by "
                    "mpigrad bench calibrate on the machine it names), FILE (one written by mpigrad bench "
                    "calibrate) or none (charge no local work, the clock before issue 24) (default default)")
     g = parser.add_argument_group("output")

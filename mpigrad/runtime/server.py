@@ -396,7 +396,8 @@ class ParameterServer:
         return LocalWork(self.workers, self.codec.codec_id,
                          None if self.codec.takes_policy_bits else self.codec.fixed_bits,
                          down.codec_id, down_bits, self.config.error_feedback,
-                         tuple(tuple((p.layer, p.size) for p in shard.pieces) for shard in self.shards))
+                         tuple(tuple((p.layer, p.size) for p in shard.pieces) for shard in self.shards),
+                         self.config.policy)
 
     def cost_attrs(self) -> dict:
         """The trace's record of the local-work charge: the model and what it charges (None, None

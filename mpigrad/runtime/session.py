@@ -277,10 +277,12 @@ def local_work_description(config, server) -> str:
     """What a --compute-time run charges for local work, in words."""
     compute = f"{format_duration(config.compute_time)} per iteration for compute"
     if server.clock.local_costs is None:
-        return f"{compute}; encode, decode and average not charged (--cost-model none)"
+        return f"{compute}; policy, encode, decode and average not charged (--cost-model none)"
     model, _ = server.clock.local_costs
     name = "the package's cost model" if config.cost_model == "default" else f"cost model {config.cost_model}"
-    return (f"{compute}, encode, decode and average by {name} (measured on {model.machine}): "
+    policy = ("policy, " if model.charges_policy(config.policy) else
+              f"(policy {config.policy!r} not in the model: not charged) ")
+    return (f"{compute}, {policy}encode, decode and average by {name} (measured on {model.machine}): "
             f"{1e3 * server.clock.local_seconds([config.bits] * max(len(server.replica.layout.quantized), 1)):.2f} ms "
             f"per iteration at {config.bits} bits")
 
