@@ -1,18 +1,19 @@
-"""The cost model of local work: what encoding, decoding and averaging cost on the simulated clock.
+"""The cost model of local work: what the policy, encoding, decoding and averaging cost on the simulated clock.
 
 With ``compute_time`` fixed (the deterministic mode every comparison uses) the clock charges
 the fixed figure for the workers' forward and backward pass, the modelled messages
-(:mod:`mpigrad.clockmodel`), and, from this model, the local work around them: each
-worker's encode of its frames, each server's decode of the P frames of its shard, its
-average and re-encode, and the decode of the broadcast. The model is measured on a machine
-by ``mpigrad bench calibrate`` (process CPU time, one Numba thread, median of repeats) per
-codec, width and operation at several element counts, and evaluated through those points
-(piecewise linear, with the fit ``seconds = a + b * elements`` below the smallest; per
-element, costs rise by up to 2x once a vector leaves the caches, which one line fits
-only to 10-70 %: :class:`Cost`); a run records the
-model it charged in its trace (root attribute ``cost_model``) with what it charged it for
-(``local_work``: the pieces of each server's shard), so that two runs of one seed are
-identical and ``mpigrad trace retime`` charges the same local work again.
+(:mod:`mpigrad.clockmodel`), and, from this model, the local work around them: rank 0's
+policy decision, each worker's encode of its frames, each server's decode of the P frames
+of its shard, its average and re-encode, and the decode of the broadcast. The model is
+measured on a machine by ``mpigrad bench calibrate`` (process CPU time, one Numba thread,
+median of repeats) per codec, width and operation, and per policy, at several element
+counts, and evaluated through those points (:class:`Cost`: piecewise linear; per element,
+costs rise by up to 2x once a vector leaves the caches, which one line ``a + b *
+elements`` fits only to 8-63 %; the fit is kept for hand-written models and below the
+smallest size). A run records the model it charged in its trace (root attribute
+``cost_model``) with what it charged it for (``local_work``: the pieces of each server's
+shard, the codecs, the policy), so that two runs of one seed are identical and ``mpigrad
+trace retime`` charges the same local work again.
 
 ``cost_model.json`` beside this module (measured on the machine named in it) is the
 default; ``--cost-model FILE`` takes another, ``--cost-model none`` charges no local work

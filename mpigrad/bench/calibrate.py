@@ -4,16 +4,17 @@ Times, for every codec at every width it takes (its fixed width when a policy ca
 it), ``encode`` into a reused buffer, ``decode`` into a reused array and ``accumulate``
 (decode-add into a running sum, what a server does for every worker after the first), and
 the codec-free work: the server's in-place average (``np.multiply``) and the error-feedback
-memory's compensate + update; and each built-in bit policy's decision (default options,
-the uniform codec, the elements in two layers), averaged over 100 iterations after 100
-unmeasured ones, so that its periodic work counts as in a run (median of up to 3). Each is timed on vectors of several element counts in
+memory's compensate + update. Each is timed on vectors of several element counts in
 process CPU time on one Numba thread (as a rank of a run on one thread), the median of
-``--repeat`` measurements of enough calls to take about a millisecond; then
-``seconds = a + b * elements`` is fitted per (codec, width, operation) by
-:func:`mpigrad.costmodel.fit_linear`. The JSON it writes (``-o``) carries the machine's
-fingerprint (:func:`mpigrad.machine.fingerprint`), the sizes and each fit's largest
-relative residual; ``mpigrad train --compute-time X --cost-model FILE`` charges it.
-The package's default, ``mpigrad/cost_model.json``, was written by this command.
+``--repeat`` measurements of enough calls to take about a millisecond. Each built-in bit
+policy's decision (default options, the uniform codec, the elements in two layers) is
+averaged over 100 iterations after 100 unmeasured ones, so that its periodic work counts
+as in a run (median of up to 3). The model goes through the measured points
+(:class:`mpigrad.costmodel.Cost`); ``seconds = a + b * elements`` is also fitted per entry
+(:func:`mpigrad.costmodel.fit_linear`), with its largest relative residual. The JSON it
+writes (``-o``) carries the machine's fingerprint (:func:`mpigrad.machine.fingerprint`)
+and the sizes; ``mpigrad train --compute-time X --cost-model FILE`` charges it. The
+package's default, ``mpigrad/cost_model.json``, was written by this command.
 """
 
 from __future__ import annotations
