@@ -158,6 +158,16 @@ def test_malformed_models_are_refused_in_one_line(change, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_checkpoint_from_before_the_option_resumes_with_none():
+    from mpigrad.config import RunConfig
+    from mpigrad.runtime.checkpoint import identity
+
+    old = RunConfig().to_dict()
+    del old["cost_model"]
+    assert identity(old, 3) == identity({**old, "cost_model": "none"}, 3)
+    assert identity(old, 3) != identity({**old, "cost_model": "default"}, 3)
+
+
 # ---- calibration ---------------------------------------------------------------------------------
 def test_calibrate_writes_a_model_train_reads(tmp_path, capsys):
     out = tmp_path / "costs.json"
