@@ -18,8 +18,8 @@ SUBCOMMANDS = {
     "iteration": ("mpigrad.bench.iteration", "time per training iteration and codec/policy/trace overhead"),
     "trace": ("mpigrad.bench.trace", "rank 0's trace-writer CPU time per iteration and at close"),
     "peers": ("mpigrad.bench.peers", "torch DDP (fp32, fp16 hook, PowerSGD) beside mpigrad on one config's task"),
-    "calibrate": ("mpigrad.bench.calibrate", "measure the cost model of encode/decode/average that "
-                  "--compute-time runs charge (-o FILE, JSON)"),
+    "calibrate": ("mpigrad.bench.calibrate", "measure the cost model of policy/encode/decode/average "
+                  "that --compute-time runs charge (-o FILE, JSON)"),
 }
 
 

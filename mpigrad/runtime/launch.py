@@ -75,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--net-mode", choices=["virtual", "sleep", "off"], help="virtual clock, real sleeps, or no model (default virtual)")
     g.add_argument("--broadcast", choices=["star", "tree"], help="broadcast model (default star)")
     g.add_argument("--compute-time", help="charge this per iteration for the workers' compute instead of measured "
-                   "CPU time, e.g. 50ms (deterministic runs); encoding, decoding and averaging are then charged "
-                   "by --cost-model")
+                   "CPU time, e.g. 50ms (deterministic runs); the policy, encoding, decoding and averaging are "
+                   "then charged by --cost-model")
     g.add_argument("--cost-model", metavar="default|none|FILE", help="with --compute-time: the cost model of "
                    "the policy, encode, decode and average on the simulated clock: default (the package's, measured by "
                    "mpigrad bench calibrate on the machine it names), FILE (one written by mpigrad bench "
