@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     retime.add_argument("--bandwidth", required=True, metavar="RATE", help="e.g. 100MB/s or 1Gbit/s")
     retime.add_argument("--latency", metavar="DURATION", help="per message, e.g. 1ms (default: the run's)")
     retime.add_argument("--broadcast", choices=BROADCASTS, help="broadcast shape (default: the run's)")
+    retime.add_argument("--cost-model", metavar="none|default|FILE",
+                        help="charge the run's local work (a --compute-time run's policy, encode, decode, average) "
+                             "by this cost model instead of the one the run recorded; none: charge none")
     retime.add_argument("-o", "--output", required=True, metavar="OUT", help="the re-timed trace (.h5)")
     retime.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
@@ -239,7 +242,7 @@ def _retime(args: argparse.Namespace) -> int:
 
     latency = None if args.latency is None else parse_duration(args.latency)
     print(retime(args.file, args.output, bandwidth=parse_rate(args.bandwidth), latency=latency,
-                 broadcast=args.broadcast, force=args.force))
+                 broadcast=args.broadcast, force=args.force, cost_model=args.cost_model))
     return 0
 
 

@@ -39,7 +39,9 @@ class DamagedCheckpoint(ValueError):
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    kept = {k: v for k, v in config.items() if k not in MAY_CHANGE}
+    # cost_model "none" is the clock of the configs written before the option existed: left
+    # out, so that their checkpoints resume with --cost-model none.
+    kept = {k: v for k, v in config.items() if k not in MAY_CHANGE and (k, v) != ("cost_model", "none")}
     return {"config": kept, "world_size": world_size}
 
 
