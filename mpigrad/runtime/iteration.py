@@ -26,9 +26,9 @@ phase          worker                          server s > 0                 rank
 
 Colocated servers (``--servers colocated``): no separate server ranks; each worker also runs
 the "server s > 0" column for its own shard (its ``gradients`` posts the frames for the other
-shards, aggregates its own shard meanwhile, then waits for its sends; in ``broadcast`` it is
-the root of its shard's group and a member of the others'; it sends its ServerReport in
-``reports``). Rank 0 takes part in neither gradient round: it gathers the P reports, and
+shards, aggregates its own shard meanwhile, then waits for its sends; in ``broadcast`` it
+sends its re-encoded shard to every other worker and decodes the others' as they arrive,
+point to point; it sends its ServerReport in ``reports``). Rank 0 takes part in neither gradient round: it gathers the P reports, and
 when the buffers are due it receives the first worker's parameters after that worker's SGD
 step (message 9, in ``end``), off both clocks.
 

@@ -5,6 +5,7 @@ worker side). With colocated servers a worker also serves one shard (a
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -19,8 +20,8 @@ from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_
                     build_replica, build_shards, load_data, release_data)
 from .faults import Fault
 from .iteration import FollowerRole
-from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
-                   Channel, Control, FrameHeader, FrameLength, LossReport, ServerReport, error_frame)
+from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BCAST, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
+                   Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport, error_frame)
 
 
 class Worker(FollowerRole):
@@ -66,6 +67,7 @@ class Worker(FollowerRole):
             self.n_layers = len(layout.quantized)
             self.report = ServerReport.buffer(workers, max(self.n_layers, 1))
             self.send_average = policy_class(config.policy).uses_gradients
+            self.bcast_buffers = {rank: np.empty(0, np.uint8) for rank in channel.workers}
 
     def _compute(self) -> tuple[float, float, float]:
         """Forward and backward on the next batch; return (loss, CPU s, wall s)."""
@@ -129,10 +131,9 @@ class Worker(FollowerRole):
 
     def broadcast(self, m: int) -> None:
         describe = lambda: f"the servers sent no gradient for iteration {m}"  # noqa: E731
-        own = self.serves
-        if own is not None:  # this worker is the root of its shard's broadcast
-            self.t_encode = self.aggregator.encode(self.control_msg.bits)
-            self.lengths[own], self.frames[own] = self.aggregator.frame_len, self.aggregator.frame
+        if self.serves is not None:
+            self._exchange_shards(m)
+            return
         self.channel.broadcast([(self.lengths[s], s) for s in range(self.servers)], describe)
         views = []
         for s in range(self.servers):
@@ -142,11 +143,28 @@ class Worker(FollowerRole):
             views.append(self.frames[s][:size])
         self.channel.broadcast([(view, s) for s, view in enumerate(views)], describe)
         update = self.replica.update_host
-        start = time.process_time()
         for shard, view in zip(self.shards, views):
             self.broadcast_decoder.decode(view, shard, update)
-        if own is not None:
+
+    def _exchange_shards(self, m: int) -> None:
+        """Colocated: re-encode this worker's shard, send it to every other worker, and decode
+        every shard (its own from memory, the others' as they arrive) into the update."""
+        agg, own, update = self.aggregator, self.serves, self.replica.update_host
+        self.t_encode = agg.encode(self.control_msg.bits)
+        others = [rank for rank in self.channel.workers if rank != self.rank]
+        pending = self.channel.start_send([(agg.frame, rank) for rank in others], TAG_BCAST)
+        arrivals = self.channel.frames(others, TAG_BCAST, self.bcast_buffers,
+                                       lambda pending: f"worker rank(s) {', '.join(map(str, pending))} "
+                                                       f"sent no shard for iteration {m}")
+        for rank, frame in itertools.chain([(self.rank, agg.frame)], arrivals):
+            start = time.process_time()  # the decode's own time, not the wait for the next shard
+            try:
+                self.broadcast_decoder.decode(frame, self.shards[self.server_ranks.index(rank)], update)
+            except (CodecError, FrameError) as exc:
+                raise RuntimeError(f"bad shard frame from worker rank {rank} at iteration {m}: {exc}") from None
             self.t_decode += time.process_time() - start
+        self.channel.finish_send(pending, lambda pending: f"worker rank(s) {', '.join(map(str, pending))} "
+                                                          f"took no shard for iteration {m}")
 
     def reports(self, m: int) -> None:
         if self.serves is None:

@@ -4,8 +4,10 @@ Two layouts (``--servers``). Separate servers: ranks 0..S-1 are servers (rank 0 
 scheduler and MDP server), ranks S..S+P-1 workers. Colocated servers: rank 0 is scheduler
 and MDP server only, ranks 1..P workers, and worker rank s + 1 also serves shard s (S = P).
 Broadcast groups: ``WORLD`` (every rank, root 0) carries the control message; group ``s``
-(shard s's server, rank 0 unless colocated, and the workers; root the server) carries
-shard s's averaged gradient.
+(server s, rank 0, and the workers; root server s) carries shard s's averaged gradient.
+Colocated servers send their shard's average point to point instead (tag BCAST: a
+worker's link then carries one copy per other worker, as a star, where MPI's broadcast
+algorithms for long messages relay pieces through the members).
 
 Two implementations: :class:`~mpigrad.runtime.wire.mpi.MpiChannel` (nonblocking buffer
 calls on preallocated arrays, the hot path) and
@@ -66,10 +68,9 @@ def group_members(group, servers: int, size: int, colocated: bool = False) -> li
     """Ranks of a broadcast group, root first."""
     if group == WORLD:
         return list(range(size))
-    workers = worker_ranks(servers, size, colocated)
     if colocated:
-        root = workers[group]
-        return [root, *(rank for rank in workers if rank != root)]
+        raise ValueError("colocated servers broadcast their shards point to point, not in groups")
+    workers = worker_ranks(servers, size)
     if servers == 1:
         return [0, *workers]
     return [group, *([0] if group else []), *workers]

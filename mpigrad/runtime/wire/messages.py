@@ -11,9 +11,10 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
 3. gradient frame   worker -> server s, tag GRAD, uint8: ``FrameHeader`` then one codec
                     buffer per piece of shard s (see :mod:`mpigrad.runtime.layout`).
                     A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
-4. ``FrameLength``  server s -> its broadcast group (the workers, and rank 0 unless
-                    colocated), int64[1],
+4. ``FrameLength``  server s -> its broadcast group (rank 0 and the workers), int64[1],
    then the frame  the averaged, re-encoded gradient of shard s, same layout as 3.
+                    Colocated servers: the frame alone, sent to each other worker, tag
+                    BCAST (its size comes with the message).
 5. ``ServerReport`` server s (not rank 0) -> rank 0, tag REPORT, float64[4 + P + 2L]
                     (bytes broadcast, decode CPU s, encode CPU s, the slowest worker's encode
                     s, each worker's frame bytes, ||g||^2 of each quantized layer's part in
@@ -60,6 +61,7 @@ TAG_BUFFERS = 15
 TAG_ERROR = 16
 TAG_OBJECT = 17  # the set-up and checkpoint plane: one pickled object per message (wire/mpi.py)
 TAG_PARAMS = 18  # message 9
+TAG_BCAST = 19   # message 4 with colocated servers: the shard's frame, point to point
 
 # Control commands.
 CONTINUE = 1

@@ -72,7 +72,9 @@ class MpiChannel(Channel):
         self.timeout = timeout
         self._poll = (lambda: check_error_reports(comm, self.role_of)) if self.rank == 0 else None
         self._groups: dict[Any, MPI.Comm] = {WORLD: comm}
-        if servers == 1 and not colocated:
+        if colocated:
+            pass  # shards go point to point (TAG_BCAST): no group communicators
+        elif servers == 1:
             self._groups[0] = comm
         else:
             world_group = comm.Get_group()
