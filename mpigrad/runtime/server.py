@@ -235,7 +235,7 @@ class ParameterServer:
         self.averages = {s: np.empty(sum(p.size for p in self.shards[s].pieces if p.quantized), np.float32)
                          for s in range(1, self.servers)} if self.receive_averages else {}
         self.buffer_sync = BufferSync(self.replica.model, channel)
-        link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
+        link = config.link_model()
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time)
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
@@ -278,7 +278,8 @@ class ParameterServer:
         self.it["reports"] = reports
         self.it["checksums"] = self._check_replicas(m, reports)
         self.it["loss"] = float(np.mean([r.loss for r in reports]))
-        self.clock.losses(LossReport.NBYTES)
+        self.clock.losses(LossReport.NBYTES, max(self.clock.compute_seconds(r.compute_cpu, r.compute_wall)
+                                                 for r in reports))
 
     def control(self, m: int) -> None:
         start = time.process_time()
