@@ -8,6 +8,10 @@ Every iteration's charge is a function of its messages' bytes and its local cost
 ``steps/t_compute + t_encode + t_decode + t_policy``. The re-timed trace keeps every other
 column (losses, accuracies, bits, bytes, wall times) and re-charges ``steps/t_comm``,
 ``steps/sim_time`` and ``eval/sim_time`` with the same code the runtime charged them with.
+The new network may be a schedule (``--bandwidth 10MB/s@0s,1GB/s@60s``, ``markov:...``,
+``--link-bandwidth RANK=...``): each iteration's messages are then charged from the same
+simulated time the runtime would have sent them at (``clockmodel.comm_start``), and a Markov
+schedule draws from the run's seed, as a run with that network would.
 
 Refused: a trace that is not complete, one whose network was not modelled (``--net-mode
 off``), and one whose policy reads the clock (``Policy.reads_clock``: its bits, hence its
@@ -23,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..clockmodel import IterationTraffic, LinkModel, iteration_seconds
-from ..config import BROADCASTS, format_duration, format_rate
+from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
+from ..config import BROADCASTS, format_network_value, network_from
+from ..errors import UsageError
 from ..policies import PolicyError, policy_class
 from ..trace import TraceError, read_raw
 from ..trace.writer import write_closed
@@ -33,15 +38,18 @@ from .labels import flat_config
 __all__ = ["retime"]
 
 
-def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float,
-           latency: float | None = None, broadcast: str | None = None, force: bool = False) -> str:
-    """Write ``output``: the trace ``source`` re-charged at ``bandwidth`` (bytes/s), ``latency``
-    (s; default the run's) and ``broadcast`` (default the run's); return a one-line summary.
-    TraceError (one line) for a trace that cannot be re-timed or an output that may not be written."""
+def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float | str,
+           latency: float | str | None = None, broadcast: str | None = None,
+           link_bandwidth: dict[str, float | str] | None = None, force: bool = False) -> str:
+    """Write ``output``: the trace ``source`` re-charged at ``bandwidth`` (bytes/s, or a
+    schedule as ``config.parse_bandwidth`` keeps it), ``latency`` (s or a schedule; default
+    the run's), ``broadcast`` (default the run's) and ``link_bandwidth`` (rank -> rate or
+    schedule; default the run's); return a one-line summary. TraceError (one line) for a
+    trace that cannot be re-timed or an output that may not be written."""
     source, output = Path(source), Path(output)
-    if not (bandwidth > 0 and math.isfinite(bandwidth)):
+    if not isinstance(bandwidth, str) and not (bandwidth > 0 and math.isfinite(bandwidth)):
         raise TraceError(f"bandwidth must be positive, got {bandwidth!r} bytes/s")
-    if latency is not None and not (latency >= 0 and math.isfinite(latency)):
+    if latency is not None and not isinstance(latency, str) and not (latency >= 0 and math.isfinite(latency)):
         raise TraceError(f"latency must be >= 0, got {latency!r} s")
     if broadcast is not None and broadcast not in BROADCASTS:
         raise TraceError(f"broadcast must be one of {', '.join(BROADCASTS)}, got {broadcast!r}")
@@ -52,8 +60,15 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     raw = read_raw(source)
     config = raw.attrs.get("config")
     _check_retimable(source, raw.attrs, config)
-    link = LinkModel(bandwidth, config["latency"] if latency is None else latency, "virtual",
-                     config["broadcast"] if broadcast is None else broadcast)
+    latency = config["latency"] if latency is None else latency
+    links = dict(config.get("link_bandwidth") or {}) if link_bandwidth is None else dict(link_bandwidth)
+    try:
+        network = network_from(bandwidth, latency, links, int(config.get("seed", 0)))
+    except UsageError as exc:
+        raise TraceError(str(exc)) from None
+    broadcast = config["broadcast"] if broadcast is None else broadcast
+    link = (LinkModel(bandwidth, latency, "virtual", broadcast) if network is None else
+            LinkModel(network.bandwidth.at(0.0), network.latency.at(0.0), "virtual", broadcast, network))
     arrays = {table: dict(columns) for table, columns in raw.arrays.items()}
     steps = arrays["steps"]
     traffic = _recorded_traffic(source, raw)
@@ -62,7 +77,7 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     sim_time = np.empty(len(traffic))
     sim = 0.0
     for row, iteration_traffic in enumerate(traffic):
-        t_comm[row] = link.comm_seconds(iteration_traffic)
+        t_comm[row] = link.comm_seconds(iteration_traffic, comm_start(sim, compute_time, steps["t_compute"][row]))
         sim += iteration_seconds(t_comm[row], compute_time, steps["t_compute"][row], steps["t_encode"][row],
                                  steps["t_decode"][row], steps["t_policy"][row])
         sim_time[row] = sim
@@ -71,10 +86,12 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     if "eval" in arrays:
         arrays["eval"]["sim_time"] = _at_iterations(source, steps["iteration"], sim_time,
                                                     arrays["eval"]["iteration"])
-    new_config = {**config, "bandwidth": link.bandwidth, "latency": link.latency, "broadcast": link.broadcast,
-                  "retimed": True}
+    new_config = {**config, "bandwidth": bandwidth, "latency": latency, "broadcast": broadcast, "retimed": True}
+    if links or "link_bandwidth" in config:
+        new_config["link_bandwidth"] = links
     attrs = {**raw.attrs, "config": new_config, "retimed_from": str(source),
-             "retimed_from_network": {key: config[key] for key in ("bandwidth", "latency", "broadcast")},
+             "retimed_from_network": {key: config[key] for key in ("bandwidth", "latency", "broadcast", "link_bandwidth")
+                                      if config.get(key) != {} and key in config},
              "retimed_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     write_closed(output, raw.specs, arrays, attrs)
     return (f"wrote {output}: {len(sim_time)} iterations re-timed from {_network(config)} to {_network(new_config)}: "
@@ -82,8 +99,10 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
 
 
 def _network(config: dict) -> str:
-    return (f"{format_rate(config['bandwidth'], bits=False)} latency {format_duration(config['latency'])} "
-            f"{config['broadcast']}")
+    links = "".join(f" rank {rank} {format_network_value(value)}"
+                    for rank, value in sorted((config.get("link_bandwidth") or {}).items(), key=lambda kv: int(kv[0])))
+    return (f"{format_network_value(config['bandwidth'])}{links} latency "
+            f"{format_network_value(config['latency'], 'latency')} {config['broadcast']}")
 
 
 def _check_retimable(path: Path, attrs: dict, config) -> None:
