@@ -59,7 +59,7 @@ class RunConfig:
     error_feedback: str = "none"
     bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
     latency: float | str = 0.0       # s, or a schedule as written
-    link_bandwidth: dict[str, float | str] = field(default_factory=dict)  # rank -> its link's rate or schedule
+    link_bandwidth: dict[str, str] = field(default_factory=dict)  # rank -> its link's rate or schedule, as written
     net_mode: str = "virtual"
     broadcast: str = "star"
     broadcast_codec: str = "paper"
@@ -334,9 +334,11 @@ def parse_schedule(text: Any, what: str = "bandwidth", seed: int = 0, stream: st
     - ``markov:10MB/s,1GB/s,dwell=30s,60s``: a two-state Markov process starting in the
       first state, each state held for an exponential time of the given mean, drawn from
       ``seed`` (the run's) and ``stream`` (which schedule: default ``what``);
-    - one value: a constant.
+    - one value: a constant (a number: already in bytes/s or s, as a config holds it).
 
     UsageError, one line, for anything else."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return Constant(text)  # a config's value already in base units (bytes/s, s)
     raw = "".join(str(text).split())
     value = parse_rate if what == "bandwidth" else parse_duration
     stream = stream or what
@@ -400,7 +402,8 @@ def parse_latency(text: Any) -> float | str:
 
 def parse_link_bandwidth(value: Any) -> dict[str, float | str]:
     """``--link-bandwidth RANK=RATE|SCHEDULE`` (repeated; a TOML table ``[link_bandwidth]``
-    of ``RANK = "..."``): rank RANK's link at its own rate, keyed by the rank as a string."""
+    of ``RANK = "..."``): rank RANK's link at its own rate or schedule, kept as written (spaces
+    removed) once it parses, keyed by the rank as a string (as JSON keeps it)."""
     items = value.items() if isinstance(value, dict) else None
     if items is None:
         if isinstance(value, str):
@@ -418,7 +421,8 @@ def parse_link_bandwidth(value: Any) -> dict[str, float | str]:
         rank = str(rank).strip()
         if not rank.isdigit():
             raise UsageError(f"link_bandwidth: {rank!r} is not a rank (use RANK=RATE, e.g. 0=1MB/s)")
-        links[str(int(rank))] = parse_bandwidth(spec)
+        parse_bandwidth(spec)
+        links[str(int(rank))] = "".join(str(spec).split())  # as written: a rate or a schedule
     return links
 
 
