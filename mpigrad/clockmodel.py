@@ -76,33 +76,41 @@ class Steps:
         if period is not None and not (math.isfinite(period) and period > self.times[-1]):
             raise ValueError("a schedule's period must come after its last change")
 
-    def _local(self, t: float) -> tuple[float, float]:
-        """(start of the period holding t, t within it)."""
-        if self.period is None or t < self.period:
-            return 0.0, t
-        base = math.floor(t / self.period) * self.period
-        if t - base >= self.period:
-            base += self.period
-        elif t < base:
-            base -= self.period
-        return base, max(0.0, t - base)
+    def _base(self, k: int) -> float:
+        return k * self.period if k else 0.0
+
+    def _find(self, t: float) -> tuple[int, int]:
+        """(period k, step i) in force at t: the last change ``k * period + times[i] <= t``,
+        computed as ``next_change`` computes change times, so the two agree to the last bit."""
+        k = 0
+        if self.period is not None and t >= self.period:
+            k = math.floor(t / self.period)
+            while self._base(k) > t:
+                k -= 1
+            while self._base(k + 1) <= t:
+                k += 1
+        base = self._base(k)
+        i = max(0, bisect.bisect_right(self.times, t - base) - 1)
+        while i + 1 < len(self.times) and base + self.times[i + 1] <= t:
+            i += 1
+        while i > 0 and base + self.times[i] > t:
+            i -= 1
+        return k, i
 
     def at(self, t: float) -> float:
-        base, local = self._local(t)
-        return self.values[max(0, bisect.bisect_right(self.times, local) - 1)]
+        return self.values[self._find(t)[1]]
 
     def next_change(self, t: float) -> float:
-        base, local = self._local(t)
-        i = bisect.bisect_right(self.times, local)
-        while True:  # the first change after t (rounding may put one at t: then the one after)
+        k, i = self._find(t)
+        while True:  # the first change after t
+            i += 1
             if i == len(self.times):
                 if self.period is None:
                     return math.inf
-                base, i = base + self.period, 0
-            change = base + self.times[i]
+                k, i = k + 1, 0
+            change = self._base(k) + self.times[i]
             if change > t:
                 return change
-            i += 1
 
     def __repr__(self) -> str:
         return f"Steps({self.times!r}, {self.values!r}, period={self.period!r})"

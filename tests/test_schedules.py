@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import sys
 
@@ -32,6 +33,19 @@ from mpigrad.trace import load
 ])
 def test_bandwidth_is_a_rate_or_a_schedule_kept_as_written(text, kept):
     assert parse_bandwidth(text) == kept
+
+
+@pytest.mark.parametrize("text", ["4MB/s@0s,1MB/s@0.3s,repeat@0.6s", "1MB/s,2MB/s@0.1s,3MB/s@0.7s,repeat@0.9s",
+                                  "markov:1MB/s,2MB/s,dwell=0.1s,0.3s"])
+def test_a_schedule_changes_exactly_at_its_change_times(text):
+    """at() and next_change() agree to the last bit, period after period (0.6 + 0.3 is
+    0.8999999999999999 in floats: the change is there, not one period later)."""
+    schedule, t = parse_schedule(text, seed=1), 0.0
+    for _ in range(3000):
+        change = schedule.next_change(t)
+        assert change > t and schedule.at(change) != schedule.at(math.nextafter(change, 0.0)), change
+        t = change
+    assert t > 100
 
 
 def test_schedules_parse_to_their_steps():
@@ -295,3 +309,67 @@ def test_a_stopped_and_resumed_run_on_schedules_equals_the_straight_run(tmp_path
     # The schedules moved the clock: not one rate for all iterations.
     per_byte = trace.steps["t_comm"] / (trace.steps["bytes_up"] + trace.steps["bytes_down"])
     assert per_byte.max() > 1.5 * per_byte.min()
+
+
+# ---- the lab: the same schedules on the real clock ---------------------------------------------
+class _RecordedLinks:
+    """Links that record each rate set (no root, no tc)."""
+
+    def __init__(self, rates):
+        self.rates, self.down, self.set = dict(rates), set(), []
+
+    def set_rate(self, node, rate):
+        self.rates[node] = rate
+        self.set.append((node, rate))
+
+
+def test_lab_rate_schedules_change_the_links_at_their_times():
+    from mpigrad.lab.shaping import RateSchedules
+
+    pulse = Steps((0.0, 0.15, 0.3), (4e6, 1e6, 4e6))
+    links = _RecordedLinks({0: 4e6, 1: 2e6})
+    lines = []
+    follower = RateSchedules(links, {0: pulse, 1: Constant(2e6)}, log=lines.append).start()
+    import time
+    time.sleep(0.6)
+    follower.stop()
+    assert links.set == [(0, 1e6), (0, 4e6)] and not follower.errors
+    assert [round(at, 1) for at, _, _ in follower.applied] == [pytest.approx(0.15, abs=0.1), pytest.approx(0.3, abs=0.1)]
+    assert lines[0].endswith("node 0 rate 1 MB/s (schedule: 0.15 s)")
+    # A repeating schedule goes on until stopped; stop() ends it at once.
+    links = _RecordedLinks({0: 4e6})
+    follower = RateSchedules(links, {0: Steps((0.0, 0.05), (4e6, 1e6), period=0.1)}, log=lambda line: None).start()
+    time.sleep(0.32)
+    follower.stop()
+    assert 4 <= len(links.set) <= 7 and links.set[:2] == [(0, 1e6), (0, 4e6)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--latency", "0s@0s,1ms@5s", "--", "true"], "the lab applies one delay, not a latency schedule"),
+    (["--rate", "4MB/s@0s,1MB/s@1s"], "a rate schedule needs a command to run"),
+    (["--rate", "4MB/s@0s,1MB/s@0.5s", "--event", "1s:node1:rate=1MB/s", "--", "true"],
+     "--event rate=... on node(s) 1, whose rate follows a schedule"),
+    (["--node-rate", "1=4MB/s@1s", "--", "true"], "the first value must start at 0s"),
+])
+def test_lab_schedule_refusals_are_one_line_and_exit_2(args, message):
+    result = subprocess.run([sys.executable, "-m", "mpigrad", "lab", "--name", "mgls", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def _lab_reason():
+    from mpigrad.lab.host import unavailable_reason
+    return unavailable_reason() if sys.platform.startswith("linux") else "network namespaces need Linux"
+
+
+@pytest.mark.lab
+@pytest.mark.skipif(_lab_reason() is not None, reason="mpigrad lab cannot run here")
+def test_a_lab_follows_a_rate_schedule_from_the_commands_start():
+    result = subprocess.run([sys.executable, "-m", "mpigrad", "lab", "--name", f"mgls{__import__('os').getpid() % 10000}",
+                             "--nodes", "2", "--rate", "4MB/s@0s,1MB/s@0.3s", "--node-rate", "1=2MB/s",
+                             "--check", "none", "--launch", "each", "--", "sleep", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "node 0: namespace" in result.stdout and "4 MB/s each way, then on a schedule" in result.stdout
+    changes = [line for line in result.stdout.splitlines() if "(schedule: 0.3 s)" in line]
+    assert len(changes) == 1 and "node 0 rate 1 MB/s" in changes[0], result.stdout  # node 1 stays at 2 MB/s
