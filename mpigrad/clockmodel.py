@@ -57,6 +57,10 @@ class Constant:
     def next_change(self, t: float) -> float:
         return math.inf
 
+    def segment(self, t: float) -> tuple[float, float]:
+        """(the value at t, the next change after t): ``at`` and ``next_change`` at once."""
+        return self.value, math.inf
+
     def __repr__(self) -> str:
         return f"Constant({self.value!r})"
 
@@ -101,7 +105,13 @@ class Steps:
         return self.values[self._find(t)[1]]
 
     def next_change(self, t: float) -> float:
+        return self._next(t, *self._find(t))
+
+    def segment(self, t: float) -> tuple[float, float]:
         k, i = self._find(t)
+        return self.values[i], self._next(t, k, i)
+
+    def _next(self, t: float, k: int, i: int) -> float:
         while True:  # the first change after t
             i += 1
             if i == len(self.times):
@@ -154,6 +164,11 @@ class Markov:
         self._extend(t)
         return self._changes[bisect.bisect_right(self._changes, t)]
 
+    def segment(self, t: float) -> tuple[float, float]:
+        self._extend(t)
+        k = bisect.bisect_right(self._changes, t)
+        return self.values[(k - 1) % 2], self._changes[k]
+
     def __repr__(self) -> str:
         return f"Markov({self.values!r}, dwell={self.dwell!r}, seed={self.seed}, stream={self.stream!r})"
 
@@ -172,6 +187,13 @@ class _Slowest:
     def next_change(self, t: float) -> float:
         return min(s.next_change(t) for s in self.schedules)
 
+    def segment(self, t: float) -> tuple[float, float]:
+        value, end = math.inf, math.inf
+        for schedule in self.schedules:
+            v, e = schedule.segment(t)
+            value, end = min(value, v), min(end, e)
+        return value, end
+
 
 def transfer_seconds(nbytes: float, start: float, rate, latency) -> float:
     """Seconds to send ``nbytes`` from simulated time ``start``: ``latency`` in force at
@@ -182,7 +204,7 @@ def transfer_seconds(nbytes: float, start: float, rate, latency) -> float:
         return latency.at(start) + nbytes / rate.value
     t, left, spent = start, float(nbytes), 0.0
     while True:
-        r, end = rate.at(t), rate.next_change(t)
+        r, end = rate.segment(t)
         if end == math.inf or left <= r * (end - t):
             return latency.at(start) + (spent + left / r)
         left -= r * (end - t)
@@ -198,18 +220,25 @@ class Network:
     bandwidth: object
     latency: object
     links: Mapping[int, object] = field(default_factory=dict)
+    _paths: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def rate(self, rank: int):
         return self.links.get(rank, self.bandwidth)
 
     def path(self, sender: int, receiver: int):
         """The rate schedule of a message from ``sender`` to ``receiver``: the slower link's."""
-        a, b = self.rate(sender), self.rate(receiver)
-        if a is b:
-            return a
-        if a.constant and b.constant:
-            return a if a.value <= b.value else b
-        return _Slowest((a, b))
+        key = (sender, receiver)
+        path = self._paths.get(key)
+        if path is None:
+            a, b = self.rate(sender), self.rate(receiver)
+            if a is b:
+                path = a
+            elif a.constant and b.constant:
+                path = a if a.value <= b.value else b
+            else:
+                path = _Slowest((a, b))
+            self._paths[key] = path
+        return path
 
     def transfer_seconds(self, nbytes: float, start: float, sender: int, receiver: int) -> float:
         return transfer_seconds(nbytes, start, self.path(sender, receiver), self.latency)
