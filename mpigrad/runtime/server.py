@@ -24,7 +24,7 @@ from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
 from .buffers import BufferSync, sync_due
-from .clock import Clocks, IterationClock, IterationTraffic, LinkModel
+from .clock import Clocks, IterationClock, IterationTraffic
 from .environment import threads_per_rank
 from .faults import Fault
 from .iteration import FollowerRole, run_iteration
