@@ -373,3 +373,13 @@ def test_a_lab_follows_a_rate_schedule_from_the_commands_start():
     assert "node 0: namespace" in result.stdout and "4 MB/s each way, then on a schedule" in result.stdout
     changes = [line for line in result.stdout.splitlines() if "(schedule: 0.3 s)" in line]
     assert len(changes) == 1 and "node 0 rate 1 MB/s" in changes[0], result.stdout  # node 1 stays at 2 MB/s
+
+
+def test_a_checkpoint_from_before_link_bandwidth_is_resumed_by_a_run_without_it():
+    from mpigrad.runtime import checkpoint
+
+    config = RunConfig().to_dict()
+    before = {k: v for k, v in config.items() if k != "link_bandwidth"}   # written before the option
+    assert checkpoint.identity(config, 3) == checkpoint.identity(before, 3)
+    slow = {**config, "link_bandwidth": {"1": "1MB/s"}}
+    assert checkpoint.identity(slow, 3) != checkpoint.identity(before, 3)
