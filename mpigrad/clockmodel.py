@@ -10,6 +10,15 @@ does the broadcast round (server s > 0 also sends its shard to rank 0). Rank 0's
 gather and its control broadcast (to the P workers and S - 1 other servers) are as with one
 server; the servers' small reports to rank 0 are not charged.
 
+Colocated servers (``--servers colocated``): worker w also serves shard w, and each node has
+one link. A worker's frame to its own shard crosses no link; in the gradient round a node
+receives the P - 1 other workers' frames of its shard and sends its P - 1 frames of the
+others, each direction serialised on its link (full duplex: the round takes the slowest
+direction of the slowest node); in the broadcast round a node sends its shard to the P - 1
+others (star: one copy after another; tree: ceil(log2 P) rounds) while it receives the
+P - 1 other shards, again the slower of the two. Rank 0 takes part in neither round; its
+loss gather and Control broadcast (to the P workers) are as before.
+
 Local work runs in parallel across ranks, so a modelled iteration charges the slowest
 worker's compute and encode, then the slowest server's decode/average/encode and rank 0's
 policy time, or a fixed ``compute_time`` in their place (``iteration_seconds``).
@@ -244,6 +253,14 @@ class Network:
         return transfer_seconds(nbytes, start, self.path(sender, receiver), self.latency)
 
 
+def _ranks(workers: int, servers: int, colocated: bool):
+    """(rank of worker w, rank serving shard s): servers 0..S-1 and workers S..S+P-1, or
+    colocated, worker w at rank w + 1 serving shard w."""
+    if colocated:
+        return (lambda w: w + 1), (lambda s: s + 1)
+    return (lambda w: servers + w), (lambda s: s)
+
+
 def comm_start(sim_start: float, compute_time: float | None, t_compute: float) -> float:
     """When an iteration's first message is sent on the simulated clock: after its compute
     (the fixed ``compute_time``, or the slowest worker's measured ``t_compute``)."""
@@ -278,8 +295,13 @@ class LinkModel:
         if self.network is None:
             return sum(self.message(n) for n in sizes)
         senders = [receiver] * len(sizes) if senders is None else senders
+        return self.serial([(n, sender, receiver) for sender, n in zip(senders, sizes)], start)
+
+    def serial(self, messages: Sequence[tuple[int, int, int]], start: float = 0.0) -> float:
+        """Messages ``(nbytes, sender, receiver)`` one after another from ``start`` (on one
+        rank's link: into it, or out of it)."""
         spent = 0.0
-        for sender, n in zip(senders, sizes):
+        for n, sender, receiver in messages:
             spent += self.transfer_seconds(n, start + spent, sender, receiver)
         return spent
 
@@ -305,42 +327,79 @@ class LinkModel:
     # ---- the phases of an iteration (mpigrad.runtime.iteration) ------------------------
     # ``start``: the phase's first message on the simulated clock (only a network schedule
     # looks at it); ranks: servers 0..S-1, workers S..S+P-1.
-    def losses(self, workers: int, loss_bytes: int, start: float = 0.0, servers: int = 1) -> float:
+    def losses(self, workers: int, loss_bytes: int, start: float = 0.0, servers: int = 1,
+               colocated: bool = False) -> float:
         """Rank 0 gathers one loss report from each worker."""
         if self.network is None:
             return self.gather([loss_bytes] * workers)
-        return self.gather([loss_bytes] * workers, start, 0, range(servers, servers + workers))
+        worker, _ = _ranks(workers, servers, colocated)
+        return self.gather([loss_bytes] * workers, start, 0, [worker(w) for w in range(workers)])
 
-    def control(self, workers: int, servers: int, control_bytes: int, start: float = 0.0) -> float:
+    def control(self, workers: int, servers: int, control_bytes: int, colocated: bool = False,
+                start: float = 0.0) -> float:
         """Rank 0 broadcasts the Control to the workers and the other servers."""
+        receivers = workers if colocated else workers + servers - 1
         if self.network is None:
-            return self.bcast(control_bytes, workers + servers - 1)
-        return self.bcast(control_bytes, workers + servers - 1, start, 0, range(1, servers + workers))
+            return self.bcast(control_bytes, receivers)
+        return self.bcast(control_bytes, receivers, start, 0, range(1, 1 + receivers))
 
-    def gradients(self, frames_in: Sequence[Sequence[int]], start: float = 0.0) -> float:
+    def gradients(self, frames_in: Sequence[Sequence[int]], colocated: bool = False, start: float = 0.0) -> float:
         """Each server gathers its shard's frames (``frames_in[s]``, in worker order); the
-        slowest server ends the round."""
+        slowest server ends the round. Colocated: the slowest link direction of any node."""
         if self.network is None:
-            return max(self.gather(sizes) for sizes in frames_in)
+            if not colocated:
+                return max(self.gather(sizes) for sizes in frames_in)
+            nodes = range(len(frames_in))
+            inbound = max(self.gather([frames_in[s][w] for w in nodes if w != s]) for s in nodes)
+            outbound = max(self.gather([frames_in[s][w] for s in nodes if s != w]) for w in nodes)
+            return max(inbound, outbound)
         S = len(frames_in)
-        return max(self.gather(sizes, start, s, range(S, S + len(sizes))) for s, sizes in enumerate(frames_in))
+        worker, server = _ranks(len(frames_in[0]), S, colocated)
+        if not colocated:
+            return max(self.gather(sizes, start, server(s), [worker(w) for w in range(len(sizes))])
+                       for s, sizes in enumerate(frames_in))
+        nodes = range(S)  # node s is worker s and serves shard s: rank s + 1
+        inbound = max(self.serial([(frames_in[s][w], worker(w), server(s)) for w in nodes if w != s], start)
+                      for s in nodes)
+        outbound = max(self.serial([(frames_in[s][w], worker(w), server(s)) for s in nodes if s != w], start)
+                       for w in nodes)
+        return max(inbound, outbound)
 
-    def broadcasts(self, workers: int, frames_out: Sequence[int], start: float = 0.0) -> float:
-        """Server s broadcasts ``frames_out[s]`` bytes to the workers (and rank 0 when s > 0)."""
+    def broadcasts(self, workers: int, frames_out: Sequence[int], colocated: bool = False,
+                   start: float = 0.0) -> float:
+        """Server s broadcasts ``frames_out[s]`` bytes to the workers (and rank 0 when s > 0).
+        Colocated: node s sends its shard to the P - 1 other workers while it receives theirs."""
         if self.network is None:
-            return max(self.bcast(n, workers + (s > 0)) for s, n in enumerate(frames_out))
+            if not colocated:
+                return max(self.bcast(n, workers + (s > 0)) for s, n in enumerate(frames_out))
+            if workers < 2:
+                return 0.0
+            outbound = max(self.bcast(n, workers - 1) for n in frames_out)
+            inbound = max(self.gather([n for t, n in enumerate(frames_out) if t != s]) for s in range(workers))
+            return max(outbound, inbound)
         S = len(frames_out)
-        return max(self.bcast(n, workers + (s > 0), start, s, [*range(S, S + workers), *([0] if s else [])])
-                   for s, n in enumerate(frames_out))
+        worker, server = _ranks(workers, S, colocated)
+        if not colocated:
+            return max(self.bcast(n, workers + (s > 0), start, server(s),
+                                  [*(worker(w) for w in range(workers)), *([0] if s else [])])
+                       for s, n in enumerate(frames_out))
+        if workers < 2:
+            return 0.0
+        outbound = max(self.bcast(n, workers - 1, start, server(s), [worker(w) for w in range(workers) if w != s])
+                       for s, n in enumerate(frames_out))
+        inbound = max(self.serial([(n, server(t), worker(s)) for t, n in enumerate(frames_out) if t != s], start)
+                      for s in range(workers))
+        return max(outbound, inbound)
 
     def comm_seconds(self, traffic: "IterationTraffic", start: float = 0.0) -> float:
         """One iteration's modelled communication from simulated time ``start``
         (``comm_start``): its phases, summed in the order the runtime charges them (so that
         the float is the runtime's to the last bit), each from where the previous ended."""
-        t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers)
-        t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, start + t_comm)
-        t_comm += self.gradients(traffic.frames_in, start + t_comm)
-        t_comm += self.broadcasts(traffic.workers, traffic.frames_out, start + t_comm)
+        colocated = traffic.colocated
+        t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers, colocated)
+        t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated, start=start + t_comm)
+        t_comm += self.gradients(traffic.frames_in, colocated, start=start + t_comm)
+        t_comm += self.broadcasts(traffic.workers, traffic.frames_out, colocated, start=start + t_comm)
         return t_comm
 
     # ---- how the runtime applies a phase ---------------------------------------------
@@ -361,13 +420,15 @@ class IterationTraffic:
 
     ``loss_bytes``: one worker's loss report; ``control_bytes``: one copy of the Control;
     ``frames_in[s][w]``: worker w's gradient frame to server s; ``frames_out[s]``: one copy
-    of server s's broadcast, its length message included.
+    of server s's broadcast, its length message included; ``colocated``: worker w serves
+    shard w (its frame to it and its broadcast to itself cross no link, rank 0 gets none).
     """
 
     loss_bytes: int
     control_bytes: int
     frames_in: tuple[tuple[int, ...], ...]
     frames_out: tuple[int, ...]
+    colocated: bool = False
 
     @property
     def servers(self) -> int:
@@ -378,32 +439,51 @@ class IterationTraffic:
         return len(self.frames_in[0])
 
     @property
+    def server_bytes_in(self) -> tuple[int, ...]:
+        """Bytes of workers' frames that reach each server over a link."""
+        return tuple(sum(n for w, n in enumerate(sizes) if not (self.colocated and w == s))
+                     for s, sizes in enumerate(self.frames_in))
+
+    @property
+    def worker_bytes_sent(self) -> tuple[int, ...]:
+        """Bytes of gradient frames each worker sends over its link."""
+        return tuple(sum(sizes[w] for s, sizes in enumerate(self.frames_in) if not (self.colocated and w == s))
+                     for w in range(self.workers))
+
+    @property
+    def copies_out(self) -> tuple[int, ...]:
+        """How many copies of each server's broadcast cross a link."""
+        P = self.workers
+        return tuple(P - 1 if self.colocated else P + (s > 0) for s in range(self.servers))
+
+    @property
     def bytes_up(self) -> int:
         """Bytes into servers: every worker's frames and loss reports."""
-        return sum(map(sum, self.frames_in)) + self.workers * self.loss_bytes
+        return sum(self.server_bytes_in) + self.workers * self.loss_bytes
 
     @property
     def bytes_down(self) -> int:
         """Bytes out of servers: every copy of the Control and of each broadcast."""
         P, S = self.workers, self.servers
-        return (P + S - 1) * self.control_bytes + sum((P + (s > 0)) * n for s, n in enumerate(self.frames_out))
+        controls = P if self.colocated else P + S - 1
+        return controls * self.control_bytes + sum(c * n for c, n in zip(self.copies_out, self.frames_out))
 
     @classmethod
     def from_totals(cls, bytes_up: int, bytes_down: int, frames_in: Sequence[Sequence[int]],
-                    frames_out: Sequence[int]) -> "IterationTraffic":
+                    frames_out: Sequence[int], colocated: bool = False) -> "IterationTraffic":
         """The traffic whose ``bytes_up`` and ``bytes_down`` these are: the loss report's and
         the Control's sizes solved from them (a trace records the totals and the frames).
         ValueError when no whole sizes give those totals."""
         frames_in = tuple(tuple(int(n) for n in sizes) for sizes in frames_in)
         frames_out = tuple(int(n) for n in frames_out)
-        probe = cls(0, 0, frames_in, frames_out)
+        probe = cls(0, 0, frames_in, frames_out, colocated)
         P, S = probe.workers, probe.servers
         loss, loss_left = divmod(int(bytes_up) - probe.bytes_up, P)
-        control, control_left = divmod(int(bytes_down) - probe.bytes_down, P + S - 1)
+        control, control_left = divmod(int(bytes_down) - probe.bytes_down, P if colocated else P + S - 1)
         if loss < 0 or control < 0 or loss_left or control_left:
             raise ValueError(f"bytes up {bytes_up} and down {bytes_down} do not add up from the frames "
                              f"({frames_in} in, {frames_out} out)")
-        return cls(loss, control, frames_in, frames_out)
+        return cls(loss, control, frames_in, frames_out, colocated)
 
 
 def iteration_seconds(t_comm: float, compute_time: float | None, t_compute: float, t_encode: float,

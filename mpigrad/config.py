@@ -54,7 +54,8 @@ class RunConfig:
     policy: str = "mqgrad"
     policy_opts: dict[str, Any] = field(default_factory=dict)
     min_quantize_size: int | None = None   # None: the model's paper layers (quantized_parameters)
-    servers: int = 1                 # ranks 0..servers-1 are parameter servers, one shard each
+    servers: int | str = 1           # ranks 0..servers-1 are parameter servers, one shard each; or
+                                     # "colocated": every worker serves a shard, rank 0 none
     shard_chunk: int = 0             # cut quantized layers into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
     bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
@@ -174,6 +175,20 @@ class RunConfig:
         return Path(self.checkpoint) if self.checkpoint else Path(self.trace + ".ckpt")
 
     @property
+    def colocated(self) -> bool:
+        """``--servers colocated``: worker rank s + 1 also serves shard s, rank 0 no shard."""
+        return self.servers == COLOCATED
+
+    def shard_count(self, size: int) -> int:
+        """The number of shards S in a world of ``size`` ranks (P when colocated)."""
+        return size - 1 if self.colocated else int(self.servers)
+
+    def non_worker_ranks(self) -> int:
+        """Ranks that train nothing (rank 0 and the shard servers): 1 when colocated, else S;
+        a run of P workers has P + this many ranks."""
+        return 1 if self.colocated else int(self.servers)
+
+    @property
     def checkpoint_interval(self) -> tuple[str, float] | None:
         """``("iterations", N)`` or ``("seconds", S)`` from ``checkpoint_every``; None when unset."""
         if self.checkpoint_every is None:
@@ -191,7 +206,6 @@ class RunConfig:
             (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
             (self.min_quantize_size is None or self.min_quantize_size >= 1,
              "min_quantize_size must be at least 1"),
-            (self.servers >= 1, f"servers must be at least 1, got {self.servers}"),
             (self.shard_chunk >= 0, f"shard_chunk must be >= 0 (0: never cut a layer), got {self.shard_chunk}"),
             (self.error_feedback in ERROR_FEEDBACK,
              f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}"),
@@ -470,8 +484,22 @@ def parse_interval(text: Any) -> int | str:
     return text
 
 
-_CONVERTERS = {"bandwidth": parse_bandwidth, "latency": parse_latency, "link_bandwidth": parse_link_bandwidth,
-               "compute_time": parse_duration,
+COLOCATED = "colocated"
+
+
+def parse_servers(value: Any) -> int | str:
+    """``--servers``: a whole number S >= 1 of server ranks, or ``colocated``."""
+    if isinstance(value, str) and value.strip() == COLOCATED:
+        return COLOCATED
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"servers must be a number of server ranks (at least 1) or {COLOCATED!r}, got {value!r}")
+    return value
+
+
+_CONVERTERS = {"servers": parse_servers, "bandwidth": parse_bandwidth, "latency": parse_latency,
+               "link_bandwidth": parse_link_bandwidth, "compute_time": parse_duration,
                "walltime": parse_duration, "timeout": parse_duration, "checkpoint_every": parse_interval}
 
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.mpi
 
 def test_bench_iteration_runs_the_chosen_model(mpi_env):
     command = [sys.executable, "-m", "mpigrad", "bench", "iteration", "--model", "resnet20", "--workers", "1",
-               "--iterations", "4", "--warmup", "2", "--", "--batch-size", "8"]
+               "--servers", "1,colocated", "--iterations", "4", "--warmup", "2", "--", "--batch-size", "8"]
     try:
         result = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=400)
     except subprocess.TimeoutExpired:
@@ -19,10 +19,14 @@ def test_bench_iteration_runs_the_chosen_model(mpi_env):
     assert result.returncode == 0, result.stderr
     assert "resnet20 on synthetic 3x32x32" in result.stdout
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["model"] == "resnet20" and [r["workers"] for r in report["results"]] == [1]
-    row = report["results"][0]
-    assert row["compute_ms"] > 0 and row["encode_ms"] > 0 and row["decode_ms"] > 0
-    assert 0 < row["overhead_fraction_wall"] < 1
+    assert report["model"] == "resnet20" and [r["workers"] for r in report["results"]] == [1, 1]
+    assert [r["servers"] for r in report["results"]] == [1, "colocated"]
+    for row in report["results"]:
+        assert row["compute_ms"] > 0 and row["encode_ms"] > 0 and row["decode_ms"] > 0
+        assert 0 < row["overhead_fraction_wall"] < 1 and row["rank0_cpu_ms"] > 0
+    # rank 0 serving no shard does less: no decode and re-encode of its own
+    one, colocated = report["results"]
+    assert colocated["rank0_cpu_ms"] < one["rank0_cpu_ms"]
 
 
 def test_bench_trace_prints_the_cost_per_flush_interval():

@@ -156,3 +156,47 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--seeds expects comma-separated integers" in capsys.readouterr().err
     assert cli_main(["bench", "peers", "--config", str(config), "--", "--model-opt", "fc_sizes=[0]"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_lab_and_variant_refusals_are_one_line(tmp_path, capsys):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    assert cli_main(["bench", "peers", "--config", str(config), "--variants", "none", "--no-mpigrad"]) == 2
+    assert "leaves nothing to run" in capsys.readouterr().err
+    assert cli_main(["bench", "peers", "--config", str(config), "--lab", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no unit" in err
+
+
+def _lab_reason():
+    from mpigrad.lab.host import unavailable_reason
+    return unavailable_reason() if sys.platform.startswith("linux") else "network namespaces need Linux"
+
+
+@pytest.mark.lab
+@pytest.mark.mpi
+@pytest.mark.skipif(_lab_reason() is not None, reason="mpigrad lab cannot run here")
+def test_ddp_and_colocated_mpigrad_run_in_a_network_lab(tmp_path):
+    """--lab: DDP's ranks in lab nodes of their own (--launch each), then mpigrad's (rank 0 on
+    a node of its own) with colocated servers: both trained, the same losses, bytes per node
+    as a ring all-reduce's, and no namespace left."""
+    from mpigrad.lab.netns import namespaces
+    from mpigrad.trace import load
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(out),
+               "--variants", "fp32", "--iterations", "5", "--warmup", "1", "--lab", "20MB/s",
+               "--", "--servers", "colocated", "--shard-chunk", "2048"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a network lab at 20MB/s per link" in done.stdout
+    report = json.loads((out / "peers.json").read_text())
+    assert report["lab"] == "20MB/s" and [r["method"] for r in report["rows"]] == ["DDP fp32", "FP32"]
+    ddp, ours = report["rows"]
+    assert abs(ddp["sent_mb_per_node"] - ours["sent_mb_per_node"]) < 0.02 * ddp["sent_mb_per_node"]
+    ours_trace = load(out / "mpigrad-seed1.h5")
+    assert ours_trace.config["servers"] == "colocated"
+    np.testing.assert_allclose(load(out / "ddp-fp32-seed1.h5").steps["loss"], ours_trace.steps["loss"], atol=1e-4)
+    assert [ns for ns in namespaces() if ns.startswith("mgbp-")] == []

@@ -60,6 +60,10 @@ def runs(tmp_path_factory, mpi_env):
         "slow-2s": train(tmp, mpi_env, "slow-2s.h5", 4, *DETERMINISTIC, *two, "--bandwidth", "10MB/s"),
         "fast-2s-tree": train(tmp, mpi_env, "fast-2s-tree.h5", 4, *DETERMINISTIC, *two, "--bandwidth", "100MB/s",
                               "--latency", "1ms", "--broadcast", "tree"),
+        "slow-col": train(tmp, mpi_env, "slow-col.h5", 4, *DETERMINISTIC, "--servers", "colocated",
+                          "--bandwidth", "10MB/s"),
+        "fast-col-tree": train(tmp, mpi_env, "fast-col-tree.h5", 4, *DETERMINISTIC, "--servers", "colocated",
+                               "--bandwidth", "100MB/s", "--latency", "1ms", "--broadcast", "tree"),
         "measured": train(tmp, mpi_env, "measured.h5", 3, "--net-mode", "virtual", "--bandwidth", "10MB/s",
                           "--iterations", "4"),
     }
@@ -110,6 +114,20 @@ def test_two_servers_retimed_to_another_rate_latency_and_broadcast(runs, tmp_pat
     assert frames.shape == (10, 2, 2)
     np.testing.assert_array_equal(frames.sum(axis=2), source.array("servers", "bytes_in"))
     np.testing.assert_array_equal(frames.sum(axis=1), source.array("workers", "bytes_sent"))
+
+
+def test_colocated_servers_retimed_to_another_rate_latency_and_broadcast(runs, tmp_path, capsys):
+    out = tmp_path / "retimed-col.h5"
+    code, _, stderr = cli(capsys, "retime", runs["slow-col"], "--bandwidth", "100MB/s", "--latency", "1ms",
+                          "--broadcast", "tree", "-o", out)
+    assert code == 0, stderr
+    source, target = load(runs["slow-col"]), load(runs["fast-col-tree"])
+    assert_retimed_as(load(out), target, source)
+    # A worker's frame to the shard it serves crosses no link: left out of what it sent.
+    frames = source.array("servers", "frame_bytes")
+    assert frames.shape == (10, 3, 3)
+    local = np.trace(frames, axis1=1, axis2=2)
+    np.testing.assert_array_equal(source.array("servers", "bytes_in").sum(axis=1), frames.sum(axis=(1, 2)) - local)
 
 
 def test_a_run_retimed_to_its_own_network_keeps_its_times(runs, tmp_path, capsys):

@@ -45,7 +45,9 @@ class StopAfter(StopFlag):
 def run(tmp_path, servers=1, workers=2, stop=None, timeout=20.0, name="run.h5", **options):
     """Run every rank's session on its own thread; return (rank 0's exit code, errors by rank)."""
     config = RunConfig(**{**BASE, **options, "servers": servers, "trace": str(tmp_path / name)})
-    net = LoopbackNetwork(servers + workers, servers, timeout=timeout)
+    colocated = servers == "colocated"
+    net = LoopbackNetwork(config.non_worker_ranks() + workers, workers if colocated else servers, timeout=timeout,
+                          colocated=colocated)
     errors: dict[int, BaseException] = {}
     codes: dict[int, int] = {}
 
@@ -94,8 +96,36 @@ def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(a.policy.filter(like="error").to_numpy(), b.policy.filter(like="error").to_numpy())
 
 
-def test_stop_and_resume_continue_the_straight_run(tmp_path):
-    options = dict(codec="qsgd", policy="mqgrad", bits=2, error_feedback="residual", servers=2)
+@pytest.mark.parametrize("policy", ["adaptive", "lgreco"])
+def test_colocated_servers_give_the_single_server_run_bit_for_bit(tmp_path, policy):
+    """Every worker serving a shard changes where frames are summed, not what: the same
+    losses, bits, parameters and policy records as one server (lgreco reads the average)."""
+    options = dict(codec="qsgd", policy=policy, bits=3, error_feedback="residual", eval_every=3)
+    code1, errors1, one = run(tmp_path, servers=1, workers=3, name="s1.h5", **options)
+    code2, errors2, col = run(tmp_path, servers="colocated", workers=3, name="col.h5", **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(one.trace), load(col.trace)
+    for column in ("loss", "bits"):
+        np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
+    np.testing.assert_array_equal(a.workers.filter(like="loss"), b.workers.filter(like="loss"))
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    np.testing.assert_array_equal(a.policy.to_numpy(), b.policy.to_numpy())
+    np.testing.assert_allclose(a.steps.filter(like="norm_ratio").to_numpy(),
+                               b.steps.filter(like="norm_ratio").to_numpy(), rtol=1e-6)
+    # rank 0 evaluates the parameters the workers hold (received after their SGD step)
+    np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])
+    # each node's link carries its frames for the other shards, not one server's all
+    assert b.servers.filter(like="bytes_in").shape[1] == 3 and len(b.policy)
+    frames = b.servers.filter(like="frame_bytes").to_numpy().reshape(len(b.servers), 3, 3)
+    local = np.trace(frames, axis1=1, axis2=2)
+    np.testing.assert_array_equal(b.workers.filter(like="bytes_sent").sum(axis=1), frames.sum(axis=(1, 2)) - local)
+    assert (b.steps["bytes_up"] < a.steps["bytes_up"]).all()
+    assert (b.steps["sim_time"] < a.steps["sim_time"]).all()
+
+
+@pytest.mark.parametrize("servers", [2, "colocated"])
+def test_stop_and_resume_continue_the_straight_run(tmp_path, servers):
+    options = dict(codec="qsgd", policy="mqgrad", bits=2, error_feedback="residual", servers=servers)
     code, errors, straight = run(tmp_path, name="straight.h5", **options)
     assert code == 0 and not errors, errors
     code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(2), **options)

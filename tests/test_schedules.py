@@ -135,8 +135,10 @@ def test_a_message_crossing_a_change_pays_each_part_at_its_rate():
 
 
 def test_phases_run_in_sequence_from_the_start_and_a_constant_network_changes_nothing():
-    traffic = IterationTraffic(12, 40, ((1000, 1200), (700, 900)), (2100, 1500))
-    for latency, broadcast in itertools.product((0.0, 1e-3), ("star", "tree")):
+    separate = IterationTraffic(12, 40, ((1000, 1200), (700, 900)), (2100, 1500))
+    colocated = IterationTraffic(12, 40, ((0, 1200, 800), (700, 0, 600), (900, 500, 0)), (2100, 1500, 1700),
+                                 colocated=True)
+    for traffic, latency, broadcast in itertools.product((separate, colocated), (0.0, 1e-3), ("star", "tree")):
         plain = LinkModel(1e6, latency, broadcast=broadcast)
         constant = LinkModel(1e6, latency, broadcast=broadcast, network=Network(Constant(1e6), Constant(latency)))
         for start in (0.0, 3.7):  # bit for bit the same as the formula, wherever it starts
@@ -165,6 +167,14 @@ def test_a_slow_link_slows_the_messages_that_cross_it():
     # A worker's slow link slows its own messages only: rank 2 at 1 MB/s, worker rank 3 at 10 MB/s.
     worker = LinkModel(1e7, 0.0, network=Network(Constant(1e7), Constant(0.0), {2: Constant(1e6)}))
     assert worker.gradients(((1000, 1000),)) == pytest.approx(1000 / 1e6 + 1000 / 1e7)
+    # Colocated servers (worker w at rank w + 1 serves shard w): node 2's link (rank 2) at
+    # 1 MB/s slows what it sends and receives; its own frame crosses no link.
+    colocated = IterationTraffic(0, 0, ((0, 1000, 1000), (1000, 0, 1000), (1000, 1000, 0)), (500, 500, 500),
+                                 colocated=True)
+    link = LinkModel(1e7, 0.0, network=Network(Constant(1e7), Constant(0.0), {2: Constant(1e6)}))
+    assert link.gradients(colocated.frames_in, colocated=True) == pytest.approx(2 * 1000 / 1e6)
+    assert link.broadcasts(3, colocated.frames_out, colocated=True) == pytest.approx(2 * 500 / 1e6)
+    assert link.losses(3, 100, colocated=True, servers=3) == pytest.approx(100 / 1e7 + 100 / 1e6 + 100 / 1e7)
     # A schedule on one link: the path follows the slower link at each moment.
     path = Network(Constant(5e6), Constant(0.0), {1: Steps((0.0, 10.0), (1e7, 1e6))}).path(0, 1)
     assert [path.at(t) for t in (0, 9.9, 10)] == [5e6, 5e6, 1e6] and path.next_change(0) == 10.0

@@ -192,6 +192,7 @@ def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, messag
 @pytest.mark.parametrize("fault, ranks, extra, named", [
     ("raise:2:3", 3, [], "worker rank 2 failed at iteration 3: injected fault at iteration 3"),
     ("raise:1:3", 4, ["--servers", "2"], "server rank 1 failed at iteration 3: injected fault at iteration 3"),
+    ("raise:1:3", 3, ["--servers", "colocated"], "worker rank 1 failed at iteration 3: injected fault at iteration 3"),
 ])
 def test_a_rank_that_raises_has_rank_0_close_the_trace_failed(tmp_path, mpi_env, fault, ranks, extra, named):
     """The failed rank sends rank 0 an error report (message 8): rank 0 names it, closes the
@@ -290,6 +291,27 @@ def test_two_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):
     assert b.attrs["servers"] == 2
     assert (b.servers.filter(like="bytes_in").to_numpy() > 0).all()
     assert (b.servers.filter(like="bytes_out").to_numpy() > 0).all()
+
+
+@pytest.mark.each_mpi
+def test_colocated_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):
+    """--servers colocated (rank 0 scheduler; ranks 1..3 workers, each serving a shard): the
+    same losses, bits, parameters and evaluations as one server with 3 workers, with fewer
+    bytes on the busiest link and a shorter simulated iteration."""
+    args = ["--iterations", "12", "--policy", "mqgrad", "--codec", "qsgd", "--error-feedback", "residual",
+            "--checksum-every", "4", "--eval-every", "6", *DETERMINISTIC]
+    one, trace_one = train(tmp_path, mpi_env, *args, name="s1.h5", ranks=4)
+    col, trace_col = train(tmp_path, mpi_env, *args, "--servers", "colocated", name="col.h5", ranks=4)
+    assert one.returncode == 0 and col.returncode == 0, one.stderr + col.stderr
+    assert "3 workers + scheduler, each worker serving a shard (colocated)" in col.stdout
+    a, b = load(trace_one), load(trace_col)
+    for column in ("loss", "bits"):
+        np.testing.assert_array_equal(a.steps[column].to_numpy(), b.steps[column].to_numpy())
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    np.testing.assert_array_equal(a.eval["test_accuracy"].to_numpy(), b.eval["test_accuracy"].to_numpy())
+    assert b.attrs["servers"] == 3 and b.attrs["config"]["servers"] == "colocated"
+    assert (b.servers.filter(like="bytes_out").to_numpy() > 0).all()
+    assert (b.steps["bytes_up"] < a.steps["bytes_up"]).all() and (b.steps["t_comm"] < a.steps["t_comm"]).all()
 
 
 def test_a_shard_server_that_hangs_is_named_by_rank_0(tmp_path, mpi_env):

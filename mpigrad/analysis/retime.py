@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
-from ..config import BROADCASTS, format_network_value, network_from
+from ..config import BROADCASTS, COLOCATED, format_network_value, network_from
 from ..errors import UsageError
 from ..policies import PolicyError, policy_class
 from ..trace import TraceError, read_raw
@@ -71,7 +71,7 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
             LinkModel(network.bandwidth.at(0.0), network.latency.at(0.0), "virtual", broadcast, network))
     arrays = {table: dict(columns) for table, columns in raw.arrays.items()}
     steps = arrays["steps"]
-    traffic = _recorded_traffic(source, raw)
+    traffic = _recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED)
     compute_time = config.get("compute_time")
     t_comm = np.empty(len(traffic))
     sim_time = np.empty(len(traffic))
@@ -127,8 +127,9 @@ def _check_retimable(path: Path, attrs: dict, config) -> None:
                          "network the run itself would differ; re-run it instead")
 
 
-def _recorded_traffic(path: Path, raw) -> list[IterationTraffic]:
-    """Each steps row's messages, from the trace's columns."""
+def _recorded_traffic(path: Path, raw, colocated: bool = False) -> list[IterationTraffic]:
+    """Each steps row's messages, from the trace's columns (``colocated``: the run's
+    workers served the shards)."""
     arrays = raw.arrays
     steps, servers = arrays["steps"], arrays.get("servers")
     if servers is None:
@@ -152,7 +153,7 @@ def _recorded_traffic(path: Path, raw) -> list[IterationTraffic]:
     for row in range(len(iterations)):
         try:
             traffic.append(IterationTraffic.from_totals(steps["bytes_up"][row], steps["bytes_down"][row],
-                                                        frames_in[row], servers["bytes_out"][row]))
+                                                        frames_in[row], servers["bytes_out"][row], colocated))
         except ValueError as exc:
             raise TraceError(f"{path}: iteration {int(iterations[row])}: {exc}") from None
     return traffic

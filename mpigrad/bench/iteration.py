@@ -3,7 +3,9 @@
 Runs real ``mpiexec -n P+S ... mpigrad train --servers S`` jobs (``--model``, the paper CNN by
 default, on synthetic CIFAR-shaped data) for each P and S, then reads their traces. Reported per run:
 
-- rank 0's wall time per iteration (median, first iterations skipped as warm-up);
+- rank 0's wall time per iteration (median, first iterations skipped as warm-up), and its CPU
+  time per iteration (mean over the run, the trace's ``rank0_cpu_seconds``): with
+  ``--servers colocated`` rank 0 is scheduler only, and this is the scheduler's own work;
 - server CPU ms: the busiest server's decode + re-encode CPU time per iteration (median;
   rank 0's includes decoding every shard's broadcast), and its ratio to the S = 1 run of the
   same P when that run is in the same invocation;
@@ -24,14 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import parse_rate
+from ..config import COLOCATED, parse_rate, parse_servers
 from ..errors import UsageError
 from ..mpiexec import mpiexec_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts P (default 1,2,4,8)")
-    parser.add_argument("--servers", default="1", help="comma-separated server counts S (default 1)")
+    parser.add_argument("--servers", default="1", help="comma-separated server counts S, or colocated "
+                        "(every worker serves a shard), e.g. 1,2,colocated (default 1)")
     parser.add_argument("--shard-chunk", type=int, default=None, metavar="ELEMENTS",
                         help="passed to train for S > 1 runs (cut big layers so S servers can balance)")
     parser.add_argument("--model", default="paper-cnn",
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from ..trace import load
 
     counts = _counts(args.workers, "--workers")
-    server_counts = _counts(args.servers, "--servers")
+    server_counts = _server_layouts(args.servers)
     if args.iterations <= args.warmup:
         raise UsageError("--iterations must be larger than --warmup")
     parse_rate(args.bandwidth)  # a bad rate fails now, not after the runs
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1")
     print(f"mpigrad bench iteration: {args.model} on synthetic 3x32x32; {os.cpu_count()} CPUs here; runs with more ranks than CPUs "
           "are oversubscribed (wall times then include waiting for a core)")
-    header = (f"{'P':>3} {'S':>3} {'rank0 ms/it':>12} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
+    header = (f"{'P':>3} {'S':>3} {'rank0 ms/it':>12} {'rank0 CPU ms':>13} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
               f"{'server CPU ms':>14} {'x S=1':>6} {'policy ms':>10} {'trace us':>9} {'overhead wall':>14} "
               f"{'overhead sim':>13}")
     print(header)
@@ -65,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
         for p, servers in [(p, s) for p in counts for s in server_counts]:
             trace = Path(tmp) / f"p{p}-s{servers}.h5"
             sharding = ["--servers", str(servers)]
-            if servers > 1 and args.shard_chunk:
+            if servers != 1 and args.shard_chunk:
                 sharding += ["--shard-chunk", str(args.shard_chunk)]
-            command = mpiexec_command(p + servers, [sys.executable, "-m", "mpi4py", "-m",
+            ranks = p + (1 if servers == COLOCATED else servers)
+            command = mpiexec_command(ranks, [sys.executable, "-m", "mpi4py", "-m",
                        "mpigrad", "train", "--model", args.model, "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
                        "--policy", "fixed", "--bits", "2", "--iterations", str(args.iterations),
                        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0",
@@ -96,11 +100,23 @@ def _counts(text: str, option: str) -> list[int]:
     return counts
 
 
-def _row(p: int, servers: int, tr, warmup: int, bandwidth: str) -> dict:
+def _server_layouts(text: str) -> list[int | str]:
+    """``--servers``: server counts and ``colocated``, as train reads each."""
+    layouts = []
+    for item in text.split(","):
+        try:
+            layouts.append(parse_servers(item.strip()))
+        except UsageError as exc:
+            raise UsageError(f"--servers: {exc}") from None
+    return layouts
+
+
+def _row(p: int, servers: int | str, tr, warmup: int, bandwidth: str) -> dict:
     steps = tr.steps.iloc[warmup:]
     iteration = np.diff(tr.steps["wall_time"].to_numpy())[warmup - 1:] if warmup else \
         np.diff(np.concatenate([[0.0], tr.steps["wall_time"].to_numpy()]))
     trace_seconds = float(tr.attrs.get("trace_seconds", 0.0)) / max(len(tr.steps), 1)
+    rank0_cpu = float(tr.attrs.get("rank0_cpu_seconds", 0.0)) / max(len(tr.steps), 1)
     codec = (steps["t_encode"] + steps["t_decode"] + steps["t_policy"]).to_numpy() + trace_seconds
     # The same work on the simulated clock: measured local work plus the modelled traffic.
     rate = parse_rate(bandwidth)
@@ -113,6 +129,7 @@ def _row(p: int, servers: int, tr, warmup: int, bandwidth: str) -> dict:
         "servers": servers,
         "server_cpu_ms": 1e3 * float(np.median(server_cpu)),
         "rank0_ms_per_iteration": 1e3 * float(np.median(iteration)),
+        "rank0_cpu_ms": 1e3 * rank0_cpu,
         "compute_ms": 1e3 * float(steps["t_compute"].median()),
         "encode_ms": 1e3 * float(steps["t_encode"].median()),
         "decode_ms": 1e3 * float(steps["t_decode"].median()),
@@ -126,7 +143,9 @@ def _row(p: int, servers: int, tr, warmup: int, bandwidth: str) -> dict:
 def _format(r: dict) -> str:
     ratio = r["server_cpu_vs_one_server"]
     ratio = f"{ratio:>6.2f}" if ratio is not None else f"{'-':>6}"
-    return (f"{r['workers']:>3} {r['servers']:>3} {r['rank0_ms_per_iteration']:>12.1f} {r['compute_ms']:>11.1f} "
+    servers = "col" if r["servers"] == COLOCATED else r["servers"]
+    return (f"{r['workers']:>3} {servers:>3} {r['rank0_ms_per_iteration']:>12.1f} {r['rank0_cpu_ms']:>13.2f} "
+            f"{r['compute_ms']:>11.1f} "
             f"{r['encode_ms']:>10.2f} {r['decode_ms']:>10.2f} {r['server_cpu_ms']:>14.2f} {ratio} "
             f"{r['policy_ms']:>10.3f} {1e3 * r['trace_ms']:>9.1f} "
             f"{r['overhead_fraction_wall']:>13.1%} {r['overhead_fraction_sim']:>13.1%}")

@@ -16,7 +16,10 @@ count and threads per rank, for each variant:
 
 Ranks are processes on this machine talking over 127.0.0.1 (gloo; nccl with ``--device
 cuda``). mpigrad's own method runs beside them under mpiexec, with ``net_mode = "off"`` so
-that both are timed on the real wire. Evaluation is off in both.
+that both are timed on the real wire. Evaluation is off in both. With ``--lab RATE`` (root)
+every run gets a network lab of its own (``mpigrad lab``: one node per rank, each link
+rate-limited both ways): DDP's P ranks with ``--launch each``, mpigrad's ranks (rank 0 on a
+node of its own) under its mpiexec.
 
 Bytes per node per iteration are those of a ring all-reduce of n elements of s bytes,
 2 (P - 1) / P * s * n sent (and as many received) by each node, counted for what each hook
@@ -232,12 +235,15 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     return record
 
 
-def _child_main(spec_path: str, rank: int) -> None:
+def _child_main(spec_path: str, rank: str) -> None:
     """Run rank ``rank`` of the spec, write its records, and exit without the interpreter's
     teardown, as ``mpigrad train`` does: the work is written by then, and a DDP rank was seen
     to abort here ("terminate called without an active exception", exit -6; the moment and
-    cause were not established)."""
+    cause were not established). ``rank`` "lab": this node's (RANK), meeting at MASTER_ADDR."""
     spec = json.loads(Path(spec_path).read_text())
+    if rank == "lab":
+        rank, spec["address"] = os.environ["RANK"], os.environ["MASTER_ADDR"]
+    rank = int(rank)
     records = _ddp_rank(spec, rank)
     out = Path(spec["out"]) / f"rank{rank}.json"
     out.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
@@ -291,12 +297,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the DDP variants only")
     parser.add_argument("--address", default="127.0.0.1",
                         help="address of DDP's rendezvous (default 127.0.0.1: loopback)")
+    parser.add_argument("--lab", default=None, metavar="RATE",
+                        help="run every method in a network lab at this link rate, e.g. 10MB/s (root; one node "
+                             "per rank; docs/lab.rst); default: loopback")
     parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside python, else PATH)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="'mpigrad train' options after --, applied to both, e.g. -- --model-opt fc_sizes=[64,64]")
 
 
 def _variants(text: str) -> list[str]:
+    """``--variants``: DDP variant names, or ``none`` (mpigrad alone)."""
+    if text.strip() == "none":
+        return []
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
@@ -367,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"config file {args.config} does not exist")
     config = _config(args)
     ranks = declared_ranks(args.config)
-    workers = args.workers if args.workers is not None else (ranks - config.servers if ranks else 2)
+    workers = args.workers if args.workers is not None else (ranks - config.non_worker_ranks() if ranks else 2)
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
     if args.warmup < 0 or args.smooth < 1:
@@ -377,6 +389,10 @@ def run(args: argparse.Namespace) -> int:
     if start < 2:
         raise UsageError("--powersgd-start must be at least 2 (torch's minimum with error feedback)")
     _check_task(config, workers)
+    if not variants and not args.mpigrad:
+        raise UsageError("--variants none with --no-mpigrad leaves nothing to run")
+    if args.lab is not None:
+        _check_lab(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     threads = threads_per_rank(config.threads)
@@ -385,7 +401,8 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"mpigrad bench peers: {config.model} on {config.data}, P = {workers} workers, batch {config.batch_size}"
           f"/worker, lr {config.lr:g}, weight decay {config.weight_decay:g}, {config.iterations} iterations, "
-          f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; DDP over {args.address}; PowerSGD from "
+          f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; "
+          f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; PowerSGD from "
           f"iteration {start}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
 
     runs: dict[str, list[Path]] = {name: [] for name in [*variants, *(["mpigrad"] if args.mpigrad else [])]}
@@ -395,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
             spec = {"config": seeded.to_dict(), "variants": variants, "workers": workers, "threads": threads,
                     "iterations": config.iterations, "powersgd_start": start, "address": args.address,
                     "port": _free_port(args.address), "out": str(out)}
-            records = _run_ddp(spec, env)
+            records = _run_ddp(spec, env, args.lab) if variants else {}
             for name in variants:
                 path = out / f"ddp-{name}-seed{seed}.h5"
                 runs[name].append(_write_peer_trace(path, seeded, VARIANTS[name], records[name], spec))
@@ -408,7 +425,8 @@ def run(args: argparse.Namespace) -> int:
     if args.mpigrad:
         _ratios(rows, rows[-1])
     _print_table(rows, args.target_loss, args.smooth)
-    report = {"bench": "peers", "workers": workers, "seeds": seeds, "address": args.address, "powersgd_start": start,
+    report = {"bench": "peers", "workers": workers, "seeds": seeds, "address": args.address, "lab": args.lab,
+              "powersgd_start": start,
               "target_loss": args.target_loss, "smooth": args.smooth, "warmup": args.warmup,
               "cpus": os.cpu_count(), "config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows]}
     (out / "peers.json").write_text(json.dumps(report, indent=1))
@@ -417,20 +435,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_ddp(spec: dict, env: dict) -> dict[str, RankRecord]:
-    """Start the P DDP ranks, wait, and merge their records: losses averaged over ranks
-    (mpigrad's global loss), times and bytes from rank 0."""
+def _check_lab(args: argparse.Namespace) -> None:
+    """UsageError (one line) now when ``--lab`` cannot run: a bad rate, no lab on this host."""
+    from ..config import parse_rate
+    from ..lab.host import unavailable_reason
+
+    parse_rate(args.lab)
+    reason = unavailable_reason()
+    if reason:
+        raise UsageError(f"--lab: {reason}")
+    if args.address != "127.0.0.1":
+        raise UsageError("--lab and --address exclude each other: in a lab DDP meets at node 0's address")
+
+
+def _lab_command(nodes: int, rate: str, launch: str, command: list[str]) -> list[str]:
+    return [sys.executable, "-m", "mpigrad", "lab", "--nodes", str(nodes), "--rate", rate, "--launch", launch,
+            "--name", "mgbp", "--", *command]
+
+
+def _run_ddp(spec: dict, env: dict, lab: str | None = None) -> dict[str, RankRecord]:
+    """Start the P DDP ranks (each in a lab node of its own with ``lab``, a link rate), wait,
+    and merge their records: losses averaged over ranks (mpigrad's global loss), times and
+    bytes from rank 0."""
     out = Path(spec["out"])
     spec_path = out / "ddp-spec.json"
     spec_path.write_text(json.dumps(spec))
     for old in out.glob("rank*.json"):
         old.unlink()
-    logs = [out / f"ddp-rank{rank}.log" for rank in range(spec["workers"])]
+    child = [sys.executable, "-m", "mpigrad.bench.peers", str(spec_path)]
+    if lab is not None:  # one process, the lab, starts every rank (rank and address from its variables)
+        logs = [out / "ddp-lab.log"]
+        commands = [_lab_command(spec["workers"], lab, "each", [*child, "lab"])]
+    else:
+        logs = [out / f"ddp-rank{rank}.log" for rank in range(spec["workers"])]
+        commands = [[*child, str(rank)] for rank in range(spec["workers"])]
     procs = []
-    for rank, log in enumerate(logs):
+    for command, log in zip(commands, logs):
         with open(log, "w") as handle:
-            procs.append(subprocess.Popen([sys.executable, "-m", "mpigrad.bench.peers", str(spec_path), str(rank)],
-                                          env=env, stdout=handle, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT))
     failed = []
     for rank, proc in enumerate(procs):
         proc.wait()
@@ -495,11 +537,14 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
     from ..mpiexec import mpiexec_command
 
     trace = out / f"mpigrad-seed{config.seed}.h5"
-    command = mpiexec_command(workers + config.servers, [
-        sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train", "--config", args.config,
-        *[a for a in args.train_args if a != "--"], "--iterations", str(config.iterations), "--seed", str(config.seed),
-        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0", "--trace", str(trace), "--force"],
-        args.mpiexec)
+    ranks = workers + config.non_worker_ranks()
+    train = ["train", "--config", args.config, *[a for a in args.train_args if a != "--"],
+             "--iterations", str(config.iterations), "--seed", str(config.seed), "--net-mode", "off",
+             "--eval-every", "0", "--progress-every", "0", "--trace", str(trace), "--force"]
+    if args.lab is not None:
+        command = _lab_command(ranks, args.lab, "mpi", train)
+    else:
+        command = mpiexec_command(ranks, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *train], args.mpiexec)
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         print(done.stderr, file=sys.stderr)
@@ -524,10 +569,12 @@ def _row(paths: list[Path], workers: int, args) -> PeerRow:
         steady.append(np.diff(np.concatenate([[0.0], steps["wall_time"].to_numpy(float)]))[first:])
         up = steps["bytes_up"].to_numpy(float)[first:]
         down = steps["bytes_down"].to_numpy(float)[first:]
-        # DDP: each node sends and receives (bytes_up + bytes_down) / P; mpigrad: a worker sends
-        # its frame (bytes_up / P) and receives the broadcast (bytes_down / P).
-        sent.append((up + down) / workers if peer else up / workers)
-        received.append(sent[-1] if peer else down / workers)
+        # DDP and colocated servers: each node sends and receives (bytes_up + bytes_down) / P;
+        # a worker of separate servers sends its frame (bytes_up / P), receives the broadcast
+        # (bytes_down / P).
+        symmetric = peer or trace.config.get("servers") == "colocated"
+        sent.append((up + down) / workers if symmetric else up / workers)
+        received.append(sent[-1] if symmetric else down / workers)
         final.append(float(smoothed_loss(trace, args.smooth)[-1]))
         if args.target_loss is not None:
             its.append(iterations_to_target(trace, args.target_loss, args.smooth))
@@ -574,4 +621,4 @@ def _print_table(rows: list[PeerRow], target: float | None, smooth: int) -> None
 
 
 if __name__ == "__main__":
-    _child_main(sys.argv[1], int(sys.argv[2]))
+    _child_main(sys.argv[1], sys.argv[2])

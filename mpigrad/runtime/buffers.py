@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..config import RunConfig
-from .wire import CHECKPOINT_AFTER, STOP_AFTER, TAG_BUFFERS, WORLD, BufferStats, Channel
+from .wire import CHECKPOINT_AFTER, STOP_AFTER, TAG_BUFFERS, TAG_PARAMS, WORLD, BufferStats, Channel
 
 
 def sync_due(config: RunConfig, m: int, command: int) -> bool:
@@ -55,7 +55,7 @@ class BufferSync:
                          lambda pending: f"worker rank(s) {', '.join(map(str, pending))} sent no buffers "
                                          f"after iteration {m}")
             np.mean(self.rows, axis=0, out=self.average)
-        elif channel.rank >= channel.servers:
+        elif channel.is_worker:
             self._pack(self.average)
             channel.send([(self.average, 0)], TAG_BUFFERS,
                          lambda _: f"rank 0 took no buffers after iteration {m}")
@@ -79,3 +79,28 @@ class BufferSync:
                     chunk = chunk.round()
                 b.copy_(chunk)
                 offset += n
+
+
+class ParameterSync:
+    """Colocated servers: rank 0 takes part in no gradient broadcast, so its replica's
+    parameters are brought up to date where it reads them (the buffers' synchronisation
+    points: before it evaluates, checkpoints or ends). The first worker sends its flat
+    parameters (message 9), rank 0 copies them into its replica; the workers' parameters are
+    identical (checked by the checksums), so any worker's would do."""
+
+    def __init__(self, replica, channel: Channel):
+        self.replica, self.channel = replica, channel
+        self.source = channel.workers[0]
+        self.host = np.empty(replica.layout.total, np.float32) if channel.rank == 0 else None
+
+    def run(self, m: int) -> None:
+        """After iteration ``m``, on rank 0 and the first worker (the others do nothing)."""
+        channel = self.channel
+        if channel.rank == 0:
+            channel.recv([(self.host, self.source)], TAG_PARAMS,
+                         lambda pending: f"worker rank {self.source} sent no parameters after iteration {m}")
+            with torch.no_grad():
+                self.replica.flat.copy_(torch.from_numpy(self.host))
+        elif channel.rank == self.source:
+            flat = self.replica.flat.detach().to("cpu").numpy()
+            channel.send([(flat, 0)], TAG_PARAMS, lambda _: f"rank 0 took no parameters after iteration {m}")

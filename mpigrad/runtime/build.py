@@ -72,11 +72,15 @@ def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
     return Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device))
 
 
-def build_shards(config: RunConfig, layout: Layout, codec: Codec) -> tuple[Shard, ...]:
-    """The run's shards, balanced by the bytes each piece takes at the initial bits."""
-    def piece_bytes(piece) -> int:
-        return codec.max_encoded_size(piece.size) if piece.quantized else 4 * piece.size
-    return plan_shards(layout, config.servers, piece_bytes, config.shard_chunk)
+def build_shards(config: RunConfig, layout: Layout, codec: Codec, shards: int) -> tuple[Shard, ...]:
+    """The run's ``shards`` shards (``Channel.servers``), balanced by the bytes each piece
+    takes at the initial bits."""
+    return plan_shards(layout, shards, piece_bytes(codec), config.shard_chunk)
+
+
+def piece_bytes(codec: Codec):
+    """A piece's bytes at the initial bits (what shards are balanced by), as a function."""
+    return lambda piece: codec.max_encoded_size(piece.size) if piece.quantized else 4 * piece.size
 
 
 def build_compressor(config: RunConfig, layout: Layout, codec: Codec, stream: int) -> GradientCompressor:

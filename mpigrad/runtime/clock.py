@@ -52,8 +52,8 @@ class IterationClock:
     """
 
     def __init__(self, link: LinkModel, workers: int, servers: int, cpu_clock: bool,
-                 compute_time: float | None, clocks: Clocks | None = None):
-        self.link, self.workers, self.servers = link, workers, servers
+                 compute_time: float | None, clocks: Clocks | None = None, colocated: bool = False):
+        self.link, self.workers, self.servers, self.colocated = link, workers, servers, colocated
         self.cpu_clock, self.compute_time = cpu_clock, compute_time
         self.clocks = clocks or Clocks()
         self.t_comm = 0.0
@@ -70,18 +70,20 @@ class IterationClock:
         """``t_compute``: the iteration's compute so far (the slowest worker's), which the
         first message follows; ``compute_time`` replaces it when set."""
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_compute)
-        self.t_comm = self.link.charge(self.link.losses(self.workers, nbytes, self.comm_start, self.servers))
+        self.t_comm = self.link.charge(self.link.losses(self.workers, nbytes, self.comm_start, self.servers,
+                                                        self.colocated))
 
     def control(self, nbytes: int) -> None:
-        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes,
-                                                          self.comm_start + self.t_comm))
+        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes, self.colocated,
+                                                          start=self.comm_start + self.t_comm))
 
     def gradients(self, sizes_per_server: list[list[int]]) -> None:
-        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server, self.comm_start + self.t_comm))
+        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server, self.colocated,
+                                                            start=self.comm_start + self.t_comm))
 
     def broadcasts(self, bytes_per_server: list[int]) -> None:
-        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server,
-                                                             self.comm_start + self.t_comm))
+        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server, self.colocated,
+                                                             start=self.comm_start + self.t_comm))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall

@@ -24,6 +24,14 @@ phase          worker                          server s > 0                 rank
 ``end``        SGD step; stop if told          stop if told                 SGD step; IterationRecord
 =============  ==============================  ===========================  ==============================
 
+Colocated servers (``--servers colocated``): no separate server ranks; each worker also runs
+the "server s > 0" column for its own shard (its ``gradients`` posts the frames for the other
+shards, aggregates its own shard meanwhile, then waits for its sends; in ``broadcast`` it is
+the root of its shard's group and a member of the others'; it sends its ServerReport in
+``reports``). Rank 0 takes part in neither gradient round: it gathers the P reports, and
+when the buffers are due it receives the first worker's parameters after that worker's SGD
+step (message 9, in ``end``), off both clocks.
+
 Workers and shard servers share :class:`FollowerRole` (their ``buffers`` phase and loop).
 
 After an iteration whose Control says CHECKPOINT_AFTER (``--checkpoint-every``), every rank

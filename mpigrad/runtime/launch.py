@@ -64,8 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "all-reduce), same, fp32, fp16, a codec id at the policy's bits, or CODEC:BITS e.g. uniform:8")
     g.add_argument("--error-feedback", choices=["none", "residual", "accumulate"], help="error-feedback memory (default none)")
     g = parser.add_argument_group("parameter servers")
-    g.add_argument("--servers", type=int, help="ranks 0..S-1 are servers, each aggregating a slice of the "
-                   "parameters balanced by bytes; rank 0 stays scheduler and MDP server (default 1)")
+    g.add_argument("--servers", metavar="S|colocated", help="S: ranks 0..S-1 are servers, each aggregating a "
+                   "slice of the parameters balanced by bytes; rank 0 stays scheduler and MDP server "
+                   "(default 1). colocated: every worker also serves a slice (each node's link then carries "
+                   "all-reduce's 2(P-1)/P of the gradient), rank 0 serves none (docs/runtime.rst)")
     g.add_argument("--shard-chunk", type=int, metavar="ELEMENTS", help="cut quantized layers larger than this "
                    "into pieces quantized on their own, so that S servers can balance a model with few "
                    "big layers (changes each piece's min/max scaling; default 0: whole layers)")

@@ -11,6 +11,7 @@ broadcast into its replica (for evaluation, checksums and checkpoints) and retur
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 
@@ -23,7 +24,7 @@ from ..policies import Observation, check_decision, get_policy, policy_class
 from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
-from .buffers import BufferSync, sync_due
+from .buffers import BufferSync, ParameterSync, sync_due
 from .clock import Clocks, IterationClock, IterationTraffic
 from .environment import threads_per_rank
 from .faults import Fault
@@ -61,9 +62,10 @@ class ShardAggregator:
         self.frame_len = FrameLength.buffer()
         self.frame: np.ndarray | None = None
 
-    def aggregate(self, m: int) -> tuple[list[int], float, float]:
+    def aggregate(self, m: int, local: tuple[int, np.ndarray] | None = None) -> tuple[list[int], float, float]:
         """Receive and sum every worker's frame of this shard; return (bytes per worker,
-        slowest worker's encode s, decode CPU s).
+        slowest worker's encode s, decode CPU s). ``local``: (this rank, its own frame) for a
+        worker that serves a shard (colocated): that frame is not received but taken as is.
 
         Frames are decoded as they arrive but added in rank order (a frame that overtakes a
         lower rank's waits, still encoded, in its receive buffer), so the float sum, and with
@@ -72,13 +74,15 @@ class ShardAggregator:
         """
         sizes = {}
         encode_max = decode_seconds = 0.0
-        arrived: dict[int, np.ndarray] = {}
+        arrived: dict[int, np.ndarray] = dict([local]) if local is not None else {}
+        remote = [rank for rank in self.workers if rank not in arrived]
         order = iter(self.workers)
         next_rank = next(order)
         first = next_rank
         describe = lambda pending: (f"worker rank(s) {', '.join(map(str, pending))} sent no gradient "  # noqa: E731
                                     f"for iteration {m}")
-        for rank, frame in self.channel.frames(self.workers, TAG_GRAD, self.recv_buffers, describe):
+        received = self.channel.frames(remote, TAG_GRAD, self.recv_buffers, describe)
+        for rank, frame in itertools.chain(list(arrived.items()), received):
             if is_error_frame(frame):
                 raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
             sizes[rank] = frame.size
@@ -116,6 +120,14 @@ class ShardAggregator:
             energies[piece.layer] += float(np.dot(g, g))
         return energies
 
+    def update_energies(self, update: np.ndarray, n_layers: int) -> list[float]:
+        """||Q(g)||^2 of this shard's part of each quantized layer, Q(g) the decoded broadcast."""
+        energies = [0.0] * n_layers
+        for piece in self.quantized:
+            u = update[piece.offset:piece.offset + piece.size]
+            energies[piece.layer] += float(np.dot(u, u))
+        return energies
+
     def pack_average(self) -> np.ndarray:
         """The average of this shard's quantized pieces, in piece order (message 6)."""
         pos = 0
@@ -124,13 +136,15 @@ class ShardAggregator:
             pos += piece.size
         return self.average
 
-    def unpack_average(self, shard, average: np.ndarray) -> None:
-        """Write another server's message 6 for ``shard`` into ``grad_sum``."""
-        pos = 0
-        for piece in shard.pieces:
-            if piece.quantized:
-                self.grad_sum[piece.offset:piece.offset + piece.size] = average[pos:pos + piece.size]
-                pos += piece.size
+
+
+def unpack_average(shard, average: np.ndarray, out: np.ndarray) -> None:
+    """Write a server's message 6 for ``shard`` into ``out`` (the whole average's buffer)."""
+    pos = 0
+    for piece in shard.pieces:
+        if piece.quantized:
+            out[piece.offset:piece.offset + piece.size] = average[pos:pos + piece.size]
+            pos += piece.size
 
 
 def _stalled(m: int):
@@ -148,7 +162,7 @@ class ShardServer(FollowerRole):
         codec = base_codec(config)
         layout = replica.layout
         self.n_layers = len(layout.quantized)
-        shard = build_shards(config, layout, codec)[self.rank]
+        shard = build_shards(config, layout, codec, channel.servers)[self.rank]
         decoder = build_compressor(config, layout, codec, SERVER_STREAM)
         self.compressor = build_broadcast_compressor(config, layout, codec, decoder)
         self.aggregator = ShardAggregator(config, channel, shard, decoder, self.compressor, layout.total,
@@ -173,7 +187,7 @@ class ShardServer(FollowerRole):
         self.bits = self.control_msg.bits
 
     def gradients(self, m: int) -> None:
-        self.sizes, _, self.t_decode = self.aggregator.aggregate(m)
+        self.sizes, self.worker_encode, self.t_decode = self.aggregator.aggregate(m)
 
     def broadcast(self, m: int) -> None:
         agg = self.aggregator
@@ -185,8 +199,9 @@ class ShardServer(FollowerRole):
         if self.fault:
             self.fault.before_send(m, 0.0, None)
         agg = self.aggregator
-        ServerReport(agg.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode, self.sizes,
-                     agg.energies(max(self.n_layers, 1))).pack(self.report)
+        layers = max(self.n_layers, 1)
+        ServerReport(agg.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode, self.worker_encode,
+                     self.sizes, agg.energies(layers), [0.0] * layers).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT,
                           lambda pending: f"rank 0 took no report for iteration {m}")
         if self.send_average:
@@ -224,20 +239,32 @@ class ParameterServer:
         layout = self.replica.layout
         self.n_layers = len(layout.quantized)
         self.policy = get_policy(config.policy_config(), n_layers=max(self.n_layers, 1), seed=config.seed)
-        self.shards = build_shards(config, layout, self.codec)
-        decoder = build_compressor(config, layout, self.codec, SERVER_STREAM)
-        self.compressor = build_broadcast_compressor(config, layout, self.codec, decoder)
-        self.aggregator = ShardAggregator(config, channel, self.shards[0], decoder, self.compressor, layout.total,
-                                          broadcast_codec(config)[1])
-        # With S > 1 the other servers send their part of the average (message 6) when the
-        # policy observes it: aggregator.grad_sum is then the whole average, as with S = 1.
-        self.receive_averages = self.servers > 1 and self.policy.uses_gradients
+        self.shards = build_shards(config, layout, self.codec, self.servers)
+        self.colocated = channel.colocated
+        #: Shards other ranks serve, and the rank serving each: with colocated servers every
+        #: shard (rank 0 serves none, holds parameters only after a synchronisation), else 1..S-1.
+        self.remote_shards = list(range(0 if self.colocated else 1, self.servers))
+        self.server_of = channel.server_ranks
+        if self.colocated:
+            self.compressor = self.aggregator = None
+            self.average = np.zeros(layout.total, np.float32)
+        else:
+            decoder = build_compressor(config, layout, self.codec, SERVER_STREAM)
+            self.compressor = build_broadcast_compressor(config, layout, self.codec, decoder)
+            self.aggregator = ShardAggregator(config, channel, self.shards[0], decoder, self.compressor,
+                                              layout.total, broadcast_codec(config)[1])
+            self.average = self.aggregator.grad_sum
+        # The other servers send their part of the average (message 6) when the policy
+        # observes it: self.average is then the whole average, as with S = 1.
+        self.receive_averages = bool(self.remote_shards) and self.policy.uses_gradients
         self.averages = {s: np.empty(sum(p.size for p in self.shards[s].pieces if p.quantized), np.float32)
-                         for s in range(1, self.servers)} if self.receive_averages else {}
+                         for s in self.remote_shards} if self.receive_averages else {}
+        self.parameter_sync = ParameterSync(self.replica, channel) if self.colocated else None
         self.buffer_sync = BufferSync(self.replica.model, channel)
         link = config.link_model()
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
-        self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time)
+        self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time,
+                                    colocated=self.colocated)
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
         self.iteration = 0
         # Time kept in hand for the stop itself: gathering worker state and writing it.
@@ -254,12 +281,15 @@ class ParameterServer:
         self.has_previous = False
         self.loss_rows = LossReport.buffer(self.workers)
         self.control_msg = Control(self.n_layers)
-        self.report_rows = (ServerReport.buffer(self.workers, max(self.n_layers, 1), self.servers - 1)
-                            if self.servers > 1 else None)
+        self.report_rows = (ServerReport.buffer(self.workers, max(self.n_layers, 1), len(self.remote_shards))
+                            if self.remote_shards else None)
         self.lengths = {s: FrameLength.buffer() for s in range(1, self.servers)}
         self.frames = {s: np.empty(0, np.uint8) for s in range(1, self.servers)}
         self.start_iteration = 0
         self.session_started = time.perf_counter()
+        #: Rank 0's CPU time in its iterations this session (its own work: receiving, the
+        #: policy, its shard with separate servers, tracing, waits' polls), evaluation excluded.
+        self.iteration_cpu_seconds = 0.0
 
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------
     def begin(self, m: int) -> None:
@@ -298,10 +328,14 @@ class ParameterServer:
         self.it["bits"] = bits
 
     def gradients(self, m: int) -> None:
+        if self.aggregator is None:
+            return  # colocated: the workers serve every shard
         self.it["sizes"], self.it["worker_encode"], self.it["t_decode"] = self.aggregator.aggregate(m)
 
     def broadcast(self, m: int) -> None:
         agg = self.aggregator
+        if agg is None:
+            return
         self.it["t_encode"] = agg.encode(self.it["bits"])
         others = range(1, self.servers)
         self.channel.broadcast([(agg.frame_len, 0)] + [(self.lengths[s], s) for s in others], _stalled(m))
@@ -321,19 +355,26 @@ class ParameterServer:
         self.it["frame_bytes"] = [agg.frame.size] + [received[s].size for s in others]
 
     def reports(self, m: int) -> None:
-        reports = [ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["sizes"],
-                                self.aggregator.energies(max(self.n_layers, 1)))]
-        if self.servers > 1:
-            self.channel.recv([(row, s) for s, row in enumerate(self.report_rows, start=1)], TAG_REPORT,
+        layers = max(self.n_layers, 1)
+        reports = []
+        if self.aggregator is not None:
+            reports.append(ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["worker_encode"],
+                                        self.it["sizes"], self.aggregator.energies(layers), [0.0] * layers))
+        if self.remote_shards:
+            ranks = [self.server_of[s] for s in self.remote_shards]
+            self.channel.recv(list(zip(self.report_rows, ranks)), TAG_REPORT,
                               lambda pending: f"server rank(s) {', '.join(map(str, pending))} sent no "
                                               f"report for iteration {m}")
             reports += [ServerReport.unpack(row, self.workers) for row in self.report_rows]
         if self.receive_averages:
-            self.channel.recv([(self.averages[s], s) for s in self.averages], TAG_AVERAGE,
+            self.channel.recv([(self.averages[s], self.server_of[s]) for s in self.averages], TAG_AVERAGE,
                               lambda pending: f"server rank(s) {', '.join(map(str, pending))} sent no "
                                               f"average for iteration {m}")
             for s, average in self.averages.items():
-                self.aggregator.unpack_average(self.shards[s], average)
+                unpack_average(self.shards[s], average, self.average)
+        if self.colocated:  # rank 0 took part in no broadcast: the frames' sizes come reported
+            self.it["frame_bytes"] = [int(r.bytes_out) - FrameLength.NBYTES for r in reports]
+            self.it["worker_encode"] = max(r.worker_encode for r in reports)
         self.it["servers"] = reports
         self.clock.gradients([r.sizes for r in reports])
         self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
@@ -347,7 +388,12 @@ class ParameterServer:
 
     def end(self, m: int) -> IterationRecord:
         it, P = self.it, self.workers
-        self.replica.apply_update(self.update, self.config.lr)
+        if not self.colocated:
+            self.replica.apply_update(self.update, self.config.lr)
+        elif sync_due(self.config, m, self.command):  # the parameters, where rank 0 reads them
+            self.clock.clocks.pause()
+            self.parameter_sync.run(m)
+            self.clock.clocks.resume()
         self.has_previous = True
         reports, servers = it["reports"], it["servers"]
         compute = [self.clock.compute_seconds(r.compute_cpu, r.compute_wall) for r in reports]
@@ -359,15 +405,15 @@ class ParameterServer:
         self.last_iteration_ms = 1e3 * (sim_now - sim_before)
         frames_down = [FrameLength.NBYTES + n for n in it["frame_bytes"]]
         traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
-                                   tuple(tuple(s.sizes) for s in servers), tuple(frames_down))
-        worker_bytes = [int(sum(s.sizes[w] for s in servers)) for w in range(P)]
+                                   tuple(tuple(s.sizes) for s in servers), tuple(frames_down), self.colocated)
         bits = it["bits"] if self.codec.takes_policy_bits else [self.codec.fixed_bits] * len(it["bits"])
         record = IterationRecord(
             iteration=m, loss=it["loss"], bits=bits, bytes_up=traffic.bytes_up, bytes_down=traffic.bytes_down,
             t_compute=max(compute), t_encode=t_encode, t_decode=t_decode, t_policy=it["t_policy"],
             t_comm=t_comm, wall_time=wall_now, sim_time=sim_now,
-            worker_losses=[r.loss for r in reports], worker_compute=compute, worker_bytes=worker_bytes,
-            server_bytes_in=[int(sum(s.sizes)) for s in servers], server_bytes_out=frames_down,
+            worker_losses=[r.loss for r in reports], worker_compute=compute,
+            worker_bytes=list(traffic.worker_bytes_sent), server_bytes_in=list(traffic.server_bytes_in),
+            server_bytes_out=frames_down,
             server_frame_bytes=[list(s.sizes) for s in servers],
             server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
             norm_ratio=self._norm_ratio(servers),
@@ -397,8 +443,11 @@ class ParameterServer:
         every = self.config.checksum_every
         if not every or m % every:
             return None
-        own = self.replica.checksum()
-        sums = [own] + [int(r.checksum) for r in reports]
+        workers = [int(r.checksum) for r in reports]
+        # Colocated, rank 0 holds the parameters only after a synchronisation: the first
+        # worker's are the reference (and rank 0's entry in the trace).
+        own = workers[0] if self.colocated else self.replica.checksum()
+        sums = [own] + workers
         diverged = [rank for rank, value in zip([0, *self.worker_ranks], sums) if value != own]
         if diverged:
             raise TrainingError(f"replicas diverged before iteration {m}: parameter checksum of "
@@ -408,18 +457,22 @@ class ParameterServer:
     def _norm_ratio(self, servers: list[ServerReport]) -> list[float]:
         """||Q(g)|| / ||g|| per quantized layer: g the average of the workers' decoded
         gradients (||g||^2 from each server's report), Q(g) the decoded broadcast every rank
-        applies (NaN where g = 0)."""
+        applies (rank 0's own; colocated, ||Q(g)||^2 from each server's report) (NaN where g = 0)."""
         ratios = []
         for layer, s in enumerate(self.replica.layout.quantized):
-            u = self.update[s.offset:s.offset + s.size]
+            if self.colocated:
+                update_energy = sum(report.update_energies[layer] for report in servers)
+            else:
+                u = self.update[s.offset:s.offset + s.size]
+                update_energy = float(np.dot(u, u))
             energy = sum(report.energies[layer] for report in servers)
-            ratios.append(math.sqrt(float(np.dot(u, u)) / energy) if energy > 0 else math.nan)
+            ratios.append(math.sqrt(update_energy / energy) if energy > 0 else math.nan)
         return ratios or [math.nan]
 
     def _observation(self, m: int, loss: float) -> Observation:
         grads = ()
         if self.has_previous:
-            average = self.aggregator.grad_sum
+            average = self.average
             grads = tuple(average[s.offset:s.offset + s.size] for s in self.replica.layout.quantized)
         return Observation(iteration=m, loss=loss, last_iteration_ms=self.last_iteration_ms,
                            gradients=grads, codec=self.codec if self.codec.accepts_bits else None)
@@ -441,8 +494,10 @@ class ParameterServer:
         config = self.config
         for m in range(start_iteration, config.iterations):
             self.iteration = m
+            cpu = time.process_time()
             record = self.step(m)
             trace.record(record)
+            self.iteration_cpu_seconds += time.process_time() - cpu
             self.iteration = m + 1
             last = m + 1 == config.iterations
             if config.eval_every and ((m + 1) % config.eval_every == 0 or last):
@@ -481,22 +536,24 @@ class ParameterServer:
         # for the others it would double the checkpoint for nothing.
         keep_update = self.has_previous and self.policy.uses_gradients
         return {"iteration": self.iteration, "replica": self.replica.state_dict(),
-                "policy": self.policy.state_dict(), "compressor": self.compressor.state_dict(),
+                "policy": self.policy.state_dict(),
+                "compressor": self.compressor.state_dict() if self.compressor is not None else None,
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
                 "bytes_total": self.bytes_total, "last_eval": self.last_eval,
-                "previous_average": torch.from_numpy(self.aggregator.grad_sum.copy()) if keep_update else None}
+                "previous_average": torch.from_numpy(self.average.copy()) if keep_update else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
         self.replica.load_state_dict(state["replica"])
         self.policy.load_state_dict(state["policy"])
-        self.compressor.load_state_dict(state["compressor"])
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
         self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
         self.bytes_total = int(state["bytes_total"])
         self.last_eval = state["last_eval"]
         if state["previous_average"] is not None:
-            self.aggregator.grad_sum[:] = state["previous_average"].numpy()
+            self.average[:] = state["previous_average"].numpy()
             self.has_previous = True
 
 

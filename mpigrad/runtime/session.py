@@ -46,8 +46,8 @@ def _launch_problem(config, size: int) -> str | None:
             path, ranks = config.declared_ranks
             raise UsageError(f"{path} is written for {ranks} ranks (its '# ranks: {ranks}' line) but this run "
                              f"has {size}: launch with mpiexec -n {ranks}, or edit that line in a copy")
-        if size < config.servers + 1:
-            raise UsageError(f"--servers {config.servers} needs at least {config.servers + 1} MPI ranks "
+        if size < config.non_worker_ranks() + 1:
+            raise UsageError(f"--servers {config.servers} needs at least {config.non_worker_ranks() + 1} MPI ranks "
                              f"(S servers and at least one worker), this run has {size}")
         beyond = sorted(int(rank) for rank in config.link_bandwidth if int(rank) >= size)
         if beyond:
@@ -138,7 +138,8 @@ def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = No
     stop = StopFlag(config.walltime, started).install()
     # Rank 0 detects and names a silent rank; the others give it twice as long before
     # concluding that rank 0 itself is gone (they would otherwise time out together with it).
-    channel = MpiChannel(comm, config.servers, config.timeout if rank == 0 else 2 * config.timeout)
+    channel = MpiChannel(comm, config.shard_count(comm.Get_size()), config.timeout if rank == 0 else 2 * config.timeout,
+                         colocated=config.colocated)
     if rank == 0:
         log = lambda message: print(message, flush=True)  # noqa: E731
         return run_parameter_server(config, channel, stop, argv, log)
@@ -181,8 +182,8 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
         trace.flush()  # first: the trace must hold every row before the checkpoint's iteration
         state = server.state_dict()
         states = channel.gather_object(None, f"checkpoint state after iteration {server.iteration}")
-        size = checkpoint.save(config.checkpoint_path, ident, state, states[server.servers:],
-                               servers=states[1:server.servers])
+        size = checkpoint.save(config.checkpoint_path, ident, state, [states[r] for r in channel.workers],
+                               servers=states[1:config.non_worker_ranks()])
         clocks.resume()
         return f"{size / 1e6:.1f} MB, {time.perf_counter() - began:.1f} s"
 
@@ -197,6 +198,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
     except BaseException as exc:
         trace.fail(str(exc) or type(exc).__name__, last_iteration=server.iteration - 1)
         raise
+    trace.add_seconds("rank0_cpu_seconds", server.iteration_cpu_seconds)
     if stopped:
         trace.close("stopped")
         log(f"mpigrad: {stop.reason}: stopped after iteration {server.iteration}, checkpoint "
@@ -226,7 +228,7 @@ def run_other_rank(config, channel) -> int:
     as a :class:`RankFailure` carrying the iteration the role was in (-1 before it existed)."""
     role = None
     try:
-        if channel.rank < channel.servers:
+        if not channel.is_worker:
             from .server import ShardServer
             role = ShardServer(config, channel)
             if config.resume:
@@ -255,15 +257,35 @@ def run_other_rank(config, channel) -> int:
 def describe_run(config, server, size: int, log) -> None:
     layout = server.replica.layout
     quantized = sum(s.size for s in layout.quantized)
-    servers = "server" if server.servers == 1 else f"{server.servers} servers"
-    log(f"mpigrad {_version()}: {size - server.servers} workers + {servers}, MPI: {mpi_library_version(MPI).splitlines()[0]}")
+    if server.colocated:
+        servers = "scheduler, each worker serving a shard (colocated)"
+    else:
+        servers = "server" if server.servers == 1 else f"{server.servers} servers"
+    log(f"mpigrad {_version()}: {server.workers} workers + {servers}, MPI: {mpi_library_version(MPI).splitlines()[0]}")
     log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
         f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
     if server.buffer_sync.size:
         log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
             "workers after each evaluated iteration, before a checkpoint and at the end")
+    if server.servers > 1:
+        log(shard_description(server.shards, server.codec, config.shard_chunk))
     log(f"network: {network_description(config)}")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
+
+
+def shard_description(shards, codec, shard_chunk: int) -> str:
+    """The shards' sizes at the initial bits and how far the largest is from an even split
+    (the busiest server's link sets the round's time)."""
+    from .build import piece_bytes
+
+    size = piece_bytes(codec)
+    loads = [sum(size(piece) for piece in shard.pieces) for shard in shards]
+    even = sum(loads) / len(loads)
+    text = (f"shards at the initial bits: {', '.join(f'{n / 1e6:.2f}' for n in loads)} MB; the largest "
+            f"{max(loads) / even:.2f}x an even split")
+    if max(loads) > 1.2 * even and not shard_chunk:
+        text += " (--shard-chunk N cuts layers larger than N elements into pieces the servers can share)"
+    return text
 
 
 def network_description(config) -> str:

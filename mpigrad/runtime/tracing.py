@@ -50,7 +50,8 @@ class RunTrace:
             "parameters": layout.total,
             "quantized_parameters": sum(s.size for s in layout.quantized),
             "quantized_layers": [s.name for s in layout.quantized],
-            "float32_bytes_per_iteration": 2 * workers * 4 * layout.total,
+            # colocated: each shard's P - 1 remote frames in, P - 1 copies out (ring all-reduce's)
+            "float32_bytes_per_iteration": 2 * (workers - 1 if config.colocated else workers) * 4 * layout.total,
             "dataset": data_description,
             **collect_versions(),
             **slurm_ids(os.environ),
@@ -119,11 +120,15 @@ class RunTrace:
         self.writer.set_attr("last_iteration", int(last_iteration))
         self.close("failed")
 
+    def add_seconds(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` to the root attribute ``name`` (summed over a run's sessions)."""
+        self.writer.set_attr(name, float(seconds) + float(self.writer.attrs_get(name, 0.0)))
+
     def close(self, status: str) -> None:
         start = time.process_time()
         self._write_pending()
         self.seconds += time.process_time() - start
-        self.writer.set_attr("trace_seconds", self.seconds + float(self.writer.attrs_get("trace_seconds", 0.0)))
+        self.add_seconds("trace_seconds", self.seconds)
         self.writer.close(status=status)
 
     def final_summary(self) -> str:

@@ -1,6 +1,7 @@
-"""Workers (ranks S..S+P-1): compute loss and gradient on a shard of the data, send each
-server its slice, apply the averaged update (MQGrad Alg. 1, worker side). The phase order
-is in :mod:`.iteration`."""
+"""Workers (ranks S..S+P-1, or 1..P with colocated servers): compute loss and gradient on a
+shard of the data, send each server its slice, apply the averaged update (MQGrad Alg. 1,
+worker side). With colocated servers a worker also serves one shard (a
+:class:`~.server.ShardAggregator` of its own). The phase order is in :mod:`.iteration`."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
-from .buffers import BufferSync
-from .build import (base_codec, build_broadcast_compressor, build_compressor, build_replica, build_shards,
-                    load_data, release_data)
+from ..policies import policy_class
+from .buffers import BufferSync, ParameterSync, sync_due
+from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
+                    build_replica, build_shards, load_data, release_data)
 from .faults import Fault
 from .iteration import FollowerRole
-from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_GRAD, TAG_LOSS, WORLD, Channel,
-                   Control, FrameHeader, FrameLength, LossReport, error_frame)
+from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
+                   Channel, Control, FrameHeader, FrameLength, LossReport, ServerReport, error_frame)
 
 
 class Worker(FollowerRole):
@@ -26,8 +28,9 @@ class Worker(FollowerRole):
         self.config, self.channel = config, channel
         self.rank = channel.rank
         self.servers = channel.servers
-        #: 1-based worker number: its data shard and RNG stream, whatever S is.
-        self.number = self.rank - self.servers + 1
+        self.server_ranks = channel.server_ranks
+        #: 1-based worker number: its data shard and RNG stream, whatever the layout.
+        self.number = channel.workers.index(self.rank) + 1
         workers = len(channel.workers)
         dataset = load_data(config)
         self.sampler = ShardSampler(len(dataset.train_y), self.number - 1, workers, config.batch_size,
@@ -39,17 +42,30 @@ class Worker(FollowerRole):
         self.replica = build_replica(config, dataset)
         release_data()  # the shard is a copy: let the full dataset go
         codec = base_codec(config)
-        self.shards = build_shards(config, self.replica.layout, codec)
+        self.shards = build_shards(config, self.replica.layout, codec, self.servers)
         self.compressor = build_compressor(config, self.replica.layout, codec, self.number)
         # Decodes the servers' broadcast (a worker never encodes with it: no state to keep).
         self.broadcast_decoder = build_broadcast_compressor(config, self.replica.layout, codec, self.compressor)
         self.buffer_sync = BufferSync(self.replica.model, channel)
+        self.parameter_sync = ParameterSync(self.replica, channel) if channel.colocated else None
         self.loss_buf = LossReport.buffer()
         self.control_msg = Control(len(self.replica.layout.quantized))
         self.lengths = [FrameLength.buffer() for _ in range(self.servers)]
         self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
+        #: The shard this worker serves (colocated servers), else None.
+        self.serves = self.server_ranks.index(self.rank) if channel.colocated else None
+        if self.serves is not None:
+            from .server import ShardAggregator
+            layout = self.replica.layout
+            decoder = build_compressor(config, layout, codec, SERVER_STREAM)
+            self.server_compressor = build_broadcast_compressor(config, layout, codec, decoder)
+            self.aggregator = ShardAggregator(config, channel, self.shards[self.serves], decoder,
+                                              self.server_compressor, layout.total, broadcast_codec(config)[1])
+            self.n_layers = len(layout.quantized)
+            self.report = ServerReport.buffer(workers, max(self.n_layers, 1))
+            self.send_average = policy_class(config.policy).uses_gradients
 
     def _compute(self) -> tuple[float, float, float]:
         """Forward and backward on the next batch; return (loss, CPU s, wall s)."""
@@ -98,12 +114,25 @@ class Worker(FollowerRole):
             if np.isfinite(grad).all():
                 raise
             frames = [error_frame()] * self.servers
-        self.channel.send(list(zip(frames, range(self.servers))), TAG_GRAD,
-                          lambda pending: f"server rank(s) {', '.join(map(str, pending))} took no gradient "
-                                          f"for iteration {m}")
+        describe = lambda pending: (f"server rank(s) {', '.join(map(str, pending))} took no gradient "  # noqa: E731
+                                    f"for iteration {m}")
+        if self.serves is None:
+            self.channel.send(list(zip(frames, self.server_ranks)), TAG_GRAD, describe)
+            return
+        # Serving a shard: post the other shards' frames, aggregate this one's meanwhile
+        # (every worker sends before it receives: no send waits on a receive not yet posted).
+        pending = self.channel.start_send([(frame, rank) for s, (frame, rank) in enumerate(zip(frames, self.server_ranks))
+                                           if s != self.serves], TAG_GRAD)
+        self.sizes, self.worker_encode, self.t_decode = self.aggregator.aggregate(
+            m, local=(self.rank, frames[self.serves]))
+        self.channel.finish_send(pending, describe)
 
     def broadcast(self, m: int) -> None:
         describe = lambda: f"the servers sent no gradient for iteration {m}"  # noqa: E731
+        own = self.serves
+        if own is not None:  # this worker is the root of its shard's broadcast
+            self.t_encode = self.aggregator.encode(self.control_msg.bits)
+            self.lengths[own], self.frames[own] = self.aggregator.frame_len, self.aggregator.frame
         self.channel.broadcast([(self.lengths[s], s) for s in range(self.servers)], describe)
         views = []
         for s in range(self.servers):
@@ -113,23 +142,42 @@ class Worker(FollowerRole):
             views.append(self.frames[s][:size])
         self.channel.broadcast([(view, s) for s, view in enumerate(views)], describe)
         update = self.replica.update_host
+        start = time.process_time()
         for shard, view in zip(self.shards, views):
             self.broadcast_decoder.decode(view, shard, update)
+        if own is not None:
+            self.t_decode += time.process_time() - start
 
     def reports(self, m: int) -> None:
-        pass
+        if self.serves is None:
+            return
+        agg, layers = self.aggregator, max(self.n_layers, 1)
+        ServerReport(agg.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode, self.worker_encode,
+                     self.sizes, agg.energies(layers), agg.update_energies(self.replica.update_host, layers)
+                     ).pack(self.report)
+        self.channel.send([(self.report, 0)], TAG_REPORT, lambda pending: f"rank 0 took no report for iteration {m}")
+        if self.send_average:
+            self.channel.send([(agg.pack_average(), 0)], TAG_AVERAGE,
+                              lambda pending: f"rank 0 took no average for iteration {m}")
 
     def end(self, m: int) -> bool:
         self.replica.apply_update(self.replica.update_host, self.config.lr)
         if self.fault:
             self.fault.after_update(m, self.replica.flat)
+        if self.parameter_sync is not None and sync_due(self.config, m, self.control_msg.command):
+            self.parameter_sync.run(m)
         self.iteration = m + 1
         return self.control_msg.command == STOP_AFTER
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}
+        state = {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}
+        if self.serves is not None:
+            state["server_compressor"] = self.server_compressor.state_dict()
+        return state
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.compressor.load_state_dict(state["compressor"])
+        if self.serves is not None:
+            self.server_compressor.load_state_dict(state["server_compressor"])
         self.replica.load_state_dict(replica_state)

@@ -1,8 +1,11 @@
 """The one channel interface every rank talks through, and the waiting rules it keeps.
 
-Ranks 0..S-1 are servers (rank 0 also scheduler and MDP server), ranks S..S+P-1 workers.
+Two layouts (``--servers``). Separate servers: ranks 0..S-1 are servers (rank 0 also
+scheduler and MDP server), ranks S..S+P-1 workers. Colocated servers: rank 0 is scheduler
+and MDP server only, ranks 1..P workers, and worker rank s + 1 also serves shard s (S = P).
 Broadcast groups: ``WORLD`` (every rank, root 0) carries the control message; group ``s``
-(server s, rank 0, and the workers; root server s) carries shard s's averaged gradient.
+(shard s's server, rank 0 unless colocated, and the workers; root the server) carries
+shard s's averaged gradient.
 
 Two implementations: :class:`~mpigrad.runtime.wire.mpi.MpiChannel` (nonblocking buffer
 calls on preallocated arrays, the hot path) and
@@ -49,36 +52,72 @@ class Backoff:
         self.delay = min(self.delay * 2, _MAX_SLEEP)
 
 
-def group_members(group, servers: int, size: int) -> list[int]:
+def worker_ranks(servers: int, size: int, colocated: bool = False) -> list[int]:
+    """The workers' ranks: 1..size-1 when colocated, else S..size-1."""
+    return list(range(1 if colocated else servers, size))
+
+
+def server_ranks(servers: int, size: int, colocated: bool = False) -> list[int]:
+    """The rank serving each shard s: worker rank s + 1 when colocated, else rank s."""
+    return worker_ranks(servers, size, colocated) if colocated else list(range(servers))
+
+
+def group_members(group, servers: int, size: int, colocated: bool = False) -> list[int]:
     """Ranks of a broadcast group, root first."""
     if group == WORLD:
         return list(range(size))
-    workers = list(range(servers, size))
+    workers = worker_ranks(servers, size, colocated)
+    if colocated:
+        root = workers[group]
+        return [root, *(rank for rank in workers if rank != root)]
     if servers == 1:
         return [0, *workers]
     return [group, *([0] if group else []), *workers]
 
 
 class Channel(ABC):
-    """One rank's end of the run's communication. ``timeout`` bounds every wait."""
+    """One rank's end of the run's communication. ``timeout`` bounds every wait.
+    ``servers`` is the number of shards S; ``colocated`` whether workers serve them."""
 
     rank: int
     size: int
     servers: int
     timeout: float
+    colocated: bool = False
 
     @property
     def workers(self) -> list[int]:
-        return list(range(self.servers, self.size))
+        return worker_ranks(self.servers, self.size, self.colocated)
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return server_ranks(self.servers, self.size, self.colocated)
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role_of(self.rank) == "worker"
+
+    def role_of(self, rank: int) -> str:
+        """What a rank is called in messages: "worker" (colocated ones too) or "server"."""
+        return "worker" if rank != 0 and (self.colocated or rank >= self.servers) else "server"
 
     def members(self, group) -> list[int]:
-        return group_members(group, self.servers, self.size)
+        return group_members(group, self.servers, self.size, self.colocated)
 
     # ---- hot path: preallocated buffers -------------------------------------------------
     @abstractmethod
     def send(self, items: list[tuple[np.ndarray, int]], tag: int, describe: Callable[[list[int]], str]) -> None:
         """Send each ``(buffer, destination)``; return when every send completed.
         ``describe`` gets the destinations still pending on timeout."""
+
+    @abstractmethod
+    def start_send(self, items: list[tuple[np.ndarray, int]], tag: int) -> Any:
+        """Post a send of each ``(buffer, destination)`` and return at once; the buffers must
+        not change until :meth:`finish_send` with what this returned has returned."""
+
+    @abstractmethod
+    def finish_send(self, pending: Any, describe: Callable[[list[int]], str]) -> None:
+        """Wait until the sends ``start_send`` posted completed (``describe`` as for send)."""
 
     @abstractmethod
     def recv(self, items: list[tuple[np.ndarray, int]], tag: int, describe: Callable[[list[int]], str]) -> None:

@@ -45,8 +45,8 @@ class _Mailbox:
 class LoopbackNetwork:
     """``size`` ranks of which the first ``servers`` are servers; ``channel(rank)`` is one end."""
 
-    def __init__(self, size: int, servers: int = 1, timeout: float = 5.0):
-        self.size, self.servers, self.timeout = size, servers, timeout
+    def __init__(self, size: int, servers: int = 1, timeout: float = 5.0, colocated: bool = False):
+        self.size, self.servers, self.timeout, self.colocated = size, servers, timeout, colocated
         self.boxes = [_Mailbox() for _ in range(size)]
 
     def channel(self, rank: int) -> "LoopbackChannel":
@@ -57,11 +57,18 @@ class LoopbackChannel(Channel):
     def __init__(self, network: LoopbackNetwork, rank: int):
         self.net = network
         self.rank, self.size, self.servers, self.timeout = rank, network.size, network.servers, network.timeout
+        self.colocated = network.colocated
         self.box = network.boxes[rank]
 
     def send(self, items, tag, describe) -> None:
         for buf, dest in items:
             self.net.boxes[dest].put((self.rank, tag), np.array(buf, copy=True))
+
+    def start_send(self, items, tag):
+        self.send(items, tag, None)
+
+    def finish_send(self, pending, describe) -> None:
+        pass
 
     def _recv_into(self, buf: np.ndarray, source: int, key_tag, describe) -> None:
         _, data = self.box.take_any([(source, key_tag)], self.timeout, describe)

@@ -1,7 +1,8 @@
 """Every message of one iteration, as a named layout over a preallocated numpy buffer.
 
-With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), per iteration m
-(the order is driven by :mod:`mpigrad.runtime.iteration`):
+With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated servers
+(worker rank s + 1 serving shard s, rank 0 none), per iteration m (the order is driven by
+:mod:`mpigrad.runtime.iteration`):
 
 1. ``LossReport``   worker -> rank 0, tag LOSS, float64[5]
                     (loss, compute CPU s, compute wall s, parameter CRC-32 or -1, status).
@@ -10,18 +11,24 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), per iteration m
 3. gradient frame   worker -> server s, tag GRAD, uint8: ``FrameHeader`` then one codec
                     buffer per piece of shard s (see :mod:`mpigrad.runtime.layout`).
                     A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
-4. ``FrameLength``  server s -> its broadcast group (rank 0 and the workers), int64[1],
+4. ``FrameLength``  server s -> its broadcast group (the workers, and rank 0 unless
+                    colocated), int64[1],
    then the frame  the averaged, re-encoded gradient of shard s, same layout as 3.
-5. ``ServerReport`` server s > 0 -> rank 0, tag REPORT, float64[3 + P + L]
-                    (bytes broadcast, decode CPU s, encode CPU s, each worker's frame bytes,
-                    ||g||^2 of each quantized layer's part in shard s, g the workers' average).
-6. average          server s > 0 -> rank 0, tag AVERAGE, float32: the workers' average of
+5. ``ServerReport`` server s (not rank 0) -> rank 0, tag REPORT, float64[4 + P + 2L]
+                    (bytes broadcast, decode CPU s, encode CPU s, the slowest worker's encode
+                    s, each worker's frame bytes, ||g||^2 of each quantized layer's part in
+                    shard s, g the workers' average, and ||Q(g)||^2 of the decoded broadcast).
+6. average          server s (not rank 0) -> rank 0, tag AVERAGE, float32: the workers' average of
                     shard s's quantized pieces, in piece order, before the re-encode; sent
                     only when the policy observes gradients (``Policy.uses_gradients``).
 7. ``BufferStats``  only after an iteration that evaluates, checkpoints or ends, and only for a
                     model with buffers (BatchNorm statistics): worker -> rank 0, tag BUFFERS,
                     float64[B] (every buffer, flattened in model order); then rank 0 -> every
                     rank, broadcast on the world, float64[B]: the workers' average.
+
+9. parameters      colocated servers only, after the same iterations as 7: the first
+                    worker -> rank 0, tag PARAMS, float32[N]: its flat parameters (rank 0
+                    takes part in no gradient broadcast, so holds them only from here).
 
 Outside the iteration's order:
 
@@ -52,6 +59,7 @@ TAG_AVERAGE = 14
 TAG_BUFFERS = 15
 TAG_ERROR = 16
 TAG_OBJECT = 17  # the set-up and checkpoint plane: one pickled object per message (wire/mpi.py)
+TAG_PARAMS = 18  # message 9
 
 # Control commands.
 CONTINUE = 1
@@ -222,36 +230,45 @@ class FrameLength:
 
 @dataclass
 class ServerReport:
-    """Message 5: float64[FIXED + P + L], what server s > 0 did this iteration (for the
+    """Message 5: float64[FIXED + P + 2L], what a shard's server did this iteration (for the
     record): its broadcast bytes (length message included), decode and encode CPU seconds,
-    the byte size of each worker's frame it received, then ||g||^2 (g the workers' average)
-    over its pieces of each quantized layer (0 for a layer it holds none of)."""
+    the slowest worker's encode seconds (from the frame headers), the byte size of each
+    worker's frame it received, then ||g||^2 (g the workers' average) and ||Q(g)||^2 (Q(g)
+    the decoded broadcast; 0 where the server does not decode its own broadcast) over its
+    pieces of each quantized layer (0 for a layer it holds none of)."""
 
     bytes_out: float
     t_decode: float
     t_encode: float
+    worker_encode: float
     sizes: list
     energies: list
+    update_energies: list
 
-    FIXED = 3
+    FIXED = 4
 
     @staticmethod
     def buffer(workers: int, layers: int, rows: int | None = None) -> np.ndarray:
-        width = ServerReport.FIXED + workers + layers
+        width = ServerReport.FIXED + workers + 2 * layers
         return np.zeros(width if rows is None else (rows, width), np.float64)
 
     def pack(self, buf: np.ndarray) -> np.ndarray:
         workers_end = self.FIXED + len(self.sizes)
-        buf[:self.FIXED] = (self.bytes_out, self.t_decode, self.t_encode)
+        layers_end = workers_end + len(self.energies)
+        buf[:self.FIXED] = (self.bytes_out, self.t_decode, self.t_encode, self.worker_encode)
         buf[self.FIXED:workers_end] = self.sizes
-        buf[workers_end:] = self.energies
+        buf[workers_end:layers_end] = self.energies
+        buf[layers_end:] = self.update_energies
         return buf
 
     @classmethod
     def unpack(cls, buf: np.ndarray, workers: int) -> "ServerReport":
         workers_end = cls.FIXED + workers
-        return cls(float(buf[0]), float(buf[1]), float(buf[2]), [int(n) for n in buf[cls.FIXED:workers_end]],
-                   [float(e) for e in buf[workers_end:]])
+        layers = (buf.size - workers_end) // 2
+        return cls(float(buf[0]), float(buf[1]), float(buf[2]), float(buf[3]),
+                   [int(n) for n in buf[cls.FIXED:workers_end]],
+                   [float(e) for e in buf[workers_end:workers_end + layers]],
+                   [float(e) for e in buf[workers_end + layers:]])
 
 
 class BufferStats:

@@ -44,16 +44,16 @@ def barrier(comm: MPI.Comm, timeout: float, what: str) -> None:
     _wait_all([comm.Ibarrier()], [None], timeout, lambda pending: what)
 
 
-def check_error_reports(comm: MPI.Comm, servers: int) -> None:
-    """Rank 0: PeerFailed naming the rank, its iteration and its error when a peer sent an
-    error report (message 8); nothing otherwise."""
+def check_error_reports(comm: MPI.Comm, role_of: Callable[[int], str]) -> None:
+    """Rank 0: PeerFailed naming the rank (``role_of(rank)``: "worker", "server"), its
+    iteration and its error when a peer sent an error report (message 8); nothing otherwise."""
     status = MPI.Status()
     if not comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ERROR, status=status):
         return
     source = status.Get_source()
     buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
     comm.Recv([buf, MPI.BYTE], source=source, tag=TAG_ERROR)
-    role = "server" if source < servers else "worker"
+    role = role_of(source)
     try:
         report = ErrorReport.unpack(buf)
     except FrameError as exc:
@@ -63,15 +63,16 @@ def check_error_reports(comm: MPI.Comm, servers: int) -> None:
 
 
 class MpiChannel(Channel):
-    def __init__(self, comm: MPI.Comm, servers: int, timeout: float):
+    def __init__(self, comm: MPI.Comm, servers: int, timeout: float, colocated: bool = False):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.servers = servers
+        self.colocated = colocated
         self.timeout = timeout
-        self._poll = (lambda: check_error_reports(comm, servers)) if self.rank == 0 else None
+        self._poll = (lambda: check_error_reports(comm, self.role_of)) if self.rank == 0 else None
         self._groups: dict[Any, MPI.Comm] = {WORLD: comm}
-        if servers == 1:
+        if servers == 1 and not colocated:
             self._groups[0] = comm
         else:
             world_group = comm.Get_group()
@@ -82,8 +83,14 @@ class MpiChannel(Channel):
             world_group.Free()
 
     def send(self, items, tag, describe) -> None:
-        requests = [self.comm.Isend(buf, dest=dest, tag=tag) for buf, dest in items]
-        _wait_all(requests, [dest for _, dest in items], self.timeout, describe, self._poll)
+        self.finish_send(self.start_send(items, tag), describe)
+
+    def start_send(self, items, tag):
+        return [self.comm.Isend(buf, dest=dest, tag=tag) for buf, dest in items], [dest for _, dest in items]
+
+    def finish_send(self, pending, describe) -> None:
+        requests, destinations = pending
+        _wait_all(requests, destinations, self.timeout, describe, self._poll)
 
     def recv(self, items, tag, describe) -> None:
         requests = [self.comm.Irecv(buf, source=source, tag=tag) for buf, source in items]
