@@ -393,3 +393,24 @@ def test_a_checkpoint_from_before_link_bandwidth_is_resumed_by_a_run_without_it(
     assert checkpoint.identity(config, 3) == checkpoint.identity(before, 3)
     slow = {**config, "link_bandwidth": {"1": "1MB/s"}}
     assert checkpoint.identity(slow, 3) != checkpoint.identity(before, 3)
+
+
+@pytest.mark.mpi
+def test_colocated_servers_on_a_schedule_and_a_slow_link_retime_to_the_same_clock(tmp_path, mpi_env, capsys):
+    """--servers colocated (each worker serves a shard), worker rank 2's link slow on a
+    schedule: the run equals a constant run re-timed to that network, bit for bit."""
+    network = ["--bandwidth", "2MB/s@0s,20MB/s@0.2s", "--link-bandwidth", "2=1MB/s@0s,5MB/s@0.4s"]
+    traces = {}
+    for name, extra in {"scheduled": network, "constant": ["--bandwidth", "10MB/s"]}.items():
+        traces[name] = tmp_path / f"{name}.h5"
+        result = run_mpi(3, ["train", "--trace", str(traces[name]), *FIX2, "--servers", "colocated", *extra], mpi_env)
+        assert result.returncode == 0, result.stderr
+    out = tmp_path / "retimed.h5"
+    assert main(["trace", "retime", str(traces["constant"]), *network, "-o", str(out)]) == 0, capsys.readouterr().err
+    retimed, target = load(out), load(traces["scheduled"])
+    for table, column in (("steps", "sim_time"), ("steps", "t_comm"), ("eval", "sim_time")):
+        np.testing.assert_array_equal(retimed.array(table, column), target.array(table, column),
+                                      err_msg=f"{table}.{column}")
+    assert target.config["link_bandwidth"] == {"2": "1MB/s@0s,5MB/s@0.4s"}
+    per_byte = target.steps["t_comm"] / (target.steps["bytes_up"] + target.steps["bytes_down"])
+    assert per_byte.iloc[0] > 3 * per_byte.iloc[-1]
