@@ -37,6 +37,9 @@ from .labels import flat_config
 
 __all__ = ["retime"]
 
+#: The config keys of a run's network (``link_bandwidth`` recorded where it is set).
+NETWORK_KEYS = ("bandwidth", "latency", "broadcast", "link_bandwidth")
+
 
 def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float | str,
            latency: float | str | None = None, broadcast: str | None = None,
@@ -90,8 +93,7 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     if links or "link_bandwidth" in config:
         new_config["link_bandwidth"] = links
     attrs = {**raw.attrs, "config": new_config, "retimed_from": str(source),
-             "retimed_from_network": {key: config[key] for key in ("bandwidth", "latency", "broadcast", "link_bandwidth")
-                                      if config.get(key) != {} and key in config},
+             "retimed_from_network": {key: config[key] for key in NETWORK_KEYS if key in config and config[key] != {}},
              "retimed_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     write_closed(output, raw.specs, arrays, attrs)
     return (f"wrote {output}: {len(sim_time)} iterations re-timed from {_network(config)} to {_network(new_config)}: "

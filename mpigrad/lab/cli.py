@@ -148,8 +148,9 @@ def _run_in_lab(lab: Lab, rates: dict[int, object], latency: float, events: list
         links.set_rate(index, rate.at(0.0))
     for node in topology.node_list:
         follows = "" if rates[node.index].constant else ", then on a schedule from the command's start"
+        delay = f", +{latency * 1e3:g} ms" if latency else ""
         log(f"lab: node {node.index}: namespace {node.namespace}, {node.address} on lab0, "
-            f"{rates[node.index].at(0.0) / 1e6:g} MB/s each way{follows}" + (f", +{latency * 1e3:g} ms" if latency else ""))
+            f"{rates[node.index].at(0.0) / 1e6:g} MB/s each way{follows}{delay}")
     if check != "none":
         log(summary(check_links(topology, links, check, log=log)))
     if plan is None:
