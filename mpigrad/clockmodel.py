@@ -21,7 +21,9 @@ loss gather and Control broadcast (to the P workers) are as before.
 
 Local work runs in parallel across ranks, so a modelled iteration charges the slowest
 worker's compute and encode, then the slowest server's decode/average/encode and rank 0's
-policy time, or a fixed ``compute_time`` in their place (``iteration_seconds``).
+policy time, or a fixed ``compute_time`` in place of the compute plus the cost model's
+charge for the policy, encoding, decoding and averaging (:mod:`mpigrad.costmodel`) in place of the
+rest (``iteration_seconds``).
 
 Networks that change (``--bandwidth 10MB/s@0s,1GB/s@60s``, ``markov:...``,
 ``--link-bandwidth RANK=...``): a :class:`Network` of schedules on the simulated clock. A
@@ -487,9 +489,11 @@ class IterationTraffic:
 
 
 def iteration_seconds(t_comm: float, compute_time: float | None, t_compute: float, t_encode: float,
-                      t_decode: float, t_policy: float) -> float:
+                      t_decode: float, t_policy: float, t_local: float = 0.0) -> float:
     """Simulated seconds of one modelled iteration: a fixed ``compute_time`` (deterministic
-    runs) or the measured local work, plus its communication."""
+    runs) plus ``t_local``, the cost model's policy, encode, decode and average
+    (:mod:`mpigrad.costmodel`; 0 with ``--cost-model none``), or the measured local work,
+    plus its communication."""
     if compute_time is not None:
-        return compute_time + t_comm
+        return compute_time + t_local + t_comm
     return t_compute + t_encode + t_decode + t_policy + t_comm

@@ -65,6 +65,10 @@ class RunConfig:
     broadcast: str = "star"
     broadcast_codec: str = "paper"
     compute_time: float | None = None
+    #: With compute_time: the cost model of local work (policy, encode, decode, average) charged on
+    #: the simulated clock: "default" (the package's, mpigrad/cost_model.json), "none" or a
+    #: JSON file written by ``mpigrad bench calibrate`` (mpigrad.costmodel).
+    cost_model: str = "default"
     seed: int = 0
     trace: str = "mpigrad-trace.h5"
     force: bool = False
@@ -219,6 +223,7 @@ class RunConfig:
             (self.broadcast in BROADCASTS, f"broadcast must be one of {', '.join(BROADCASTS)}"),
             (bool(self.broadcast_codec), "broadcast_codec must not be empty"),
             (self.compute_time is None or self.compute_time >= 0, "compute_time must be >= 0"),
+            (bool(self.cost_model), "cost_model must be default, none or a cost model file"),
             (0 <= self.seed < 2**63, "seed must be a non-negative integer"),
             (self.trace_flush >= 1, "trace_flush must be at least 1"),
             (self.eval_every >= 0, "eval_every must be >= 0 (0 disables evaluation)"),

@@ -38,8 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import SMALL_RUN, assert_same_trace, run_mpi  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference_traces.json"
+#: ``--cost-model none``: the references were recorded on the clock before issue 24 charged
+#: local work by a cost model, one of them on a machine not recorded, which cannot be
+#: recorded again; the cost model's charge is tested in tests/test_cost_model.py (its sum,
+#: exact, on top of this clock).
 COMMON = [*SMALL_RUN, "--iterations", "13", "--net-mode", "virtual", "--compute-time", "20ms",
-          "--checksum-every", "4", "--latency", "1ms", "--eval-every", "6"]
+          "--checksum-every", "4", "--latency", "1ms", "--eval-every", "6", "--cost-model", "none"]
 CASES = {
     "uniform-fixed-2": (3, ["--policy", "fixed", "--bits", "2", "--seed", "11"]),
     "mqgrad-3-workers": (4, ["--policy", "mqgrad", "--bits", "2", "--seed", "12"]),

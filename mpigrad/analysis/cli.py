@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     retime.add_argument("--link-bandwidth", action="append", metavar="RANK=RATE|SCHEDULE",
                         help="rank RANK's link at its own rate or schedule, repeatable (default: the run's)")
     retime.add_argument("--broadcast", choices=BROADCASTS, help="broadcast shape (default: the run's)")
+    retime.add_argument("--cost-model", metavar="none|default|FILE",
+                        help="charge the run's local work (a --compute-time run's policy, encode, decode, average) "
+                             "by this cost model instead of the one the run recorded; none: charge none")
     retime.add_argument("-o", "--output", required=True, metavar="OUT", help="the re-timed trace (.h5)")
     retime.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
@@ -246,7 +249,7 @@ def _retime(args: argparse.Namespace) -> int:
     latency = None if args.latency is None else parse_latency(args.latency)
     links = None if args.link_bandwidth is None else parse_link_bandwidth(args.link_bandwidth)
     print(retime(args.file, args.output, bandwidth=parse_bandwidth(args.bandwidth), latency=latency,
-                 broadcast=args.broadcast, link_bandwidth=links, force=args.force))
+                 broadcast=args.broadcast, link_bandwidth=links, force=args.force, cost_model=args.cost_model))
     return 0
 
 

@@ -4,7 +4,9 @@ Every iteration's charge is a function of its messages' bytes and its local cost
 (:mod:`mpigrad.clockmodel`), and a trace records both: each server's frames from each worker
 (``servers/frame_bytes``; with one server, ``workers/bytes_sent``) and its broadcast
 (``servers/bytes_out``); the loss report's and the Control's sizes follow from
-``steps/bytes_up`` and ``bytes_down``; the local work is ``compute_time`` or
+``steps/bytes_up`` and ``bytes_down``; the local work is ``compute_time`` plus the cost
+model's charge (the root attributes ``cost_model`` and ``local_work`` the run recorded, at
+each iteration's ``steps/bits_layers``; ``cost_model`` another model's, ``"none"`` none), or
 ``steps/t_compute + t_encode + t_decode + t_policy``. The re-timed trace keeps every other
 column (losses, accuracies, bits, bytes, wall times) and re-charges ``steps/t_comm``,
 ``steps/sim_time`` and ``eval/sim_time`` with the same code the runtime charged them with.
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
+from ..costmodel import CostModel, CostModelError, LocalWork, resolve
 from ..config import BROADCASTS, COLOCATED, format_network_value, network_from
 from ..errors import UsageError
 from ..policies import PolicyError, policy_class
@@ -43,12 +46,14 @@ NETWORK_KEYS = ("bandwidth", "latency", "broadcast", "link_bandwidth")
 
 def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float | str,
            latency: float | str | None = None, broadcast: str | None = None,
-           link_bandwidth: dict[str, float | str] | None = None, force: bool = False) -> str:
+           link_bandwidth: dict[str, float | str] | None = None, force: bool = False,
+           cost_model: str | None = None) -> str:
     """Write ``output``: the trace ``source`` re-charged at ``bandwidth`` (bytes/s, or a
     schedule as ``config.parse_bandwidth`` keeps it), ``latency`` (s or a schedule; default
     the run's), ``broadcast`` (default the run's) and ``link_bandwidth`` (rank -> rate or
-    schedule; default the run's); return a one-line summary. TraceError (one line) for a
-    trace that cannot be re-timed or an output that may not be written."""
+    schedule; default the run's), its local work by the cost model it recorded
+    (``cost_model``: ``"none"``, ``"default"`` or a file instead); return a one-line summary.
+    TraceError (one line) for a trace that cannot be re-timed or an output that may not be written."""
     source, output = Path(source), Path(output)
     if not isinstance(bandwidth, str) and not (bandwidth > 0 and math.isfinite(bandwidth)):
         raise TraceError(f"bandwidth must be positive, got {bandwidth!r} bytes/s")
@@ -76,13 +81,21 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     steps = arrays["steps"]
     traffic = _recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED)
     compute_time = config.get("compute_time")
+    local = _local_costs(source, raw.attrs, compute_time, cost_model)
+    local_memo: dict[tuple[int, ...], float] = {}
     t_comm = np.empty(len(traffic))
     sim_time = np.empty(len(traffic))
     sim = 0.0
     for row, iteration_traffic in enumerate(traffic):
         t_comm[row] = link.comm_seconds(iteration_traffic, comm_start(sim, compute_time, steps["t_compute"][row]))
+        t_local = 0.0
+        if local:
+            bits = tuple(int(b) for b in steps["bits_layers"][row])
+            if bits not in local_memo:
+                local_memo[bits] = local[1].seconds(local[0], bits)
+            t_local = local_memo[bits]
         sim += iteration_seconds(t_comm[row], compute_time, steps["t_compute"][row], steps["t_encode"][row],
-                                 steps["t_decode"][row], steps["t_policy"][row])
+                                 steps["t_decode"][row], steps["t_policy"][row], t_local)
         sim_time[row] = sim
     old_end = float(steps["sim_time"][-1])
     steps["t_comm"], steps["sim_time"] = t_comm, sim_time
@@ -93,11 +106,38 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     if links or "link_bandwidth" in config:
         new_config["link_bandwidth"] = links
     attrs = {**raw.attrs, "config": new_config, "retimed_from": str(source),
+             "cost_model": local[0].to_dict() if local else None,
+             "local_work": local[1].to_dict() if local else raw.attrs.get("local_work"),
              "retimed_from_network": {key: config[key] for key in NETWORK_KEYS if key in config and config[key] != {}},
              "retimed_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     write_closed(output, raw.specs, arrays, attrs)
     return (f"wrote {output}: {len(sim_time)} iterations re-timed from {_network(config)} to {_network(new_config)}: "
             f"{old_end:.1f} s -> {sim:.1f} s simulated")
+
+
+def _local_costs(path: Path, attrs: dict, compute_time, choice: str | None) -> tuple[CostModel, LocalWork] | None:
+    """(model, work) that charge the trace's local work, None for none: the recorded model
+    (``choice`` None), none, or the model ``choice`` names, at the recorded ``local_work``."""
+    if compute_time is None:
+        if choice not in (None, "none"):
+            raise TraceError(f"{path}: its local work was measured (no compute_time), no cost model to replace")
+        return None
+    try:
+        if choice is None:
+            recorded = attrs.get("cost_model")
+            model = None if recorded is None else CostModel.from_dict(recorded, source=f"recorded in {path}")
+        else:
+            model = resolve(choice)
+        if model is None:
+            return None
+        if attrs.get("local_work") is None:
+            raise TraceError(f"{path}: the trace records no local_work (a run before issue 24, or with "
+                             "--cost-model none), so a cost model has nothing to charge")
+        work = LocalWork.from_dict(attrs["local_work"])
+        work.check(model)
+    except CostModelError as exc:
+        raise TraceError(f"{path}: {exc}") from None
+    return model, work
 
 
 def _network(config: dict) -> str:

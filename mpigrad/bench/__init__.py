@@ -3,7 +3,8 @@
 Each module exposes ``add_arguments(parser)`` and ``run(args) -> int``; only the chosen
 bench's module is run. ``codecs`` times every codec's encode/decode, ``iteration`` whole
 training iterations, ``trace`` the trace writer alone, ``peers`` torch DDP (uncompressed,
-fp16 and PowerSGD hooks) beside mpigrad on the same task.
+fp16 and PowerSGD hooks) beside mpigrad on the same task, ``calibrate`` the cost model of
+local work (:mod:`mpigrad.costmodel`) that deterministic runs charge.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ SUBCOMMANDS = {
     "iteration": ("mpigrad.bench.iteration", "time per training iteration and codec/policy/trace overhead"),
     "trace": ("mpigrad.bench.trace", "rank 0's trace-writer CPU time per iteration and at close"),
     "peers": ("mpigrad.bench.peers", "torch DDP (fp32, fp16 hook, PowerSGD) beside mpigrad on one config's task"),
+    "calibrate": ("mpigrad.bench.calibrate", "measure the cost model of policy/encode/decode/average "
+                  "that --compute-time runs charge (-o FILE, JSON)"),
 }
 
 

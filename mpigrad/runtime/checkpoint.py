@@ -41,7 +41,8 @@ class DamagedCheckpoint(ValueError):
 #: Options added since checkpoints were first written, left out of the identity at these
 #: values (their default, the behaviour before they existed): a checkpoint written before an
 #: option existed is resumed by a run that leaves it unset.
-ADDED_AT_DEFAULT = {"link_bandwidth": {}}
+#: (cost_model "none" is the clock of the configs written before --cost-model existed.)
+ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none"}
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:

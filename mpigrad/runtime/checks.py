@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from ..codecs import Codec, CodecError, get_codec
 from ..config import RunConfig
+from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
 from ..policies import PolicyError, get_policy
 
-__all__ = ["check_options", "check_device", "base_codec", "broadcast_codec"]
+__all__ = ["check_options", "check_device", "base_codec", "broadcast_codec", "cost_model"]
 
 
 def base_codec(config: RunConfig) -> Codec:
@@ -34,6 +35,26 @@ def broadcast_codec(config: RunConfig) -> tuple[Codec, int | None]:
     except ValueError as exc:
         raise UsageError(f"--broadcast-codec {config.broadcast_codec}: {exc}") from None
     return codec, bits
+
+
+def cost_model(config: RunConfig) -> CostModel | None:
+    """The cost model the run charges local work with: None unless ``compute_time`` is fixed
+    on a modelled network and ``cost_model`` is not ``none``. UsageError (one line) for a
+    model that cannot be read, lacks the run's codecs, or is given without ``compute_time``."""
+    explicit = config.cost_model not in ("default", "none")
+    if config.compute_time is None or config.net_mode == "off":
+        if explicit:
+            raise UsageError(f"--cost-model {config.cost_model}: a cost model is charged only with "
+                             "--compute-time on a modelled network (without it local work is measured)")
+        return None
+    try:
+        model = resolve(config.cost_model)
+        if model is not None:
+            for codec in (config.codec, broadcast_codec(config)[0].codec_id):
+                model.check_codec(codec)
+    except CostModelError as exc:
+        raise UsageError(str(exc)) from None
+    return model
 
 
 def check_device(name: str) -> None:
@@ -73,4 +94,5 @@ def check_options(config: RunConfig) -> None:
             policy.check_codec(down)
     except (CodecError, PolicyError) as exc:
         raise UsageError(str(exc)) from None
+    cost_model(config)
     check_device(config.device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
+from ..costmodel import CostModel, LocalWork
 
 __all__ = ["Clocks", "IterationClock", "IterationTraffic", "LinkModel"]
 
@@ -48,13 +49,20 @@ class IterationClock:
     ``cpu_clock``: compute time on the simulated clock is CPU time when ranks compute on one
     CPU thread (oversubscribed ranks then do not inflate it), wall time otherwise (CPU time
     adds up threads and misses GPU kernels). ``compute_time`` (seconds or None) replaces
-    measured local work by a fixed figure, for deterministic traces.
+    measured local work by a fixed figure, for deterministic traces; with it, ``cost_model``
+    (a :class:`~mpigrad.costmodel.CostModel` or None) charges ``local_work``'s encode,
+    decode and average at each iteration's bits.
     """
 
     def __init__(self, link: LinkModel, workers: int, servers: int, cpu_clock: bool,
-                 compute_time: float | None, clocks: Clocks | None = None, colocated: bool = False):
+                 compute_time: float | None, clocks: Clocks | None = None, *, colocated: bool = False,
+                 cost_model: CostModel | None = None, local_work: LocalWork | None = None):
         self.link, self.workers, self.servers, self.colocated = link, workers, servers, colocated
         self.cpu_clock, self.compute_time = cpu_clock, compute_time
+        charged = compute_time is not None and link.modelled and cost_model is not None
+        #: (model, work) when the cost model charges local work, else None.
+        self.local_costs = (cost_model, local_work) if charged else None
+        self._local_memo: dict[tuple[int, ...], float] = {}
         self.clocks = clocks or Clocks()
         self.t_comm = 0.0
         self.wall_start = 0.0
@@ -88,9 +96,21 @@ class IterationClock:
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall
 
+    def local_seconds(self, bits) -> float:
+        """The cost model's charge for this iteration's local work at ``bits`` (0 without one)."""
+        if self.local_costs is None:
+            return 0.0
+        key = tuple(int(b) for b in bits)
+        seconds = self._local_memo.get(key)
+        if seconds is None:  # a pure function of the bits: evaluated once per choice (~30 us)
+            model, work = self.local_costs
+            seconds = self._local_memo[key] = work.seconds(model, key)
+        return seconds
+
     def finish(self, t_compute: float, compute_wall: float, t_encode: float, t_decode: float,
-               t_policy: float) -> tuple[float, float, float]:
-        """Advance the clocks; return (wall now, simulated now, t_comm of this iteration)."""
+               t_policy: float, bits=()) -> tuple[float, float, float]:
+        """Advance the clocks; return (wall now, simulated now, t_comm of this iteration).
+        ``bits``: the iteration's bits per quantized layer, for the cost model."""
         wall_now = self.clocks.now_wall()
         t_comm = self.t_comm
         if not self.link.modelled:
@@ -99,5 +119,5 @@ class IterationClock:
             self.clocks.sim = wall_now
         else:
             self.clocks.sim += iteration_seconds(t_comm, self.compute_time, t_compute, t_encode, t_decode,
-                                                 t_policy)
+                                                 t_policy, self.local_seconds(bits))
         return wall_now, self.clocks.sim, t_comm

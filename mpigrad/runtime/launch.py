@@ -86,7 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "server link; a message goes at the slower of its two ranks' links")
     g.add_argument("--net-mode", choices=["virtual", "sleep", "off"], help="virtual clock, real sleeps, or no model (default virtual)")
     g.add_argument("--broadcast", choices=["star", "tree"], help="broadcast model (default star)")
-    g.add_argument("--compute-time", help="charge this per iteration for local work instead of measured CPU time, e.g. 50ms")
+    g.add_argument("--compute-time", help="charge this per iteration for the workers' compute instead of measured "
+                   "CPU time, e.g. 50ms (deterministic runs); the policy, encoding, decoding and averaging are "
+                   "then charged by --cost-model")
+    g.add_argument("--cost-model", metavar="default|none|FILE", help="with --compute-time: the cost model of "
+                   "the policy, encode, decode and average on the simulated clock: default (the package's, measured by "
+                   "mpigrad bench calibrate on the machine it names), FILE (one written by mpigrad bench "
+                   "calibrate) or none (charge no local work, the clock before issue 24) (default default)")
     g = parser.add_argument_group("output")
     g.add_argument("--trace", metavar="PATH", help=f"HDF5 trace file (default {d.trace})")
     g.add_argument("--force", action="store_true", default=None, help="overwrite an existing trace")

@@ -20,11 +20,13 @@ import torch
 
 from ..codecs import CodecError
 from ..config import RunConfig
+from ..costmodel import CostModel, LocalWork
 from ..policies import Observation, check_decision, get_policy, policy_class
 from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
 from .buffers import BufferSync, ParameterSync, sync_due
+from .checks import cost_model
 from .clock import Clocks, IterationClock, IterationTraffic
 from .environment import threads_per_rank
 from .faults import Fault
@@ -264,7 +266,8 @@ class ParameterServer:
         link = config.link_model()
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time,
-                                    colocated=self.colocated)
+                                    colocated=self.colocated, cost_model=cost_model(config),
+                                    local_work=self._local_work())
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
         self.iteration = 0
         # Time kept in hand for the stop itself: gathering worker state and writing it.
@@ -401,7 +404,7 @@ class ParameterServer:
         t_decode = max(s.t_decode for s in servers)
         sim_before = self.clock.clocks.sim
         wall_now, sim_now, t_comm = self.clock.finish(max(compute), max(r.compute_wall for r in reports),
-                                                      t_encode, t_decode, it["t_policy"])
+                                                      t_encode, t_decode, it["t_policy"], it["bits"])
         self.last_iteration_ms = 1e3 * (sim_now - sim_before)
         frames_down = [FrameLength.NBYTES + n for n in it["frame_bytes"]]
         traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
@@ -427,6 +430,30 @@ class ParameterServer:
         return run_iteration(self, m)
 
     # ---- helpers of the phases ----------------------------------------------------------------
+    def _local_work(self) -> LocalWork:
+        """What the cost model charges per iteration: the pieces of every shard, the codecs."""
+        down, down_bits = broadcast_codec(self.config)
+        if down_bits is None and not down.takes_policy_bits:
+            down_bits = down.fixed_bits
+        elif down_bits is None and not self.codec.takes_policy_bits:
+            # The trace then records the workers' fixed bits, not the policy's: name the
+            # broadcast's width here (a policy that cannot move bits for such a codec).
+            lowest, highest = self.policy.bits_range()
+            down_bits = lowest if lowest == highest else None
+        return LocalWork(self.workers, self.codec.codec_id,
+                         None if self.codec.takes_policy_bits else self.codec.fixed_bits,
+                         down.codec_id, down_bits, self.config.error_feedback,
+                         tuple(tuple((p.layer, p.size) for p in shard.pieces) for shard in self.shards),
+                         self.config.policy)
+
+    def cost_attrs(self) -> dict:
+        """The trace's record of the local-work charge: the model and what it charges (None, None
+        when the clock charges none)."""
+        if self.clock.local_costs is None:
+            return {"cost_model": None, "local_work": None}
+        model, work = self.clock.local_costs
+        return {"cost_model": model.to_dict(), "local_work": work.to_dict()}
+
     def _broadcast_stalled(self, m: int) -> str:
         """Why rank 0's gradient broadcast of iteration m stalled. A collective does not say
         which member is missing, but a worker it reached goes on and sends its loss for
@@ -540,6 +567,7 @@ class ParameterServer:
                 "compressor": self.compressor.state_dict() if self.compressor is not None else None,
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
                 "bytes_total": self.bytes_total, "last_eval": self.last_eval,
+                "cost_model": self.cost_attrs()["cost_model"],
                 "previous_average": torch.from_numpy(self.average.copy()) if keep_update else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -552,6 +580,15 @@ class ParameterServer:
         self.last_iteration_ms = float(state["last_iteration_ms"])
         self.bytes_total = int(state["bytes_total"])
         self.last_eval = state["last_eval"]
+        recorded = state.get("cost_model")
+        if recorded is not None and self.clock.local_costs is not None:
+            # The run goes on with the model it began with (the file may have changed since).
+            model, work = self.clock.local_costs
+            if recorded != model.to_dict():
+                self.clock.local_costs = (CostModel.from_dict(recorded, source="of the checkpoint"), work)
+                self.clock._local_memo.clear()
+                self.log(f"mpigrad: the cost model {model.source} has changed since the run began; "
+                         "going on with the one it began with (from the checkpoint)")
         if state["previous_average"] is not None:
             self.average[:] = state["previous_average"].numpy()
             self.has_previous = True

@@ -170,7 +170,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
     trace = RunTrace.open(config, layout=server.replica.layout, workers=server.workers, servers=server.servers,
                           policy_columns=server.policy.record_columns(),
                           data_description=server.data_description, hosts=hosts, argv=argv,
-                          resume_at=start if config.resume else None)
+                          resume_at=start if config.resume else None, cost_attrs=server.cost_attrs())
     if not config.resume:
         describe_run(config, server, channel.size, log)
 
@@ -270,6 +270,8 @@ def describe_run(config, server, size: int, log) -> None:
     if server.servers > 1:
         log(shard_description(server.shards, server.codec, config.shard_chunk))
     log(f"network: {network_description(config)}")
+    if config.compute_time is not None and config.net_mode != "off":
+        log(f"local work: {local_work_description(config, server)}")
     log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
 
 
@@ -300,6 +302,20 @@ def network_description(config) -> str:
                     for rank, value in sorted(config.link_bandwidth.items(), key=lambda item: int(item[0])))
     return (f"{rate} per link{links}, latency {latency} per message, "
             f"{config.broadcast} broadcast, {clock}")
+
+
+def local_work_description(config, server) -> str:
+    """What a --compute-time run charges for local work, in words."""
+    compute = f"{format_duration(config.compute_time)} per iteration for compute"
+    if server.clock.local_costs is None:
+        return f"{compute}; policy, encode, decode and average not charged (--cost-model none)"
+    model, _ = server.clock.local_costs
+    name = "the package's cost model" if config.cost_model == "default" else f"cost model {config.cost_model}"
+    policy = ("policy, " if model.charges_policy(config.policy) else
+              f"(policy {config.policy!r} not in the model: not charged) ")
+    return (f"{compute}, {policy}encode, decode and average by {name} (measured on {model.machine}): "
+            f"{1e3 * server.clock.local_seconds([config.bits] * max(len(server.replica.layout.quantized), 1)):.2f} ms "
+            f"per iteration at {config.bits} bits")
 
 
 def _version() -> str:

@@ -35,7 +35,7 @@ class RunTrace:
 
     @classmethod
     def open(cls, config, *, layout, workers: int, servers: int, policy_columns, data_description: str,
-             hosts: list[str], argv: list[str], resume_at: int | None) -> "RunTrace":
+             hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None) -> "RunTrace":
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns)
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
@@ -55,6 +55,8 @@ class RunTrace:
             "dataset": data_description,
             **collect_versions(),
             **slurm_ids(os.environ),
+            # The local-work charge (ParameterServer.cost_attrs): the cost model, what it charges.
+            **(cost_attrs or {"cost_model": None, "local_work": None}),
         }
         return cls(TraceWriter(config.trace, config=config.to_dict(), attrs=attrs, tables=tables,
                                force=config.force, flush_every=config.trace_flush))
