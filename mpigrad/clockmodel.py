@@ -25,6 +25,16 @@ policy time, or a fixed ``compute_time`` in place of the compute plus the cost m
 charge for the policy, encoding, decoding and averaging (:mod:`mpigrad.costmodel`) in place of the
 rest (``iteration_seconds``).
 
+Networks that change (``--bandwidth 10MB/s@0s,1GB/s@60s``, ``markov:...``,
+``--link-bandwidth RANK=...``): a :class:`Network` of schedules on the simulated clock. A
+message sent at simulated time t pays the latency in force at t, and its bytes at the rates
+in force while they are sent, from t on (piecewise across a change); a message between two
+ranks goes at the slower of their two links. An iteration's messages are charged in phase
+order from the end of its compute (``comm_start``): the compute of the workers precedes the
+loss gather, the codecs' and the policy's work (milliseconds) is added after. Without a
+``Network`` (one constant rate and latency) nothing here looks at time, and the charges are
+those of ``latency + bytes / bandwidth`` to the last bit.
+
 The runtime (:mod:`mpigrad.runtime.clock`) charges each phase as it happens and
 ``mpigrad trace retime`` re-charges a trace's recorded bytes: both through this module,
 which imports neither MPI, torch nor Numba.
@@ -32,12 +42,231 @@ which imports neither MPI, torch nor Numba.
 
 from __future__ import annotations
 
+import bisect
 import math
+import random
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
-__all__ = ["LinkModel", "IterationTraffic", "iteration_seconds"]
+__all__ = ["LinkModel", "IterationTraffic", "iteration_seconds", "comm_start", "Constant", "Steps", "Markov",
+           "Network", "transfer_seconds"]
+
+
+# ---- schedules: a value (a rate, a latency) as a step function of simulated time -------------
+class Constant:
+    """One value for ever."""
+
+    constant = True
+
+    def __init__(self, value: float):
+        self.value = float(value)
+
+    def at(self, t: float) -> float:
+        return self.value
+
+    def next_change(self, t: float) -> float:
+        return math.inf
+
+    def segment(self, t: float) -> tuple[float, float]:
+        """(the value at t, the next change after t): ``at`` and ``next_change`` at once."""
+        return self.value, math.inf
+
+    def __repr__(self) -> str:
+        return f"Constant({self.value!r})"
+
+
+class Steps:
+    """``values[i]`` from ``times[i]`` on (``times[0] == 0``, increasing); with ``period``, the
+    whole pattern starts over every ``period`` seconds (``period > times[-1]``)."""
+
+    constant = False
+
+    def __init__(self, times: Sequence[float], values: Sequence[float], period: float | None = None):
+        self.times, self.values, self.period = tuple(map(float, times)), tuple(map(float, values)), period
+        if not self.times or self.times[0] != 0.0 or len(self.times) != len(self.values):
+            raise ValueError("a schedule needs one value per time, the first at 0")
+        if any(b <= a for a, b in zip(self.times, self.times[1:])):
+            raise ValueError("a schedule's times must increase")
+        if period is not None and not (math.isfinite(period) and period > self.times[-1]):
+            raise ValueError("a schedule's period must come after its last change")
+
+    def _base(self, k: int) -> float:
+        return k * self.period if k else 0.0
+
+    def _find(self, t: float) -> tuple[int, int]:
+        """(period k, step i) in force at t: the last change ``k * period + times[i] <= t``,
+        computed as ``next_change`` computes change times, so the two agree to the last bit."""
+        k = 0
+        if self.period is not None and t >= self.period:
+            k = math.floor(t / self.period)
+            while self._base(k) > t:
+                k -= 1
+            while self._base(k + 1) <= t:
+                k += 1
+        base = self._base(k)
+        i = max(0, bisect.bisect_right(self.times, t - base) - 1)
+        while i + 1 < len(self.times) and base + self.times[i + 1] <= t:
+            i += 1
+        while i > 0 and base + self.times[i] > t:
+            i -= 1
+        return k, i
+
+    def at(self, t: float) -> float:
+        return self.values[self._find(t)[1]]
+
+    def next_change(self, t: float) -> float:
+        return self._next(t, *self._find(t))
+
+    def segment(self, t: float) -> tuple[float, float]:
+        k, i = self._find(t)
+        return self.values[i], self._next(t, k, i)
+
+    def _next(self, t: float, k: int, i: int) -> float:
+        while True:  # the first change after t
+            i += 1
+            if i == len(self.times):
+                if self.period is None:
+                    return math.inf
+                k, i = k + 1, 0
+            change = self._base(k) + self.times[i]
+            if change > t:
+                return change
+
+    def __repr__(self) -> str:
+        return f"Steps({self.times!r}, {self.values!r}, period={self.period!r})"
+
+
+class Markov:
+    """A two-state Markov process: ``values[0]`` from time 0, then the other value, and so
+    on, each state held for an exponentially distributed time of mean ``dwell[state]``. The
+    change times are drawn from ``random.Random`` seeded by ``seed`` and ``stream`` (the
+    run's seed and which schedule this is), one after another from time 0: the same process
+    whatever order it is asked in, in every run and after a resume."""
+
+    constant = False
+
+    def __init__(self, values: Sequence[float], dwell: Sequence[float], seed: int, stream: str = "bandwidth"):
+        self.values, self.dwell = tuple(map(float, values)), tuple(map(float, dwell))
+        if len(self.values) != 2 or len(self.dwell) != 2:
+            raise ValueError("a Markov schedule has two values and two mean dwell times")
+        if not all(d > 0 and math.isfinite(d) for d in self.dwell):
+            raise ValueError("mean dwell times must be positive")
+        self.seed, self.stream = int(seed), stream
+        self._rng = random.Random(f"mpigrad-network:{stream}:{self.seed}")
+        self._changes = [0.0]   # the k-th change (k >= 1) enters state k % 2
+
+    def _extend(self, t: float) -> None:
+        changes = self._changes
+        while changes[-1] <= t:
+            state = (len(changes) - 1) % 2
+            changes.append(changes[-1] - self.dwell[state] * math.log(1.0 - self._rng.random()))
+
+    def changes(self, until: float) -> list[float]:
+        """The change times in (0, until]."""
+        self._extend(until)
+        return [c for c in self._changes[1:] if c <= until]
+
+    def at(self, t: float) -> float:
+        self._extend(t)
+        return self.values[(bisect.bisect_right(self._changes, t) - 1) % 2]
+
+    def next_change(self, t: float) -> float:
+        self._extend(t)
+        return self._changes[bisect.bisect_right(self._changes, t)]
+
+    def segment(self, t: float) -> tuple[float, float]:
+        self._extend(t)
+        k = bisect.bisect_right(self._changes, t)
+        return self.values[(k - 1) % 2], self._changes[k]
+
+    def __repr__(self) -> str:
+        return f"Markov({self.values!r}, dwell={self.dwell!r}, seed={self.seed}, stream={self.stream!r})"
+
+
+class _Slowest:
+    """The smaller of several rate schedules at each time (a path over two links)."""
+
+    constant = False
+
+    def __init__(self, schedules: Sequence):
+        self.schedules = tuple(schedules)
+
+    def at(self, t: float) -> float:
+        return min(s.at(t) for s in self.schedules)
+
+    def next_change(self, t: float) -> float:
+        return min(s.next_change(t) for s in self.schedules)
+
+    def segment(self, t: float) -> tuple[float, float]:
+        value, end = math.inf, math.inf
+        for schedule in self.schedules:
+            v, e = schedule.segment(t)
+            value, end = min(value, v), min(end, e)
+        return value, end
+
+
+def transfer_seconds(nbytes: float, start: float, rate, latency) -> float:
+    """Seconds to send ``nbytes`` from simulated time ``start``: ``latency`` in force at
+    ``start``, plus the bytes at the ``rate`` in force while they go (each part of a message
+    that crosses a change at its own rate). Constant schedules give ``latency + nbytes /
+    rate`` exactly."""
+    if rate.constant:
+        return latency.at(start) + nbytes / rate.value
+    t, left, spent = start, float(nbytes), 0.0
+    while True:
+        r, end = rate.segment(t)
+        if end == math.inf or left <= r * (end - t):
+            return latency.at(start) + (spent + left / r)
+        left -= r * (end - t)
+        spent += end - t
+        t = end
+
+
+@dataclass(frozen=True)
+class Network:
+    """Bandwidth (bytes/s) and latency (s) as schedules of simulated time: ``bandwidth`` is
+    every link's, ``links[rank]`` overrides one rank's link (a slow server link)."""
+
+    bandwidth: object
+    latency: object
+    links: Mapping[int, object] = field(default_factory=dict)
+    _paths: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def rate(self, rank: int):
+        return self.links.get(rank, self.bandwidth)
+
+    def path(self, sender: int, receiver: int):
+        """The rate schedule of a message from ``sender`` to ``receiver``: the slower link's."""
+        key = (sender, receiver)
+        path = self._paths.get(key)
+        if path is None:
+            a, b = self.rate(sender), self.rate(receiver)
+            if a is b:
+                path = a
+            elif a.constant and b.constant:
+                path = a if a.value <= b.value else b
+            else:
+                path = _Slowest((a, b))
+            self._paths[key] = path
+        return path
+
+    def transfer_seconds(self, nbytes: float, start: float, sender: int, receiver: int) -> float:
+        return transfer_seconds(nbytes, start, self.path(sender, receiver), self.latency)
+
+
+def _ranks(workers: int, servers: int, colocated: bool):
+    """(rank of worker w, rank serving shard s): servers 0..S-1 and workers S..S+P-1, or
+    colocated, worker w at rank w + 1 serving shard w."""
+    if colocated:
+        return (lambda w: w + 1), (lambda s: s + 1)
+    return (lambda w: servers + w), (lambda s: s)
+
+
+def comm_start(sim_start: float, compute_time: float | None, t_compute: float) -> float:
+    """When an iteration's first message is sent on the simulated clock: after its compute
+    (the fixed ``compute_time``, or the slowest worker's measured ``t_compute``)."""
+    return sim_start + (compute_time if compute_time is not None else t_compute)
 
 
 @dataclass(frozen=True)
@@ -46,58 +275,133 @@ class LinkModel:
     latency: float             # seconds per message
     mode: str = "virtual"      # virtual | sleep | off
     broadcast: str = "star"    # star | tree
+    #: Schedules and per-link rates (None: ``bandwidth`` and ``latency`` for every message at
+    #: any time). With one, every charge depends on when and between which ranks it is sent:
+    #: the phases take ``start`` (simulated seconds) and know the ranks (servers 0..S-1,
+    #: workers S..S+P-1).
+    network: Network | None = None
 
     def message(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth
 
-    def gather(self, sizes: Sequence[int]) -> float:
-        """Messages into one rank, serialised on its link."""
-        return sum(self.message(n) for n in sizes)
+    def transfer_seconds(self, nbytes: int, start: float = 0.0, sender: int = 0, receiver: int = 0) -> float:
+        """One message sent at simulated time ``start`` from ``sender`` to ``receiver``."""
+        if self.network is None:
+            return self.message(nbytes)
+        return self.network.transfer_seconds(nbytes, start, sender, receiver)
 
-    def bcast(self, nbytes: int, workers: int) -> float:
-        """One message to ``workers`` receivers (any ranks, despite the name)."""
+    def gather(self, sizes: Sequence[int], start: float = 0.0, receiver: int = 0,
+               senders: Sequence[int] | None = None) -> float:
+        """Messages into one rank, serialised on its link (``senders[i]`` sends ``sizes[i]``;
+        by default the receiver's link alone counts), one after another from ``start``."""
+        if self.network is None:
+            return sum(self.message(n) for n in sizes)
+        senders = [receiver] * len(sizes) if senders is None else senders
+        return self.serial([(n, sender, receiver) for sender, n in zip(senders, sizes)], start)
+
+    def serial(self, messages: Sequence[tuple[int, int, int]], start: float = 0.0) -> float:
+        """Messages ``(nbytes, sender, receiver)`` one after another from ``start`` (on one
+        rank's link: into it, or out of it)."""
+        spent = 0.0
+        for n, sender, receiver in messages:
+            spent += self.transfer_seconds(n, start + spent, sender, receiver)
+        return spent
+
+    def bcast(self, nbytes: int, workers: int, start: float = 0.0, sender: int = 0,
+              receivers: Sequence[int] | None = None) -> float:
+        """One message to ``workers`` receivers (any ranks, despite the name). With a network
+        schedule, star: a copy to each of ``receivers`` in turn; tree: each round as long as
+        the slowest copy to any of them would be at that round's start."""
+        if self.network is None:
+            if self.broadcast == "tree":
+                return math.ceil(math.log2(workers + 1)) * self.message(nbytes)
+            return workers * self.message(nbytes)
+        receivers = [sender] * workers if receivers is None else receivers
+        spent = 0.0
         if self.broadcast == "tree":
-            return math.ceil(math.log2(workers + 1)) * self.message(nbytes)
-        return workers * self.message(nbytes)
+            for _ in range(math.ceil(math.log2(workers + 1))):
+                spent += max(self.transfer_seconds(nbytes, start + spent, sender, r) for r in receivers)
+            return spent
+        for receiver in receivers:
+            spent += self.transfer_seconds(nbytes, start + spent, sender, receiver)
+        return spent
 
     # ---- the phases of an iteration (mpigrad.runtime.iteration) ------------------------
-    def losses(self, workers: int, loss_bytes: int) -> float:
+    # ``start``: the phase's first message on the simulated clock (only a network schedule
+    # looks at it); ranks: servers 0..S-1, workers S..S+P-1.
+    def losses(self, workers: int, loss_bytes: int, start: float = 0.0, servers: int = 1,
+               colocated: bool = False) -> float:
         """Rank 0 gathers one loss report from each worker."""
-        return self.gather([loss_bytes] * workers)
+        if self.network is None:
+            return self.gather([loss_bytes] * workers)
+        worker, _ = _ranks(workers, servers, colocated)
+        return self.gather([loss_bytes] * workers, start, 0, [worker(w) for w in range(workers)])
 
-    def control(self, workers: int, servers: int, control_bytes: int, colocated: bool = False) -> float:
+    def control(self, workers: int, servers: int, control_bytes: int, colocated: bool = False,
+                start: float = 0.0) -> float:
         """Rank 0 broadcasts the Control to the workers and the other servers."""
-        return self.bcast(control_bytes, workers if colocated else workers + servers - 1)
+        receivers = workers if colocated else workers + servers - 1
+        if self.network is None:
+            return self.bcast(control_bytes, receivers)
+        return self.bcast(control_bytes, receivers, start, 0, range(1, 1 + receivers))
 
-    def gradients(self, frames_in: Sequence[Sequence[int]], colocated: bool = False) -> float:
+    def gradients(self, frames_in: Sequence[Sequence[int]], colocated: bool = False, start: float = 0.0) -> float:
         """Each server gathers its shard's frames (``frames_in[s]``, in worker order); the
         slowest server ends the round. Colocated: the slowest link direction of any node."""
+        if self.network is None:
+            if not colocated:
+                return max(self.gather(sizes) for sizes in frames_in)
+            nodes = range(len(frames_in))
+            inbound = max(self.gather([frames_in[s][w] for w in nodes if w != s]) for s in nodes)
+            outbound = max(self.gather([frames_in[s][w] for s in nodes if s != w]) for w in nodes)
+            return max(inbound, outbound)
+        S = len(frames_in)
+        worker, server = _ranks(len(frames_in[0]), S, colocated)
         if not colocated:
-            return max(self.gather(sizes) for sizes in frames_in)
-        nodes = range(len(frames_in))
-        inbound = max(self.gather([frames_in[s][w] for w in nodes if w != s]) for s in nodes)
-        outbound = max(self.gather([frames_in[s][w] for s in nodes if s != w]) for w in nodes)
+            return max(self.gather(sizes, start, server(s), [worker(w) for w in range(len(sizes))])
+                       for s, sizes in enumerate(frames_in))
+        nodes = range(S)  # node s is worker s and serves shard s: rank s + 1
+        inbound = max(self.serial([(frames_in[s][w], worker(w), server(s)) for w in nodes if w != s], start)
+                      for s in nodes)
+        outbound = max(self.serial([(frames_in[s][w], worker(w), server(s)) for s in nodes if s != w], start)
+                       for w in nodes)
         return max(inbound, outbound)
 
-    def broadcasts(self, workers: int, frames_out: Sequence[int], colocated: bool = False) -> float:
+    def broadcasts(self, workers: int, frames_out: Sequence[int], colocated: bool = False,
+                   start: float = 0.0) -> float:
         """Server s broadcasts ``frames_out[s]`` bytes to the workers (and rank 0 when s > 0).
         Colocated: node s sends its shard to the P - 1 other workers while it receives theirs."""
+        if self.network is None:
+            if not colocated:
+                return max(self.bcast(n, workers + (s > 0)) for s, n in enumerate(frames_out))
+            if workers < 2:
+                return 0.0
+            outbound = max(self.bcast(n, workers - 1) for n in frames_out)
+            inbound = max(self.gather([n for t, n in enumerate(frames_out) if t != s]) for s in range(workers))
+            return max(outbound, inbound)
+        S = len(frames_out)
+        worker, server = _ranks(workers, S, colocated)
         if not colocated:
-            return max(self.bcast(n, workers + (s > 0)) for s, n in enumerate(frames_out))
+            return max(self.bcast(n, workers + (s > 0), start, server(s),
+                                  [*(worker(w) for w in range(workers)), *([0] if s else [])])
+                       for s, n in enumerate(frames_out))
         if workers < 2:
             return 0.0
-        outbound = max(self.bcast(n, workers - 1) for n in frames_out)
-        inbound = max(self.gather([n for t, n in enumerate(frames_out) if t != s]) for s in range(workers))
+        outbound = max(self.bcast(n, workers - 1, start, server(s), [worker(w) for w in range(workers) if w != s])
+                       for s, n in enumerate(frames_out))
+        inbound = max(self.serial([(n, server(t), worker(s)) for t, n in enumerate(frames_out) if t != s], start)
+                      for s in range(workers))
         return max(outbound, inbound)
 
-    def comm_seconds(self, traffic: "IterationTraffic") -> float:
-        """One iteration's modelled communication: its phases, summed in the order the
-        runtime charges them (so that the float is the runtime's to the last bit)."""
+    def comm_seconds(self, traffic: "IterationTraffic", start: float = 0.0) -> float:
+        """One iteration's modelled communication from simulated time ``start``
+        (``comm_start``): its phases, summed in the order the runtime charges them (so that
+        the float is the runtime's to the last bit), each from where the previous ended."""
         colocated = traffic.colocated
-        t_comm = self.losses(traffic.workers, traffic.loss_bytes)
-        t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated)
-        t_comm += self.gradients(traffic.frames_in, colocated)
-        t_comm += self.broadcasts(traffic.workers, traffic.frames_out, colocated)
+        t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers, colocated)
+        t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated, start=start + t_comm)
+        t_comm += self.gradients(traffic.frames_in, colocated, start=start + t_comm)
+        t_comm += self.broadcasts(traffic.workers, traffic.frames_out, colocated, start=start + t_comm)
         return t_comm
 
     # ---- how the runtime applies a phase ---------------------------------------------

@@ -22,6 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from . import options
+from .clockmodel import Constant, LinkModel, Markov, Network, Steps
 from .errors import UsageError
 
 NET_MODES = ("virtual", "sleep", "off")
@@ -57,8 +58,9 @@ class RunConfig:
                                      # "colocated": every worker serves a shard, rank 0 none
     shard_chunk: int = 0             # cut quantized layers into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
-    bandwidth: float = 10e6
-    latency: float = 0.0
+    bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
+    latency: float | str = 0.0       # s, or a schedule as written
+    link_bandwidth: dict[str, str] = field(default_factory=dict)  # rank -> its link's rate or schedule, as written
     net_mode: str = "virtual"
     broadcast: str = "star"
     broadcast_codec: str = "paper"
@@ -97,7 +99,7 @@ class RunConfig:
             if value is None:
                 continue
             value = coerce(key, value)
-            if key.endswith("_opts") and key in values:
+            if (key.endswith("_opts") or key == "link_bandwidth") and key in values:
                 values[key] = {**values[key], **value}
             else:
                 values[key] = value
@@ -161,6 +163,17 @@ class RunConfig:
                 break
         return {**config, **self.policy_opts}
 
+    def network(self) -> Network | None:
+        """The network's schedules (None: one constant rate and latency, every link)."""
+        return network_from(self.bandwidth, self.latency, self.link_bandwidth, self.seed)
+
+    def link_model(self) -> LinkModel:
+        """The clock's network model of this run."""
+        network = self.network()
+        if network is None:
+            return LinkModel(self.bandwidth, self.latency, self.net_mode, self.broadcast)
+        return LinkModel(network.bandwidth.at(0.0), network.latency.at(0.0), self.net_mode, self.broadcast, network)
+
     @property
     def checkpoint_path(self) -> Path:
         return Path(self.checkpoint) if self.checkpoint else Path(self.trace + ".ckpt")
@@ -200,9 +213,13 @@ class RunConfig:
             (self.shard_chunk >= 0, f"shard_chunk must be >= 0 (0: never cut a layer), got {self.shard_chunk}"),
             (self.error_feedback in ERROR_FEEDBACK,
              f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}"),
-            (self.bandwidth > 0 and math.isfinite(self.bandwidth), "bandwidth must be positive"),
-            (self.latency >= 0, "latency must be >= 0"),
+            (isinstance(self.bandwidth, str) or (self.bandwidth > 0 and math.isfinite(self.bandwidth)),
+             "bandwidth must be positive"),
+            (isinstance(self.latency, str) or self.latency >= 0, "latency must be >= 0"),
             (self.net_mode in NET_MODES, f"net_mode must be one of {', '.join(NET_MODES)}"),
+            (self.net_mode != "off" or self.network() is None,
+             "a bandwidth or latency schedule or --link-bandwidth needs a modelled network (net_mode virtual "
+             "or sleep); with net_mode off nothing is charged (in the lab, give the schedule to mpigrad lab --rate)"),
             (self.broadcast in BROADCASTS, f"broadcast must be one of {', '.join(BROADCASTS)}"),
             (bool(self.broadcast_codec), "broadcast_codec must not be empty"),
             (self.compute_time is None or self.compute_time >= 0, "compute_time must be >= 0"),
@@ -315,6 +332,138 @@ def parse_duration(text: Any) -> float:
     return float(match.group(1)) * _TIME_UNITS.get(match.group(2) or "s", 1.0)
 
 
+# ---- network schedules: --bandwidth, --latency, --link-bandwidth ---------------------------
+SCHEDULE_SYNTAX = ("VALUE@TIME,VALUE@TIME,...[,repeat@PERIOD] (e.g. 10MB/s@0s,1GB/s@60s,10MB/s@120s) or "
+                   "markov:VALUE,VALUE,dwell=MEAN,MEAN (e.g. markov:10MB/s,1GB/s,dwell=30s,60s)")
+
+
+def is_schedule(text: Any) -> bool:
+    """Whether ``text`` is a schedule rather than one value (it has ``@`` or ``,``, or is
+    ``markov:...``)."""
+    return isinstance(text, str) and ("@" in text or "," in text or text.strip().startswith("markov:"))
+
+
+def parse_schedule(text: Any, what: str = "bandwidth", seed: int = 0, stream: str | None = None):
+    """A schedule of ``what`` (``bandwidth``: rates as ``parse_rate`` reads them, bytes/s;
+    ``latency``: durations) on the simulated clock, as a :mod:`mpigrad.clockmodel` schedule:
+
+    - ``10MB/s@0s,1GB/s@60s,10MB/s@120s``: each value from its time on (the first at 0s;
+      its ``@0s`` may be left out); a trailing ``repeat@PERIOD`` starts the pattern over
+      every PERIOD (``10MB/s,1GB/s@60s,repeat@120s``: 60 s slow, 60 s fast, and again);
+    - ``markov:10MB/s,1GB/s,dwell=30s,60s``: a two-state Markov process starting in the
+      first state, each state held for an exponential time of the given mean, drawn from
+      ``seed`` (the run's) and ``stream`` (which schedule: default ``what``);
+    - one value: a constant (a number: already in bytes/s or s, as a config holds it).
+
+    UsageError, one line, for anything else."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return Constant(text)  # a config's value already in base units (bytes/s, s)
+    raw = "".join(str(text).split())
+    value = parse_rate if what == "bandwidth" else parse_duration
+    stream = stream or what
+
+    def fail(why: str) -> UsageError:
+        return UsageError(f"cannot read {what} schedule {str(text)!r}: {why}; use {SCHEDULE_SYNTAX}")
+
+    if not is_schedule(raw):
+        return Constant(value(raw))
+    if raw.startswith("markov:"):
+        parts = raw[len("markov:"):].split(",")
+        if len(parts) != 4 or not parts[2].startswith("dwell="):
+            raise fail("a Markov schedule is markov:VALUE,VALUE,dwell=MEAN,MEAN")
+        values = [value(p) for p in parts[:2]]
+        dwell = [parse_duration(p) for p in (parts[2][len("dwell="):], parts[3])]
+        if not all(d > 0 for d in dwell):
+            raise fail("mean dwell times must be positive")
+        return Markov(values, dwell, seed, stream)
+    entries = raw.split(",")
+    period = None
+    if entries[-1].startswith("repeat@"):
+        period = parse_duration(entries.pop()[len("repeat@"):])
+        if not entries:
+            raise fail("repeat@PERIOD needs values before it")
+    times, values = [], []
+    for k, entry in enumerate(entries):
+        item, sep, at = entry.partition("@")
+        if not item or (sep and not at):
+            raise fail(f"{entry!r} is not VALUE@TIME")
+        if not sep and k:
+            raise fail(f"{entry!r} has no @TIME (only the first value may leave it out, meaning @0s)")
+        times.append(parse_duration(at) if sep else 0.0)
+        values.append(value(item))
+    if times[0] != 0:
+        raise fail("the first value must start at 0s")
+    for before, after in zip(times, times[1:]):
+        if after <= before:
+            raise fail(f"times must increase ({format_duration(after)} after {format_duration(before)})")
+    if period is not None and period <= times[-1]:
+        raise fail(f"repeat@{format_duration(period)} must come after the last change ({format_duration(times[-1])})")
+    return Steps(times, values, period)
+
+
+def _parse_value_or_schedule(text: Any, what: str) -> float | str:
+    """One value (in base units), or a schedule kept as written (spaces removed) once it parses."""
+    if is_schedule(text):
+        parse_schedule(text, what)
+        return "".join(text.split())
+    return parse_rate(text) if what == "bandwidth" else parse_duration(text)
+
+
+def parse_bandwidth(text: Any) -> float | str:
+    """``--bandwidth``: a rate (bytes/s, ``parse_rate``) or a schedule (``parse_schedule``)."""
+    return _parse_value_or_schedule(text, "bandwidth")
+
+
+def parse_latency(text: Any) -> float | str:
+    """``--latency``: a duration (s) or a schedule of durations."""
+    return _parse_value_or_schedule(text, "latency")
+
+
+def parse_link_bandwidth(value: Any) -> dict[str, float | str]:
+    """``--link-bandwidth RANK=RATE|SCHEDULE`` (repeated; a TOML table ``[link_bandwidth]``
+    of ``RANK = "..."``): rank RANK's link at its own rate or schedule, kept as written (spaces
+    removed) once it parses, keyed by the rank as a string (as JSON keeps it)."""
+    items = value.items() if isinstance(value, dict) else None
+    if items is None:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise UsageError(f"link_bandwidth must be RANK=RATE items or a table, got {value!r}")
+        items = []
+        for item in value:
+            rank, sep, spec = str(item).partition("=")
+            if not sep:
+                raise UsageError(f"--link-bandwidth {item!r}: use RANK=RATE or RANK=SCHEDULE, e.g. 0=1MB/s")
+            items.append((rank, spec))
+    links = {}
+    for rank, spec in items:
+        rank = str(rank).strip()
+        if not rank.isdigit():
+            raise UsageError(f"link_bandwidth: {rank!r} is not a rank (use RANK=RATE, e.g. 0=1MB/s)")
+        parse_bandwidth(spec)
+        links[str(int(rank))] = "".join(str(spec).split())  # as written: a rate or a schedule
+    return links
+
+
+def network_from(bandwidth: float | str, latency: float | str, link_bandwidth: dict[str, Any] | None,
+                 seed: int) -> Network | None:
+    """The schedules of a config's network (None when it is one constant rate and latency):
+    a Markov schedule draws from ``seed`` and its own stream (``bandwidth``, ``latency``,
+    ``linkR`` for rank R's link)."""
+    if not (isinstance(bandwidth, str) or isinstance(latency, str) or link_bandwidth):
+        return None
+    return Network(parse_schedule(bandwidth, "bandwidth", seed), parse_schedule(latency, "latency", seed),
+                   {int(rank): parse_schedule(spec, "bandwidth", seed, f"link{rank}")
+                    for rank, spec in (link_bandwidth or {}).items()})
+
+
+def format_network_value(value: float | str, what: str = "bandwidth") -> str:
+    """A bandwidth or latency as a user writes it: '10MB/s', '0.5ms', or the schedule's text."""
+    if isinstance(value, str):
+        return value
+    return format_rate(value, bits=False) if what == "bandwidth" else format_duration(value)
+
+
 def parse_assignments(items: list[str] | None, what: str) -> dict[str, Any] | None:
     """``--model-opt KEY=VALUE ...`` as a dict (see mpigrad.options); UsageError if malformed."""
     return options.parse_assignments(items, what, error=UsageError)
@@ -354,7 +503,8 @@ def parse_servers(value: Any) -> int | str:
     return value
 
 
-_CONVERTERS = {"servers": parse_servers, "bandwidth": parse_rate, "latency": parse_duration, "compute_time": parse_duration,
+_CONVERTERS = {"servers": parse_servers, "bandwidth": parse_bandwidth, "latency": parse_latency,
+               "link_bandwidth": parse_link_bandwidth, "compute_time": parse_duration,
                "walltime": parse_duration, "timeout": parse_duration, "checkpoint_every": parse_interval}
 
 

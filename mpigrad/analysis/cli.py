@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Callable
 
-from ..config import BROADCASTS, parse_duration, parse_rate
+from ..config import BROADCASTS, parse_bandwidth, parse_latency, parse_link_bandwidth
 from ..errors import UsageError
 from ..trace import Trace, TraceError, load
 from .tables import CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, parse_points, render
@@ -85,8 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "accuracies, bits and bytes are kept. Refused for a policy whose bits depend on the "
                     "clock (MQGrad), a run that is not complete, and a --net-mode off run.")
     retime.add_argument("file", metavar="TRACE")
-    retime.add_argument("--bandwidth", required=True, metavar="RATE", help="e.g. 100MB/s or 1Gbit/s")
-    retime.add_argument("--latency", metavar="DURATION", help="per message, e.g. 1ms (default: the run's)")
+    retime.add_argument("--bandwidth", required=True, metavar="RATE|SCHEDULE",
+                        help="e.g. 100MB/s or 1Gbit/s, or a schedule on the simulated clock as for mpigrad train: "
+                             "10MB/s@0s,1GB/s@60s[,repeat@120s] or markov:10MB/s,1GB/s,dwell=30s,60s (drawn "
+                             "from the run's seed)")
+    retime.add_argument("--latency", metavar="DURATION|SCHEDULE", help="per message, e.g. 1ms, or a schedule "
+                        "(default: the run's)")
+    retime.add_argument("--link-bandwidth", action="append", metavar="RANK=RATE|SCHEDULE",
+                        help="rank RANK's link at its own rate or schedule, repeatable (default: the run's)")
     retime.add_argument("--broadcast", choices=BROADCASTS, help="broadcast shape (default: the run's)")
     retime.add_argument("--cost-model", metavar="none|default|FILE",
                         help="charge the run's local work (a --compute-time run's policy, encode, decode, average) "
@@ -240,9 +246,10 @@ def _export(args: argparse.Namespace) -> int:
 def _retime(args: argparse.Namespace) -> int:
     from .retime import retime
 
-    latency = None if args.latency is None else parse_duration(args.latency)
-    print(retime(args.file, args.output, bandwidth=parse_rate(args.bandwidth), latency=latency,
-                 broadcast=args.broadcast, force=args.force, cost_model=args.cost_model))
+    latency = None if args.latency is None else parse_latency(args.latency)
+    links = None if args.link_bandwidth is None else parse_link_bandwidth(args.link_bandwidth)
+    print(retime(args.file, args.output, bandwidth=parse_bandwidth(args.bandwidth), latency=latency,
+                 broadcast=args.broadcast, link_bandwidth=links, force=args.force, cost_model=args.cost_model))
     return 0
 
 

@@ -169,7 +169,7 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
             row[f"acc{k}"] = float(np.mean(accuracies)) if accuracies else None
         rows.append((group, row))
     firsts = [(group.runs or group.excluded)[0].config for group, _ in rows]
-    differing = [k for k in differing_keys(firsts) if k in NETWORK_KEYS]
+    differing = [k for k in differing_keys(firsts) if k in NETWORK_KEYS or k.startswith("link_bandwidth.")]
     networks = [network_label(config, differing) for config in firsts]
     best = {}
     for (group, row), network in zip(rows, networks):
@@ -182,7 +182,8 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
     return [row for _, row in rows]
 
 
-#: Config keys of the network model: vs_best_fixed compares groups that agree on them.
+#: Config keys of the network model: vs_best_fixed compares groups that agree on them (and on
+#: ``link_bandwidth.RANK``, each rank's own link).
 NETWORK_KEYS = ("bandwidth", "latency", "net_mode", "broadcast")
 
 

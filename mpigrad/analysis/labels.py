@@ -51,7 +51,7 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-_NESTED_KEYS = frozenset({"model_opts", "data_opts", "codec_opts", "policy_opts"})
+_NESTED_KEYS = frozenset({"model_opts", "data_opts", "codec_opts", "policy_opts", "link_bandwidth"})
 
 
 @functools.cache
@@ -67,6 +67,8 @@ _UNIT_FORMATS = {"bandwidth": functools.partial(format_rate, bits=False), "laten
 
 def format_value(value: Any, key: str | None = None) -> str:
     """``value`` for a label; the value of config key ``key`` in its unit where it has one."""
+    if key is not None and key.startswith("link_bandwidth."):  # one rank's link (--link-bandwidth)
+        key = "bandwidth"
     if key in _UNIT_FORMATS and isinstance(value, (int, float)) and not isinstance(value, bool):
         return _UNIT_FORMATS[key](value)
     if isinstance(value, float):

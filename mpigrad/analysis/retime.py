@@ -10,6 +10,10 @@ each iteration's ``steps/bits_layers``; ``cost_model`` another model's, ``"none"
 ``steps/t_compute + t_encode + t_decode + t_policy``. The re-timed trace keeps every other
 column (losses, accuracies, bits, bytes, wall times) and re-charges ``steps/t_comm``,
 ``steps/sim_time`` and ``eval/sim_time`` with the same code the runtime charged them with.
+The new network may be a schedule (``--bandwidth 10MB/s@0s,1GB/s@60s``, ``markov:...``,
+``--link-bandwidth RANK=...``): each iteration's messages are then charged from the same
+simulated time the runtime would have sent them at (``clockmodel.comm_start``), and a Markov
+schedule draws from the run's seed, as a run with that network would.
 
 Refused: a trace that is not complete, one whose network was not modelled (``--net-mode
 off``), and one whose policy reads the clock (``Policy.reads_clock``: its bits, hence its
@@ -25,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..clockmodel import IterationTraffic, LinkModel, iteration_seconds
+from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
 from ..costmodel import CostModel, CostModelError, LocalWork, resolve
-from ..config import BROADCASTS, COLOCATED, format_duration, format_rate
+from ..config import BROADCASTS, COLOCATED, format_network_value, network_from
+from ..errors import UsageError
 from ..policies import PolicyError, policy_class
 from ..trace import TraceError, read_raw
 from ..trace.writer import write_closed
@@ -35,19 +40,24 @@ from .labels import flat_config
 
 __all__ = ["retime"]
 
+#: The config keys of a run's network (``link_bandwidth`` recorded where it is set).
+NETWORK_KEYS = ("bandwidth", "latency", "broadcast", "link_bandwidth")
 
-def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float,
-           latency: float | None = None, broadcast: str | None = None, force: bool = False,
+
+def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float | str,
+           latency: float | str | None = None, broadcast: str | None = None,
+           link_bandwidth: dict[str, float | str] | None = None, force: bool = False,
            cost_model: str | None = None) -> str:
-    """Write ``output``: the trace ``source`` re-charged at ``bandwidth`` (bytes/s), ``latency``
-    (s; default the run's) and ``broadcast`` (default the run's), its local work by the cost
-    model it recorded (``cost_model``: ``"none"``, ``"default"`` or a file instead); return a
-    one-line summary.
+    """Write ``output``: the trace ``source`` re-charged at ``bandwidth`` (bytes/s, or a
+    schedule as ``config.parse_bandwidth`` keeps it), ``latency`` (s or a schedule; default
+    the run's), ``broadcast`` (default the run's) and ``link_bandwidth`` (rank -> rate or
+    schedule; default the run's), its local work by the cost model it recorded
+    (``cost_model``: ``"none"``, ``"default"`` or a file instead); return a one-line summary.
     TraceError (one line) for a trace that cannot be re-timed or an output that may not be written."""
     source, output = Path(source), Path(output)
-    if not (bandwidth > 0 and math.isfinite(bandwidth)):
+    if not isinstance(bandwidth, str) and not (bandwidth > 0 and math.isfinite(bandwidth)):
         raise TraceError(f"bandwidth must be positive, got {bandwidth!r} bytes/s")
-    if latency is not None and not (latency >= 0 and math.isfinite(latency)):
+    if latency is not None and not isinstance(latency, str) and not (latency >= 0 and math.isfinite(latency)):
         raise TraceError(f"latency must be >= 0, got {latency!r} s")
     if broadcast is not None and broadcast not in BROADCASTS:
         raise TraceError(f"broadcast must be one of {', '.join(BROADCASTS)}, got {broadcast!r}")
@@ -58,8 +68,15 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     raw = read_raw(source)
     config = raw.attrs.get("config")
     _check_retimable(source, raw.attrs, config)
-    link = LinkModel(bandwidth, config["latency"] if latency is None else latency, "virtual",
-                     config["broadcast"] if broadcast is None else broadcast)
+    latency = config["latency"] if latency is None else latency
+    links = dict(config.get("link_bandwidth") or {}) if link_bandwidth is None else dict(link_bandwidth)
+    try:
+        network = network_from(bandwidth, latency, links, int(config.get("seed", 0)))
+    except UsageError as exc:
+        raise TraceError(str(exc)) from None
+    broadcast = config["broadcast"] if broadcast is None else broadcast
+    link = (LinkModel(bandwidth, latency, "virtual", broadcast) if network is None else
+            LinkModel(network.bandwidth.at(0.0), network.latency.at(0.0), "virtual", broadcast, network))
     arrays = {table: dict(columns) for table, columns in raw.arrays.items()}
     steps = arrays["steps"]
     traffic = _recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED)
@@ -70,7 +87,7 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     sim_time = np.empty(len(traffic))
     sim = 0.0
     for row, iteration_traffic in enumerate(traffic):
-        t_comm[row] = link.comm_seconds(iteration_traffic)
+        t_comm[row] = link.comm_seconds(iteration_traffic, comm_start(sim, compute_time, steps["t_compute"][row]))
         t_local = 0.0
         if local:
             bits = tuple(int(b) for b in steps["bits_layers"][row])
@@ -85,12 +102,13 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     if "eval" in arrays:
         arrays["eval"]["sim_time"] = _at_iterations(source, steps["iteration"], sim_time,
                                                     arrays["eval"]["iteration"])
-    new_config = {**config, "bandwidth": link.bandwidth, "latency": link.latency, "broadcast": link.broadcast,
-                  "retimed": True}
+    new_config = {**config, "bandwidth": bandwidth, "latency": latency, "broadcast": broadcast, "retimed": True}
+    if links or "link_bandwidth" in config:
+        new_config["link_bandwidth"] = links
     attrs = {**raw.attrs, "config": new_config, "retimed_from": str(source),
              "cost_model": local[0].to_dict() if local else None,
              "local_work": local[1].to_dict() if local else raw.attrs.get("local_work"),
-             "retimed_from_network": {key: config[key] for key in ("bandwidth", "latency", "broadcast")},
+             "retimed_from_network": {key: config[key] for key in NETWORK_KEYS if key in config and config[key] != {}},
              "retimed_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     write_closed(output, raw.specs, arrays, attrs)
     return (f"wrote {output}: {len(sim_time)} iterations re-timed from {_network(config)} to {_network(new_config)}: "
@@ -123,8 +141,10 @@ def _local_costs(path: Path, attrs: dict, compute_time, choice: str | None) -> t
 
 
 def _network(config: dict) -> str:
-    return (f"{format_rate(config['bandwidth'], bits=False)} latency {format_duration(config['latency'])} "
-            f"{config['broadcast']}")
+    links = "".join(f" rank {rank} {format_network_value(value)}"
+                    for rank, value in sorted((config.get("link_bandwidth") or {}).items(), key=lambda kv: int(kv[0])))
+    return (f"{format_network_value(config['bandwidth'])}{links} latency "
+            f"{format_network_value(config['latency'], 'latency')} {config['broadcast']}")
 
 
 def _check_retimable(path: Path, attrs: dict, config) -> None:

@@ -4,6 +4,7 @@ rate, run a command one rank per node (link events on a schedule), and remove it
     mpigrad lab --nodes 3 --rate 10MB/s                       # build, check the links, remove
     mpigrad lab --nodes 3 --rate 10MB/s -- train --iterations 50 --net-mode off
     mpigrad lab --nodes 3 --event 20s:node2:down -- train --timeout 10 ...
+    mpigrad lab --nodes 3 --rate 10MB/s@0s,100MB/s@60s,repeat@120s -- train --net-mode off ...
     mpigrad lab --nodes 2 --launch each -- python ddp_peer.py  # RANK, MASTER_ADDR, ... set
 
 Exit: the command's exit code; 2 for a usage error or a host that cannot build a lab (one
@@ -17,13 +18,13 @@ import argparse
 import signal
 import sys
 
-from ..config import parse_duration, parse_rate
+from ..config import is_schedule, parse_duration, parse_schedule
 from ..errors import UsageError
 from .host import LabError, require_lab
 from .launch import CommandRun, each_plan, expand_command, mpi_plan
 from .netns import Lab, Topology
 from .ratecheck import check_links, summary
-from .shaping import EventSchedule, LinkEvent, Links
+from .shaping import EventSchedule, LinkEvent, Links, RateSchedules
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,10 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("A command starting with 'train' runs as 'python -m mpi4py -m mpigrad train ...'. "
                      "Needs root (or a container with NET_ADMIN, or a VM): see docs/lab.rst.")
     parser.add_argument("--nodes", type=int, default=3, help="nodes, one rank each (default 3)")
-    parser.add_argument("--rate", default="10MB/s", help="every link's rate, both directions, e.g. 10MB/s, "
-                        "80Mbit/s (default 10MB/s)")
-    parser.add_argument("--node-rate", action="append", metavar="I=RATE", help="node I's link at another rate")
-    parser.add_argument("--latency", help="added one-way delay per link end, e.g. 1ms (needs netem in the kernel)")
+    parser.add_argument("--rate", default="10MB/s", metavar="RATE|SCHEDULE",
+                        help="every link's rate, both directions, e.g. 10MB/s, 80Mbit/s (default 10MB/s); or a "
+                             "schedule as mpigrad train --bandwidth takes it (10MB/s@0s,100MB/s@60s[,repeat@120s], "
+                             "markov:10MB/s,100MB/s,dwell=30s,60s), followed on the real clock from the command's "
+                             "start: tc changes the links at the scheduled times")
+    parser.add_argument("--node-rate", action="append", metavar="I=RATE|SCHEDULE",
+                        help="node I's link at another rate or schedule (node I holds rank I: as train's "
+                             "--link-bandwidth I=...)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of markov: schedules (default 0; give the train run's --seed for the same draw)")
+    parser.add_argument("--latency", help="added one-way delay per link end, e.g. 1ms (needs netem in the kernel; "
+                        "one delay, not a schedule)")
     parser.add_argument("--event", action="append", metavar="TIME:nodeI:ACTION",
                         help="at TIME after the command starts: down, up or rate=RATE, e.g. 5s:node2:down, "
                              "3s:node1:rate=1MB/s")
@@ -48,14 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run (after --)")
 
 
-def _rates(args: argparse.Namespace) -> dict[int, float]:
-    rate = parse_rate(args.rate)
+def _rates(args: argparse.Namespace) -> dict[int, object]:
+    """Each node's rate schedule (``clockmodel.Constant`` for one rate). A Markov schedule
+    draws as ``mpigrad train`` does with ``--seed``: ``--rate`` as its ``--bandwidth``,
+    ``--node-rate I=`` as its ``--link-bandwidth I=``."""
+    rate = parse_schedule(args.rate, "bandwidth", args.seed)
     rates = {i: rate for i in range(args.nodes)}
     for item in args.node_rate or []:
         index, sep, value = item.partition("=")
         if not sep or not index.strip().isdigit() or int(index) not in rates:
             raise UsageError(f"--node-rate {item!r}: use I=RATE with I a node 0..{args.nodes - 1}")
-        rates[int(index)] = parse_rate(value)
+        rates[int(index)] = parse_schedule(value, "bandwidth", args.seed, f"link{int(index)}")
     return rates
 
 
@@ -74,9 +86,19 @@ def run(args: argparse.Namespace) -> int:
     events = [LinkEvent.parse(text) for text in args.event or []]
     for event in events:
         topology.node(event.node)  # UsageError for a node the lab does not have
+    if args.latency and is_schedule(args.latency):
+        raise UsageError(f"--latency {args.latency!r}: the lab applies one delay, not a latency schedule "
+                         "(rate schedules only: --rate, --node-rate)")
     latency = parse_duration(args.latency) if args.latency else 0.0
     if events and not command:
         raise UsageError("--event needs a command to run")
+    scheduled = sorted(i for i, schedule in rates.items() if not schedule.constant)
+    if scheduled and not command:
+        raise UsageError("a rate schedule needs a command to run (it is followed from the command's start)")
+    clash = sorted({e.node for e in events if e.action == "rate" and e.node in scheduled})
+    if clash:
+        raise UsageError(f"--event rate=... on node(s) {', '.join(map(str, clash))}, whose rate follows a schedule: "
+                         "put the change in the schedule")
     support = require_lab()
     if latency and support.latency_reason:
         raise UsageError(support.latency_reason)
@@ -117,28 +139,33 @@ def _remove(lab: Lab, log, sigterm_handler) -> bool:
         signal.signal(signal.SIGTERM, sigterm_handler)
 
 
-def _run_in_lab(lab: Lab, rates: dict[int, float], latency: float, events: list[LinkEvent], plan,
+def _run_in_lab(lab: Lab, rates: dict[int, object], latency: float, events: list[LinkEvent], plan,
                 check: str, log) -> int:
     topology = lab.topology
     lab.build()
     links = Links(topology, latency)
     for index, rate in rates.items():
-        links.set_rate(index, rate)
+        links.set_rate(index, rate.at(0.0))
     for node in topology.node_list:
+        follows = "" if rates[node.index].constant else ", then on a schedule from the command's start"
+        delay = f", +{latency * 1e3:g} ms" if latency else ""
         log(f"lab: node {node.index}: namespace {node.namespace}, {node.address} on lab0, "
-            f"{rates[node.index] / 1e6:g} MB/s each way" + (f", +{latency * 1e3:g} ms" if latency else ""))
+            f"{rates[node.index].at(0.0) / 1e6:g} MB/s each way{follows}{delay}")
     if check != "none":
         log(summary(check_links(topology, links, check, log=log)))
     if plan is None:
         return 0
     schedule = EventSchedule(links, events, log=log)
+    rate_schedules = RateSchedules(links, rates, log=log)
     running = CommandRun(plan)
     schedule.start()
+    rate_schedules.start()
     try:
         result = running.wait()
     finally:
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C waits for the stop
         try:
+            rate_schedules.stop()
             schedule.stop()
             running.stop()
         finally:

@@ -1,5 +1,6 @@
-"""Link shaping: each node's link limited in both directions by tbf, and link events
-(a new rate, down, up) applied at given times during a run.
+"""Link shaping: each node's link limited in both directions by tbf, link events (a new
+rate, down, up) applied at given times during a run, and rate schedules (the schedules of
+``mpigrad train --bandwidth``, :mod:`mpigrad.clockmodel`) followed on the real clock.
 
 Node I's link is two queues: tbf on ``lab0`` inside the node (what it sends) and tbf on
 ``vI`` in the hub (what it receives). "down" takes the hub's end down: the node's frames
@@ -154,3 +155,53 @@ class EventSchedule:
             self._thread.join()
         for event in self.events[self._next:]:
             self.log(f"lab: event at {event.at:g} s ({event.describe()}) dropped: the command ended first")
+
+
+# ---- rate schedules ---------------------------------------------------------------------------
+class RateSchedules:
+    """Follows each node's rate schedule (a :mod:`mpigrad.clockmodel` schedule of bytes/s:
+    ``Steps``, ``Markov``) on the real clock from ``start()``, seconds after it as the
+    schedule's own: at each change a ``tc qdisc replace`` of the node's two ends (what
+    ``Links.set_rate`` does), from a background thread; ``stop()`` ends it. ``applied`` holds
+    (seconds after start, node, rate) of each change made, ``errors`` the failures' text.
+    A schedule with no change (``Constant``) is only the rate set when the lab is built."""
+
+    def __init__(self, links: Links, schedules: dict, log=print):
+        self.links = links
+        self.schedules = {node: s for node, s in schedules.items() if not s.constant}
+        self.log = log
+        self.applied: list[tuple[float, int, float]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lab-rate-schedules", daemon=True)
+
+    def start(self) -> "RateSchedules":
+        self.started = time.monotonic()
+        if self.schedules:
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        t = 0.0
+        while True:
+            t = min(s.next_change(t) for s in self.schedules.values())
+            if t == float("inf") or self._stop.wait(max(0.0, self.started + t - time.monotonic())):
+                return
+            for node, schedule in self.schedules.items():
+                rate = schedule.at(t)
+                if rate == self.links.rates.get(node):
+                    continue
+                try:
+                    self.links.set_rate(node, rate)
+                except LabError as exc:
+                    self.errors.append(str(exc))
+                    self.log(f"lab: schedule: node {node} rate {rate / 1e6:g} MB/s failed: {exc}")
+                    continue
+                elapsed = time.monotonic() - self.started
+                self.applied.append((elapsed, node, rate))
+                self.log(f"lab: {elapsed:.1f} s: node {node} rate {rate / 1e6:g} MB/s (schedule: {t:g} s)")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ..clockmodel import IterationTraffic, LinkModel, iteration_seconds
+from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
 from ..costmodel import CostModel, LocalWork
 
 __all__ = ["Clocks", "IterationClock", "IterationTraffic", "LinkModel"]
@@ -69,20 +69,29 @@ class IterationClock:
 
     def start(self) -> None:
         self.t_comm = 0.0
+        self.comm_start = self.clocks.sim
         self.wall_start = self.clocks.now_wall()
 
-    # Each phase charged as it ends, in the order of LinkModel.comm_seconds.
-    def losses(self, nbytes: int) -> None:
-        self.t_comm = self.link.charge(self.link.losses(self.workers, nbytes))
+    # Each phase charged as it ends, in the order of LinkModel.comm_seconds, each from where
+    # the previous one ended on the simulated clock (which only a network schedule reads).
+    def losses(self, nbytes: int, t_compute: float = 0.0) -> None:
+        """``t_compute``: the iteration's compute so far (the slowest worker's), which the
+        first message follows; ``compute_time`` replaces it when set."""
+        self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_compute)
+        self.t_comm = self.link.charge(self.link.losses(self.workers, nbytes, self.comm_start, self.servers,
+                                                        self.colocated))
 
     def control(self, nbytes: int) -> None:
-        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes, self.colocated))
+        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes, self.colocated,
+                                                          start=self.comm_start + self.t_comm))
 
     def gradients(self, sizes_per_server: list[list[int]]) -> None:
-        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server, self.colocated))
+        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server, self.colocated,
+                                                            start=self.comm_start + self.t_comm))
 
     def broadcasts(self, bytes_per_server: list[int]) -> None:
-        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server, self.colocated))
+        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server, self.colocated,
+                                                             start=self.comm_start + self.t_comm))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall

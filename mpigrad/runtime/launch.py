@@ -72,8 +72,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "into pieces quantized on their own, so that S servers can balance a model with few "
                    "big layers (changes each piece's min/max scaling; default 0: whole layers)")
     g = parser.add_argument_group("network model")
-    g.add_argument("--bandwidth", help="link bandwidth with its unit: bytes 10MB/s, 125MiB/s; bits 100Mbps, 1Gbit/s, 10Gb/s (default 10MB/s)")
-    g.add_argument("--latency", help="per-message latency, e.g. 0.5ms (default 0)")
+    g.add_argument("--bandwidth", metavar="RATE|SCHEDULE",
+                   help="link bandwidth with its unit: bytes 10MB/s, 125MiB/s; bits 100Mbps, 1Gbit/s, 10Gb/s "
+                        "(default 10MB/s); or a schedule on the simulated clock: 10MB/s@0s,1GB/s@60s,10MB/s@120s "
+                        "(each rate from its time on; a trailing ,repeat@PERIOD starts it over every PERIOD), or "
+                        "markov:10MB/s,1GB/s,dwell=30s,60s (two states, exponential dwell times of those means, "
+                        "drawn from --seed); a message crossing a change pays each part at its rate")
+    g.add_argument("--latency", metavar="DURATION|SCHEDULE",
+                   help="per-message latency, e.g. 0.5ms (default 0), or a schedule of latencies as for --bandwidth "
+                        "(0s@0s,20ms@60s or markov:0s,20ms,dwell=60s,10s)")
+    g.add_argument("--link-bandwidth", action="append", metavar="RANK=RATE|SCHEDULE",
+                   help="rank RANK's link at its own rate or schedule (repeatable), e.g. 1=1MB/s for a slow "
+                        "server link; a message goes at the slower of its two ranks' links")
     g.add_argument("--net-mode", choices=["virtual", "sleep", "off"], help="virtual clock, real sleeps, or no model (default virtual)")
     g.add_argument("--broadcast", choices=["star", "tree"], help="broadcast model (default star)")
     g.add_argument("--compute-time", help="charge this per iteration for the workers' compute instead of measured "

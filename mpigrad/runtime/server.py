@@ -27,7 +27,7 @@ from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_
                     build_replica, build_shards, load_data, release_data)
 from .buffers import BufferSync, ParameterSync, sync_due
 from .checks import cost_model
-from .clock import Clocks, IterationClock, IterationTraffic, LinkModel
+from .clock import Clocks, IterationClock, IterationTraffic
 from .environment import threads_per_rank
 from .faults import Fault
 from .iteration import FollowerRole, run_iteration
@@ -263,7 +263,7 @@ class ParameterServer:
                          for s in self.remote_shards} if self.receive_averages else {}
         self.parameter_sync = ParameterSync(self.replica, channel) if self.colocated else None
         self.buffer_sync = BufferSync(self.replica.model, channel)
-        link = LinkModel(config.bandwidth, config.latency, config.net_mode, config.broadcast)
+        link = config.link_model()
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time,
                                     colocated=self.colocated, cost_model=cost_model(config),
@@ -311,7 +311,8 @@ class ParameterServer:
         self.it["reports"] = reports
         self.it["checksums"] = self._check_replicas(m, reports)
         self.it["loss"] = float(np.mean([r.loss for r in reports]))
-        self.clock.losses(LossReport.NBYTES)
+        self.clock.losses(LossReport.NBYTES, max(self.clock.compute_seconds(r.compute_cpu, r.compute_wall)
+                                                 for r in reports))
 
     def control(self, m: int) -> None:
         start = time.process_time()

@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..codecs import get_codec
-from ..config import format_duration, format_rate
+from ..config import format_duration, format_network_value, format_rate
 from ..errors import UsageError
 from ..machine import mpi_library_version
 from ..models import check_model
@@ -49,6 +49,10 @@ def _launch_problem(config, size: int) -> str | None:
         if size < config.non_worker_ranks() + 1:
             raise UsageError(f"--servers {config.servers} needs at least {config.non_worker_ranks() + 1} MPI ranks "
                              f"(S servers and at least one worker), this run has {size}")
+        beyond = sorted(int(rank) for rank in config.link_bandwidth if int(rank) >= size)
+        if beyond:
+            raise UsageError(f"--link-bandwidth names rank(s) {', '.join(map(str, beyond))}, but this run has ranks "
+                             f"0..{size - 1}")
         dataset = load_data(config)
         model = check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
                             seed=config.seed, **config.model_opts)
@@ -291,7 +295,12 @@ def network_description(config) -> str:
     if config.net_mode == "off":
         return "not modelled (net_mode off: the simulated clock is the wall clock)"
     clock = "simulated clock" if config.net_mode == "virtual" else "real sleeps"
-    return (f"{format_rate(config.bandwidth)} per link, latency {format_duration(config.latency)} per message, "
+    rate = (f"{config.bandwidth} (schedule on the simulated clock)" if isinstance(config.bandwidth, str)
+            else format_rate(config.bandwidth))
+    latency = (f"{config.latency} (schedule)" if isinstance(config.latency, str) else format_duration(config.latency))
+    links = "".join(f", rank {rank}'s link {format_network_value(value)}"
+                    for rank, value in sorted(config.link_bandwidth.items(), key=lambda item: int(item[0])))
+    return (f"{rate} per link{links}, latency {latency} per message, "
             f"{config.broadcast} broadcast, {clock}")
 
 
