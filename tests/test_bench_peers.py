@@ -163,6 +163,9 @@ def test_lab_and_variant_refusals_are_one_line(tmp_path, capsys):
     config.write_text(TINY)
     assert cli_main(["bench", "peers", "--config", str(config), "--variants", "none", "--no-mpigrad"]) == 2
     assert "leaves nothing to run" in capsys.readouterr().err
+    assert cli_main(["bench", "peers", "--config", str(config), "--workers", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is written for 3 ranks" in err and "need 5" in err
     assert cli_main(["bench", "peers", "--config", str(config), "--lab", "10"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no unit" in err

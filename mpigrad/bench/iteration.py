@@ -5,7 +5,8 @@ default, on synthetic CIFAR-shaped data) for each P and S, then reads their trac
 
 - rank 0's wall time per iteration (median, first iterations skipped as warm-up), and its CPU
   time per iteration (mean over the run, the trace's ``rank0_cpu_seconds``): with
-  ``--servers colocated`` rank 0 is scheduler only, and this is the scheduler's own work;
+  ``--servers colocated`` rank 0 is scheduler only, and this is the scheduler's own work,
+  and how much of it went to polling while waiting (which grows with the time waited);
 - server CPU ms: the busiest server's decode + re-encode CPU time per iteration (median;
   rank 0's includes decoding every shard's broadcast), and its ratio to the S = 1 run of the
   same P when that run is in the same invocation;
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1")
     print(f"mpigrad bench iteration: {args.model} on synthetic 3x32x32; {os.cpu_count()} CPUs here; runs with more ranks than CPUs "
           "are oversubscribed (wall times then include waiting for a core)")
-    header = (f"{'P':>3} {'S':>3} {'rank0 ms/it':>12} {'rank0 CPU ms':>13} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
+    header = (f"{'P':>3} {'S':>3} {'rank0 ms/it':>12} {'rank0 CPU ms':>13} {'of it polls':>12} {'compute ms':>11} {'encode ms':>10} {'decode ms':>10} "
               f"{'server CPU ms':>14} {'x S=1':>6} {'policy ms':>10} {'trace us':>9} {'overhead wall':>14} "
               f"{'overhead sim':>13}")
     print(header)
@@ -117,6 +118,7 @@ def _row(p: int, servers: int | str, tr, warmup: int, bandwidth: str) -> dict:
         np.diff(np.concatenate([[0.0], tr.steps["wall_time"].to_numpy()]))
     trace_seconds = float(tr.attrs.get("trace_seconds", 0.0)) / max(len(tr.steps), 1)
     rank0_cpu = float(tr.attrs.get("rank0_cpu_seconds", 0.0)) / max(len(tr.steps), 1)
+    rank0_polls = float(tr.attrs.get("rank0_wait_cpu_seconds", 0.0)) / max(len(tr.steps), 1)
     codec = (steps["t_encode"] + steps["t_decode"] + steps["t_policy"]).to_numpy() + trace_seconds
     # The same work on the simulated clock: measured local work plus the modelled traffic.
     rate = parse_rate(bandwidth)
@@ -130,6 +132,7 @@ def _row(p: int, servers: int | str, tr, warmup: int, bandwidth: str) -> dict:
         "server_cpu_ms": 1e3 * float(np.median(server_cpu)),
         "rank0_ms_per_iteration": 1e3 * float(np.median(iteration)),
         "rank0_cpu_ms": 1e3 * rank0_cpu,
+        "rank0_poll_cpu_ms": 1e3 * rank0_polls,
         "compute_ms": 1e3 * float(steps["t_compute"].median()),
         "encode_ms": 1e3 * float(steps["t_encode"].median()),
         "decode_ms": 1e3 * float(steps["t_decode"].median()),
@@ -145,6 +148,7 @@ def _format(r: dict) -> str:
     ratio = f"{ratio:>6.2f}" if ratio is not None else f"{'-':>6}"
     servers = "col" if r["servers"] == COLOCATED else r["servers"]
     return (f"{r['workers']:>3} {servers:>3} {r['rank0_ms_per_iteration']:>12.1f} {r['rank0_cpu_ms']:>13.2f} "
+            f"{r['rank0_poll_cpu_ms']:>12.2f} "
             f"{r['compute_ms']:>11.1f} "
             f"{r['encode_ms']:>10.2f} {r['decode_ms']:>10.2f} {r['server_cpu_ms']:>14.2f} {ratio} "
             f"{r['policy_ms']:>10.3f} {1e3 * r['trace_ms']:>9.1f} "

@@ -382,6 +382,10 @@ def run(args: argparse.Namespace) -> int:
     workers = args.workers if args.workers is not None else (ranks - config.non_worker_ranks() if ranks else 2)
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
+    if args.mpigrad and ranks and ranks != workers + config.non_worker_ranks():
+        raise UsageError(f"{args.config} is written for {ranks} ranks (its '# ranks: {ranks}' line), but "
+                         f"{workers} workers with --servers {config.servers} need "
+                         f"{workers + config.non_worker_ranks()}: use a copy without that line, or --no-mpigrad")
     if args.warmup < 0 or args.smooth < 1:
         raise UsageError("--warmup must be >= 0 and --smooth >= 1")
     seeds = _seeds(args.seeds, config.seed)

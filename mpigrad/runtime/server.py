@@ -293,6 +293,8 @@ class ParameterServer:
         #: Rank 0's CPU time in its iterations this session (its own work: receiving, the
         #: policy, its shard with separate servers, tracing, waits' polls), evaluation excluded.
         self.iteration_cpu_seconds = 0.0
+        #: Of which polling while waiting (grows with the time waited, not with the work).
+        self.iteration_wait_cpu_seconds = 0.0
 
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------
     def begin(self, m: int) -> None:
@@ -521,10 +523,11 @@ class ParameterServer:
         config = self.config
         for m in range(start_iteration, config.iterations):
             self.iteration = m
-            cpu = time.process_time()
+            cpu, polled = time.process_time(), self.channel.wait_cpu_seconds
             record = self.step(m)
             trace.record(record)
             self.iteration_cpu_seconds += time.process_time() - cpu
+            self.iteration_wait_cpu_seconds += self.channel.wait_cpu_seconds - polled
             self.iteration = m + 1
             last = m + 1 == config.iterations
             if config.eval_every and ((m + 1) % config.eval_every == 0 or last):

@@ -199,6 +199,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
         trace.fail(str(exc) or type(exc).__name__, last_iteration=server.iteration - 1)
         raise
     trace.add_seconds("rank0_cpu_seconds", server.iteration_cpu_seconds)
+    trace.add_seconds("rank0_wait_cpu_seconds", server.iteration_wait_cpu_seconds)
     if stopped:
         trace.close("stopped")
         log(f"mpigrad: {stop.reason}: stopped after iteration {server.iteration}, checkpoint "

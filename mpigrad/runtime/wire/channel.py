@@ -85,6 +85,8 @@ class Channel(ABC):
     servers: int
     timeout: float
     colocated: bool = False
+    #: CPU seconds spent polling while waiting (the MPI channel counts them; loopback: 0).
+    wait_cpu_seconds: float = 0.0
 
     @property
     def workers(self) -> list[int]:

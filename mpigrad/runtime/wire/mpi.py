@@ -25,15 +25,20 @@ _REPORT_WAIT_SECONDS = 30.0
 
 
 def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[list], str],
-              poll: Callable[[], None] | None = None) -> None:
+              poll: Callable[[], None] | None = None) -> float:
+    """Wait for every request, sleep-polled; return the CPU seconds spent polling (after the
+    first look found some still pending)."""
     pending = set(range(len(requests)))
     backoff = Backoff(timeout, lambda: describe([keys[i] for i in sorted(pending)]))
+    started = None
     while True:
         for i in list(pending):
             if requests[i].Test():
                 pending.discard(i)
         if not pending:
-            return
+            return time.process_time() - started if started is not None else 0.0
+        if started is None:
+            started = time.process_time()
         if poll is not None:
             poll()
         backoff.sleep()
@@ -70,6 +75,8 @@ class MpiChannel(Channel):
         self.servers = servers
         self.colocated = colocated
         self.timeout = timeout
+        #: CPU seconds this rank spent polling while it waited (MPI progress, error reports).
+        self.wait_cpu_seconds = 0.0
         self._poll = (lambda: check_error_reports(comm, self.role_of)) if self.rank == 0 else None
         self._groups: dict[Any, MPI.Comm] = {WORLD: comm}
         if colocated:
@@ -92,11 +99,12 @@ class MpiChannel(Channel):
 
     def finish_send(self, pending, describe) -> None:
         requests, destinations = pending
-        _wait_all(requests, destinations, self.timeout, describe, self._poll)
+        self.wait_cpu_seconds += _wait_all(requests, destinations, self.timeout, describe, self._poll)
 
     def recv(self, items, tag, describe) -> None:
         requests = [self.comm.Irecv(buf, source=source, tag=tag) for buf, source in items]
-        _wait_all(requests, [source for _, source in items], self.timeout, describe, self._poll)
+        self.wait_cpu_seconds += _wait_all(requests, [source for _, source in items], self.timeout, describe,
+                                           self._poll)
 
     def frames(self, sources, tag, buffers, describe) -> Iterator[tuple[int, np.ndarray]]:
         waiting = set(sources)
@@ -104,9 +112,11 @@ class MpiChannel(Channel):
         backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
         while waiting:
             if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+                started = time.process_time()
                 if self._poll is not None:
                     self._poll()
                 backoff.sleep()
+                self.wait_cpu_seconds += time.process_time() - started
                 continue
             source, count = status.Get_source(), status.Get_count(MPI.BYTE)
             if buffers[source].size < count:
@@ -121,7 +131,8 @@ class MpiChannel(Channel):
 
     def broadcast(self, items, describe) -> None:
         requests = [self._groups[group].Ibcast(buf, root=0) for buf, group in items]
-        _wait_all(requests, [group for _, group in items], self.timeout, lambda pending: describe(), self._poll)
+        self.wait_cpu_seconds += _wait_all(requests, [group for _, group in items], self.timeout,
+                                           lambda pending: describe(), self._poll)
 
     # The set-up and checkpoint plane: pickled objects as point-to-point byte messages (tag
     # OBJECT), so that every wait sleep-polls, times out and names the ranks it still waits
