@@ -4,7 +4,8 @@ Each module exposes ``add_arguments(parser)`` and ``run(args) -> int``; only the
 bench's module is run. ``codecs`` times every codec's encode/decode, ``iteration`` whole
 training iterations, ``trace`` the trace writer alone, ``peers`` torch DDP (uncompressed,
 fp16 and PowerSGD hooks) beside mpigrad on the same task, ``calibrate`` the cost model of
-local work (:mod:`mpigrad.costmodel`) that deterministic runs charge.
+local work (:mod:`mpigrad.costmodel`) that deterministic runs charge, ``clock`` the simulated
+clock against the network lab.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ SUBCOMMANDS = {
     "iteration": ("mpigrad.bench.iteration", "time per training iteration and codec/policy/trace overhead"),
     "trace": ("mpigrad.bench.trace", "rank 0's trace-writer CPU time per iteration and at close"),
     "peers": ("mpigrad.bench.peers", "torch DDP (fp32, fp16 hook, PowerSGD) beside mpigrad on one config's task"),
+    "clock": ("mpigrad.bench.clock", "the simulated clock against a real rate-limited network (lab, root): "
+              "sim/real per iteration"),
     "calibrate": ("mpigrad.bench.calibrate", "measure the cost model of policy/encode/decode/average "
                   "that --compute-time runs charge (-o FILE, JSON)"),
 }

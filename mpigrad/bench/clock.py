@@ -1,0 +1,154 @@
+"""``mpigrad bench clock``: the simulated clock held against a real rate-limited network.
+
+Each configuration trains once in a network lab (``mpigrad lab``: one node per rank, every
+link tbf-limited both ways at the rate) with ``--net-mode virtual --bandwidth`` the same
+rate: the ranks' messages cross the real links, so rank 0's wall clock is the real run, while
+its simulated clock charges the modelled messages plus the measured local work (no
+``--compute-time``). Both clocks advance over the same iterations. Per configuration, over
+the iterations after ``--warmup`` (medians):
+
+- ``real s/it`` and ``sim s/it``: the wall and simulated clocks' increments, and their ratio;
+- ``local s``: the measured local work both clocks contain (slowest worker's compute, encode,
+  the slowest server's decode, the policy: ``steps`` columns);
+- ``real comm`` (real minus local) against ``sim comm`` (the modelled messages, ``t_comm``).
+
+The trace does not time the phases of communication apart (loss gather, control, gradient
+gather, broadcast), so the split is local work against communication. Needs root, as the lab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..config import COLOCATED, parse_rate, parse_servers
+from ..errors import UsageError
+
+#: ``--codecs`` items: a name, and the train options it stands for.
+CODECS = {"fp32": ["--codec", "fp32"], "uniform2": ["--codec", "uniform", "--bits", "2"],
+          "uniform4": ["--codec", "uniform", "--bits", "4"], "uniform8": ["--codec", "uniform", "--bits", "8"]}
+SHARD_CHUNK = 32768  # elements: lets several shards balance the paper CNN's two big layers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", default="2,4", help="comma-separated worker counts P (default 2,4)")
+    parser.add_argument("--servers", default="1,colocated",
+                        help="comma-separated layouts: server counts S or colocated (default 1,colocated)")
+    parser.add_argument("--codecs", default="fp32,uniform2,uniform8",
+                        help=f"comma-separated, of {', '.join(CODECS)} (default fp32,uniform2,uniform8)")
+    parser.add_argument("--broadcast", default="star", help="comma-separated broadcast models: star, tree (default star)")
+    parser.add_argument("--rates", default="10MB/s,100MB/s", help="comma-separated link rates (default 10MB/s,100MB/s)")
+    parser.add_argument("--iterations", type=int, default=15, help="iterations per run (default 15)")
+    parser.add_argument("--warmup", type=int, default=4, help="iterations left out (default 4)")
+    parser.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="'mpigrad train' options after --, e.g. -- --model-opt fc_sizes=[64,64] "
+                             "(default: the paper CNN with fc [1024, 2048] on the digits, lr 0.02)")
+
+
+def _items(text: str, option: str, parse) -> list:
+    values = [item.strip() for item in text.split(",") if item.strip()]
+    if not values:
+        raise UsageError(f"{option} lists nothing")
+    try:
+        return [parse(value) for value in values]
+    except (UsageError, ValueError) as exc:
+        raise UsageError(f"{option}: {exc}") from None
+
+
+def _codec(name: str) -> str:
+    if name not in CODECS:
+        raise UsageError(f"unknown codec {name!r}; choose from {', '.join(CODECS)}")
+    return name
+
+
+def _broadcast(name: str) -> str:
+    if name not in ("star", "tree"):
+        raise UsageError(f"broadcast must be star or tree, got {name!r}")
+    return name
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..lab.host import unavailable_reason
+
+    workers = _items(args.workers, "--workers", _count)
+    layouts = _items(args.servers, "--servers", parse_servers)
+    codecs = _items(args.codecs, "--codecs", _codec)
+    broadcasts = _items(args.broadcast, "--broadcast", _broadcast)
+    rates = _items(args.rates, "--rates", lambda text: (text, parse_rate(text)))
+    if args.iterations <= args.warmup + 1:
+        raise UsageError("--iterations must exceed --warmup by at least 2")
+    reason = unavailable_reason()
+    if reason:
+        raise UsageError(f"mpigrad bench clock needs the network lab: {reason}")
+    extra = [a for a in args.train_args if a != "--"] or ["--model-opt", "fc_sizes=[1024,2048]", "--lr", "0.02"]
+    print(f"mpigrad bench clock: simulated against real per iteration, in a network lab; {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}; train options: {' '.join(extra)}", flush=True)
+    header = (f"{'P':>3} {'S':>4} {'codec':>9} {'bcast':>5} {'rate':>8} {'real s/it':>10} {'sim s/it':>9} "
+              f"{'sim/real':>9} {'local s':>8} {'real comm':>10} {'sim comm':>9} {'comm s/r':>9}")
+    print(header, flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mpigrad-bench-clock-") as tmp:
+        for p, layout, codec, broadcast, (rate_text, _) in itertools.product(workers, layouts, codecs, broadcasts,
+                                                                            rates):
+            trace = Path(tmp) / f"run-{len(results)}.h5"
+            ranks = p + (1 if layout == COLOCATED else layout)
+            sharding = ["--servers", str(layout)] + (["--shard-chunk", str(SHARD_CHUNK)] if layout != 1 else [])
+            command = [sys.executable, "-m", "mpigrad", "lab", "--nodes", str(ranks), "--rate", rate_text,
+                       "--name", "mgbc", "--check", "none", "--", "train", "--policy", "fixed", *CODECS[codec],
+                       *sharding, "--broadcast", broadcast, "--bandwidth", rate_text, "--net-mode", "virtual",
+                       "--iterations", str(args.iterations), "--eval-every", "0", "--progress-every", "0",
+                       "--trace", str(trace), *extra]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout[-2000:] + done.stderr[-2000:], file=sys.stderr)
+                raise UsageError(f"the run P={p} S={layout} {codec} {broadcast} at {rate_text} failed "
+                                 f"(exit {done.returncode})")
+            row = dict(workers=p, servers=layout, codec=codec, broadcast=broadcast, rate=rate_text,
+                       **_clocks(trace, args.warmup))
+            results.append(row)
+            print(_format(row), flush=True)
+    within = sum(abs(r["sim_over_real"] - 1) <= 0.10 for r in results)
+    print(f"{within} of {len(results)} rows within 10 %")
+    report = {"bench": "clock", "load": os.getloadavg()[0], "train_args": extra, "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+    return 0
+
+
+def _clocks(trace: Path, warmup: int) -> dict:
+    """Medians over the steady iterations of one run's two clocks and their parts."""
+    from ..trace import load
+
+    steps = load(trace).steps
+    real = np.diff(steps["wall_time"].to_numpy(float))[warmup:]
+    sim = np.diff(steps["sim_time"].to_numpy(float))[warmup:]
+    rows = steps.iloc[warmup + 1:]
+    local = (rows["t_compute"] + rows["t_encode"] + rows["t_decode"] + rows["t_policy"]).to_numpy(float)
+    real_comm, sim_comm = real - local, rows["t_comm"].to_numpy(float)
+    med = lambda x: float(np.median(x))  # noqa: E731
+    return {"real_s": med(real), "sim_s": med(sim), "sim_over_real": med(sim / real), "local_s": med(local),
+            "real_comm_s": med(real_comm), "sim_comm_s": med(sim_comm),
+            "comm_sim_over_real": med(sim_comm / np.maximum(real_comm, 1e-9))}
+
+
+def _format(r: dict) -> str:
+    servers = "col" if r["servers"] == COLOCATED else r["servers"]
+    return (f"{r['workers']:>3} {servers:>4} {r['codec']:>9} {r['broadcast']:>5} {r['rate']:>8} {r['real_s']:>10.3f} "
+            f"{r['sim_s']:>9.3f} {r['sim_over_real']:>9.2f} {r['local_s']:>8.3f} {r['real_comm_s']:>10.3f} "
+            f"{r['sim_comm_s']:>9.3f} {r['comm_sim_over_real']:>9.2f}")

@@ -1,0 +1,43 @@
+"""``mpigrad bench clock``: the simulated clock against the network lab (root), and its refusals."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpigrad.cli import main as cli_main
+
+
+def _lab_reason():
+    from mpigrad.lab.host import unavailable_reason
+    return unavailable_reason() if sys.platform.startswith("linux") else "network namespaces need Linux"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--codecs", "fp64"], "unknown codec 'fp64'"),
+    (["--rates", "10"], "has no unit"),
+    (["--servers", "0"], "servers must be a number of server ranks"),
+    (["--broadcast", "ring"], "broadcast must be star or tree"),
+    (["--iterations", "4", "--warmup", "3"], "--iterations must exceed --warmup"),
+])
+def test_bad_options_are_one_line_and_exit_2(capsys, args, message):
+    assert cli_main(["bench", "clock", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.lab
+@pytest.mark.mpi
+@pytest.mark.skipif(_lab_reason() is not None, reason="mpigrad lab cannot run here")
+def test_a_run_in_the_lab_gives_both_clocks():
+    command = [sys.executable, "-m", "mpigrad", "bench", "clock", "--workers", "2", "--servers", "colocated",
+               "--codecs", "uniform2", "--rates", "20MB/s", "--iterations", "6", "--warmup", "2",
+               "--", "--model-opt", "fc_sizes=[64,64]"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    assert row["servers"] == "colocated" and row["rate"] == "20MB/s"
+    assert row["real_s"] > 0 and row["sim_s"] > 0 and 0 < row["local_s"] < row["real_s"]
+    # the modelled messages take real time too: a clock off by 3x either way is broken
+    assert 0.33 < row["sim_over_real"] < 3, row
