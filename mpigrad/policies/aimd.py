@@ -14,17 +14,19 @@ The rule (docs/policies.rst has the defaults and where they come from):
       network the run has measured);
     - the budget T* = c_best x the bytes of an iteration at ``max_bits`` (the first
       window's mean): what communication costs at full width on the best network seen;
-    - ratio = T / T*.
+    - ratio = T / T*, and next_ratio = ratio x B_next / B, the ratio the next width would
+      have: B the window's mean bytes per iteration, B_next the bytes of bits + ``increase``
+      interpolated linearly between (bits, B) and (max_bits, B_full).
 
     Multiplicative decrease: ratio > 1 + ``band`` (communication has grown beyond the band)
     gives bits = max(min_bits, floor(bits x ``decrease``)). Additive increase: when the
-    next width would still fit the budget, ratio x (bits + ``increase``) / bits <= 1,
+    next width would stay within half the band, next_ratio <= 1 + ``band`` / 2,
     bits = min(max_bits, bits + ``increase``). Otherwise the bits stay. After a change the
     window starts again empty, so the next evaluation sees the new width only.
 
-Hysteresis comes twice: the gap between "the next width fits" (<= 1) and "over budget"
-(> 1 + band), and the fresh window after every change. One width for every layer, as
-NetSenseML has one compression ratio for all of a model's buckets.
+Hysteresis comes twice: the gap between "the next width fits" (<= 1 + band / 2) and "over
+budget" (> 1 + band), and the fresh window after every change. One width for every layer, as
+the public NetSenseML code (asu-gkg/NetSenseML) keeps one compression ratio for all buckets.
 """
 
 from __future__ import annotations
@@ -37,14 +39,23 @@ from .base import (Observation, Policy, PolicyError, check_bits_range, check_flo
                    register_policy)
 
 
-def aimd_step(bits: int, ratio: float, *, band: float, decrease: float, increase: int,
+def aimd_step(bits: int, ratio: float, next_ratio: float, *, band: float, decrease: float, increase: int,
               min_bits: int, max_bits: int) -> int:
-    """The bits after one evaluation at ``ratio`` = communication time / budget."""
+    """The bits after one evaluation: ``ratio`` = communication time / budget now,
+    ``next_ratio`` = the same predicted at bits + increase."""
     if ratio > 1.0 + band:
         return max(min_bits, math.floor(bits * decrease))
-    if bits < max_bits and ratio * (bits + increase) / bits <= 1.0:
+    if bits < max_bits and next_ratio <= 1.0 + band / 2:
         return min(max_bits, bits + increase)
     return bits
+
+
+def next_bytes(bits: int, nbytes: float, full_bytes: float, step: int, max_bits: int) -> float:
+    """Bytes per iteration at ``bits + step`` (at most max_bits), interpolated linearly
+    between ``nbytes`` measured at ``bits`` and ``full_bytes`` measured at ``max_bits``."""
+    if bits >= max_bits:
+        return nbytes
+    return nbytes + (full_bytes - nbytes) * min(step, max_bits - bits) / (max_bits - bits)
 
 
 @register_policy
@@ -107,10 +118,11 @@ class AIMDPolicy(Policy):
         if comm_ms > 0.0:
             self._best_cost = min(self._best_cost, comm_ms / nbytes)
         budget = self._best_cost * self._full_bytes
-        mean_ms = comm_ms / self.window
+        mean_ms, mean_bytes = comm_ms / self.window, nbytes / self.window
         ratio = mean_ms / budget if math.isfinite(budget) and budget > 0.0 else 0.0
-        bits = aimd_step(self._bits, ratio, band=self.band, decrease=self.decrease, increase=self.increase,
-                         min_bits=self.min_bits, max_bits=self.max_bits)
+        grown = next_bytes(self._bits, mean_bytes, self._full_bytes, self.increase, self.max_bits)
+        bits = aimd_step(self._bits, ratio, ratio * grown / mean_bytes, band=self.band, decrease=self.decrease,
+                         increase=self.increase, min_bits=self.min_bits, max_bits=self.max_bits)
         if bits != self._bits:
             self._records.append({"iteration": m, "layer": -1, "bits": bits, "previous_bits": self._bits,
                                   "comm_ms": mean_ms, "budget_ms": budget, "ratio": ratio,
