@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from numbers import Real
 from typing import Any
 
 from .base import (Observation, Policy, PolicyError, check_bits_range, check_float, check_int,
@@ -72,9 +73,9 @@ class AIMDPolicy(Policy):
         pid = self.policy_id
         self.window = check_int(pid, "window", window, 1)
         self.band = check_float(pid, "band", band, 0.0, low_open=True)
-        self.decrease = check_float(pid, "decrease", decrease, 0.0, 1.0, low_open=True)
-        if self.decrease == 1.0:
+        if isinstance(decrease, bool) or not isinstance(decrease, Real) or not 0.0 < decrease < 1.0:
             raise PolicyError(f"policy {pid!r}: decrease must be a number > 0.0 and < 1.0, got {decrease!r}")
+        self.decrease = float(decrease)
         self.min_bits, self.max_bits = check_bits_range(pid, min_bits, max_bits)
         if self.min_bits == self.max_bits:
             raise PolicyError(f"policy {pid!r}: min_bits = max_bits = {self.min_bits} leaves nothing to "
