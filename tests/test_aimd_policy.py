@@ -4,16 +4,19 @@ real mpiexec run whose simulated bandwidth drops and recovers."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import SMALL_RUN, run_mpi
+from conftest import SMALL_RUN, assert_same_trace, mpiexec, run_mpi
 
 from mpigrad.policies import Observation, PolicyError, available, check_decision, get_policy, policy_options
 from mpigrad.policies.aimd import aimd_step, next_bytes
+from mpigrad.runtime import EXIT_REQUEUE
 from mpigrad.trace import load
 
 BYTES_PER_BIT = 1000  # synthetic payload: bytes in proportion to the width
@@ -210,16 +213,25 @@ def test_cli_lists_it_and_refuses_a_bad_option_in_one_line(tmp_path):
 
 # ---- a real run -----------------------------------------------------------------------
 
+def train_args(trace):
+    return ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", str(ITERATIONS), "--seed", "1",
+            "--compute-time", "10ms", "--bandwidth", DROP, "--policy", "aimd", "--policy-opt", "window=4"]
+
+
+@pytest.fixture(scope="module")
+def drop_run(tmp_path_factory, mpi_env):
+    trace = tmp_path_factory.mktemp("aimd") / "aimd.h5"
+    result = run_mpi(3, train_args(trace), mpi_env)
+    assert result.returncode == 0, result.stderr
+    return trace
+
+
 @pytest.mark.mpi
-def test_under_mpiexec_the_bits_follow_a_bandwidth_drop_and_its_recovery(tmp_path, mpi_env, capsys):
+def test_under_mpiexec_the_bits_follow_a_bandwidth_drop_and_its_recovery(drop_run, tmp_path, capsys):
     """The simulated bandwidth falls 20x for a stretch and comes back: the policy, seeing
     only its measured communication, cuts the width during the drop and restores it after;
     ``trace retime`` refuses the run (its bits depend on the network)."""
-    trace = tmp_path / "aimd.h5"
-    result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", str(ITERATIONS),
-                         "--seed", "1", "--compute-time", "10ms", "--bandwidth", DROP, "--policy", "aimd",
-                         "--policy-opt", "window=4"], mpi_env)
-    assert result.returncode == 0, result.stderr
+    trace = drop_run
     tr = load(trace)
     assert tr.complete and tr.label == "AIMD"
     bits = tr.steps["bits"].to_numpy()
@@ -247,3 +259,28 @@ def test_under_mpiexec_the_bits_follow_a_bandwidth_drop_and_its_recovery(tmp_pat
 ITERATIONS = 140
 DROP_AT, RECOVER_AT, SETTLE = 1.0, 3.0, 0.5  # seconds on the simulated clock
 DROP = f"100MB/s@0s,5MB/s@{DROP_AT:g}s,100MB/s@{RECOVER_AT:g}s"
+
+
+@pytest.mark.mpi
+def test_a_run_stopped_in_the_drop_resumes_to_the_same_trace(drop_run, tmp_path, mpi_env):
+    """The policy's window and the server's last measurements are in the checkpoint: a run
+    stopped by SIGUSR1 and resumed decides every width as the straight run did."""
+    stopped = tmp_path / "stopped.h5"
+    process = subprocess.Popen(mpiexec(3, [sys.executable, "-m", "mpi4py", "-m", "mpigrad",
+                                           *train_args(stopped)]),
+                               env=mpi_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        for line in process.stdout:
+            if f"iter  60/{ITERATIONS}" in line:
+                os.killpg(process.pid, signal.SIGUSR1)
+                break
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == EXIT_REQUEUE, err
+    assert 60 <= len(load(stopped).steps) < ITERATIONS
+    resumed = run_mpi(3, [*train_args(stopped), "--resume"], mpi_env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_trace(load(drop_run), load(stopped))
