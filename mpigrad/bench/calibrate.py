@@ -190,7 +190,8 @@ def _policy_seconds(policy_id: str, x: np.ndarray) -> float:
     total = 0.0
     for m in range(2 * POLICY_ITERATIONS):
         observation = Observation(iteration=m, loss=2.0 / (1 + 0.01 * m), last_iteration_ms=400.0,
-                                  gradients=layers if m else (), codec=codec)
+                                  gradients=layers if m else (), codec=codec,
+                                  last_comm_ms=200.0 if m else 0.0, last_bytes=x.size // 4 if m else 0)
         start = time.process_time()
         policy.decide(observation)
         if m >= POLICY_ITERATIONS:

@@ -51,12 +51,16 @@ class Observation:
     last_iteration_ms: float                # duration of iteration m-1 on the run's clock (0.0 at m=0)
     gradients: Sequence[np.ndarray] = ()    # workers' averaged gradient of m-1, per layer, before re-quantization
     codec: object | None = None             # the run's codec (accepts_bits) for error-based policies
+    last_comm_ms: float = 0.0               # communication time of iteration m-1 on the run's clock (0.0 at m=0)
+    last_bytes: int = 0                     # bytes iteration m-1 put on the network, both directions (0 at m=0)
 
     def __post_init__(self):
         options.check_int("observation iteration", self.iteration, 0, error=PolicyError)
-        ms = self.last_iteration_ms
-        if not isinstance(ms, (int, float, np.floating, np.integer)) or not math.isfinite(ms) or ms < 0:
-            raise PolicyError(f"observation last_iteration_ms must be finite and >= 0, got {ms!r}")
+        for name in ("last_iteration_ms", "last_comm_ms"):
+            ms = getattr(self, name)
+            if not isinstance(ms, (int, float, np.floating, np.integer)) or not math.isfinite(ms) or ms < 0:
+                raise PolicyError(f"observation {name} must be finite and >= 0, got {ms!r}")
+        options.check_int("observation last_bytes", self.last_bytes, 0, error=PolicyError)
 
 
 _REGISTRY: dict[str, type["Policy"]] = {}

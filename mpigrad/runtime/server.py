@@ -275,6 +275,7 @@ class ParameterServer:
         state_bytes = 4 * layout.total * copies
         self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
+        self.last_comm_ms, self.last_bytes = 0.0, 0  # iteration m-1's, for Observation
         self.checkpoint_schedule = checkpoint.Schedule(config.checkpoint_interval)
         self.command = CONTINUE
         self.bytes_total = 0      # both directions, all sessions of the run (progress "sent")
@@ -424,6 +425,7 @@ class ParameterServer:
             norm_ratio=self._norm_ratio(servers),
             checksums=it["checksums"], policy_rows=self.policy.drain_records())
         self.bytes_total += record.bytes_up + record.bytes_down
+        self.last_comm_ms, self.last_bytes = 1e3 * t_comm, record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]
         return record
 
@@ -504,7 +506,8 @@ class ParameterServer:
             average = self.average
             grads = tuple(average[s.offset:s.offset + s.size] for s in self.replica.layout.quantized)
         return Observation(iteration=m, loss=loss, last_iteration_ms=self.last_iteration_ms,
-                           gradients=grads, codec=self.codec if self.codec.accepts_bits else None)
+                           gradients=grads, codec=self.codec if self.codec.accepts_bits else None,
+                           last_comm_ms=self.last_comm_ms, last_bytes=self.last_bytes)
 
     def _mean_iteration_seconds(self, m: int) -> float:
         """Mean wall seconds per iteration in this session (0 before the first one ends)."""
@@ -569,6 +572,7 @@ class ParameterServer:
                 "policy": self.policy.state_dict(),
                 "compressor": self.compressor.state_dict() if self.compressor is not None else None,
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
+                "last_comm_ms": self.last_comm_ms, "last_bytes": self.last_bytes,
                 "bytes_total": self.bytes_total, "last_eval": self.last_eval,
                 "cost_model": self.cost_attrs()["cost_model"],
                 "previous_average": torch.from_numpy(self.average.copy()) if keep_update else None}
@@ -581,6 +585,7 @@ class ParameterServer:
             self.compressor.load_state_dict(state["compressor"])
         self.saved_clocks = dict(state["clocks"])
         self.last_iteration_ms = float(state["last_iteration_ms"])
+        self.last_comm_ms, self.last_bytes = float(state.get("last_comm_ms", 0.0)), int(state.get("last_bytes", 0))
         self.bytes_total = int(state["bytes_total"])
         self.last_eval = state["last_eval"]
         recorded = state.get("cost_model")
