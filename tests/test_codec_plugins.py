@@ -113,6 +113,21 @@ BROKEN = textwrap.dedent('''
         def _config(self):
             return {"ratio": np.float32(self.ratio)}
 
+    class Fragile(TopK):
+        """Meets the contract on its small vectors, fails on a big one."""
+        codec_id = "fragile"
+        wire_id = 211
+
+        def _encode_payload(self, x, payload):
+            if x.size > 5000:
+                raise MemoryError("out of scratch")
+            return super()._encode_payload(x, payload)
+
+        def _decode_payload(self, header, payload, out):
+            if header.n > 5000:
+                raise KeyError("n")
+            super()._decode_payload(header, payload, out)
+
     not_a_class = 3
 ''')
 
@@ -228,6 +243,17 @@ def test_broken_plugins_are_refused_in_one_line(plugins, spec, message):
     assert "\n" not in str(error.value)
 
 
+def test_a_plugin_failing_in_a_run_is_one_codec_error_naming_it(plugins):
+    """What rank 0 reports as a bad frame, with the iteration; a built-in's errors are untouched."""
+    fragile = get_codec({"id": "broken_codecs:Fragile"})
+    with pytest.raises(CodecError, match=r"^codec broken_codecs:Fragile: encode raised MemoryError: out of scratch$"):
+        fragile.encode(vector(6000))
+    buf = get_codec({"id": "topk"}).encode(vector(6000)).copy()
+    _write_header(buf, read_header(buf)._replace(wire_id=211), with_crc=False)
+    with pytest.raises(CodecError, match=r"^codec broken_codecs:Fragile: decode raised KeyError: 'n'$"):
+        fragile.decode(buf, np.zeros(6000, np.float32), accumulate=True)
+
+
 def test_unknown_options_and_bad_values_of_a_plugin_are_one_line(plugins):
     with pytest.raises(CodecError, match=r"codec 'topk:TopK': unknown option\(s\) ratoi; valid: ratio, checksum$"):
         get_codec({"id": "topk:TopK", "ratoi": 0.1})
@@ -271,8 +297,8 @@ def test_cli_refuses_a_broken_plugin_before_mpi_starts(plugins, argv, message):
 
 
 @pytest.mark.mpi
-def test_the_example_codec_trains_under_mpiexec(tmp_path, mpi_env, plugins):
-    env = dict(mpi_env, PYTHONPATH=os.pathsep.join([str(EXAMPLES), mpi_env.get("PYTHONPATH", "")]))
+def test_the_example_codec_trains_under_mpiexec_and_a_failing_one_fails_the_run(tmp_path, mpi_env, plugins):
+    env = dict(mpi_env, PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(plugins), mpi_env.get("PYTHONPATH", "")]))
     trace = tmp_path / "topk.h5"
     result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "40", "--codec", "topk:TopK",
                          "--codec-opt", "ratio=0.1", "--error-feedback", "residual", "--policy", "fixed",
@@ -287,3 +313,10 @@ def test_the_example_codec_trains_under_mpiexec(tmp_path, mpi_env, plugins):
     assert tr.eval["test_loss"].is_monotonic_decreasing and tr.eval["test_accuracy"].iloc[-1] > 0.3, tr.eval
     up = tr.steps["bytes_up"].to_numpy()
     assert (up == up[0]).all()  # top-k frames have one size whatever the values
+
+    failed = tmp_path / "fragile.h5"  # its quantized layers hold more than 5000 values
+    result = run_mpi(3, ["train", "--trace", str(failed), *SMALL_RUN, "--iterations", "5", "--codec",
+                         "broken_codecs:Fragile", "--policy", "fixed"], env, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "codec broken_codecs:Fragile: encode raised MemoryError: out of scratch" in result.stderr, result.stderr
+    assert load(failed).status == "failed"

@@ -35,10 +35,10 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from .. import options
-from ..plugins import call_factory, is_plugin, load_factory
+from ..plugins import _describe, call_factory, is_plugin, load_factory
 
 __all__ = [
-    "Codec", "CodecError", "FusedCodec", "Header", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
+    "Codec", "CodecError", "FusedCodec", "Header", "PluginFault", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
     "register_codec", "get_codec", "available", "codec_class", "read_header", "BUILTIN_WIRE_IDS",
     "PLUGIN_WIRE_IDS",
 ]
@@ -59,6 +59,16 @@ assert _HEADER.size + _CRC.size == HEADER_SIZE
 
 class CodecError(ValueError):
     """A buffer or input that a codec cannot accept; the message says what is wrong."""
+
+
+class PluginFault(CodecError):
+    """An exception other than CodecError from a plugin's own code in ``encode`` or
+    ``decode``, as one line naming the plugin; ``cause`` is that exception in words."""
+
+    def __init__(self, codec: "Codec", what: str, exc: BaseException):
+        cls = type(codec)
+        self.cause = _describe(exc)
+        super().__init__(f"codec {cls.__module__}:{cls.__qualname__}: {what} raised {self.cause}")
 
 
 class Header(NamedTuple):
@@ -351,10 +361,17 @@ class Codec(ABC):
         elif out.size < size:
             raise CodecError(f"out= holds {out.size} bytes, encode may need {size}")
         payload = out[HEADER_SIZE:size]
-        fields = self._encode_payload(x, payload)
-        header = Header(self.wire_id, *fields[:4], x.size, fields[4])
-        if header.payload_len > payload.size:
-            raise AssertionError(f"{self.codec_id} wrote past its max_payload_size")
+        try:
+            fields = self._encode_payload(x, payload)
+            header = Header(self.wire_id, *fields[:4], x.size, fields[4])
+            if header.payload_len > payload.size:
+                raise AssertionError(f"{self.codec_id} wrote past its max_payload_size")
+        except CodecError:
+            raise
+        except Exception as exc:
+            if _PLUGINS.get(self.codec_id) is not type(self):
+                raise
+            raise PluginFault(self, "encode", exc) from exc
         _write_header(out, header, self.checksum)
         return out[:HEADER_SIZE + header.payload_len]
 
@@ -375,18 +392,25 @@ class Codec(ABC):
             name = repr(other.codec_id) if other else f"unknown wire id {header.wire_id}"
             raise CodecError(f"buffer was encoded by codec {name}, not {self.codec_id!r}")
         payload = buf[HEADER_SIZE:]
-        self._check_payload(header, payload)
-        if out is None:
-            out = np.empty(header.n, np.float32)
-        elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
-                  and out.flags.c_contiguous and out.flags.writeable):
-            raise CodecError("out= must be a writeable contiguous 1-D float32 array")
-        elif out.size != header.n:
-            raise CodecError(f"out= holds {out.size} elements, buffer encodes {header.n}")
-        if accumulate:
-            self._accumulate_payload(header, payload, out)
-        else:
-            self._decode_payload(header, payload, out)
+        try:
+            self._check_payload(header, payload)
+            if out is None:
+                out = np.empty(header.n, np.float32)
+            elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
+                      and out.flags.c_contiguous and out.flags.writeable):
+                raise CodecError("out= must be a writeable contiguous 1-D float32 array")
+            elif out.size != header.n:
+                raise CodecError(f"out= holds {out.size} elements, buffer encodes {header.n}")
+            if accumulate:
+                self._accumulate_payload(header, payload, out)
+            else:
+                self._decode_payload(header, payload, out)
+        except CodecError:
+            raise
+        except Exception as exc:
+            if _PLUGINS.get(self.codec_id) is not type(self):
+                raise
+            raise PluginFault(self, "decode", exc) from exc
         return out
 
     @abstractmethod

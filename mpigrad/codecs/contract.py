@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..plugins import _describe
-from .base import HEADER_SIZE, Codec, CodecError, _write_header, read_header
+from .base import HEADER_SIZE, Codec, CodecError, PluginFault, _write_header, read_header
 
 __all__ = ["check_contract", "contract_vectors"]
 
@@ -59,6 +59,8 @@ def _call(name: str, what: str, function: Callable[[], Any]) -> Any:
     """``function()``; an exception from the codec's code is one line naming it."""
     try:
         return function()
+    except PluginFault as exc:
+        raise _breach(name, f"{what} raised {exc.cause}") from None
     except CodecError as exc:
         raise _breach(name, f"{what} raised CodecError: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the codec's own code, reported in one line
@@ -149,6 +151,8 @@ def _check_bad_frames(codec: Codec, name: str, buf: np.ndarray) -> None:
     for what, frame, must_raise in _bad_frames(codec, buf):
         try:
             y = codec.decode(frame)
+        except PluginFault as exc:
+            raise _breach(name, f"decode of {what} raised {exc.cause}, not CodecError") from None
         except CodecError:
             continue
         except Exception as exc:  # noqa: BLE001 - the codec's own code, reported in one line
