@@ -113,6 +113,14 @@ BROKEN = textwrap.dedent('''
         def _config(self):
             return {"ratio": np.float32(self.ratio)}
 
+    class NanFriendly(TopK):
+        """Encodes NaN as if it were a value."""
+        codec_id = "nanfriendly"
+        wire_id = 212
+
+        def _encode_payload(self, x, payload):
+            return super()._encode_payload(np.nan_to_num(x), payload)
+
     class Fragile(TopK):
         """Meets the contract on its small vectors, fails on a big one."""
         codec_id = "fragile"
@@ -229,6 +237,8 @@ def test_a_corrupted_frame_is_rejected(plugins):
                               "ValueError"),
     ("broken_codecs:Crashes", "codec broken_codecs:Crashes: decode of a frame with payload byte 0 flipped raised "
                               "IndexError"),
+    ("broken_codecs:NanFriendly", "codec broken_codecs:NanFriendly: encode of a vector holding nan did not raise "
+                                  "CodecError"),
     ("broken_codecs:Unjsonable", "codec broken_codecs:Unjsonable: get_config() is not JSON-able"),
     ("broken_codecs:not_a_class", "broken_codecs:not_a_class is a int, not a callable"),
     ("collections:OrderedDict", "codec collections:OrderedDict is the class OrderedDict, not a subclass of "

@@ -7,7 +7,8 @@ no allocation; tests/test_codecs.py holds mpigrad's own codecs to it too. Each b
 one CodecError line naming the codec and what it did:
 
 - ``encode`` takes a finite float32 vector, writes at most ``max_encoded_size(n)`` bytes,
-  and its header carries the codec's wire id and the element count;
+  and its header carries the codec's wire id and the element count; it refuses NaN and
+  infinity with CodecError;
 - ``decode`` gives back n finite float32 values, within ``error_bound(x)`` of the input when
   the codec declares one (a plugin must), into ``out=`` and added to it
   (``accumulate=True``) as ``out + decode(buf)`` bit for bit;
@@ -49,6 +50,7 @@ def check_contract(codec: Codec, name: str | None = None) -> None:
     for x in contract_vectors():
         buf = _check_round_trip(codec, name, x)
         _check_bad_frames(codec, name, buf)
+        _check_non_finite(codec, name, x)
 
 
 def _breach(name: str, what: str) -> CodecError:
@@ -115,6 +117,21 @@ def _check_round_trip(codec: Codec, name: str, x: np.ndarray) -> np.ndarray:
     if not np.array_equal(added.view(np.int32), expect.view(np.int32)):
         raise _breach(name, "decode(buf, out, accumulate=True) differs from out + decode(buf)")
     return buf
+
+
+def _check_non_finite(codec: Codec, name: str, x: np.ndarray) -> None:
+    """NaN or infinity in the input is a CodecError (a diverged worker's gradient: the
+    runtime tells it from a codec's failure by that)."""
+    for bad in (np.nan, np.inf):
+        y = x.copy()
+        y[-1] = bad
+        try:
+            codec.encode(y)
+        except PluginFault as exc:
+            raise _breach(name, f"encode of a vector holding {bad} raised {exc.cause}, not CodecError") from None
+        except CodecError:
+            continue
+        raise _breach(name, f"encode of a vector holding {bad} did not raise CodecError")
 
 
 def _reheadered(buf: np.ndarray, payload: np.ndarray | None = None, **fields) -> np.ndarray:
