@@ -134,6 +134,8 @@ class RunConfig:
         all-reduce and never samples the average again: its average travels as float32.
         ``same``: the workers' codec and bits. ``CODEC``: that codec with its default options,
         following the policy's bits when it has a bits option. ``CODEC:BITS``: at fixed bits.
+        A codec plugin is ``package.module:Class``, or ``package.module:Class:BITS`` at fixed
+        bits (a class name cannot be a number, so the last ``:`` part is the bits when it is one).
         Bits None means: follow the policy's bits.
         """
         choice = self.broadcast_codec
@@ -141,15 +143,16 @@ class RunConfig:
             choice = "fp32" if self.codec == "mcgq" else "same"
         if choice == "same":
             return self.codec_config(), None
-        name, sep, bits_text = choice.partition(":")
-        if not sep:
-            return {"id": name}, None
-        try:
-            bits = int(bits_text)
-        except ValueError:
-            raise UsageError(f"broadcast_codec {self.broadcast_codec!r}: expected CODEC:BITS with "
-                             f"an integer BITS, e.g. uniform:8") from None
-        return {"id": name}, bits
+        name, sep, bits_text = choice.rpartition(":")
+        if sep and re.fullmatch(r"[0-9]+", bits_text):
+            return {"id": name}, int(bits_text)
+        if ":" in choice and "." not in choice.partition(":")[0]:
+            from .codecs import available
+
+            if choice.partition(":")[0] in available():  # uniform:x
+                raise UsageError(f"broadcast_codec {self.broadcast_codec!r}: expected CODEC:BITS with "
+                                 f"an integer BITS, e.g. uniform:8 (or package.module:Class[:BITS])")
+        return {"id": choice}, None
 
     def policy_config(self) -> dict[str, Any]:
         """The policy's config; ``bits`` becomes its ``bits`` or ``initial_bits`` option."""

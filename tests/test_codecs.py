@@ -14,6 +14,7 @@ from hypothesis.extra import numpy as hnp
 from mpigrad.cli import main as cli_main
 from mpigrad.codecs import HEADER_SIZE, CodecError, get_codec, read_header
 from mpigrad.codecs.base import _write_header
+from mpigrad.codecs.contract import check_contract
 from mpigrad.codecs.kernels import common
 from mpigrad.codecs.reference import numpy_kernels as nk
 from mpigrad.codecs.reference import twin_of
@@ -559,6 +560,15 @@ def test_damaged_buffers_raise_codec_error(config):
             codec.decode(reheader(buf, **fields))
     with pytest.raises(CodecError, match="out= holds"):
         codec.decode(buf, out=np.empty(4999, np.float32))
+
+
+@pytest.mark.parametrize("config", ACC_CONFIGS + [{"id": "mcgq"}],
+                         ids=[json.dumps(c, separators=(",", ":")) for c in ACC_CONFIGS + [{"id": "mcgq"}]])
+def test_built_in_codecs_meet_the_contract_plugins_are_held_to(config):
+    """One rule, one place: mpigrad.codecs.contract checks a plugin when it is built, and
+    mpigrad's own codecs meet the same contract (they declare no error_bound: the property
+    tests above hold each to its own)."""
+    check_contract(get_codec(config))
 
 
 def test_corrupted_scales_and_codes_detected():

@@ -5,7 +5,7 @@ Every encoded buffer is a fixed 40-byte header followed by a codec payload::
     offset size  field
     0      2     magic b"MG"
     2      1     format version (FORMAT_VERSION)
-    3      1     codec wire id (one per codec class)
+    3      1     codec wire id (one per codec class: mpigrad's 1..127, plugins' 128..255)
     4      1     bits (codec-specific; 0 when unused)
     5      1     codec flags (codec-specific bit flags)
     6      1     header flags (bit 0: payload CRC-32 present)
@@ -25,6 +25,7 @@ validate every length inside their payload before handing it to a kernel.
 
 from __future__ import annotations
 
+import inspect
 import json
 import struct
 import zlib
@@ -34,10 +35,12 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from .. import options
+from ..plugins import _describe, call_factory, is_plugin, load_factory
 
 __all__ = [
-    "Codec", "CodecError", "FusedCodec", "Header", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
-    "register_codec", "get_codec", "available", "codec_class", "read_header",
+    "Codec", "CodecError", "FusedCodec", "Header", "PluginFault", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
+    "register_codec", "get_codec", "available", "codec_class", "read_header", "BUILTIN_WIRE_IDS",
+    "PLUGIN_WIRE_IDS",
 ]
 
 FORMAT_VERSION = 1
@@ -47,11 +50,25 @@ MAX_ELEMENTS = 2**34
 _HEADER = struct.Struct("<2sBBBBBBIIQQI")
 _CRC = struct.Struct("<I")
 _FLAG_PAYLOAD_CRC = 0x01
+#: Wire ids of mpigrad's own codecs (``register_codec``) and of codecs loaded as plugins
+#: (``package.module:Class``): disjoint, so a plugin's buffer is never taken for a built-in's.
+BUILTIN_WIRE_IDS = range(1, 128)
+PLUGIN_WIRE_IDS = range(128, 256)
 assert _HEADER.size + _CRC.size == HEADER_SIZE
 
 
 class CodecError(ValueError):
     """A buffer or input that a codec cannot accept; the message says what is wrong."""
+
+
+class PluginFault(CodecError):
+    """An exception other than CodecError from a plugin's own code in ``encode`` or
+    ``decode``, as one line naming the plugin; ``cause`` is that exception in words."""
+
+    def __init__(self, codec: "Codec", what: str, exc: BaseException):
+        cls = type(codec)
+        self.cause = _describe(exc)
+        super().__init__(f"codec {cls.__module__}:{cls.__qualname__}: {what} raised {self.cause}")
 
 
 class Header(NamedTuple):
@@ -107,10 +124,23 @@ def _write_header(out: np.ndarray, h: Header, with_crc: bool) -> None:
 
 _REGISTRY: dict[str, type["Codec"]] = {}
 _BY_WIRE_ID: dict[int, type["Codec"]] = {}
+#: Plugin classes loaded in this process, by their own codec_id and by their wire id; kept
+#: apart from the registry (``available()`` and ``--help`` list mpigrad's codecs only).
+_PLUGINS: dict[str, type["Codec"]] = {}
+_PLUGINS_BY_WIRE_ID: dict[int, type["Codec"]] = {}
+#: Plugin configs (less the seed) whose instances passed ``contract.check_contract``.
+_CHECKED: set[str] = set()
 
 
 def register_codec(cls: type["Codec"]) -> type["Codec"]:
-    """Class decorator: make ``cls`` reachable through ``get_codec({"id": cls.codec_id})``."""
+    """Class decorator: make ``cls`` reachable through ``get_codec({"id": cls.codec_id})``.
+
+    For mpigrad's own codecs, wire ids 1..127; a codec of the user's own is a plugin
+    (``package.module:Class``, wire ids 128..255), loaded by ``codec_class``."""
+    if not (isinstance(cls.wire_id, int) and cls.wire_id in BUILTIN_WIRE_IDS):
+        raise ValueError(f"codec {cls.__name__}: wire id {cls.wire_id!r} is not in 1..127, the range of "
+                         "mpigrad's own codecs (a codec of your own is a plugin, package.module:Class, "
+                         "with a wire id in 128..255)")
     for table, key in ((_REGISTRY, cls.codec_id), (_BY_WIRE_ID, cls.wire_id)):
         if key in table and table[key] is not cls:
             raise ValueError(f"codec key {key!r} registered twice ({table[key].__name__}, {cls.__name__})")
@@ -119,34 +149,98 @@ def register_codec(cls: type["Codec"]) -> type["Codec"]:
 
 
 def available() -> list[str]:
-    """Sorted ids of the registered codecs."""
+    """Sorted ids of the registered codecs (plugins are not listed)."""
     return sorted(_REGISTRY)
 
 
 def codec_class(codec_id: str) -> type["Codec"]:
+    """The class of a registered id, of a plugin ``package.module:Class`` (loaded and checked
+    by ``_plugin_class``), or of a loaded plugin's own ``codec_id`` (what its ``get_config``
+    says, so ``get_codec(c.get_config())`` and ``with_bits`` work in a process that loaded it)."""
+    if is_plugin(codec_id):
+        return _plugin_class(codec_id)
     try:
-        return _REGISTRY[codec_id]
-    except KeyError:
-        raise CodecError(f"unknown codec {codec_id!r}; available: {', '.join(available())}") from None
+        return _REGISTRY[codec_id] if codec_id in _REGISTRY else _PLUGINS[codec_id]
+    except (KeyError, TypeError):
+        raise CodecError(f"unknown codec {codec_id!r}; available: {', '.join(available())} "
+                         "(or a codec of your own: package.module:Class)") from None
+
+
+#: Methods a plugin inherits as they are: the header, its checks and the wire id live there.
+_SEALED = ("encode", "decode", "max_encoded_size")
+
+
+def _plugin_class(spec: str) -> type["Codec"]:
+    """Load ``spec`` and check the class (one line, CodecError, for each breach); register
+    it under its own codec_id and wire id for this process."""
+    cls = load_factory(spec, CodecError)
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        what = f"the class {cls.__qualname__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise CodecError(f"codec {spec} is {what}, not a subclass of mpigrad.codecs.Codec")
+    codec_id = cls.__dict__.get("codec_id")
+    if not isinstance(codec_id, str) or not codec_id or is_plugin(codec_id):
+        raise CodecError(f"codec {spec} must set codec_id = \"a-name-of-its-own\" (no ':')")
+    wire_id = cls.__dict__.get("wire_id")
+    if isinstance(wire_id, bool) or not isinstance(wire_id, int) or wire_id not in PLUGIN_WIRE_IDS:
+        raise CodecError(f"codec {spec} must set wire_id to a number of its own in 128..255, the plugins' "
+                         f"range (1..127 are mpigrad's codecs), got {wire_id!r}")
+    if inspect.isabstract(cls):
+        raise CodecError(f"codec {spec} does not implement {', '.join(sorted(cls.__abstractmethods__))}")
+    if cls.error_bound is Codec.error_bound:
+        raise CodecError(f"codec {spec} must declare error_bound(x), a bound on max |decode(encode(x)) - x| "
+                         "that its load check holds it to")
+    sealed = [name for name in _SEALED if getattr(cls, name) is not getattr(Codec, name)]
+    if sealed:
+        raise CodecError(f"codec {spec} overrides {', '.join(sealed)}: the header and its checks live there; "
+                         "implement _encode_payload and _decode_payload instead")
+    for table, key, what in ((_REGISTRY, codec_id, "codec_id"), (_PLUGINS, codec_id, "codec_id"),
+                             (_PLUGINS_BY_WIRE_ID, wire_id, "wire_id")):
+        taken = table.get(key, cls)
+        if taken is not cls:
+            raise CodecError(f"codec {spec}: {what} {key!r} is taken by {taken.__module__}.{taken.__qualname__}")
+    _PLUGINS[codec_id] = cls
+    _PLUGINS_BY_WIRE_ID[wire_id] = cls
+    return cls
 
 
 def get_codec(config: dict[str, Any]) -> "Codec":
-    """Build a codec from a JSON-able config such as ``{"id": "qsgd", "bits": 4}``."""
+    """Build a codec from a JSON-able config such as ``{"id": "qsgd", "bits": 4}``.
+
+    A plugin (``{"id": "package.module:Class", ...}``, or its own codec_id once loaded) is
+    built through ``plugins.call_factory`` (an exception in its ``__init__`` is one line
+    naming it), and each of its configs is checked once by ``contract.check_contract``."""
     if not isinstance(config, dict) or "id" not in config:
         raise CodecError("codec config must be a dict with an 'id' key")
     params = dict(config)
-    cls = codec_class(params.pop("id"))
-    options.check_keys(f"codec {cls.codec_id!r}", params, options.keyword_names(cls), error=CodecError)
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise CodecError(f"bad options for codec {cls.codec_id!r}: {exc}") from None
+    codec_id = params.pop("id")
+    cls = codec_class(codec_id)
+    options.check_keys(f"codec {codec_id!r}", params, options.keyword_names(cls), error=CodecError)
+    if _PLUGINS.get(cls.codec_id) is not cls:
+        try:
+            return cls(**params)
+        except TypeError as exc:
+            raise CodecError(f"bad options for codec {cls.codec_id!r}: {exc}") from None
+    name = codec_id if is_plugin(codec_id) else f"{cls.__module__}:{cls.__qualname__}"
+    key = json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}",
+                      **{k: v for k, v in params.items() if k != "seed"}}, sort_keys=True, default=repr)
+    if key not in _CHECKED:
+        from .contract import check_contract
+
+        check_contract(call_factory(name, cls, params, CodecError), name)
+        _CHECKED.add(key)
+    return call_factory(name, cls, params, CodecError)
+
+
+def wire_owner(wire_id: int) -> type["Codec"] | None:
+    """The class, built-in or loaded plugin, that writes ``wire_id`` (None: none known here)."""
+    return _BY_WIRE_ID.get(wire_id) or _PLUGINS_BY_WIRE_ID.get(wire_id)
 
 
 class Codec(ABC):
     """Gradient codec: 1-D float32 in, self-describing uint8 buffer out, and back.
 
-    Subclasses set ``codec_id`` and ``wire_id``, store their hyperparameters in
+    Subclasses set ``codec_id`` and ``wire_id`` (1..127 for mpigrad's codecs, 128..255 for
+    plugins: docs/extending.rst), store their hyperparameters in
     ``__init__`` (rejecting bad values with CodecError), list them in ``get_config``,
     and implement ``max_payload_size``, ``_encode_payload`` and ``_decode_payload``.
 
@@ -241,6 +335,12 @@ class Codec(ABC):
         self.calls += 1
         return self.seed, counter
 
+    def error_bound(self, x: np.ndarray) -> float | None:
+        """An upper bound on ``max |decode(encode(x)) - x|`` for float32 ``x`` (every draw of
+        a stochastic codec), or None when the codec declares none. A plugin must declare one:
+        ``contract.check_contract`` holds it to it when the plugin is built."""
+        return None
+
     # ---- encode / decode ----------------------------------------------------------
     def max_encoded_size(self, n: int) -> int:
         """Upper bound on ``encode(x).size`` for ``x.size == n``."""
@@ -261,10 +361,17 @@ class Codec(ABC):
         elif out.size < size:
             raise CodecError(f"out= holds {out.size} bytes, encode may need {size}")
         payload = out[HEADER_SIZE:size]
-        fields = self._encode_payload(x, payload)
-        header = Header(self.wire_id, *fields[:4], x.size, fields[4])
-        if header.payload_len > payload.size:
-            raise AssertionError(f"{self.codec_id} wrote past its max_payload_size")
+        try:
+            fields = self._encode_payload(x, payload)
+            header = Header(self.wire_id, *fields[:4], x.size, fields[4])
+            if header.payload_len > payload.size:
+                raise AssertionError(f"{self.codec_id} wrote past its max_payload_size")
+        except CodecError:
+            raise
+        except Exception as exc:
+            if _PLUGINS.get(self.codec_id) is not type(self):
+                raise
+            raise PluginFault(self, "encode", exc) from exc
         _write_header(out, header, self.checksum)
         return out[:HEADER_SIZE + header.payload_len]
 
@@ -281,22 +388,29 @@ class Codec(ABC):
             raise CodecError("decode(accumulate=True) needs out=, the float32 array to add to")
         header = read_header(buf)
         if header.wire_id != self.wire_id:
-            other = _BY_WIRE_ID.get(header.wire_id)
+            other = wire_owner(header.wire_id)
             name = repr(other.codec_id) if other else f"unknown wire id {header.wire_id}"
             raise CodecError(f"buffer was encoded by codec {name}, not {self.codec_id!r}")
         payload = buf[HEADER_SIZE:]
-        self._check_payload(header, payload)
-        if out is None:
-            out = np.empty(header.n, np.float32)
-        elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
-                  and out.flags.c_contiguous and out.flags.writeable):
-            raise CodecError("out= must be a writeable contiguous 1-D float32 array")
-        elif out.size != header.n:
-            raise CodecError(f"out= holds {out.size} elements, buffer encodes {header.n}")
-        if accumulate:
-            self._accumulate_payload(header, payload, out)
-        else:
-            self._decode_payload(header, payload, out)
+        try:
+            self._check_payload(header, payload)
+            if out is None:
+                out = np.empty(header.n, np.float32)
+            elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
+                      and out.flags.c_contiguous and out.flags.writeable):
+                raise CodecError("out= must be a writeable contiguous 1-D float32 array")
+            elif out.size != header.n:
+                raise CodecError(f"out= holds {out.size} elements, buffer encodes {header.n}")
+            if accumulate:
+                self._accumulate_payload(header, payload, out)
+            else:
+                self._decode_payload(header, payload, out)
+        except CodecError:
+            raise
+        except Exception as exc:
+            if _PLUGINS.get(self.codec_id) is not type(self):
+                raise
+            raise PluginFault(self, "decode", exc) from exc
         return out
 
     @abstractmethod

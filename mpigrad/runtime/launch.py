@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-every", type=int, help=f"evaluate on the test split every N iterations, 0 = never (default {d.eval_every})")
     g.add_argument("--eval-samples", type=int, help="evaluate on the first N test examples (default all)")
     g = parser.add_argument_group("quantization")
-    g.add_argument("--codec", help=f"gradient codec: %(codecs)s (default {d.codec})")
+    g.add_argument("--codec", help=f"gradient codec: %(codecs)s | package.module:Class, a codec of your own "
+                   f"(docs/extending.rst) (default {d.codec})")
     g.add_argument("--codec-opt", action="append", metavar="KEY=VALUE", help="codec option, e.g. bucket_size=512")
     g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); "
                    "uniform: 2**bits levels from min to max; qsgd: the sign is one of the bits, "
@@ -61,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "of the two big fully connected layers)")
     g.add_argument("--broadcast-codec", metavar="CODEC", help="codec of the server's broadcast of the average: "
                    "paper (default: the workers' codec and bits, as MQGrad's Alg. 1; mcgq: fp32, as its "
-                   "all-reduce), same, fp32, fp16, a codec id at the policy's bits, or CODEC:BITS e.g. uniform:8")
+                   "all-reduce), same, fp32, fp16, a codec id at the policy's bits, or CODEC:BITS e.g. uniform:8; "
+                   "a plugin: package.module:Class or package.module:Class:BITS")
     g.add_argument("--error-feedback", choices=["none", "residual", "accumulate"], help="error-feedback memory (default none)")
     g = parser.add_argument_group("parameter servers")
     g.add_argument("--servers", metavar="S|colocated", help="S: ranks 0..S-1 are servers, each aggregating a "

@@ -161,7 +161,8 @@ def _method(config: dict[str, Any]) -> str:
         label = f"Fix ({bits}-bit)" if bits is not None else "Fix"
     else:  # a plugin package.module:Class is labelled by its class name
         label = _POLICY_LABELS.get(policy_id, policy_id.rpartition(":")[2])
-    return label if codec_id == _DEFAULT_CODEC else f"{label} [{codec_id}]"
+    # a codec plugin package.module:Class, too, by its class name
+    return label if codec_id == _DEFAULT_CODEC else f"{label} [{codec_id.rpartition(':')[2]}]"
 
 
 def _component(config: dict[str, Any], name: str) -> dict[str, Any]:
