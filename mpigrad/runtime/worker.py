@@ -20,8 +20,10 @@ from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_
                     build_replica, build_shards, load_data, release_data)
 from .faults import Fault
 from .iteration import FollowerRole
-from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BCAST, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
-                   Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport, error_frame)
+from .lowrank import LowRank
+from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BCAST, TAG_FACTORS, TAG_GRAD, TAG_LOSS,
+                   TAG_REPORT, WORLD, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
+                   error_frame)
 
 
 class Worker(FollowerRole):
@@ -55,6 +57,9 @@ class Worker(FollowerRole):
         self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
+        #: PowerSGD's factors, error memory and Q (two-round codecs, --servers 1), else None.
+        self.lowrank = (LowRank(self.replica.model, self.replica.layout, codec, config.seed, worker=True)
+                        if codec.two_rounds else None)
         #: The shard this worker serves (colocated servers), else None.
         self.serves = self.server_ranks.index(self.rank) if channel.colocated else None
         if self.serves is not None:
@@ -103,10 +108,29 @@ class Worker(FollowerRole):
             raise RuntimeError(f"protocol out of step: rank 0 is at iteration {self.control_msg.iteration}, "
                                f"rank {self.rank} at {m}")
 
+    def _two_rounds(self, m: int) -> bool:
+        return self.lowrank is not None and self.lowrank.active(m)
+
+    def _send_factors(self, m: int, vector: np.ndarray, compressor, shard, tag: int, start: float) -> None:
+        """Encode a round's factors (two-round codecs) into one frame and send it to server 0."""
+        try:
+            frame = compressor.encode(vector, self.control_msg.bits, shard)
+            FrameHeader.set_encode_seconds(frame, time.process_time() - start)
+        except CodecError:
+            if np.isfinite(vector).all():
+                raise
+            frame = error_frame()
+        self.channel.send([(frame, self.server_ranks[0])], tag,
+                          lambda pending: f"server rank 0 took no factors for iteration {m}")
+
     def gradients(self, m: int) -> None:
         bits = self.control_msg.bits
         start = time.process_time()
         grad = self.replica.gradient_to_host()
+        if self._two_rounds(m):  # round 1: P_i = M_i Q and the other layers
+            lowrank = self.lowrank
+            self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.round1, TAG_GRAD, start)
+            return
         try:
             frames = [self.compressor.encode(grad, bits, shard) for shard in self.shards]
             seconds = time.process_time() - start
@@ -134,6 +158,17 @@ class Worker(FollowerRole):
         if self.serves is not None:
             self._exchange_shards(m)
             return
+        views = self._receive_broadcast(describe)
+        if self._two_rounds(m):  # round 1: P^ and the other layers' average
+            lowrank = self.lowrank
+            lowrank.compressor1.decode(views[0], lowrank.round1, lowrank.p_buf)
+            return
+        update = self.replica.update_host
+        for shard, view in zip(self.shards, views):
+            self.broadcast_decoder.decode(view, shard, update)
+
+    def _receive_broadcast(self, describe) -> list[np.ndarray]:
+        """Every server's broadcast frame (its length first), as views of reused buffers."""
         self.channel.broadcast([(self.lengths[s], s) for s in range(self.servers)], describe)
         views = []
         for s in range(self.servers):
@@ -142,9 +177,20 @@ class Worker(FollowerRole):
                 self.frames[s] = np.empty(size, np.uint8)
             views.append(self.frames[s][:size])
         self.channel.broadcast([(view, s) for s, view in enumerate(views)], describe)
-        update = self.replica.update_host
-        for shard, view in zip(self.shards, views):
-            self.broadcast_decoder.decode(view, shard, update)
+        return views
+
+    def gradients2(self, m: int) -> None:
+        if self._two_rounds(m):  # round 2: Q_i = M_i^T P^
+            start = time.process_time()
+            lowrank = self.lowrank
+            self._send_factors(m, lowrank.second_factors(), lowrank.compressor2, lowrank.round2, TAG_FACTORS, start)
+
+    def broadcast2(self, m: int) -> None:
+        if self._two_rounds(m):  # the averaged Q: the update P^ Q^T, the error memory, the next Q
+            views = self._receive_broadcast(lambda: f"server rank 0 sent no second-round factors for iteration {m}")
+            lowrank = self.lowrank
+            lowrank.compressor2.decode(views[0], lowrank.round2, lowrank.q_buf)
+            lowrank.apply(self.replica.update_host)
 
     def _exchange_shards(self, m: int) -> None:
         """Colocated: re-encode this worker's shard, send it to every other worker, and decode
@@ -191,6 +237,8 @@ class Worker(FollowerRole):
         state = {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}
         if self.serves is not None:
             state["server_compressor"] = self.server_compressor.state_dict()
+        if self.lowrank is not None:
+            state["lowrank"] = self.lowrank.state_dict()
         return state
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
@@ -198,4 +246,6 @@ class Worker(FollowerRole):
         self.compressor.load_state_dict(state["compressor"])
         if self.serves is not None:
             self.server_compressor.load_state_dict(state["server_compressor"])
+        if self.lowrank is not None:
+            self.lowrank.load_state_dict(state["lowrank"])
         self.replica.load_state_dict(replica_state)
