@@ -196,14 +196,15 @@ def test_retime_refuses_a_two_round_trace(tmp_path):
 def test_mpiexec_run_trains_with_rank_2(tmp_path, mpi_env):
     trace = tmp_path / "psgd.h5"
     result = run_mpi(3, ["train", "--trace", str(trace), "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
-                         "--codec-opt", "rank=2", "--policy", "fixed", "--iterations", "30", "--lr", "0.05",
-                         "--eval-every", "30", "--progress-every", "10", "--compute-time", "50ms"], mpi_env)
+                         "--codec-opt", "rank=2", "--policy", "fixed", "--iterations", "60", "--lr", "0.1",
+                         "--batch-size", "16", "--eval-every", "30", "--progress-every", "10", "--compute-time",
+                         "50ms"], mpi_env)
     assert result.returncode == 0, result.stderr
     assert "no cost model has powersgd's matrix products" in result.stdout
     tr = load(trace)
-    assert tr.complete and len(tr.steps) == 30
+    assert tr.complete and len(tr.steps) == 60 and len(tr.eval) == 2
     losses = tr.steps["loss"].to_numpy()
-    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.1
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.15  # measured: 2.65 -> 2.29 (loopback, seed 0)
     first, second, _, _ = expected_frames(paper_cnn_shapes((256, 256)), 2)
     assert (tr.workers.filter(like="bytes_sent").to_numpy() == first + second).all()
     assert tr.config["codec"] == "powersgd"
@@ -213,9 +214,9 @@ def test_mpiexec_run_trains_with_rank_2(tmp_path, mpi_env):
 TASK = """# ranks: 3
 policy = "fixed"
 codec = "powersgd"
-iterations = 40
+iterations = 60
 batch_size = 16
-lr = 0.05
+lr = 0.1
 weight_decay = 0.004
 model = "paper-cnn"
 data = "digits"
@@ -254,15 +255,17 @@ def test_losses_track_torchs_powersgd_hook(against_ddp):
         ours = load(out / f"mpigrad-seed{seed}.h5").steps["loss"].to_numpy()
         theirs = load(out / f"ddp-powersgd2-seed{seed}.h5").steps["loss"].to_numpy()
         fp32 = load(out / f"ddp-fp32-seed{seed}.h5").steps["loss"].to_numpy()
-        assert len(ours) == len(theirs) == 40
+        assert len(ours) == len(theirs) == 60
         assert np.abs(ours[:3] - theirs[:3]).max() < 1e-4  # iterations 0-2 see the float32 steps only
-        gap = np.abs(ours - theirs)
-        print(f"seed {seed}: max |loss gap| {gap.max():.4f}, mean {gap.mean():.4f}; "
-              f"last 10 mean: mpigrad {ours[-10:].mean():.4f}, DDP PowerSGD r2 {theirs[-10:].mean():.4f}, "
-              f"DDP fp32 {fp32[-10:].mean():.4f}")
-        assert gap.max() < 0.1 and gap.mean() < 0.03
-        assert abs(ours[-10:].mean() - theirs[-10:].mean()) < 0.03
-        assert ours[-10:].mean() < ours[:5].mean() - 0.1  # it trains
+        gap, compression = np.abs(ours - theirs), np.abs(theirs - fp32)
+        print(f"seed {seed}: |mpigrad - DDP PowerSGD r2| max {gap.max():.4f}, mean {gap.mean():.4f}; "
+              f"|DDP PowerSGD r2 - DDP fp32| mean {compression.mean():.4f}; last 10 mean: mpigrad "
+              f"{ours[-10:].mean():.4f}, DDP PowerSGD r2 {theirs[-10:].mean():.4f}, DDP fp32 {fp32[-10:].mean():.4f}")
+        # measured (seeds 1, 2): max 0.022, 0.021; mean 0.004, 0.003; last 10 within 0.01
+        assert gap.max() < 0.05 and gap.mean() < 0.01
+        assert abs(ours[-10:].mean() - theirs[-10:].mean()) < 0.02
+        assert gap.mean() < 0.5 * compression.mean()  # closer to the hook than the hook is to fp32
+        assert ours[-10:].mean() < ours[:10].mean() - 0.08  # it trains
 
 
 @pytest.mark.mpi
@@ -279,6 +282,8 @@ def test_bytes_per_iteration_are_the_hooks_plus_frame_headers(against_ddp):
     headers = FrameHeader.size(layers + 1) + FrameHeader.size(layers) + 40 * (2 * layers + 1)
     ours = load(out / "mpigrad-seed1.h5")
     sent = ours.workers.filter(like="bytes_sent").to_numpy()[2:]
+    print(f"bytes per worker per iteration: mpigrad {sent[0, 0]} sent (and as many received, + 16 length bytes), "
+          f"DDP PowerSGD r2 {powersgd_bytes(2, shapes, 2):.0f} per node each way, headers {headers}")
     assert (sent == powersgd_bytes(2, shapes, 2) + headers).all()
     theirs = load(out / "ddp-powersgd2-seed1.h5").steps
     per_node = ((theirs["bytes_up"] + theirs["bytes_down"]) / 2).to_numpy()[2:]
