@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import options
 from .base import CodecError, register_codec
+from .checks import check_int
 from .fp import _FloatCodec
 
 
@@ -40,7 +40,7 @@ class PowerSGD(_FloatCodec):
     def __init__(self, *, rank: int = 1, min_compression_rate: float = 2.0, start: int = 0,
                  checksum: bool = False):
         super().__init__(checksum=checksum)
-        self.rank = options.check_int("rank", rank, 1, 1 << 16, error=CodecError)
+        self.rank = check_int(self.codec_id, "rank", rank, 1, 1 << 16)
         try:
             rate = float(min_compression_rate)
         except (TypeError, ValueError):
@@ -48,7 +48,7 @@ class PowerSGD(_FloatCodec):
         if not (np.isfinite(rate) and rate >= 1.0):
             raise CodecError(f"powersgd: min_compression_rate must be at least 1, got {min_compression_rate!r}")
         self.min_compression_rate = rate
-        self.start = options.check_int("start", start, 0, 2**62, error=CodecError)
+        self.start = check_int(self.codec_id, "start", start, 0, 2**62)
 
     def _config(self):
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate, "start": self.start}
