@@ -82,7 +82,7 @@ def test_orthogonalize_gives_orthonormal_columns_like_torchs_hook():
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(servers=2), "--servers 1 only"), (dict(servers="colocated"), "--servers 1 only"),
+    (dict(servers="colocated"), "not --servers colocated"),
     (dict(error_feedback="residual"), "its own error feedback"), (dict(broadcast_codec="fp16"), "broadcast"),
     (dict(shard_chunk=1000), "shard-chunk"), (dict(min_quantize_size=100), "min-quantize-size"),
     (dict(policy="mqgrad"), "policy"),
@@ -95,12 +95,12 @@ def test_what_it_does_not_run_with_is_refused_in_one_line(options, words):
     assert "\n" not in str(info.value)
 
 
-def test_the_command_line_refuses_sharded_servers_with_exit_2():
+def test_the_command_line_refuses_colocated_servers_with_exit_2():
     done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--codec", "powersgd", "--policy", "fixed",
-                           "--servers", "2"], capture_output=True, text=True, timeout=60)
+                           "--servers", "colocated"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--servers 1 only" in lines[0], done.stderr
+    assert len(lines) == 1 and "not --servers colocated" in lines[0], done.stderr
 
 
 # ---- the two rounds on the loopback channel -----------------------------------------------
@@ -181,6 +181,40 @@ def test_stop_and_resume_continue_the_straight_run(tmp_path):
     np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
 
 
+def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
+    """With S = 2 each server averages, orthogonalises and broadcasts the factors of its
+    layers (and the float32 layers where it holds them): the same sums, so the same run."""
+    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 2}, iterations=8)
+    code1, errors1, one = run(tmp_path, servers=1, name="s1.h5", **options)
+    code2, errors2, two = run(tmp_path, servers=2, name="s2.h5", **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(one.trace), load(two.trace)
+    np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
+    np.testing.assert_array_equal(a.workers.filter(like="loss"), b.workers.filter(like="loss"))
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    # every worker sends each server its shard's factors: together one server's frames plus
+    # one frame header per round (two more for the float32 iterations' one round)
+    sent_a = a.workers.filter(like="bytes_sent").to_numpy()
+    sent_b = b.workers.filter(like="bytes_sent").to_numpy()
+    np.testing.assert_array_equal(sent_b[2:] - sent_a[2:], 2 * FrameHeader.size(0))
+    np.testing.assert_array_equal(b.servers.filter(like="bytes_in").sum(axis=1), sent_b.sum(axis=1))
+    assert (b.servers.filter(like="bytes_in").to_numpy() > 0).all()
+
+
+def test_sharded_stop_and_resume_continue_the_straight_run(tmp_path):
+    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1}, servers=2)
+    code, errors, straight = run(tmp_path, name="straight.h5", **options)
+    assert code == 0 and not errors, errors
+    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(3), **options)
+    assert code == EXIT_REQUEUE and not errors, errors
+    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
+    assert code == 0 and not errors, errors
+    a, b = load(straight.trace), load(stopped.trace)
+    for column in ("loss", "bytes_up", "bytes_down", "sim_time"):
+        np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+
+
 def test_retime_refuses_a_two_round_trace(tmp_path):
     from mpigrad.analysis.retime import retime
     from mpigrad.trace import TraceError
@@ -193,9 +227,11 @@ def test_retime_refuses_a_two_round_trace(tmp_path):
 
 # ---- a real mpiexec run ----------------------------------------------------------------------
 @pytest.mark.mpi
-def test_mpiexec_run_trains_with_rank_2(tmp_path, mpi_env):
+@pytest.mark.parametrize("servers", [1, 2])
+def test_mpiexec_run_trains_with_rank_2(tmp_path, mpi_env, servers):
     trace = tmp_path / "psgd.h5"
-    result = run_mpi(3, ["train", "--trace", str(trace), "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
+    result = run_mpi(2 + servers, ["train", "--trace", str(trace), "--servers", str(servers),
+                                   "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
                          "--codec-opt", "rank=2", "--policy", "fixed", "--iterations", "60", "--lr", "0.1",
                          "--batch-size", "16", "--eval-every", "30", "--progress-every", "10", "--compute-time",
                          "50ms"], mpi_env)
@@ -206,7 +242,8 @@ def test_mpiexec_run_trains_with_rank_2(tmp_path, mpi_env):
     losses = tr.steps["loss"].to_numpy()
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.15  # measured: 2.65 -> 2.29 (loopback, seed 0)
     first, second, _, _ = expected_frames(paper_cnn_shapes((256, 256)), 2)
-    assert (tr.workers.filter(like="bytes_sent").to_numpy() == first + second).all()
+    # one frame per server and round: S - 1 more frame headers per round
+    assert (tr.workers.filter(like="bytes_sent").to_numpy() == first + second + 2 * (servers - 1) * 16).all()
     assert tr.config["codec"] == "powersgd"
 
 

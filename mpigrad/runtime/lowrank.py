@@ -76,7 +76,10 @@ class LowRank:
     """One rank's PowerSGD: the factor layouts and buffers; on a worker also its error memory
     and Q (``worker=True``). ``state_dict`` holds what a checkpoint needs (Q and the memory)."""
 
-    def __init__(self, model: torch.nn.Module, layout, codec: Codec, seed: int, worker: bool):
+    def __init__(self, model: torch.nn.Module, layout, codec: Codec, seed: int, worker: bool, shards=None):
+        """``shards``: the run's layout shards (one per server; None: one server). Server s
+        aggregates the factors of the low-rank layers of its shard, and the other layers'
+        float32 piece when it holds it: ``rounds[0][s]`` and ``rounds[1][s]``."""
         self.codec, self.seed, self.worker = codec, seed, worker
         params = dict(model.named_parameters())
         layers, p_off, q_off = [], 0, 0
@@ -93,7 +96,15 @@ class LowRank:
         if self.rest.size:
             pieces1.append(Piece(len(layers), -1, p_off, self.rest.size))
         pieces2 = [Piece(lay.layer, lay.layer, lay.q_offset, lay.m * lay.r) for lay in layers]
-        self.round1, self.round2 = Shard(0, tuple(pieces1)), Shard(0, tuple(pieces2))
+        if shards is None:
+            shards = (Shard(0, tuple(Piece(p.index, p.layer, 0, 0) for p in pieces1)),)
+        #: Per round, per server: the factor shard (pieces in layout order, as the layout shard's).
+        self.rounds = tuple(
+            tuple(Shard(shard.server, tuple(pieces[p.layer if p.quantized else len(layers)]
+                                            for p in shard.pieces if p.quantized or len(pieces) > len(layers)))
+                  for shard in shards)
+            for pieces in (pieces1, pieces2))
+        self.round1, self.round2 = self.rounds[0][0], self.rounds[1][0]
         self.p_size, self.q_size = p_off + self.rest.size, q_off
         self.p_buf = np.zeros(self.p_size, np.float32)   # round 1: P_i out, then P^ and the rest's average in
         self.q_buf = np.zeros(self.q_size, np.float32)   # round 2: Q_i out, then the average Q in
@@ -143,10 +154,20 @@ class LowRank:
         return self.q_buf
 
     # ---- the server's part --------------------------------------------------------------
-    def orthogonalize_average(self, average: np.ndarray) -> None:
-        """Round 1's average, before its broadcast: orthogonalise each layer's P in place."""
-        for lay in self.layers:
-            orthogonalize(self._p(average, lay))
+    def orthogonalizer(self, shard: Shard):
+        """Round 1's transform for server ``shard.server``: orthogonalise in place each P of
+        its shard in the average, before the broadcast."""
+        def transform(average: np.ndarray) -> None:
+            for piece in shard.pieces:
+                if piece.quantized:
+                    orthogonalize(self._p(average, self.layers[piece.layer]))
+        return transform
+
+    def frame_sizes(self, bits) -> tuple[list[int], list[int]]:
+        """Each server's frame bytes in round 1 and round 2 (float32 factors: fixed by the
+        layout, the same for every worker and for the broadcast)."""
+        return tuple([compressor.capacity(shard, bits) for shard in shards]
+                     for compressor, shards in ((self.compressor1, self.rounds[0]), (self.compressor2, self.rounds[1])))
 
     # ---- every rank: the update ---------------------------------------------------------
     def apply(self, update: np.ndarray) -> None:

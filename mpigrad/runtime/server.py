@@ -156,6 +156,13 @@ def unpack_average(shard, average: np.ndarray, out: np.ndarray) -> None:
             pos += piece.size
 
 
+def factor_aggregators(config: RunConfig, channel: Channel, lowrank: LowRank, server: int) -> tuple:
+    """Server ``server``'s aggregators of a two-round codec's factors: (round 1, round 2)."""
+    return tuple(ShardAggregator(config, channel, shards[server], compressor, compressor, size, None)
+                 for shards, compressor, size in ((lowrank.rounds[0], lowrank.compressor1, lowrank.p_size),
+                                                  (lowrank.rounds[1], lowrank.compressor2, lowrank.q_size)))
+
+
 def _stalled(m: int):
     return lambda: f"gradient broadcast of iteration {m} stalled"
 
@@ -176,6 +183,12 @@ class ShardServer(FollowerRole):
         self.compressor = build_broadcast_compressor(config, layout, codec, decoder)
         self.aggregator = ShardAggregator(config, channel, shard, decoder, self.compressor, layout.total,
                                           broadcast_codec(config)[1])
+        #: PowerSGD (two-round codecs): this shard's factor aggregators, one per round.
+        self.lowrank = None
+        if codec.two_rounds:
+            self.lowrank = LowRank(replica.model, layout, codec, config.seed, worker=False,
+                                   shards=build_shards(config, layout, codec, channel.servers))
+            self.factor_aggregators = factor_aggregators(config, channel, self.lowrank, self.rank)
         #: Rank 0's policy observes the whole average: send it this shard's part (message 6).
         self.send_average = policy_class(config.policy).uses_gradients
         self.buffer_sync = BufferSync(replica.model, channel)
@@ -195,22 +208,49 @@ class ShardServer(FollowerRole):
                                lambda: f"rank 0 sent no bits for iteration {m}")
         self.bits = self.control_msg.bits
 
-    def gradients(self, m: int) -> None:
-        self.sizes, self.worker_encode, self.t_decode = self.aggregator.aggregate(m)
+    def _two_rounds(self, m: int) -> bool:
+        return self.lowrank is not None and self.lowrank.active(m)
 
-    def broadcast(self, m: int) -> None:
-        agg = self.aggregator
-        self.t_encode = agg.encode(self.bits)
+    def gradients(self, m: int) -> None:
+        agg = self.factor_aggregators[0] if self._two_rounds(m) else self.aggregator
+        self.sizes, self.worker_encode, self.t_decode = agg.aggregate(m)
+        self.one_round = not self._two_rounds(m)  # two rounds: no ||g|| to report (norm_ratio NaN)
+        self.bytes_out = 0
+
+    def _broadcast(self, m: int, agg: ShardAggregator, transform=None) -> float:
+        t_encode = agg.encode(self.bits, transform)
         self.channel.broadcast([(agg.frame_len, self.rank)], _stalled(m))
         self.channel.broadcast([(agg.frame, self.rank)], _stalled(m))
+        self.bytes_out += agg.frame.size + FrameLength.NBYTES
+        return t_encode
+
+    def broadcast(self, m: int) -> None:
+        if self._two_rounds(m):  # round 1: this shard's P^ (orthogonalised), and the other layers if it holds them
+            lowrank = self.lowrank
+            self.t_encode = self._broadcast(m, self.factor_aggregators[0],
+                                            lowrank.orthogonalizer(lowrank.rounds[0][self.rank]))
+            return
+        self.t_encode = self._broadcast(m, self.aggregator)
+
+    def gradients2(self, m: int) -> None:
+        if self._two_rounds(m):  # round 2: this shard's Q_i
+            sizes, encode, decode = self.factor_aggregators[1].aggregate(m, tag=TAG_FACTORS)
+            self.sizes = [a + b for a, b in zip(self.sizes, sizes)]
+            self.worker_encode += encode
+            self.t_decode += decode
+
+    def broadcast2(self, m: int) -> None:
+        if self._two_rounds(m):
+            self.t_encode += self._broadcast(m, self.factor_aggregators[1])
 
     def reports(self, m: int) -> None:
         if self.fault:
             self.fault.before_send(m, 0.0, None)
         agg = self.aggregator
         layers = max(self.n_layers, 1)
-        ServerReport(agg.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode, self.worker_encode,
-                     self.sizes, agg.energies(layers), [0.0] * layers).pack(self.report)
+        energies = agg.energies(layers) if self.one_round else [0.0] * layers
+        ServerReport(self.bytes_out, self.t_decode, self.t_encode, self.worker_encode,
+                     self.sizes, energies, [0.0] * layers).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT,
                           lambda pending: f"rank 0 took no report for iteration {m}")
         if self.send_average:
@@ -266,11 +306,9 @@ class ParameterServer:
         #: PowerSGD (two-round codecs, --servers 1): its factor layouts and one aggregator per round.
         self.lowrank = None
         if self.codec.two_rounds and self.aggregator is not None:
-            self.lowrank = lowrank = LowRank(self.replica.model, layout, self.codec, config.seed, worker=False)
-            self.factor_aggregators = tuple(
-                ShardAggregator(config, channel, shard, compressor, compressor, size, None)
-                for shard, compressor, size in ((lowrank.round1, lowrank.compressor1, lowrank.p_size),
-                                                (lowrank.round2, lowrank.compressor2, lowrank.q_size)))
+            self.lowrank = lowrank = LowRank(self.replica.model, layout, self.codec, config.seed, worker=False,
+                                             shards=self.shards)
+            self.factor_aggregators = factor_aggregators(config, channel, lowrank, 0)
         # The other servers send their part of the average (message 6) when the policy
         # observes it: self.average is then the whole average, as with S = 1.
         self.receive_averages = bool(self.remote_shards) and self.policy.uses_gradients
@@ -360,8 +398,8 @@ class ParameterServer:
         if self._two_rounds(m):  # round 1: P^ (orthogonalised) and the other layers' average
             lowrank = self.lowrank
             t_encode, t_decode, frame_bytes = self._broadcast_round(
-                m, self.factor_aggregators[0], lowrank.orthogonalize_average,
-                lambda s, frame: lowrank.compressor1.decode(frame, lowrank.round1, lowrank.p_buf))
+                m, self.factor_aggregators[0], lowrank.orthogonalizer(lowrank.rounds[0][0]),
+                lambda s, frame: lowrank.compressor1.decode(frame, lowrank.rounds[0][s], lowrank.p_buf))
         else:
             t_encode, t_decode, frame_bytes = self._broadcast_round(
                 m, self.aggregator, None, lambda s, frame: self.compressor.decode(frame, self.shards[s], self.update))
@@ -400,7 +438,7 @@ class ParameterServer:
         lowrank = self.lowrank
         t_encode, t_decode, frame_bytes = self._broadcast_round(
             m, self.factor_aggregators[1], None,
-            lambda s, frame: lowrank.compressor2.decode(frame, lowrank.round2, lowrank.q_buf))
+            lambda s, frame: lowrank.compressor2.decode(frame, lowrank.rounds[1][s], lowrank.q_buf))
         start = time.process_time()
         lowrank.apply(self.update)  # P^ Q^T into rank 0's update, as every worker does
         it = self.it
@@ -437,9 +475,10 @@ class ParameterServer:
             self.it["worker_encode"] = max(r.worker_encode for r in reports)
         self.it["servers"] = reports
         if sizes2 is not None:  # each round charged as it went: P up, P^ down, Q up, Q down
-            self.clock.gradients([self.it["sizes"]])
+            rounds = self._factor_frames_in(reports)
+            self.clock.gradients(rounds[0])
             self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
-            self.clock.gradients([sizes2])
+            self.clock.gradients(rounds[1])
             self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes2"]])
             return
         self.clock.gradients([r.sizes for r in reports])
@@ -472,8 +511,9 @@ class ParameterServer:
         frames_down = [FrameLength.NBYTES + n for n in it["frame_bytes"]]
         if "sizes2" in it:  # two rounds: the trace's frame and bytes columns count both
             second_down = tuple(FrameLength.NBYTES + n for n in it["frame_bytes2"])
-            traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes, (tuple(it["sizes"]),),
-                                       tuple(frames_down), self.colocated, (tuple(it["sizes2"]),), second_down)
+            first_in, second_in = (tuple(tuple(sizes) for sizes in frames) for frames in self._factor_frames_in(servers))
+            traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes, first_in,
+                                       tuple(frames_down), self.colocated, second_in, second_down)
             frames_down = [a + b for a, b in zip(frames_down, second_down)]
         else:
             traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
@@ -499,6 +539,20 @@ class ParameterServer:
         return run_iteration(self, m)
 
     # ---- helpers of the phases ----------------------------------------------------------------
+    def _factor_frames_in(self, reports: list[ServerReport]) -> tuple[list[list[int]], list[list[int]]]:
+        """Two rounds: the frames into each server per round and worker. Shard 0's come
+        measured; another server reports the rounds' sum per worker, which its fixed factor
+        frame sizes (float32, set by the layout) split; TrainingError when they do not add up."""
+        first, second = [list(self.it["sizes"])], [list(self.it["sizes2"])]
+        sizes1, sizes2 = self.lowrank.frame_sizes(self.it["bits"])
+        for s, report in zip(self.remote_shards, reports[1:]):
+            if any(n != sizes1[s] + sizes2[s] for n in report.sizes):
+                raise TrainingError(f"server rank {self.server_of[s]} received factor frames of {report.sizes} "
+                                    f"bytes, not {sizes1[s]} + {sizes2[s]}")
+            first.append([sizes1[s]] * self.workers)
+            second.append([sizes2[s]] * self.workers)
+        return first, second
+
     def _local_work(self) -> LocalWork:
         """What the cost model charges per iteration: the pieces of every shard, the codecs."""
         down, down_bits = broadcast_codec(self.config)

@@ -58,8 +58,8 @@ class Worker(FollowerRole):
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
         #: PowerSGD's factors, error memory and Q (two-round codecs, --servers 1), else None.
-        self.lowrank = (LowRank(self.replica.model, self.replica.layout, codec, config.seed, worker=True)
-                        if codec.two_rounds else None)
+        self.lowrank = (LowRank(self.replica.model, self.replica.layout, codec, config.seed, worker=True,
+                                shards=self.shards) if codec.two_rounds else None)
         #: The shard this worker serves (colocated servers), else None.
         self.serves = self.server_ranks.index(self.rank) if channel.colocated else None
         if self.serves is not None:
@@ -111,17 +111,20 @@ class Worker(FollowerRole):
     def _two_rounds(self, m: int) -> bool:
         return self.lowrank is not None and self.lowrank.active(m)
 
-    def _send_factors(self, m: int, vector: np.ndarray, compressor, shard, tag: int, start: float) -> None:
-        """Encode a round's factors (two-round codecs) into one frame and send it to server 0."""
+    def _send_factors(self, m: int, vector: np.ndarray, compressor, shards, tag: int, start: float) -> None:
+        """Encode a round's factors (two-round codecs) into one frame per server and send them."""
         try:
-            frame = compressor.encode(vector, self.control_msg.bits, shard)
-            FrameHeader.set_encode_seconds(frame, time.process_time() - start)
+            frames = [compressor.encode(vector, self.control_msg.bits, shard) for shard in shards]
+            seconds = time.process_time() - start
+            for frame in frames:
+                FrameHeader.set_encode_seconds(frame, seconds)
         except CodecError:
             if np.isfinite(vector).all():
                 raise
-            frame = error_frame()
-        self.channel.send([(frame, self.server_ranks[0])], tag,
-                          lambda pending: f"server rank 0 took no factors for iteration {m}")
+            frames = [error_frame()] * self.servers
+        self.channel.send(list(zip(frames, self.server_ranks)), tag,
+                          lambda pending: f"server rank(s) {', '.join(map(str, pending))} took no factors "
+                                          f"for iteration {m}")
 
     def gradients(self, m: int) -> None:
         bits = self.control_msg.bits
@@ -129,7 +132,7 @@ class Worker(FollowerRole):
         grad = self.replica.gradient_to_host()
         if self._two_rounds(m):  # round 1: P_i = M_i Q and the other layers
             lowrank = self.lowrank
-            self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.round1, TAG_GRAD, start)
+            self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.rounds[0], TAG_GRAD, start)
             return
         try:
             frames = [self.compressor.encode(grad, bits, shard) for shard in self.shards]
@@ -161,7 +164,8 @@ class Worker(FollowerRole):
         views = self._receive_broadcast(describe)
         if self._two_rounds(m):  # round 1: P^ and the other layers' average
             lowrank = self.lowrank
-            lowrank.compressor1.decode(views[0], lowrank.round1, lowrank.p_buf)
+            for shard, view in zip(lowrank.rounds[0], views):
+                lowrank.compressor1.decode(view, shard, lowrank.p_buf)
             return
         update = self.replica.update_host
         for shard, view in zip(self.shards, views):
@@ -183,13 +187,14 @@ class Worker(FollowerRole):
         if self._two_rounds(m):  # round 2: Q_i = M_i^T P^
             start = time.process_time()
             lowrank = self.lowrank
-            self._send_factors(m, lowrank.second_factors(), lowrank.compressor2, lowrank.round2, TAG_FACTORS, start)
+            self._send_factors(m, lowrank.second_factors(), lowrank.compressor2, lowrank.rounds[1], TAG_FACTORS, start)
 
     def broadcast2(self, m: int) -> None:
         if self._two_rounds(m):  # the averaged Q: the update P^ Q^T, the error memory, the next Q
             views = self._receive_broadcast(lambda: f"server rank 0 sent no second-round factors for iteration {m}")
             lowrank = self.lowrank
-            lowrank.compressor2.decode(views[0], lowrank.round2, lowrank.q_buf)
+            for shard, view in zip(lowrank.rounds[1], views):
+                lowrank.compressor2.decode(view, shard, lowrank.q_buf)
             lowrank.apply(self.replica.update_host)
 
     def _exchange_shards(self, m: int) -> None:

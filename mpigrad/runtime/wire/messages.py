@@ -19,9 +19,10 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     messages 3 and 4 carry round 1 over the *factor layout*: one float32 codec
                     buffer per low-rank layer, P_i = M_i Q (n x r) up, the orthogonalised
                     average P^ down, then the other layers' float32 piece. Then round 2:
-                    worker -> server 0, tag FACTORS, a gradient frame of one float32 buffer
-                    per low-rank layer, Q_i = M_i^T P^ (m x r); server 0 -> its broadcast
-                    group, ``FrameLength`` then the frame of the averaged Q (same layout).
+                    worker -> server s, tag FACTORS, a gradient frame of one float32 buffer
+                    per low-rank layer of shard s, Q_i = M_i^T P^ (m x r); server s -> its
+                    broadcast group, ``FrameLength`` then the frame of the averaged Q (same
+                    layout). A ``ServerReport``'s frame bytes are then both rounds' sum.
 5. ``ServerReport`` server s (not rank 0) -> rank 0, tag REPORT, float64[4 + P + 2L]
                     (bytes broadcast, decode CPU s, encode CPU s, the slowest worker's encode
                     s, each worker's frame bytes, ||g||^2 of each quantized layer's part in
