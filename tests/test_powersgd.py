@@ -82,7 +82,6 @@ def test_orthogonalize_gives_orthonormal_columns_like_torchs_hook():
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(servers="colocated"), "not --servers colocated"),
     (dict(error_feedback="residual"), "its own error feedback"), (dict(broadcast_codec="fp16"), "broadcast"),
     (dict(shard_chunk=1000), "shard-chunk"), (dict(min_quantize_size=100), "min-quantize-size"),
     (dict(policy="mqgrad"), "policy"),
@@ -95,12 +94,12 @@ def test_what_it_does_not_run_with_is_refused_in_one_line(options, words):
     assert "\n" not in str(info.value)
 
 
-def test_the_command_line_refuses_colocated_servers_with_exit_2():
+def test_the_command_line_refuses_a_bad_combination_with_exit_2():
     done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--codec", "powersgd", "--policy", "fixed",
-                           "--servers", "colocated"], capture_output=True, text=True, timeout=60)
+                           "--error-feedback", "residual"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "not --servers colocated" in lines[0], done.stderr
+    assert len(lines) == 1 and "its own error feedback" in lines[0], done.stderr
 
 
 # ---- the two rounds on the loopback channel -----------------------------------------------
@@ -181,6 +180,25 @@ def test_stop_and_resume_continue_the_straight_run(tmp_path):
     np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
 
 
+def test_colocated_servers_give_the_single_server_run_bit_for_bit(tmp_path):
+    """Every worker serving the factors of its shard's layers (P and Q rounds point to point
+    among the workers): the same sums, so the same run; each node's link carries the
+    factors of the other shards only."""
+    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 2}, iterations=8, workers=3, eval_every=4)
+    code1, errors1, one = run(tmp_path, servers=1, name="s1.h5", **options)
+    code2, errors2, col = run(tmp_path, servers="colocated", name="col.h5", **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(one.trace), load(col.trace)
+    np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
+    np.testing.assert_array_equal(a.workers.filter(like="loss"), b.workers.filter(like="loss"))
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])  # rank 0 gets the workers' parameters
+    assert (b.steps["bytes_up"] < a.steps["bytes_up"]).all() and (b.steps["sim_time"] < a.steps["sim_time"]).all()
+    frames = b.servers.filter(like="frame_bytes").to_numpy().reshape(len(b.servers), 3, 3)
+    local = np.trace(frames, axis1=1, axis2=2)
+    np.testing.assert_array_equal(b.workers.filter(like="bytes_sent").sum(axis=1), frames.sum(axis=(1, 2)) - local)
+
+
 def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
     """With S = 2 each server averages, orthogonalises and broadcasts the factors of its
     layers (and the float32 layers where it holds them): the same sums, so the same run."""
@@ -201,8 +219,9 @@ def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
     assert (b.servers.filter(like="bytes_in").to_numpy() > 0).all()
 
 
-def test_sharded_stop_and_resume_continue_the_straight_run(tmp_path):
-    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1}, servers=2)
+@pytest.mark.parametrize("servers", [2, "colocated"])
+def test_sharded_stop_and_resume_continue_the_straight_run(tmp_path, servers):
+    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1}, servers=servers)
     code, errors, straight = run(tmp_path, name="straight.h5", **options)
     assert code == 0 and not errors, errors
     code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(3), **options)
@@ -227,10 +246,10 @@ def test_retime_refuses_a_two_round_trace(tmp_path):
 
 # ---- a real mpiexec run ----------------------------------------------------------------------
 @pytest.mark.mpi
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [1, 2, "colocated"])
 def test_mpiexec_run_trains_with_rank_2(tmp_path, mpi_env, servers):
     trace = tmp_path / "psgd.h5"
-    result = run_mpi(2 + servers, ["train", "--trace", str(trace), "--servers", str(servers),
+    result = run_mpi(3 if servers == "colocated" else 2 + servers, ["train", "--trace", str(trace), "--servers", str(servers),
                                    "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
                          "--codec-opt", "rank=2", "--policy", "fixed", "--iterations", "60", "--lr", "0.1",
                          "--batch-size", "16", "--eval-every", "30", "--progress-every", "10", "--compute-time",
@@ -242,8 +261,13 @@ def test_mpiexec_run_trains_with_rank_2(tmp_path, mpi_env, servers):
     losses = tr.steps["loss"].to_numpy()
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.15  # measured: 2.65 -> 2.29 (loopback, seed 0)
     first, second, _, _ = expected_frames(paper_cnn_shapes((256, 256)), 2)
-    # one frame per server and round: S - 1 more frame headers per round
-    assert (tr.workers.filter(like="bytes_sent").to_numpy() == first + second + 2 * (servers - 1) * 16).all()
+    sent = tr.workers.filter(like="bytes_sent").to_numpy()
+    if servers == "colocated":  # each worker sends the other shard's factors only
+        frames = tr.servers.filter(like="frame_bytes").to_numpy().reshape(len(tr.servers), 2, 2)
+        np.testing.assert_array_equal(sent.sum(axis=1), frames.sum(axis=(1, 2)) - np.trace(frames, axis1=1, axis2=2))
+        assert (sent < first + second).all()
+    else:  # one frame per server and round: S - 1 more frame headers per round
+        assert (sent == first + second + 2 * (servers - 1) * 16).all()
     assert tr.config["codec"] == "powersgd"
 
 

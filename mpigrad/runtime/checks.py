@@ -76,9 +76,6 @@ def check_device(name: str) -> None:
 def check_two_rounds(config: RunConfig, codec: Codec) -> None:
     """UsageError (one line) for what a two-round (low-rank) codec does not run with."""
     name = f"--codec {codec.codec_id}"
-    if config.colocated:
-        raise UsageError(f"{name} runs with --servers S (1 or more separate servers), not --servers colocated "
-                         "(its two rounds are not exchanged between colocated workers yet)")
     if config.policy != "fixed":
         raise UsageError(f"{name} has no bits to choose: use --policy fixed (its rank is --codec-opt rank=R)")
     if config.error_feedback != "none":

@@ -36,14 +36,15 @@ point to point; it sends its ServerReport in ``reports``). Rank 0 takes part in 
 when the buffers are due it receives the first worker's parameters after that worker's SGD
 step (message 9, in ``end``), off both clocks.
 
-Two-round codecs (``--codec powersgd``, :mod:`.lowrank`; not with colocated servers), from
-the codec's ``start`` iteration on: ``gradients``/``broadcast`` carry round 1 (worker: P_i =
-M_i Q for each low-rank layer and the other layers as float32; each server, for the layers
-of its shard: sum in rank order, average, orthogonalise each P, broadcast P^ and the other
-layers' average), then ``gradients2``/``broadcast2`` round 2 (each server: the Q_i of its
-layers, summed, averaged, broadcast; rank 0 decodes every shard's, as in round 1); the
-update is written in ``broadcast2``, on the workers and on rank 0. Before
-``start``, and for every other codec, those two phases do nothing.
+Two-round codecs (``--codec powersgd``, :mod:`.lowrank`), from the codec's ``start``
+iteration on: ``gradients``/``broadcast`` carry round 1 (worker: P_i = M_i Q for each
+low-rank layer and the other layers as float32; each server, for the layers of its shard:
+sum in rank order, average, orthogonalise each P, broadcast P^ and the other layers'
+average), then ``gradients2``/``broadcast2`` round 2 (each server: the Q_i of its layers,
+summed, averaged, broadcast; rank 0 decodes every shard's, as in round 1); the update is
+written in ``broadcast2``, on the workers and on rank 0. With colocated servers each worker
+runs the server's part for its shard in both rounds, and rank 0 takes part in neither.
+Before ``start``, and for every other codec, those two phases do nothing.
 
 Workers and shard servers share :class:`FollowerRole` (their ``buffers`` phase and loop).
 

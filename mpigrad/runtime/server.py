@@ -305,10 +305,11 @@ class ParameterServer:
             self.average = self.aggregator.grad_sum
         #: PowerSGD (two-round codecs, --servers 1): its factor layouts and one aggregator per round.
         self.lowrank = None
-        if self.codec.two_rounds and self.aggregator is not None:
+        if self.codec.two_rounds:  # colocated: for the frames' sizes only (the workers serve every shard)
             self.lowrank = lowrank = LowRank(self.replica.model, layout, self.codec, config.seed, worker=False,
                                              shards=self.shards)
-            self.factor_aggregators = factor_aggregators(config, channel, lowrank, 0)
+            if self.aggregator is not None:
+                self.factor_aggregators = factor_aggregators(config, channel, lowrank, 0)
         # The other servers send their part of the average (message 6) when the policy
         # observes it: self.average is then the whole average, as with S = 1.
         self.receive_averages = bool(self.remote_shards) and self.policy.uses_gradients
@@ -384,7 +385,8 @@ class ParameterServer:
         self.it["bits"] = bits
 
     def _two_rounds(self, m: int) -> bool:
-        return self.lowrank is not None and self.lowrank.active(m)
+        """True when iteration m is a two-round codec's and rank 0 serves shard 0 in it."""
+        return self.lowrank is not None and self.aggregator is not None and self.lowrank.active(m)
 
     def gradients(self, m: int) -> None:
         if self.aggregator is None:
@@ -451,6 +453,7 @@ class ParameterServer:
         layers = max(self.n_layers, 1)
         reports = []
         sizes2 = self.it.get("sizes2")
+        two_rounds = self.lowrank is not None and self.lowrank.active(m)
         if sizes2 is not None:  # two rounds: the frame bytes of both; norm_ratio has no ||g|| (NaN)
             reports.append(ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["worker_encode"],
                                         [a + b for a, b in zip(self.it["sizes"], sizes2)], [0.0] * layers,
@@ -474,7 +477,9 @@ class ParameterServer:
             self.it["frame_bytes"] = [int(r.bytes_out) - FrameLength.NBYTES for r in reports]
             self.it["worker_encode"] = max(r.worker_encode for r in reports)
         self.it["servers"] = reports
-        if sizes2 is not None:  # each round charged as it went: P up, P^ down, Q up, Q down
+        if two_rounds:  # each round charged as it went: P up, P^ down, Q up, Q down
+            if self.colocated:  # the factor frames' sizes are the layout's
+                self.it["frame_bytes"], self.it["frame_bytes2"] = self.lowrank.frame_sizes(self.it["bits"])
             rounds = self._factor_frames_in(reports)
             self.clock.gradients(rounds[0])
             self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
@@ -509,7 +514,7 @@ class ParameterServer:
                                                       t_encode, t_decode, it["t_policy"], it["bits"])
         self.last_iteration_ms = 1e3 * (sim_now - sim_before)
         frames_down = [FrameLength.NBYTES + n for n in it["frame_bytes"]]
-        if "sizes2" in it:  # two rounds: the trace's frame and bytes columns count both
+        if "frame_bytes2" in it:  # two rounds: the trace's frame and bytes columns count both
             second_down = tuple(FrameLength.NBYTES + n for n in it["frame_bytes2"])
             first_in, second_in = (tuple(tuple(sizes) for sizes in frames) for frames in self._factor_frames_in(servers))
             traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes, first_in,
@@ -542,10 +547,12 @@ class ParameterServer:
     def _factor_frames_in(self, reports: list[ServerReport]) -> tuple[list[list[int]], list[list[int]]]:
         """Two rounds: the frames into each server per round and worker. Shard 0's come
         measured; another server reports the rounds' sum per worker, which its fixed factor
-        frame sizes (float32, set by the layout) split; TrainingError when they do not add up."""
-        first, second = [list(self.it["sizes"])], [list(self.it["sizes2"])]
+        frame sizes (float32, set by the layout) split; TrainingError when they do not add up.
+        Colocated, every shard is a worker's (its own frame counted, not charged)."""
+        own = self.aggregator is not None
+        first, second = ([list(self.it["sizes"])], [list(self.it["sizes2"])]) if own else ([], [])
         sizes1, sizes2 = self.lowrank.frame_sizes(self.it["bits"])
-        for s, report in zip(self.remote_shards, reports[1:]):
+        for s, report in zip(self.remote_shards, reports[1:] if own else reports):
             if any(n != sizes1[s] + sizes2[s] for n in report.sizes):
                 raise TrainingError(f"server rank {self.server_of[s]} received factor frames of {report.sizes} "
                                     f"bytes, not {sizes1[s]} + {sizes2[s]}")
