@@ -19,9 +19,11 @@ M_i = g_i + e_i (worker i's gradient plus its error memory) and Q the shared m x
 
 Each round's frame is an ordinary gradient frame (``FrameHeader`` and one codec buffer per
 piece) over a *factor layout*: round 1's pieces are the P factors (piece = layer index) and
-the other layers' float32 piece, round 2's the Q factors. The servers' ``ShardAggregator``
-and ``GradientCompressor`` handle them as they handle gradients. All matrix products are
-float32 torch on the CPU, computed alike on every rank.
+the other layers' float32 piece, round 2's the Q factors; with S servers (or colocated
+ones) each server's factor shard (``rounds[r][s]``) holds the factors of the layers of its
+layout shard, and the float32 piece where that shard holds the small layers. The servers'
+``ShardAggregator`` and ``GradientCompressor`` handle them as they handle gradients. All
+matrix products are float32 torch on the CPU, computed alike on every rank.
 """
 
 from __future__ import annotations
