@@ -325,7 +325,8 @@ class ParameterServer:
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
         self.iteration = 0
         # Time kept in hand for the stop itself: gathering worker state and writing it.
-        copies = 1 + self.policy.uses_gradients + (self.workers + 1) * (config.error_feedback != "none")
+        memories = config.error_feedback != "none" or self.codec.two_rounds  # PowerSGD's error memories
+        copies = 1 + self.policy.uses_gradients + (self.workers + 1) * memories
         state_bytes = 4 * layout.total * copies
         self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
