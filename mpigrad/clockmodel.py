@@ -400,8 +400,9 @@ class LinkModel:
         colocated = traffic.colocated
         t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers, colocated)
         t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated, start=start + t_comm)
-        t_comm += self.gradients(traffic.frames_in, colocated, start=start + t_comm)
-        t_comm += self.broadcasts(traffic.workers, traffic.frames_out, colocated, start=start + t_comm)
+        for frames_in, frames_out in traffic._rounds():  # a two-round codec's rounds one after the other
+            t_comm += self.gradients(frames_in, colocated, start=start + t_comm)
+            t_comm += self.broadcasts(traffic.workers, frames_out, colocated, start=start + t_comm)
         return t_comm
 
     # ---- how the runtime applies a phase ---------------------------------------------
@@ -424,6 +425,8 @@ class IterationTraffic:
     ``frames_in[s][w]``: worker w's gradient frame to server s; ``frames_out[s]``: one copy
     of server s's broadcast, its length message included; ``colocated``: worker w serves
     shard w (its frame to it and its broadcast to itself cross no link, rank 0 gets none).
+    ``frames_in2``/``frames_out2``: a two-round codec's second round (PowerSGD's Q factors),
+    laid out as the first; empty for one round. The byte totals count both rounds.
     """
 
     loss_bytes: int
@@ -431,6 +434,13 @@ class IterationTraffic:
     frames_in: tuple[tuple[int, ...], ...]
     frames_out: tuple[int, ...]
     colocated: bool = False
+    frames_in2: tuple[tuple[int, ...], ...] = ()
+    frames_out2: tuple[int, ...] = ()
+
+    def _rounds(self):
+        """(frames_in, frames_out) of each round."""
+        first = ((self.frames_in, self.frames_out),)
+        return first + ((self.frames_in2, self.frames_out2),) if self.frames_in2 else first
 
     @property
     def servers(self) -> int:
@@ -442,14 +452,16 @@ class IterationTraffic:
 
     @property
     def server_bytes_in(self) -> tuple[int, ...]:
-        """Bytes of workers' frames that reach each server over a link."""
-        return tuple(sum(n for w, n in enumerate(sizes) if not (self.colocated and w == s))
-                     for s, sizes in enumerate(self.frames_in))
+        """Bytes of workers' frames that reach each server over a link (both rounds)."""
+        return tuple(sum(sum(n for w, n in enumerate(frames[s]) if not (self.colocated and w == s))
+                         for frames, _ in self._rounds())
+                     for s in range(self.servers))
 
     @property
     def worker_bytes_sent(self) -> tuple[int, ...]:
-        """Bytes of gradient frames each worker sends over its link."""
-        return tuple(sum(sizes[w] for s, sizes in enumerate(self.frames_in) if not (self.colocated and w == s))
+        """Bytes of gradient frames each worker sends over its link (both rounds)."""
+        return tuple(sum(sizes[w] for frames, _ in self._rounds() for s, sizes in enumerate(frames)
+                         if not (self.colocated and w == s))
                      for w in range(self.workers))
 
     @property
@@ -468,7 +480,8 @@ class IterationTraffic:
         """Bytes out of servers: every copy of the Control and of each broadcast."""
         P, S = self.workers, self.servers
         controls = P if self.colocated else P + S - 1
-        return controls * self.control_bytes + sum(c * n for c, n in zip(self.copies_out, self.frames_out))
+        return controls * self.control_bytes + sum(c * n for _, out in self._rounds()
+                                                   for c, n in zip(self.copies_out, out))
 
     @classmethod
     def from_totals(cls, bytes_up: int, bytes_down: int, frames_in: Sequence[Sequence[int]],

@@ -147,6 +147,16 @@ def _network(config: dict) -> str:
             f"{format_network_value(config['latency'], 'latency')} {config['broadcast']}")
 
 
+#: Codecs whose iterations exchange two rounds (mpigrad.codecs: ``Codec.two_rounds``), named
+#: here so that reading a trace does not import the codecs.
+TWO_ROUND_CODECS = ("powersgd",)
+
+
+def codec_two_rounds(codec) -> bool:
+    """True for a two-round codec id (``powersgd``)."""
+    return codec in TWO_ROUND_CODECS
+
+
 def _check_retimable(path: Path, attrs: dict, config) -> None:
     status = str(attrs.get("status", "running"))
     if status != "complete":
@@ -156,6 +166,10 @@ def _check_retimable(path: Path, attrs: dict, config) -> None:
     needed = ("bandwidth", "latency", "broadcast", "net_mode", "policy")
     if not isinstance(config, dict) or any(key not in config for key in needed):
         raise TraceError(f"{path}: not a trace of `mpigrad train` (its config lacks {', '.join(needed)})")
+    codec = flat_config(config).get("codec")
+    if codec_two_rounds(codec):
+        raise TraceError(f"{path}: codec {codec!r} sends two rounds per iteration, which the trace's frame "
+                         "columns sum into one; re-run it on the other network instead")
     if config["net_mode"] == "off":
         raise TraceError(f"{path}: run with --net-mode off, so its times were measured, not modelled; "
                          "nothing to re-charge")

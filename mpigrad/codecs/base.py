@@ -269,6 +269,8 @@ class Codec(ABC):
     nominal_bits: ClassVar[int] = 0
     #: True when decode(encode(x)) is random given x (the codec draws from its RNG).
     stochastic: ClassVar[bool] = False
+    #: True for a codec whose layers the runtime exchanges in two rounds (``powersgd``).
+    two_rounds: ClassVar[bool] = False
 
     def __init__(self, *, checksum: bool = False, seed: int = 0):
         self.seed = options.check_int("seed", seed, 0, 2**63 - 1, error=CodecError)

@@ -69,7 +69,8 @@ def build_config_model(config: RunConfig, dataset: Dataset) -> torch.nn.Module:
 
 
 def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
-    return Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device))
+    return Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device),
+                   base_codec(config))
 
 
 def build_shards(config: RunConfig, layout: Layout, codec: Codec, shards: int) -> tuple[Shard, ...]:

@@ -13,7 +13,7 @@ from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
 from ..policies import PolicyError, get_policy
 
-__all__ = ["check_options", "check_device", "base_codec", "broadcast_codec", "cost_model"]
+__all__ = ["check_options", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
 
 
 def base_codec(config: RunConfig) -> Codec:
@@ -47,6 +47,11 @@ def cost_model(config: RunConfig) -> CostModel | None:
             raise UsageError(f"--cost-model {config.cost_model}: a cost model is charged only with "
                              "--compute-time on a modelled network (without it local work is measured)")
         return None
+    if base_codec(config).two_rounds:
+        if explicit:
+            raise UsageError(f"--cost-model {config.cost_model}: a cost model has no costs for {config.codec}'s "
+                             "matrix products; run it with --cost-model none (the default charges none for it)")
+        return None
     try:
         model = resolve(config.cost_model)
         if model is not None:
@@ -66,6 +71,24 @@ def check_device(name: str) -> None:
     if not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for, but torch sees no CUDA device here "
                          "(use --device cpu, or auto to take a GPU where there is one)")
+
+
+def check_two_rounds(config: RunConfig, codec: Codec) -> None:
+    """UsageError (one line) for what a two-round (low-rank) codec does not run with."""
+    name = f"--codec {codec.codec_id}"
+    if config.policy != "fixed":
+        raise UsageError(f"{name} has no bits to choose: use --policy fixed (its rank is --codec-opt rank=R)")
+    if config.error_feedback != "none":
+        raise UsageError(f"{name} keeps its own error feedback on the workers (PowerSGD's); "
+                         "drop --error-feedback")
+    if config.broadcast_codec not in ("paper", "same"):
+        raise UsageError(f"{name}: the server broadcasts the averaged factors as they are; "
+                         "drop --broadcast-codec")
+    if config.shard_chunk:
+        raise UsageError(f"{name} compresses whole matrices: drop --shard-chunk")
+    if config.min_quantize_size is not None:
+        raise UsageError(f"{name} chooses its layers itself (every matrix it compresses at its rank and "
+                         "min_compression_rate): drop --min-quantize-size")
 
 
 def check_options(config: RunConfig) -> None:
@@ -89,6 +112,8 @@ def check_options(config: RunConfig) -> None:
                              "chooses bits: use --policy fixed, or drop levels")
         if codec.takes_policy_bits:
             policy.check_codec(codec)
+        if codec.two_rounds:
+            check_two_rounds(config, codec)
         down, down_bits = broadcast_codec(config)
         if moving and down_bits is None and down.accepts_bits:
             policy.check_codec(down)

@@ -16,6 +16,10 @@ phase          worker                          server s > 0                 rank
                send frame s to server s        shard's P frames (rank order)
 ``broadcast``  receive every shard's frame,    average, re-encode, bcast    the same for shard 0, and
                decode it into the update       its shard                    receive + decode every shard
+``gradients2`` two-round codecs only           as rank 0, its shard         receive + add the P Q_i
+               (powersgd): send Q_i=M_i^T P^                                frames (rank order)
+``broadcast2`` two-round codecs only: get Q,   average, bcast its Q         average, bcast Q, apply
+               apply P^ Q^T, keep the error                                 P^ Q^T to its replica
 ``reports``    -                               send ServerReport to 0       gather the S - 1 reports
 ``buffers``    when due (evaluation, stop or   receive the average          gather, average, broadcast
                end) and the model has          (world bcast)                the BatchNorm statistics
@@ -32,6 +36,16 @@ point to point; it sends its ServerReport in ``reports``). Rank 0 takes part in 
 when the buffers are due it receives the first worker's parameters after that worker's SGD
 step (message 9, in ``end``), off both clocks.
 
+Two-round codecs (``--codec powersgd``, :mod:`.lowrank`), from the codec's ``start``
+iteration on: ``gradients``/``broadcast`` carry round 1 (worker: P_i = M_i Q for each
+low-rank layer and the other layers as float32; each server, for the layers of its shard:
+sum in rank order, average, orthogonalise each P, broadcast P^ and the other layers'
+average), then ``gradients2``/``broadcast2`` round 2 (each server: the Q_i of its layers,
+summed, averaged, broadcast; rank 0 decodes every shard's, as in round 1); the update is
+written in ``broadcast2``, on the workers and on rank 0. With colocated servers each worker
+runs the server's part for its shard in both rounds, and rank 0 takes part in neither.
+Before ``start``, and for every other codec, those two phases do nothing.
+
 Workers and shard servers share :class:`FollowerRole` (their ``buffers`` phase and loop).
 
 After an iteration whose Control says CHECKPOINT_AFTER (``--checkpoint-every``), every rank
@@ -43,7 +57,7 @@ from __future__ import annotations
 from .buffers import sync_due
 from .wire import CHECKPOINT_AFTER
 
-PHASES = ("losses", "control", "gradients", "broadcast", "reports", "buffers")
+PHASES = ("losses", "control", "gradients", "broadcast", "gradients2", "broadcast2", "reports", "buffers")
 
 
 def run_iteration(role, m: int):
@@ -71,6 +85,12 @@ class FollowerRole:
     """What the roles that follow rank 0's Control (workers, shard servers) share: sync the
     model's buffers when the command makes it due, and loop until told to stop. A subclass
     sets ``config``, ``control_msg`` and ``buffer_sync``."""
+
+    def gradients2(self, m: int) -> None:
+        """The second round's up half (two-round codecs); nothing for a role outside it."""
+
+    def broadcast2(self, m: int) -> None:
+        """The second round's down half (two-round codecs); nothing for a role outside it."""
 
     def buffers(self, m: int) -> None:
         if sync_due(self.config, m, self.control_msg.command):

@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("quantization")
     g.add_argument("--codec", help=f"gradient codec: %(codecs)s | package.module:Class, a codec of your own "
                    f"(docs/extending.rst) (default {d.codec})")
-    g.add_argument("--codec-opt", action="append", metavar="KEY=VALUE", help="codec option, e.g. bucket_size=512")
+    g.add_argument("--codec-opt", action="append", metavar="KEY=VALUE", help="codec option, e.g. bucket_size=512; powersgd (low rank, two rounds "
+                   "per iteration, --policy fixed): rank=R (1), start=K (0: float32 before "
+                   "iteration K), min_compression_rate=X (2)")
     g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); "
                    "uniform: 2**bits levels from min to max; qsgd: the sign is one of the bits, "
                    "s = 2**(bits-1) - 1 levels per sign (bits 4 gives s = 7)")

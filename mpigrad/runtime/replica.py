@@ -20,11 +20,14 @@ from .layout import Layout, Segment
 DEFAULT_MIN_QUANTIZE_SIZE = 10_000
 
 
-def quantization_rule(model: torch.nn.Module, min_quantize_size: int | None):
+def quantization_rule(model: torch.nn.Module, min_quantize_size: int | None, codec=None):
     """Which parameters are quantized: those of at least ``min_quantize_size`` elements, or
     with None the model's ``quantized_parameters()`` (the paper CNN: the layers the paper
     quantizes); a model without that method (ResNets, plugins) quantizes every tensor of at
-    least ``DEFAULT_MIN_QUANTIZE_SIZE`` elements."""
+    least ``DEFAULT_MIN_QUANTIZE_SIZE`` elements. A low-rank ``codec`` (``powersgd``) picks
+    its own: every matrix (a convolution viewed as one) that its rule compresses."""
+    if codec is not None and codec.two_rounds:
+        return lambda p: codec.compresses(p.shape)
     if min_quantize_size is None and hasattr(model, "quantized_parameters"):
         chosen = {id(p) for p in model.quantized_parameters()}
         return lambda p: id(p) in chosen
@@ -36,13 +39,14 @@ def quantization_rule(model: torch.nn.Module, min_quantize_size: int | None):
 class Replica:
     """Model, flat buffers and the SGD update shared by server and workers."""
 
-    def __init__(self, model: torch.nn.Module, min_quantize_size: int | None, device: torch.device):
+    def __init__(self, model: torch.nn.Module, min_quantize_size: int | None, device: torch.device, codec=None):
         """Quantized: every parameter of at least ``min_quantize_size`` elements, or with
-        None the model's ``quantized_parameters()`` (the layers the paper quantizes)."""
+        None the model's ``quantized_parameters()`` (the layers the paper quantizes); with a
+        low-rank ``codec``, the matrices it compresses (``quantization_rule``)."""
         self.model = model.to(device)
         self.device = device
         params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        quantize = quantization_rule(self.model, min_quantize_size)
+        quantize = quantization_rule(self.model, min_quantize_size, codec)
         big = [(n, p) for n, p in params if quantize(p)]
         small = [(n, p) for n, p in params if not quantize(p)]
         total = sum(p.numel() for _, p in params)

@@ -34,8 +34,9 @@ from .iteration import FollowerRole, run_iteration
 from .record import IterationRecord
 from .tracing import close_seconds
 from .stopping import StopFlag
-from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD, Channel, Control,
-                   FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
+from .lowrank import LowRank
+from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
+                   Channel, Control, FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
 
 
 class TrainingError(RuntimeError):
@@ -64,10 +65,12 @@ class ShardAggregator:
         self.frame_len = FrameLength.buffer()
         self.frame: np.ndarray | None = None
 
-    def aggregate(self, m: int, local: tuple[int, np.ndarray] | None = None) -> tuple[list[int], float, float]:
+    def aggregate(self, m: int, local: tuple[int, np.ndarray] | None = None,
+                  tag: int = TAG_GRAD) -> tuple[list[int], float, float]:
         """Receive and sum every worker's frame of this shard; return (bytes per worker,
         slowest worker's encode s, decode CPU s). ``local``: (this rank, its own frame) for a
         worker that serves a shard (colocated): that frame is not received but taken as is.
+        ``tag``: the round's (TAG_FACTORS for a two-round codec's second).
 
         Frames are decoded as they arrive but added in rank order (a frame that overtakes a
         lower rank's waits, still encoded, in its receive buffer), so the float sum, and with
@@ -83,7 +86,7 @@ class ShardAggregator:
         first = next_rank
         describe = lambda pending: (f"worker rank(s) {', '.join(map(str, pending))} sent no gradient "  # noqa: E731
                                     f"for iteration {m}")
-        received = self.channel.frames(remote, TAG_GRAD, self.recv_buffers, describe)
+        received = self.channel.frames(remote, tag, self.recv_buffers, describe)
         for rank, frame in itertools.chain(list(arrived.items()), received):
             if is_error_frame(frame):
                 raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
@@ -102,12 +105,16 @@ class ShardAggregator:
                 next_rank = next(order, None)
         return [sizes[rank] for rank in self.workers], encode_max, decode_seconds
 
-    def encode(self, bits: list[int]) -> float:
-        """Average the sum and re-encode it into ``self.frame``; return the CPU seconds."""
+    def encode(self, bits: list[int], transform=None) -> float:
+        """Average the sum and re-encode it into ``self.frame``; return the CPU seconds.
+        ``transform(average)``, when given, changes the average in place before the encode
+        (PowerSGD's orthogonalisation of P)."""
         start = time.process_time()
         for piece in self.shard.pieces:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
             np.multiply(part, np.float32(1.0 / len(self.workers)), out=part)
+        if transform is not None:
+            transform(self.grad_sum)
         if self.broadcast_bits is not None:
             bits = [self.broadcast_bits] * len(bits)
         self.frame = self.compressor.encode(self.grad_sum, bits, self.shard)
@@ -149,6 +156,13 @@ def unpack_average(shard, average: np.ndarray, out: np.ndarray) -> None:
             pos += piece.size
 
 
+def factor_aggregators(config: RunConfig, channel: Channel, lowrank: LowRank, server: int) -> tuple:
+    """Server ``server``'s aggregators of a two-round codec's factors: (round 1, round 2)."""
+    return tuple(ShardAggregator(config, channel, shards[server], compressor, compressor, size, None)
+                 for shards, compressor, size in ((lowrank.rounds[0], lowrank.compressor1, lowrank.p_size),
+                                                  (lowrank.rounds[1], lowrank.compressor2, lowrank.q_size)))
+
+
 def _stalled(m: int):
     return lambda: f"gradient broadcast of iteration {m} stalled"
 
@@ -169,6 +183,12 @@ class ShardServer(FollowerRole):
         self.compressor = build_broadcast_compressor(config, layout, codec, decoder)
         self.aggregator = ShardAggregator(config, channel, shard, decoder, self.compressor, layout.total,
                                           broadcast_codec(config)[1])
+        #: PowerSGD (two-round codecs): this shard's factor aggregators, one per round.
+        self.lowrank = None
+        if codec.two_rounds:
+            self.lowrank = LowRank(replica.model, layout, codec, config.seed, worker=False,
+                                   shards=build_shards(config, layout, codec, channel.servers))
+            self.factor_aggregators = factor_aggregators(config, channel, self.lowrank, self.rank)
         #: Rank 0's policy observes the whole average: send it this shard's part (message 6).
         self.send_average = policy_class(config.policy).uses_gradients
         self.buffer_sync = BufferSync(replica.model, channel)
@@ -188,22 +208,49 @@ class ShardServer(FollowerRole):
                                lambda: f"rank 0 sent no bits for iteration {m}")
         self.bits = self.control_msg.bits
 
-    def gradients(self, m: int) -> None:
-        self.sizes, self.worker_encode, self.t_decode = self.aggregator.aggregate(m)
+    def _two_rounds(self, m: int) -> bool:
+        return self.lowrank is not None and self.lowrank.active(m)
 
-    def broadcast(self, m: int) -> None:
-        agg = self.aggregator
-        self.t_encode = agg.encode(self.bits)
+    def gradients(self, m: int) -> None:
+        agg = self.factor_aggregators[0] if self._two_rounds(m) else self.aggregator
+        self.sizes, self.worker_encode, self.t_decode = agg.aggregate(m)
+        self.one_round = not self._two_rounds(m)  # two rounds: no ||g|| to report (norm_ratio NaN)
+        self.bytes_out = 0
+
+    def _broadcast(self, m: int, agg: ShardAggregator, transform=None) -> float:
+        t_encode = agg.encode(self.bits, transform)
         self.channel.broadcast([(agg.frame_len, self.rank)], _stalled(m))
         self.channel.broadcast([(agg.frame, self.rank)], _stalled(m))
+        self.bytes_out += agg.frame.size + FrameLength.NBYTES
+        return t_encode
+
+    def broadcast(self, m: int) -> None:
+        if self._two_rounds(m):  # round 1: this shard's P^ (orthogonalised), and the other layers if it holds them
+            lowrank = self.lowrank
+            self.t_encode = self._broadcast(m, self.factor_aggregators[0],
+                                            lowrank.orthogonalizer(lowrank.rounds[0][self.rank]))
+            return
+        self.t_encode = self._broadcast(m, self.aggregator)
+
+    def gradients2(self, m: int) -> None:
+        if self._two_rounds(m):  # round 2: this shard's Q_i
+            sizes, encode, decode = self.factor_aggregators[1].aggregate(m, tag=TAG_FACTORS)
+            self.sizes = [a + b for a, b in zip(self.sizes, sizes)]
+            self.worker_encode += encode
+            self.t_decode += decode
+
+    def broadcast2(self, m: int) -> None:
+        if self._two_rounds(m):
+            self.t_encode += self._broadcast(m, self.factor_aggregators[1])
 
     def reports(self, m: int) -> None:
         if self.fault:
             self.fault.before_send(m, 0.0, None)
         agg = self.aggregator
         layers = max(self.n_layers, 1)
-        ServerReport(agg.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode, self.worker_encode,
-                     self.sizes, agg.energies(layers), [0.0] * layers).pack(self.report)
+        energies = agg.energies(layers) if self.one_round else [0.0] * layers
+        ServerReport(self.bytes_out, self.t_decode, self.t_encode, self.worker_encode,
+                     self.sizes, energies, [0.0] * layers).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT,
                           lambda pending: f"rank 0 took no report for iteration {m}")
         if self.send_average:
@@ -256,6 +303,13 @@ class ParameterServer:
             self.aggregator = ShardAggregator(config, channel, self.shards[0], decoder, self.compressor,
                                               layout.total, broadcast_codec(config)[1])
             self.average = self.aggregator.grad_sum
+        #: PowerSGD (two-round codecs, --servers 1): its factor layouts and one aggregator per round.
+        self.lowrank = None
+        if self.codec.two_rounds:  # colocated: for the frames' sizes only (the workers serve every shard)
+            self.lowrank = lowrank = LowRank(self.replica.model, layout, self.codec, config.seed, worker=False,
+                                             shards=self.shards)
+            if self.aggregator is not None:
+                self.factor_aggregators = factor_aggregators(config, channel, lowrank, 0)
         # The other servers send their part of the average (message 6) when the policy
         # observes it: self.average is then the whole average, as with S = 1.
         self.receive_averages = bool(self.remote_shards) and self.policy.uses_gradients
@@ -271,7 +325,8 @@ class ParameterServer:
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
         self.iteration = 0
         # Time kept in hand for the stop itself: gathering worker state and writing it.
-        copies = 1 + self.policy.uses_gradients + (self.workers + 1) * (config.error_feedback != "none")
+        memories = config.error_feedback != "none" or self.codec.two_rounds  # PowerSGD's error memories
+        copies = 1 + self.policy.uses_gradients + (self.workers + 1) * memories
         state_bytes = 4 * layout.total * copies
         self.checkpoint_reserve = 2.0 + 2 * state_bytes / 200e6
         self.last_iteration_ms = 0.0
@@ -333,16 +388,35 @@ class ParameterServer:
         self.clock.control(self.control_msg.buf.nbytes)
         self.it["bits"] = bits
 
+    def _two_rounds(self, m: int) -> bool:
+        """True when iteration m is a two-round codec's and rank 0 serves shard 0 in it."""
+        return self.lowrank is not None and self.aggregator is not None and self.lowrank.active(m)
+
     def gradients(self, m: int) -> None:
         if self.aggregator is None:
             return  # colocated: the workers serve every shard
-        self.it["sizes"], self.it["worker_encode"], self.it["t_decode"] = self.aggregator.aggregate(m)
+        agg = self.factor_aggregators[0] if self._two_rounds(m) else self.aggregator
+        self.it["sizes"], self.it["worker_encode"], self.it["t_decode"] = agg.aggregate(m)
 
     def broadcast(self, m: int) -> None:
-        agg = self.aggregator
-        if agg is None:
+        if self.aggregator is None:
             return
-        self.it["t_encode"] = agg.encode(self.it["bits"])
+        if self._two_rounds(m):  # round 1: P^ (orthogonalised) and the other layers' average
+            lowrank = self.lowrank
+            t_encode, t_decode, frame_bytes = self._broadcast_round(
+                m, self.factor_aggregators[0], lowrank.orthogonalizer(lowrank.rounds[0][0]),
+                lambda s, frame: lowrank.compressor1.decode(frame, lowrank.rounds[0][s], lowrank.p_buf))
+        else:
+            t_encode, t_decode, frame_bytes = self._broadcast_round(
+                m, self.aggregator, None, lambda s, frame: self.compressor.decode(frame, self.shards[s], self.update))
+        self.it["t_encode"] = t_encode
+        self.it["t_decode"] += t_decode
+        self.it["frame_bytes"] = frame_bytes
+
+    def _broadcast_round(self, m: int, agg: ShardAggregator, transform, decode) -> tuple[float, float, list[int]]:
+        """Average and re-encode ``agg``'s shard, broadcast it with the other servers' shards,
+        and ``decode(s, frame)`` every shard's; return (encode s, decode s, each frame's bytes)."""
+        t_encode = agg.encode(self.it["bits"], transform)
         others = range(1, self.servers)
         self.channel.broadcast([(agg.frame_len, 0)] + [(self.lengths[s], s) for s in others], _stalled(m))
         for s in others:
@@ -354,16 +428,41 @@ class ParameterServer:
         start = time.process_time()
         for s, frame in [(0, agg.frame), *received.items()]:
             try:
-                self.compressor.decode(frame, self.shards[s], self.update)
+                decode(s, frame)
             except (CodecError, FrameError) as exc:
                 raise TrainingError(f"bad broadcast frame from server rank {s} at iteration {m}: {exc}") from None
-        self.it["t_decode"] += time.process_time() - start
-        self.it["frame_bytes"] = [agg.frame.size] + [received[s].size for s in others]
+        return t_encode, time.process_time() - start, [agg.frame.size] + [received[s].size for s in others]
+
+    def gradients2(self, m: int) -> None:
+        if self._two_rounds(m):  # round 2: the workers' Q_i, summed in rank order
+            self.it["sizes2"], self.it["worker_encode2"], self.it["t_decode2"] = \
+                self.factor_aggregators[1].aggregate(m, tag=TAG_FACTORS)
+
+    def broadcast2(self, m: int) -> None:
+        if not self._two_rounds(m):
+            return
+        lowrank = self.lowrank
+        t_encode, t_decode, frame_bytes = self._broadcast_round(
+            m, self.factor_aggregators[1], None,
+            lambda s, frame: lowrank.compressor2.decode(frame, lowrank.rounds[1][s], lowrank.q_buf))
+        start = time.process_time()
+        lowrank.apply(self.update)  # P^ Q^T into rank 0's update, as every worker does
+        it = self.it
+        it["t_encode"] += t_encode
+        it["t_decode"] += t_decode + it.pop("t_decode2") + time.process_time() - start
+        it["worker_encode"] += it.pop("worker_encode2")
+        it["frame_bytes2"] = frame_bytes
 
     def reports(self, m: int) -> None:
         layers = max(self.n_layers, 1)
         reports = []
-        if self.aggregator is not None:
+        sizes2 = self.it.get("sizes2")
+        two_rounds = self.lowrank is not None and self.lowrank.active(m)
+        if sizes2 is not None:  # two rounds: the frame bytes of both; norm_ratio has no ||g|| (NaN)
+            reports.append(ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["worker_encode"],
+                                        [a + b for a, b in zip(self.it["sizes"], sizes2)], [0.0] * layers,
+                                        [0.0] * layers))
+        elif self.aggregator is not None:
             reports.append(ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["worker_encode"],
                                         self.it["sizes"], self.aggregator.energies(layers), [0.0] * layers))
         if self.remote_shards:
@@ -382,6 +481,15 @@ class ParameterServer:
             self.it["frame_bytes"] = [int(r.bytes_out) - FrameLength.NBYTES for r in reports]
             self.it["worker_encode"] = max(r.worker_encode for r in reports)
         self.it["servers"] = reports
+        if two_rounds:  # each round charged as it went: P up, P^ down, Q up, Q down
+            if self.colocated:  # the factor frames' sizes are the layout's
+                self.it["frame_bytes"], self.it["frame_bytes2"] = self.lowrank.frame_sizes(self.it["bits"])
+            rounds = self._factor_frames_in(reports)
+            self.clock.gradients(rounds[0])
+            self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
+            self.clock.gradients(rounds[1])
+            self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes2"]])
+            return
         self.clock.gradients([r.sizes for r in reports])
         self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
 
@@ -410,8 +518,15 @@ class ParameterServer:
                                                       t_encode, t_decode, it["t_policy"], it["bits"])
         self.last_iteration_ms = 1e3 * (sim_now - sim_before)
         frames_down = [FrameLength.NBYTES + n for n in it["frame_bytes"]]
-        traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
-                                   tuple(tuple(s.sizes) for s in servers), tuple(frames_down), self.colocated)
+        if "frame_bytes2" in it:  # two rounds: the trace's frame and bytes columns count both
+            second_down = tuple(FrameLength.NBYTES + n for n in it["frame_bytes2"])
+            first_in, second_in = (tuple(tuple(sizes) for sizes in frames) for frames in self._factor_frames_in(servers))
+            traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes, first_in,
+                                       tuple(frames_down), self.colocated, second_in, second_down)
+            frames_down = [a + b for a, b in zip(frames_down, second_down)]
+        else:
+            traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
+                                       tuple(tuple(s.sizes) for s in servers), tuple(frames_down), self.colocated)
         bits = it["bits"] if self.codec.takes_policy_bits else [self.codec.fixed_bits] * len(it["bits"])
         record = IterationRecord(
             iteration=m, loss=it["loss"], bits=bits, bytes_up=traffic.bytes_up, bytes_down=traffic.bytes_down,
@@ -434,6 +549,22 @@ class ParameterServer:
         return run_iteration(self, m)
 
     # ---- helpers of the phases ----------------------------------------------------------------
+    def _factor_frames_in(self, reports: list[ServerReport]) -> tuple[list[list[int]], list[list[int]]]:
+        """Two rounds: the frames into each server per round and worker. Shard 0's come
+        measured; another server reports the rounds' sum per worker, which its fixed factor
+        frame sizes (float32, set by the layout) split; TrainingError when they do not add up.
+        Colocated, every shard is a worker's (its own frame counted, not charged)."""
+        own = self.aggregator is not None
+        first, second = ([list(self.it["sizes"])], [list(self.it["sizes2"])]) if own else ([], [])
+        sizes1, sizes2 = self.lowrank.frame_sizes(self.it["bits"])
+        for s, report in zip(self.remote_shards, reports[1:] if own else reports):
+            if any(n != sizes1[s] + sizes2[s] for n in report.sizes):
+                raise TrainingError(f"server rank {self.server_of[s]} received factor frames of {report.sizes} "
+                                    f"bytes, not {sizes1[s]} + {sizes2[s]}")
+            first.append([sizes1[s]] * self.workers)
+            second.append([sizes2[s]] * self.workers)
+        return first, second
+
     def _local_work(self) -> LocalWork:
         """What the cost model charges per iteration: the pieces of every shard, the codecs."""
         down, down_bits = broadcast_codec(self.config)

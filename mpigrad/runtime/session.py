@@ -95,9 +95,14 @@ def check_quantizes_something(config, model: torch.nn.Module) -> None:
     if config.codec == "fp32":
         return
     params = [p for p in model.parameters() if p.requires_grad]
-    quantize = quantization_rule(model, config.min_quantize_size)
+    codec = base_codec(config)
+    quantize = quantization_rule(model, config.min_quantize_size, codec)
     if any(quantize(p) for p in params):
         return
+    if codec.two_rounds:
+        raise UsageError(f"codec {config.codec!r} would compress no layer: no matrix of this model has "
+                         f"(n + m) r * min_compression_rate < n m at rank {codec.rank}; lower the rank or "
+                         "min_compression_rate, or use --codec fp32")
     rule = ("the model names no layer to quantize" if config.min_quantize_size is None else
             f"the largest layer of this model has {max((p.numel() for p in params), default=0):,} "
             f"elements, --min-quantize-size is {config.min_quantize_size:,}")
@@ -308,6 +313,9 @@ def network_description(config) -> str:
 def local_work_description(config, server) -> str:
     """What a --compute-time run charges for local work, in words."""
     compute = f"{format_duration(config.compute_time)} per iteration for compute"
+    if server.clock.local_costs is None and server.codec.two_rounds:
+        return (f"{compute}; policy, encode, decode and average not charged (no cost model has "
+                f"{config.codec}'s matrix products)")
     if server.clock.local_costs is None:
         return f"{compute}; policy, encode, decode and average not charged (--cost-model none)"
     model, _ = server.clock.local_costs

@@ -20,8 +20,10 @@ from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_
                     build_replica, build_shards, load_data, release_data)
 from .faults import Fault
 from .iteration import FollowerRole
-from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BCAST, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
-                   Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport, error_frame)
+from .lowrank import LowRank
+from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BCAST, TAG_FACTORS, TAG_GRAD, TAG_LOSS,
+                   TAG_REPORT, WORLD, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
+                   error_frame)
 
 
 class Worker(FollowerRole):
@@ -55,6 +57,9 @@ class Worker(FollowerRole):
         self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
+        #: PowerSGD's factors, error memory and Q (two-round codecs), else None.
+        self.lowrank = (LowRank(self.replica.model, self.replica.layout, codec, config.seed, worker=True,
+                                shards=self.shards) if codec.two_rounds else None)
         #: The shard this worker serves (colocated servers), else None.
         self.serves = self.server_ranks.index(self.rank) if channel.colocated else None
         if self.serves is not None:
@@ -68,6 +73,9 @@ class Worker(FollowerRole):
             self.report = ServerReport.buffer(workers, max(self.n_layers, 1))
             self.send_average = policy_class(config.policy).uses_gradients
             self.bcast_buffers = {rank: np.empty(0, np.uint8) for rank in channel.workers}
+            if self.lowrank is not None:  # this shard's factors, one aggregator per round
+                from .server import factor_aggregators
+                self.factor_aggregators = factor_aggregators(config, channel, self.lowrank, self.serves)
 
     def _compute(self) -> tuple[float, float, float]:
         """Forward and backward on the next batch; return (loss, CPU s, wall s)."""
@@ -103,10 +111,47 @@ class Worker(FollowerRole):
             raise RuntimeError(f"protocol out of step: rank 0 is at iteration {self.control_msg.iteration}, "
                                f"rank {self.rank} at {m}")
 
+    def _two_rounds(self, m: int) -> bool:
+        return self.lowrank is not None and self.lowrank.active(m)
+
+    def _send_factors(self, m: int, vector: np.ndarray, compressor, shards, tag: int, start: float,
+                      round_: int = 0) -> None:
+        """Encode a round's factors (two-round codecs) into one frame per server and send them;
+        serving a shard (colocated), aggregate its frames meanwhile, as ``gradients`` does."""
+        try:
+            frames = [compressor.encode(vector, self.control_msg.bits, shard) for shard in shards]
+            seconds = time.process_time() - start
+            for frame in frames:
+                FrameHeader.set_encode_seconds(frame, seconds)
+        except CodecError:
+            if np.isfinite(vector).all():
+                raise
+            frames = [error_frame()] * self.servers
+        describe = lambda pending: (f"server rank(s) {', '.join(map(str, pending))} took no factors "  # noqa: E731
+                                    f"for iteration {m}")
+        if self.serves is None:
+            self.channel.send(list(zip(frames, self.server_ranks)), tag, describe)
+            return
+        pending = self.channel.start_send([(frame, rank) for s, (frame, rank) in enumerate(zip(frames, self.server_ranks))
+                                           if s != self.serves], tag)
+        sizes, encode, decode = self.factor_aggregators[round_].aggregate(m, local=(self.rank, frames[self.serves]),
+                                                                          tag=tag)
+        self.channel.finish_send(pending, describe)
+        if round_ == 0:
+            self.sizes, self.worker_encode, self.t_decode = sizes, encode, decode
+        else:
+            self.sizes = [a + b for a, b in zip(self.sizes, sizes)]
+            self.worker_encode += encode
+            self.t_decode += decode
+
     def gradients(self, m: int) -> None:
         bits = self.control_msg.bits
         start = time.process_time()
         grad = self.replica.gradient_to_host()
+        if self._two_rounds(m):  # round 1: P_i = M_i Q and the other layers
+            lowrank = self.lowrank
+            self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.rounds[0], TAG_GRAD, start)
+            return
         try:
             frames = [self.compressor.encode(grad, bits, shard) for shard in self.shards]
             seconds = time.process_time() - start
@@ -131,9 +176,31 @@ class Worker(FollowerRole):
 
     def broadcast(self, m: int) -> None:
         describe = lambda: f"the servers sent no gradient for iteration {m}"  # noqa: E731
-        if self.serves is not None:
-            self._exchange_shards(m)
+        if self.serves is not None and self._two_rounds(m):  # round 1 among the workers: P^ and the rest
+            lowrank = self.lowrank
+            self.t_encode = self._exchange_shards(
+                m, self.factor_aggregators[0], lowrank.orthogonalizer(lowrank.rounds[0][self.serves]),
+                lambda s, frame: lowrank.compressor1.decode(frame, lowrank.rounds[0][s], lowrank.p_buf))
+            self.bytes_out = self.factor_aggregators[0].frame.size + FrameLength.NBYTES
             return
+        if self.serves is not None:
+            update = self.replica.update_host
+            self.t_encode = self._exchange_shards(
+                m, self.aggregator, None, lambda s, frame: self.broadcast_decoder.decode(frame, self.shards[s], update))
+            self.bytes_out = self.aggregator.frame.size + FrameLength.NBYTES
+            return
+        views = self._receive_broadcast(describe)
+        if self._two_rounds(m):  # round 1: P^ and the other layers' average
+            lowrank = self.lowrank
+            for shard, view in zip(lowrank.rounds[0], views):
+                lowrank.compressor1.decode(view, shard, lowrank.p_buf)
+            return
+        update = self.replica.update_host
+        for shard, view in zip(self.shards, views):
+            self.broadcast_decoder.decode(view, shard, update)
+
+    def _receive_broadcast(self, describe) -> list[np.ndarray]:
+        """Every server's broadcast frame (its length first), as views of reused buffers."""
         self.channel.broadcast([(self.lengths[s], s) for s in range(self.servers)], describe)
         views = []
         for s in range(self.servers):
@@ -142,15 +209,38 @@ class Worker(FollowerRole):
                 self.frames[s] = np.empty(size, np.uint8)
             views.append(self.frames[s][:size])
         self.channel.broadcast([(view, s) for s, view in enumerate(views)], describe)
-        update = self.replica.update_host
-        for shard, view in zip(self.shards, views):
-            self.broadcast_decoder.decode(view, shard, update)
+        return views
 
-    def _exchange_shards(self, m: int) -> None:
-        """Colocated: re-encode this worker's shard, send it to every other worker, and decode
-        every shard (its own from memory, the others' as they arrive) into the update."""
-        agg, own, update = self.aggregator, self.serves, self.replica.update_host
-        self.t_encode = agg.encode(self.control_msg.bits)
+    def gradients2(self, m: int) -> None:
+        if self._two_rounds(m):  # round 2: Q_i = M_i^T P^
+            start = time.process_time()
+            lowrank = self.lowrank
+            self._send_factors(m, lowrank.second_factors(), lowrank.compressor2, lowrank.rounds[1], TAG_FACTORS, start,
+                               1)
+
+    def broadcast2(self, m: int) -> None:
+        if not self._two_rounds(m):
+            return
+        lowrank = self.lowrank
+        if self.serves is not None:  # round 2 among the workers: the averaged Q
+            self.t_encode += self._exchange_shards(
+                m, self.factor_aggregators[1], None,
+                lambda s, frame: lowrank.compressor2.decode(frame, lowrank.rounds[1][s], lowrank.q_buf))
+            self.bytes_out += self.factor_aggregators[1].frame.size + FrameLength.NBYTES
+        else:  # the averaged Q from every server
+            views = self._receive_broadcast(lambda: f"the servers sent no second-round factors for iteration {m}")
+            for shard, view in zip(lowrank.rounds[1], views):
+                lowrank.compressor2.decode(view, shard, lowrank.q_buf)
+        start = time.process_time()
+        lowrank.apply(self.replica.update_host)  # the update P^ Q^T, the error memory, the next Q
+        if self.serves is not None:
+            self.t_decode += time.process_time() - start
+
+    def _exchange_shards(self, m: int, agg, transform, decode) -> float:
+        """Colocated: re-encode this worker's shard (``agg``'s, after ``transform``), send it to
+        every other worker, and ``decode(shard, frame)`` every shard (its own from memory, the
+        others' as they arrive); return the encode's CPU seconds."""
+        t_encode = agg.encode(self.control_msg.bits, transform)
         others = [rank for rank in self.channel.workers if rank != self.rank]
         pending = self.channel.start_send([(agg.frame, rank) for rank in others], TAG_BCAST)
         arrivals = self.channel.frames(others, TAG_BCAST, self.bcast_buffers,
@@ -159,20 +249,24 @@ class Worker(FollowerRole):
         for rank, frame in itertools.chain([(self.rank, agg.frame)], arrivals):
             start = time.process_time()  # the decode's own time, not the wait for the next shard
             try:
-                self.broadcast_decoder.decode(frame, self.shards[self.server_ranks.index(rank)], update)
+                decode(self.server_ranks.index(rank), frame)
             except (CodecError, FrameError) as exc:
                 raise RuntimeError(f"bad shard frame from worker rank {rank} at iteration {m}: {exc}") from None
             self.t_decode += time.process_time() - start
         self.channel.finish_send(pending, lambda pending: f"worker rank(s) {', '.join(map(str, pending))} "
                                                           f"took no shard for iteration {m}")
+        return t_encode
 
     def reports(self, m: int) -> None:
         if self.serves is None:
             return
         agg, layers = self.aggregator, max(self.n_layers, 1)
-        ServerReport(agg.frame.size + FrameLength.NBYTES, self.t_decode, self.t_encode, self.worker_encode,
-                     self.sizes, agg.energies(layers), agg.update_energies(self.replica.update_host, layers)
-                     ).pack(self.report)
+        if self._two_rounds(m):  # no ||g|| on a server of factors: norm_ratio NaN
+            energies = update_energies = [0.0] * layers
+        else:
+            energies, update_energies = agg.energies(layers), agg.update_energies(self.replica.update_host, layers)
+        ServerReport(self.bytes_out, self.t_decode, self.t_encode, self.worker_encode,
+                     self.sizes, energies, update_energies).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT, lambda pending: f"rank 0 took no report for iteration {m}")
         if self.send_average:
             self.channel.send([(agg.pack_average(), 0)], TAG_AVERAGE,
@@ -191,6 +285,8 @@ class Worker(FollowerRole):
         state = {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}
         if self.serves is not None:
             state["server_compressor"] = self.server_compressor.state_dict()
+        if self.lowrank is not None:
+            state["lowrank"] = self.lowrank.state_dict()
         return state
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
@@ -198,4 +294,6 @@ class Worker(FollowerRole):
         self.compressor.load_state_dict(state["compressor"])
         if self.serves is not None:
             self.server_compressor.load_state_dict(state["server_compressor"])
+        if self.lowrank is not None:
+            self.lowrank.load_state_dict(state["lowrank"])
         self.replica.load_state_dict(replica_state)

@@ -155,6 +155,8 @@ def _method(config: dict[str, Any]) -> str:
     codec_id = str(codec.get("id", _DEFAULT_CODEC))
     if codec_id in _PLAIN_CODECS:
         return _PLAIN_CODECS[codec_id]
+    if codec_id == "powersgd":  # low rank: the rank is the method, not bits
+        return f"PowerSGD r{codec.get('rank', 1)}"
     policy_id = str(policy.get("id", "fixed"))
     if policy_id == "fixed":
         bits = policy.get("bits", codec.get("bits"))

@@ -15,6 +15,15 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
    then the frame  the averaged, re-encoded gradient of shard s, same layout as 3.
                     Colocated servers: the frame alone, sent to each other worker, tag
                     BCAST (its size comes with the message).
+3b/4b. second round  ``--codec powersgd`` from its ``start`` iteration on (``runtime/lowrank.py``):
+                    messages 3 and 4 carry round 1 over the *factor layout*: one float32 codec
+                    buffer per low-rank layer, P_i = M_i Q (n x r) up, the orthogonalised
+                    average P^ down, then the other layers' float32 piece. Then round 2:
+                    worker -> server s, tag FACTORS, a gradient frame of one float32 buffer
+                    per low-rank layer of shard s, Q_i = M_i^T P^ (m x r); server s -> its
+                    broadcast group, ``FrameLength`` then the frame of the averaged Q (same
+                    layout); colocated servers: to each other worker, tag BCAST, as 4. A
+                    ``ServerReport``'s frame bytes and bytes broadcast are then both rounds' sums.
 5. ``ServerReport`` server s (not rank 0) -> rank 0, tag REPORT, float64[4 + P + 2L]
                     (bytes broadcast, decode CPU s, encode CPU s, the slowest worker's encode
                     s, each worker's frame bytes, ||g||^2 of each quantized layer's part in
@@ -62,6 +71,7 @@ TAG_ERROR = 16
 TAG_OBJECT = 17  # the set-up and checkpoint plane: one pickled object per message (wire/mpi.py)
 TAG_PARAMS = 18  # message 9
 TAG_BCAST = 19   # message 4 with colocated servers: the shard's frame, point to point
+TAG_FACTORS = 20  # message 3b: a worker's second-round factors (PowerSGD's Q_i)
 
 # Control commands.
 CONTINUE = 1
