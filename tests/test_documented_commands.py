@@ -66,9 +66,9 @@ EXCLUDED = [
     (r"runs/paper-1[28]nodes", _GRID),
     (r"^python examples/compare/run\.py", _COMPARISON),
     (r"^mpigrad trace compare runs/compare/", "reads the comparison's traces (" + _COMPARISON + ")"),
-    (r"^mpigrad bench (codecs|iteration|trace|peers)",
+    (r"^mpigrad bench (codecs|iteration|trace|peers|clock)",
      "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "
-     "tests/test_bench_peers.py bench peers)"),
+     "tests/test_bench_peers.py bench peers, tests/test_bench_clock.py bench clock)"),
     (r"^mpigrad trace compare bench-peers/", "reads bench peers' traces (tests/test_bench_peers.py compares them)"),
     (r"^mpigrad trace retime", "the placeholders are written through the TraceWriter API, with none of the "
                                "bytes a run records (tests/test_retime.py re-times real runs)"),
