@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 from . import __version__
 from .errors import UsageError
@@ -38,13 +39,28 @@ def launch_rank() -> int:
     return 0
 
 
+#: Seconds a rank other than 0 waits before it exits on a usage error. Under mpiexec every
+#: rank fails alike and only rank 0 prints; Open MPI's launcher ends the job at the first
+#: non-zero exit, and a rank 0 it kills before its line is forwarded says nothing (CI lost
+#: "unknown codec 'nope'" so, once in three runs here, with no wait).
+_USAGE_EXIT_WAIT = 1.0
+
+
+def usage_exit(line: str) -> int:
+    """Print ``line`` (rank 0 only, when launched under MPI) and return 2, the usage-error
+    exit code; the other ranks return it after ``_USAGE_EXIT_WAIT``, so rank 0 exits first."""
+    if launch_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(_USAGE_EXIT_WAIT)
+    return 2
+
+
 class CommandParser(argparse.ArgumentParser):
     """argparse with one-line errors, printed by rank 0 only when launched under MPI."""
 
     def error(self, message: str):
-        if launch_rank() == 0:
-            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(usage_exit(f"{self.prog}: error: {message} (see {self.prog} --help)"))
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -78,10 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
-    except UsageError as exc:
-        if launch_rank() == 0:  # under mpiexec every rank fails alike: one line, from rank 0
-            print(f"mpigrad {name}: error: {exc}", file=sys.stderr)
-        return 2
+    except UsageError as exc:  # under mpiexec every rank fails alike: one line, from rank 0
+        return usage_exit(f"mpigrad {name}: error: {exc}")
     except BrokenPipeError:  # output piped into head and the like
         sys.stderr.close()
         return 0
