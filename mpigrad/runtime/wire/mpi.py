@@ -121,7 +121,11 @@ class MpiChannel(Channel):
             source, count = status.Get_source(), status.Get_count(MPI.BYTE)
             if buffers[source].size < count:
                 buffers[source] = np.empty(count, np.uint8)
-            self.comm.Recv([buffers[source], count, MPI.BYTE], source=source, tag=tag)
+            # Not a blocking Recv: a link that fails while the message crosses would hang it
+            # past every timeout (the lab saw it: rank 0 silent, the workers timing out).
+            receive = self.comm.Irecv([buffers[source], count, MPI.BYTE], source=source, tag=tag)
+            self.wait_cpu_seconds += _wait_all([receive], [source], self.timeout,
+                                               lambda pending: describe(sorted(waiting)), self._poll)
             waiting.discard(source)
             backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
             yield source, buffers[source][:count]
