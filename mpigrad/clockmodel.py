@@ -43,13 +43,14 @@ which imports neither MPI, torch nor Numba.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-__all__ = ["LinkModel", "IterationTraffic", "iteration_seconds", "comm_start", "Constant", "Steps", "Markov",
+__all__ = ["LinkModel", "IterationTraffic", "PipelinedTraffic", "iteration_seconds", "comm_start", "Constant", "Steps", "Markov",
            "Network", "transfer_seconds"]
 
 
@@ -405,6 +406,84 @@ class LinkModel:
             t_comm += self.broadcasts(traffic.workers, frames_out, colocated, start=start + t_comm)
         return t_comm
 
+    def pipelined(self, traffic: "PipelinedTraffic", start: float = 0.0) -> float:
+        """The pipelined iteration's communication (colocated servers), from the end of the
+        forward pass at ``start``: simulated seconds until the last worker holds every
+        shard's average. It covers the backward pass, which it overlaps.
+
+        Each node has a link, full duplex, each side carrying one message at a time for its
+        ``transfer_seconds``: a message leaves when it is ready and its sender's outgoing side
+        is free, and comes in from then on once its receiver's incoming side is free (so a
+        round's time is the busier side's, as in ``gradients``); messages in order of
+        readiness, ties in the order posted. Ready:
+        a loss report at ``start``; the Control when rank 0 has every loss; worker w's frame
+        of bucket b when it holds the Control and backward has produced the bucket
+        (``traffic.ready[w][b]`` after ``start``), in bucket order, to the other shards in
+        turn from its own (w + 1, w + 2, ...); node s's average of bucket b when every frame
+        of it is in, its own backward has ended and its earlier buckets have gone out, to the
+        other workers in the same turn. The codecs' work is not in it (charged apart)."""
+        P = traffic.workers
+        worker = lambda w: w + 1  # noqa: E731  (colocated: worker w at rank w + 1 serves shard w)
+        free_out: dict[int, float] = {}
+        free_in: dict[int, float] = {}
+
+        def send(ready: float, nbytes: int, sender: int, receiver: int) -> float:
+            out = max(ready, free_out.get(sender, start))
+            free_out[sender] = out + self.transfer_seconds(nbytes, out, sender, receiver)
+            into = max(out, free_in.get(receiver, start))
+            free_in[receiver] = end = into + self.transfer_seconds(nbytes, into, sender, receiver)
+            return end
+
+        losses_in = max(send(start, traffic.loss_bytes, worker(w), 0) for w in range(P))
+        control = [send(losses_in, traffic.control_bytes, 0, worker(w)) for w in range(P)]
+        buckets = len(traffic.ready[0]) if P else 0
+        backward_end = [start + max(traffic.ready[w], default=0.0) for w in range(P)]
+        # Each node's messages (ready, order posted, nbytes, receiver, bucket, kind), a heap per
+        # sender: the next message to go is the one whose sender can start it first.
+        queues: list[list] = [[] for _ in range(P)]
+        posted = 0
+        for w in range(P):
+            for b in range(buckets):
+                ready = max(control[w], start + traffic.ready[w][b])
+                for k in range(1, P):
+                    s = (w + k) % P
+                    if traffic.frames[s][b][w]:
+                        queues[w].append((ready, posted, traffic.frames[s][b][w], s, b, "frame"))
+                        posted += 1
+            heapq.heapify(queues[w])
+        missing = {(s, b): sum(1 for w in range(P) if w != s and traffic.frames[s][b][w])
+                   for s in range(P) for b in range(buckets) if traffic.bcast[s][b]}
+        arrived = {key: start for key in missing}
+        sent_out = [start] * P  # when node s's last average went out (its buckets in order)
+        pending = {s: [b for b in range(buckets) if (s, b) in missing] for s in range(P)}
+        done = start
+
+        def release(s: int) -> None:
+            """Queue node s's averages whose frames are all in, in bucket order."""
+            nonlocal posted
+            while pending[s] and missing[(s, pending[s][0])] == 0:
+                b = pending[s].pop(0)
+                ready = max(arrived[(s, b)], backward_end[s], sent_out[s])
+                sent_out[s] = ready
+                for k in range(1, P):
+                    heapq.heappush(queues[s], (ready, posted, traffic.bcast[s][b], (s + k) % P, b, "average"))
+                    posted += 1
+
+        for s in range(P):
+            release(s)
+        while any(queues):
+            sender = min((w for w in range(P) if queues[w]),
+                         key=lambda w: (max(queues[w][0][0], free_out.get(worker(w), start)), w))
+            ready, _, nbytes, receiver, b, kind = heapq.heappop(queues[sender])
+            end = send(ready, nbytes, worker(sender), worker(receiver))
+            if kind == "frame":
+                arrived[(receiver, b)] = max(arrived[(receiver, b)], end)
+                missing[(receiver, b)] -= 1
+                release(receiver)
+            else:
+                done = max(done, end)
+        return max(done, *backward_end, *control) - start if P else 0.0
+
     # ---- how the runtime applies a phase ---------------------------------------------
     def charge(self, seconds: float) -> float:
         """Apply a modelled communication phase: sleep in ``sleep`` mode; return the charge."""
@@ -499,6 +578,24 @@ class IterationTraffic:
             raise ValueError(f"bytes up {bytes_up} and down {bytes_down} do not add up from the frames "
                              f"({frames_in} in, {frames_out} out)")
         return cls(loss, control, frames_in, frames_out, colocated)
+
+
+@dataclass(frozen=True)
+class PipelinedTraffic:
+    """The messages of one pipelined iteration (colocated servers) and when backward made
+    them ready: ``ready[w][b]`` seconds after backward began, worker w had bucket b;
+    ``frames[s][b][w]``: worker w's frame of bucket b to shard s (0: none; its own shard's
+    crosses no link); ``bcast[s][b]``: one copy of shard s's average of bucket b (0: none)."""
+
+    loss_bytes: int
+    control_bytes: int
+    ready: tuple[tuple[float, ...], ...]
+    frames: tuple[tuple[tuple[int, ...], ...], ...]
+    bcast: tuple[tuple[int, ...], ...]
+
+    @property
+    def workers(self) -> int:
+        return len(self.ready)
 
 
 def iteration_seconds(t_comm: float, compute_time: float | None, t_compute: float, t_encode: float,

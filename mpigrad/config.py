@@ -56,6 +56,9 @@ class RunConfig:
     min_quantize_size: int | None = None   # None: the model's paper layers (quantized_parameters)
     servers: int | str = 1           # ranks 0..servers-1 are parameter servers, one shard each; or
                                      # "colocated": every worker serves a shard, rank 0 none
+    #: The pipelined iteration (colocated servers): the loss goes after the forward pass and each
+    #: bucket's frames as soon as backward has produced it; False: the paper's sequential order.
+    pipeline: bool = False
     shard_chunk: int = 0             # cut quantized layers into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
     bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
@@ -213,6 +216,8 @@ class RunConfig:
             (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
             (self.min_quantize_size is None or self.min_quantize_size >= 1,
              "min_quantize_size must be at least 1"),
+            (not self.pipeline or self.colocated,
+             "pipeline needs servers = colocated (the pipelined iteration is built for that layout only)"),
             (self.shard_chunk >= 0, f"shard_chunk must be >= 0 (0: never cut a layer), got {self.shard_chunk}"),
             (self.error_feedback in ERROR_FEEDBACK,
              f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}"),

@@ -167,6 +167,7 @@ def _edited(source, path, *, status=None, **config):
     ({"status": "stopped"}, [], "trace status 'stopped'; only a complete run is re-timed"),
     ({"net_mode": "off"}, [], "run with --net-mode off"),
     ({"peer": {"system": "torch DDP"}}, [], "a peer system's run"),
+    ({"pipeline": True}, [], "a pipelined run (--pipeline)"),
     ({}, ["--bandwidth", "100"], "bandwidth '100' has no unit"),
     ({}, ["--bandwidth", "0MB/s"], "must be positive"),  # parse_rate or retime says it
     ({}, ["--latency", "soon"], "cannot read duration 'soon'"),

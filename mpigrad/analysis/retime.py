@@ -170,6 +170,9 @@ def _check_retimable(path: Path, attrs: dict, config) -> None:
     if codec_two_rounds(codec):
         raise TraceError(f"{path}: codec {codec!r} sends two rounds per iteration, which the trace's frame "
                          "columns sum into one; re-run it on the other network instead")
+    if config.get("pipeline"):
+        raise TraceError(f"{path}: a pipelined run (--pipeline), whose overlap depends on when backward produced "
+                         "each piece, which the trace does not keep; re-run it on the other network instead")
     if config["net_mode"] == "off":
         raise TraceError(f"{path}: run with --net-mode off, so its times were measured, not modelled; "
                          "nothing to re-charge")

@@ -41,7 +41,8 @@ SHARD_CHUNK = 32768  # elements: lets several shards balance the paper CNN's two
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="2,4", help="comma-separated worker counts P (default 2,4)")
     parser.add_argument("--servers", default="1,colocated",
-                        help="comma-separated layouts: server counts S or colocated (default 1,colocated)")
+                        help="comma-separated layouts: server counts S, colocated, or pipeline (colocated with "
+                             "--pipeline) (default 1,colocated)")
     parser.add_argument("--codecs", default="fp32,uniform2,uniform8",
                         help=f"comma-separated, of {', '.join(CODECS)} (default fp32,uniform2,uniform8)")
     parser.add_argument("--broadcast", default="star", help="comma-separated broadcast models: star, tree (default star)")
@@ -82,11 +83,18 @@ def _count(text: str) -> int:
     return int(text)
 
 
+PIPELINE = "pipeline"  # --servers item: colocated servers and the pipelined iteration
+
+
+def _layout(text: str):
+    return PIPELINE if text == PIPELINE else parse_servers(text)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..lab.host import unavailable_reason
 
     workers = _items(args.workers, "--workers", _count)
-    layouts = _items(args.servers, "--servers", parse_servers)
+    layouts = _items(args.servers, "--servers", _layout)
     codecs = _items(args.codecs, "--codecs", _codec)
     broadcasts = _items(args.broadcast, "--broadcast", _broadcast)
     rates = _items(args.rates, "--rates", lambda text: (text, parse_rate(text)))
@@ -106,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
         for p, layout, codec, broadcast, (rate_text, _) in itertools.product(workers, layouts, codecs, broadcasts,
                                                                             rates):
             trace = Path(tmp) / f"run-{len(results)}.h5"
-            ranks = p + (1 if layout == COLOCATED else layout)
-            sharding = ["--servers", str(layout)] + (["--shard-chunk", str(SHARD_CHUNK)] if layout != 1 else [])
+            ranks = p + (1 if layout in (COLOCATED, PIPELINE) else layout)
+            sharding = (["--servers", COLOCATED, "--pipeline"] if layout == PIPELINE else ["--servers", str(layout)]) + \
+                (["--shard-chunk", str(SHARD_CHUNK)] if layout != 1 else [])
             command = [sys.executable, "-m", "mpigrad", "lab", "--nodes", str(ranks), "--rate", rate_text,
                        "--name", "mgbc", "--check", "none", "--", "train", "--policy", "fixed", *CODECS[codec],
                        *sharding, "--broadcast", broadcast, "--bandwidth", rate_text, "--net-mode", "virtual",
@@ -148,7 +157,7 @@ def _clocks(trace: Path, warmup: int) -> dict:
 
 
 def _format(r: dict) -> str:
-    servers = "col" if r["servers"] == COLOCATED else r["servers"]
+    servers = {COLOCATED: "col", PIPELINE: "pipe"}.get(r["servers"], r["servers"])
     return (f"{r['workers']:>3} {servers:>4} {r['codec']:>9} {r['broadcast']:>5} {r['rate']:>8} {r['real_s']:>10.3f} "
             f"{r['sim_s']:>9.3f} {r['sim_over_real']:>9.2f} {r['local_s']:>8.3f} {r['real_comm_s']:>10.3f} "
             f"{r['sim_comm_s']:>9.3f} {r['comm_sim_over_real']:>9.2f}")

@@ -86,6 +86,8 @@ def check_two_rounds(config: RunConfig, codec: Codec) -> None:
                          "drop --broadcast-codec")
     if config.shard_chunk:
         raise UsageError(f"{name} compresses whole matrices: drop --shard-chunk")
+    if config.pipeline:
+        raise UsageError(f"{name} runs two rounds in the sequential order: drop --pipeline")
     if config.min_quantize_size is not None:
         raise UsageError(f"{name} chooses its layers itself (every matrix it compresses at its rank and "
                          "min_compression_rate): drop --min-quantize-size")

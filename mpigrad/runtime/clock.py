@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
+from ..clockmodel import IterationTraffic, LinkModel, PipelinedTraffic, comm_start, iteration_seconds
 from ..costmodel import CostModel, LocalWork
 
-__all__ = ["Clocks", "IterationClock", "IterationTraffic", "LinkModel"]
+__all__ = ["Clocks", "IterationClock", "IterationTraffic", "LinkModel", "PipelinedTraffic"]
 
 
 class Clocks:
@@ -92,6 +92,20 @@ class IterationClock:
     def broadcasts(self, bytes_per_server: list[int]) -> None:
         self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server, self.colocated,
                                                              start=self.comm_start + self.t_comm))
+
+    def pipelined(self, traffic: PipelinedTraffic, t_forward: float, t_backward: float) -> None:
+        """Charge a pipelined iteration's communication (``LinkModel.pipelined``) from the
+        end of the slowest forward pass; what backward hides is not charged again. With a
+        fixed ``compute_time`` backward's time per bucket is unknown: the buckets are charged
+        as all ready when it ends (the communication's own pipelining still counts)."""
+        if self.compute_time is not None:
+            traffic = PipelinedTraffic(traffic.loss_bytes, traffic.control_bytes,
+                                       tuple((0.0,) * len(ready) for ready in traffic.ready),
+                                       traffic.frames, traffic.bcast)
+            t_backward = 0.0
+        self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_forward)
+        span = self.link.pipelined(traffic, self.comm_start)
+        self.t_comm = self.link.charge(max(0.0, span - t_backward))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall

@@ -31,7 +31,7 @@ class GradientCompressor:
         self.rest_codec = get_codec({"id": "fp32"})
         self.calls = [0] * sum(p.quantized for p in pieces)  # quantized pieces come first
         self._codecs: dict[tuple[int, int], Codec] = {}
-        self._frames: dict[int, np.ndarray] = {}
+        self._frames: dict[tuple[int, int], np.ndarray] = {}
         self._scratch = np.empty(max([p.size for p in pieces if p.quantized], default=0), np.float32)
 
     # ---- codecs -------------------------------------------------------------------------
@@ -57,11 +57,12 @@ class GradientCompressor:
     # ---- encode / decode ----------------------------------------------------------------
     def encode(self, grad: np.ndarray, bits: list[int], shard: Shard) -> np.ndarray:
         """The frame of ``shard``'s pieces of flat ``grad`` (bits per quantized layer): a view
-        into a buffer reused per shard, valid until the next encode of that shard."""
+        into a buffer reused per shard (and bucket), valid until the next encode of that shard."""
         capacity = self.capacity(shard, bits)
-        frame = self._frames.get(shard.server)
+        key = (shard.server, shard.bucket)  # a bucket's frame stays valid while the next is encoded
+        frame = self._frames.get(key)
         if frame is None or frame.size < capacity:
-            frame = self._frames[shard.server] = np.empty(capacity, np.uint8)
+            frame = self._frames[key] = np.empty(capacity, np.uint8)
         pos = FrameHeader.size(len(shard.pieces))
         lengths = []
         for piece in shard.pieces:

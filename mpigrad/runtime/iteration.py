@@ -46,6 +46,14 @@ written in ``broadcast2``, on the workers and on rank 0. With colocated servers 
 runs the server's part for its shard in both rounds, and rank 0 takes part in neither.
 Before ``start``, and for every other codec, those two phases do nothing.
 
+The pipelined iteration (``--pipeline``, colocated servers, :mod:`.pipeline`): a worker's
+``begin`` runs the forward pass only, so ``losses`` goes before backward; its ``control``
+does nothing and ``gradients`` runs backward, taking the Control when the first bucket is
+ready, sending each bucket's frames as backward produces them, then serving its shard and
+taking every shard's average bucket by bucket (applying each bucket's update as it is
+complete); ``broadcast`` does nothing and ``reports`` adds message 10 (backward's times).
+Rank 0's phases are the colocated ones; it charges the whole iteration in ``reports``.
+
 Workers and shard servers share :class:`FollowerRole` (their ``buffers`` phase and loop).
 
 After an iteration whose Control says CHECKPOINT_AFTER (``--checkpoint-every``), every rank

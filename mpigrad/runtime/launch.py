@@ -72,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "slice of the parameters balanced by bytes; rank 0 stays scheduler and MDP server "
                    "(default 1). colocated: every worker also serves a slice (each node's link then carries "
                    "all-reduce's 2(P-1)/P of the gradient), rank 0 serves none (docs/runtime.rst)")
+    g.add_argument("--pipeline", action="store_true", default=None, help="with --servers colocated: the "
+                   "pipelined iteration (the loss goes after the forward pass, rank 0 chooses the bits during "
+                   "backward, each layer's frames go as soon as backward has produced its gradient, and its "
+                   "average as soon as all its frames are in); the same losses as without (docs/runtime.rst)")
     g.add_argument("--shard-chunk", type=int, metavar="ELEMENTS", help="cut quantized layers larger than this "
                    "into pieces quantized on their own, so that S servers can balance a model with few "
                    "big layers (changes each piece's min/max scaling; default 0: whole layers)")

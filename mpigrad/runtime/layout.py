@@ -51,10 +51,13 @@ class Piece:
 
 @dataclass(frozen=True)
 class Shard:
-    """The pieces server ``server`` owns, in layout order (a frame carries them in this order)."""
+    """The pieces server ``server`` owns, in layout order (a frame carries them in this order).
+    ``bucket``: -1 for a whole shard; b >= 0 for its part in the pipelined iteration's bucket b
+    (its own frame, sent as soon as backward has produced the bucket)."""
 
     server: int
     pieces: tuple[Piece, ...]
+    bucket: int = -1
 
     @property
     def elements(self) -> int:
@@ -92,3 +95,20 @@ def plan_shards(layout: Layout, servers: int, piece_bytes, chunk: int = 0) -> tu
         owned[target].append(piece)
         loads[target] += piece_bytes(piece)
     return tuple(Shard(s, tuple(sorted(owned[s], key=lambda p: p.index))) for s in range(servers))
+
+
+def pipeline_buckets(shards: tuple[Shard, ...]) -> list[list[Shard | None]]:
+    """The pipelined iteration's buckets in the order backward produces them: each piece of
+    each quantized layer, last layer first (a layer's pieces, ``--shard-chunk``'s chunks, in
+    layout order), then the small layers (float32, complete only when backward ends).
+    ``buckets[b][s]``: bucket b as shard s's part (a one-piece shard), None on every other
+    shard. Every rank computes the same list from the same shards, so a frame's place in the
+    sequence of its (sender, receiver) pair says which bucket it is."""
+    owner = {p.index: shard.server for shard in shards for p in shard.pieces}
+    pieces = sorted((p for shard in shards for p in shard.pieces), key=lambda p: (p.layer < 0, -p.layer, p.index))
+    buckets = []
+    for b, piece in enumerate(pieces):
+        parts: list[Shard | None] = [None] * len(shards)
+        parts[owner[piece.index]] = Shard(owner[piece.index], (piece,), b)
+        buckets.append(parts)
+    return buckets

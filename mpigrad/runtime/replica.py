@@ -81,12 +81,14 @@ class Replica:
             self._host_grad.copy_(self.flat_grad)
         return self.grad_host
 
-    def apply_update(self, grad: np.ndarray, lr: float) -> None:
-        """w <- w - lr * grad, for ``grad`` a host array in the flat layout."""
-        update = torch.from_numpy(grad)
+    def apply_update(self, grad: np.ndarray, lr: float, offset: int = 0, size: int | None = None) -> None:
+        """w <- w - lr * grad, for ``grad`` a host array in the flat layout; with ``offset``
+        and ``size``, on those elements only (the pipelined iteration, a bucket at a time)."""
+        end = self.flat.numel() if size is None else offset + size
+        update = torch.from_numpy(grad[offset:end])
         if self._device_update is not None:
-            update = self._device_update.copy_(update)
-        self.flat.add_(update, alpha=-lr)
+            update = self._device_update[offset:end].copy_(update)
+        self.flat[offset:end].add_(update, alpha=-lr)
 
     def checksum(self) -> int:
         """CRC-32 of the parameters' bytes: replicas must agree bit for bit."""

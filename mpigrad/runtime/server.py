@@ -27,7 +27,8 @@ from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_
                     build_replica, build_shards, load_data, release_data)
 from .buffers import BufferSync, ParameterSync, sync_due
 from .checks import cost_model
-from .clock import Clocks, IterationClock, IterationTraffic
+from .clock import Clocks, IterationClock, IterationTraffic, PipelinedTraffic
+from .layout import pipeline_buckets
 from .environment import threads_per_rank
 from .faults import Fault
 from .iteration import FollowerRole, run_iteration
@@ -35,8 +36,8 @@ from .record import IterationRecord
 from .tracing import close_seconds
 from .stopping import StopFlag
 from .lowrank import LowRank
-from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
-                   Channel, Control, FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
+from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
+                   BackwardReport, Channel, Control, FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
 
 
 class TrainingError(RuntimeError):
@@ -105,21 +106,28 @@ class ShardAggregator:
                 next_rank = next(order, None)
         return [sizes[rank] for rank in self.workers], encode_max, decode_seconds
 
-    def encode(self, bits: list[int], transform=None) -> float:
+    def encode(self, bits: list[int], transform=None, shard=None) -> float:
         """Average the sum and re-encode it into ``self.frame``; return the CPU seconds.
         ``transform(average)``, when given, changes the average in place before the encode
-        (PowerSGD's orthogonalisation of P)."""
+        (PowerSGD's orthogonalisation of P). ``shard``: a part of this shard (a pipelined
+        bucket's) to average and encode alone; by default the whole shard."""
         start = time.process_time()
-        for piece in self.shard.pieces:
+        shard = self.shard if shard is None else shard
+        for piece in shard.pieces:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
             np.multiply(part, np.float32(1.0 / len(self.workers)), out=part)
         if transform is not None:
             transform(self.grad_sum)
-        if self.broadcast_bits is not None:
-            bits = [self.broadcast_bits] * len(bits)
-        self.frame = self.compressor.encode(self.grad_sum, bits, self.shard)
+        self.frame = self.compressor.encode(self.grad_sum, self._broadcast_bits(bits), shard)
         self.frame_len[0] = self.frame.size
         return time.process_time() - start
+
+    def _broadcast_bits(self, bits: list[int]) -> list[int]:
+        return bits if self.broadcast_bits is None else [self.broadcast_bits] * len(bits)
+
+    def broadcast_capacity(self, bits: list[int], shard) -> int:
+        """The largest frame ``encode`` can make of ``shard`` (or a part of it) at ``bits``."""
+        return self.compressor.capacity(shard, self._broadcast_bits(bits))
 
     def energies(self, n_layers: int) -> list[float]:
         """||g||^2 of this shard's part of each quantized layer, g the average (after ``encode``)."""
@@ -316,6 +324,10 @@ class ParameterServer:
         self.averages = {s: np.empty(sum(p.size for p in self.shards[s].pieces if p.quantized), np.float32)
                          for s in self.remote_shards} if self.receive_averages else {}
         self.parameter_sync = ParameterSync(self.replica, channel) if self.colocated else None
+        #: The pipelined iteration (--pipeline): its buckets, for the workers' backward reports.
+        self.buckets = pipeline_buckets(self.shards) if config.pipeline else None
+        if self.buckets is not None:
+            self.backward_rows = BackwardReport.buffer(len(self.buckets), self.servers, rows=self.workers)
         self.buffer_sync = BufferSync(self.replica.model, channel)
         link = config.link_model()
         cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
@@ -369,8 +381,9 @@ class ParameterServer:
         self.it["reports"] = reports
         self.it["checksums"] = self._check_replicas(m, reports)
         self.it["loss"] = float(np.mean([r.loss for r in reports]))
-        self.clock.losses(LossReport.NBYTES, max(self.clock.compute_seconds(r.compute_cpu, r.compute_wall)
-                                                 for r in reports))
+        if self.buckets is None:  # pipelined: the whole iteration is charged in ``reports``
+            self.clock.losses(LossReport.NBYTES, max(self.clock.compute_seconds(r.compute_cpu, r.compute_wall)
+                                                     for r in reports))
 
     def control(self, m: int) -> None:
         start = time.process_time()
@@ -385,7 +398,8 @@ class ParameterServer:
         self.control_msg.set(self.command, m, bits)
         self.channel.broadcast([(self.control_msg.buf, WORLD)],
                                lambda: f"control broadcast of iteration {m} stalled")
-        self.clock.control(self.control_msg.buf.nbytes)
+        if self.buckets is None:
+            self.clock.control(self.control_msg.buf.nbytes)
         self.it["bits"] = bits
 
     def _two_rounds(self, m: int) -> bool:
@@ -490,8 +504,31 @@ class ParameterServer:
             self.clock.gradients(rounds[1])
             self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes2"]])
             return
+        if self.buckets is not None:
+            self._charge_pipelined(m)
+            return
         self.clock.gradients([r.sizes for r in reports])
         self.clock.broadcasts([FrameLength.NBYTES + n for n in self.it["frame_bytes"]])
+
+    def _charge_pipelined(self, m: int) -> None:
+        """Receive the workers' backward reports (message 10) and charge the pipelined
+        iteration: its compute (forward + backward), and the communication not hidden
+        behind backward (``IterationClock.pipelined``)."""
+        self.channel.recv(list(zip(self.backward_rows, self.worker_ranks)), TAG_BACKWARD,
+                          lambda pending: f"worker rank(s) {', '.join(map(str, pending))} sent no backward "
+                                          f"report for iteration {m}")
+        B, S = len(self.buckets), self.servers
+        backward = [BackwardReport.unpack(row, B, S) for row in self.backward_rows]
+        seconds = self.clock.compute_seconds
+        forward = [seconds(r.compute_cpu, r.compute_wall) for r in self.it["reports"]]
+        self.it["compute"] = [f + seconds(b.cpu, b.wall) for f, b in zip(forward, backward)]
+        traffic = PipelinedTraffic(
+            LossReport.NBYTES, self.control_msg.buf.nbytes,
+            tuple(tuple(seconds(c, w) for c, w in zip(b.ready_cpu, b.ready_wall)) for b in backward),
+            tuple(tuple(tuple(backward[w].sent[b * S + s] if w != s else 0 for w in range(self.workers))
+                        for b in range(B)) for s in range(S)),
+            tuple(tuple(backward[s].bcast[b] for b in range(B)) for s in range(S)))
+        self.clock.pipelined(traffic, max(forward), max(seconds(b.cpu, b.wall) for b in backward))
 
     def buffers(self, m: int) -> None:
         if sync_due(self.config, m, self.command):
@@ -510,7 +547,7 @@ class ParameterServer:
             self.clock.clocks.resume()
         self.has_previous = True
         reports, servers = it["reports"], it["servers"]
-        compute = [self.clock.compute_seconds(r.compute_cpu, r.compute_wall) for r in reports]
+        compute = it.get("compute") or [self.clock.compute_seconds(r.compute_cpu, r.compute_wall) for r in reports]
         t_encode = it["worker_encode"] + max(s.t_encode for s in servers)
         t_decode = max(s.t_decode for s in servers)
         sim_before = self.clock.clocks.sim

@@ -21,8 +21,9 @@ from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_
 from .faults import Fault
 from .iteration import FollowerRole
 from .lowrank import LowRank
-from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BCAST, TAG_FACTORS, TAG_GRAD, TAG_LOSS,
-                   TAG_REPORT, WORLD, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
+from .pipeline import PipelinedExchange
+from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_BCAST, TAG_FACTORS, TAG_GRAD, TAG_LOSS,
+                   TAG_REPORT, WORLD, BackwardReport, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
                    error_frame)
 
 
@@ -76,9 +77,15 @@ class Worker(FollowerRole):
             if self.lowrank is not None:  # this shard's factors, one aggregator per round
                 from .server import factor_aggregators
                 self.factor_aggregators = factor_aggregators(config, channel, self.lowrank, self.serves)
+        #: The pipelined iteration (--pipeline, colocated servers), else None.
+        self.pipeline = PipelinedExchange(self) if config.pipeline else None
+        if self.pipeline is not None:
+            self.pipeline_buffers: dict = {}
+            self.backward_report = BackwardReport.buffer(len(self.pipeline.buckets), self.servers)
 
     def _compute(self) -> tuple[float, float, float]:
-        """Forward and backward on the next batch; return (loss, CPU s, wall s)."""
+        """Forward and backward on the next batch (pipelined: forward only, the loss tensor
+        kept for backward in ``gradients``); return (loss, CPU s, wall s)."""
         cpu, wall = time.process_time(), time.perf_counter()
         idx = np.searchsorted(self.shard, self.sampler.next_batch())
         device = self.replica.device
@@ -87,7 +94,10 @@ class Worker(FollowerRole):
         model = self.replica.model
         self.replica.flat_grad.zero_()
         loss = model.loss(model(x), y, self.config.weight_decay)
-        loss.backward()
+        if self.pipeline is not None:
+            self.loss_tensor = loss
+        else:
+            loss.backward()
         return loss.item(), time.process_time() - cpu, time.perf_counter() - wall
 
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------
@@ -106,6 +116,11 @@ class Worker(FollowerRole):
         self.channel.send([(self.loss_buf, 0)], TAG_LOSS, lambda _: f"rank 0 took no loss for iteration {m}")
 
     def control(self, m: int) -> None:
+        if self.pipeline is None:  # pipelined: taken in backward, when the first bucket is ready
+            self.take_control(m)
+
+    def take_control(self, m: int) -> None:
+        """Receive iteration m's Control (rank 0's broadcast to the world)."""
         self.channel.broadcast([(self.control_msg.buf, WORLD)], lambda: f"rank 0 sent no bits for iteration {m}")
         if self.control_msg.iteration != m:
             raise RuntimeError(f"protocol out of step: rank 0 is at iteration {self.control_msg.iteration}, "
@@ -145,6 +160,15 @@ class Worker(FollowerRole):
             self.t_decode += decode
 
     def gradients(self, m: int) -> None:
+        if self.pipeline is not None:  # backward, the frames and this shard's averages, bucket by bucket
+            pipeline = self.pipeline
+            self.backward_times = pipeline.backward(m, self.loss_tensor)
+            del self.loss_tensor
+            pipeline.exchange()
+            self.sizes = [pipeline.sizes[rank] for rank in self.channel.workers]
+            self.worker_encode, self.t_decode = pipeline.encode_seconds, pipeline.t_decode
+            self.t_encode, self.bytes_out = pipeline.t_encode, pipeline.bytes_out + FrameLength.NBYTES
+            return
         bits = self.control_msg.bits
         start = time.process_time()
         grad = self.replica.gradient_to_host()
@@ -175,6 +199,8 @@ class Worker(FollowerRole):
         self.channel.finish_send(pending, describe)
 
     def broadcast(self, m: int) -> None:
+        if self.pipeline is not None:
+            return  # the averages came bucket by bucket in ``gradients``
         describe = lambda: f"the servers sent no gradient for iteration {m}"  # noqa: E731
         if self.serves is not None and self._two_rounds(m):  # round 1 among the workers: P^ and the rest
             lowrank = self.lowrank
@@ -268,12 +294,17 @@ class Worker(FollowerRole):
         ServerReport(self.bytes_out, self.t_decode, self.t_encode, self.worker_encode,
                      self.sizes, energies, update_energies).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT, lambda pending: f"rank 0 took no report for iteration {m}")
+        if self.pipeline is not None:
+            self.pipeline.report(*self.backward_times, self.backward_report)
+            self.channel.send([(self.backward_report, 0)], TAG_BACKWARD,
+                              lambda pending: f"rank 0 took no backward report for iteration {m}")
         if self.send_average:
             self.channel.send([(agg.pack_average(), 0)], TAG_AVERAGE,
                               lambda pending: f"rank 0 took no average for iteration {m}")
 
     def end(self, m: int) -> bool:
-        self.replica.apply_update(self.replica.update_host, self.config.lr)
+        if self.pipeline is None:  # pipelined: applied bucket by bucket
+            self.replica.apply_update(self.replica.update_host, self.config.lr)
         if self.fault:
             self.fault.after_update(m, self.replica.flat)
         if self.parameter_sync is not None and sync_due(self.config, m, self.control_msg.command):

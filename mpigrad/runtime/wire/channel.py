@@ -128,6 +128,22 @@ class Channel(ABC):
         """Wait until the sends ``start_send`` posted completed (``describe`` as for send)."""
 
     @abstractmethod
+    def start_recv(self, items: list[tuple[np.ndarray, int]], tag: int) -> Any:
+        """Post a receive of one message of at most ``buffer.size`` bytes from each ``(buffer,
+        source)`` and return at once. Receives from one source with one tag take its messages
+        in the order both were posted (MPI's non-overtaking rule)."""
+
+    @abstractmethod
+    def received(self, pending: Any, index: int) -> int | None:
+        """The byte count of the ``index``-th message :meth:`start_recv` posted, once it is in
+        its buffer; None while it is not (a test that also moves transfers along)."""
+
+    @abstractmethod
+    def test_send(self, pending: Any) -> bool:
+        """Whether the sends ``start_send`` posted have completed (moves them along); they
+        must still be finished with :meth:`finish_send`."""
+
+    @abstractmethod
     def recv(self, items: list[tuple[np.ndarray, int]], tag: int, describe: Callable[[list[int]], str]) -> None:
         """Receive fixed-size messages into each ``(buffer, source)``."""
 

@@ -40,6 +40,15 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     worker -> rank 0, tag PARAMS, float32[N]: its flat parameters (rank 0
                     takes part in no gradient broadcast, so holds them only from here).
 
+10. ``BackwardReport`` pipelined iteration only (``--pipeline``), with 5: worker -> rank 0,
+                    tag BACKWARD, float64[2 + 2B + BS + B] (backward CPU s, backward wall s;
+                    for each of the B buckets the CPU, then the wall seconds from the start of
+                    backward until it was produced; the bytes of its frame of each bucket to
+                    each of the S shards; the bytes of its shard's average of each bucket). Message 1's compute times are then the
+                    forward pass's alone (the loss goes before backward), and messages 3 and 4
+                    go per bucket: a frame per (shard, bucket), in bucket order
+                    (``layout.pipeline_buckets``).
+
 Outside the iteration's order:
 
 8. ``ErrorReport``  a worker or shard server that raised -> rank 0, tag ERROR, uint8: magic
@@ -72,6 +81,7 @@ TAG_OBJECT = 17  # the set-up and checkpoint plane: one pickled object per messa
 TAG_PARAMS = 18  # message 9
 TAG_BCAST = 19   # message 4 with colocated servers: the shard's frame, point to point
 TAG_FACTORS = 20  # message 3b: a worker's second-round factors (PowerSGD's Q_i)
+TAG_BACKWARD = 21  # message 10: a pipelined worker's backward times
 
 # Control commands.
 CONTINUE = 1
@@ -281,6 +291,46 @@ class ServerReport:
                    [int(n) for n in buf[cls.FIXED:workers_end]],
                    [float(e) for e in buf[workers_end:workers_end + layers]],
                    [float(e) for e in buf[workers_end + layers:]])
+
+
+@dataclass
+class BackwardReport:
+    """Message 10: float64[2 + 2B + BS + B], a pipelined worker's backward and frames: its
+    backward's CPU and wall seconds; when (seconds from its start, CPU, then wall) it produced
+    each of the B buckets; the bytes of its frame of each bucket to each of the S shards (0:
+    none; its own shard's included); the bytes of its shard's average of each bucket (0: none)."""
+
+    cpu: float
+    wall: float
+    ready_cpu: list
+    ready_wall: list
+    sent: list     # B * S, bucket-major
+    bcast: list    # B
+
+    FIXED = 2
+
+    @staticmethod
+    def buffer(buckets: int, shards: int, rows: int | None = None) -> np.ndarray:
+        width = BackwardReport.FIXED + buckets * (3 + shards)
+        return np.zeros(width if rows is None else (rows, width), np.float64)
+
+    def pack(self, buf: np.ndarray) -> np.ndarray:
+        values = [self.cpu, self.wall, *self.ready_cpu, *self.ready_wall, *self.sent, *self.bcast]
+        if len(values) != buf.size:
+            raise ValueError(f"a backward report of {len(values)} values does not fill its {buf.size}")
+        buf[:] = values
+        return buf
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray, buckets: int, shards: int) -> "BackwardReport":
+        B, S = buckets, shards
+        if buf.size != cls.FIXED + B * (3 + S):
+            raise ValueError(f"a backward report of {buf.size} values is not one of {B} buckets and {S} shards")
+        at = cls.FIXED
+        ready_cpu, ready_wall = buf[at:at + B], buf[at + B:at + 2 * B]
+        sent, bcast = buf[at + 2 * B:at + 2 * B + B * S], buf[at + 2 * B + B * S:]
+        return cls(float(buf[0]), float(buf[1]), [float(t) for t in ready_cpu], [float(t) for t in ready_wall],
+                   [int(n) for n in sent], [int(n) for n in bcast])
 
 
 class BufferStats:

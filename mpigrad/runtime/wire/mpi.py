@@ -101,6 +101,21 @@ class MpiChannel(Channel):
         requests, destinations = pending
         self.wait_cpu_seconds += _wait_all(requests, destinations, self.timeout, describe, self._poll)
 
+    def start_recv(self, items, tag):
+        requests = [self.comm.Irecv([buf, buf.size, MPI.BYTE], source=source, tag=tag) for buf, source in items]
+        return requests, [None] * len(requests)  # the counts, kept: a completed request is freed
+
+    def received(self, pending, index):
+        requests, counts = pending
+        if counts[index] is None:
+            status = MPI.Status()
+            if requests[index].Test(status):
+                counts[index] = status.Get_count(MPI.BYTE)
+        return counts[index]
+
+    def test_send(self, pending) -> bool:
+        return MPI.Request.Testall(pending[0])
+
     def recv(self, items, tag, describe) -> None:
         requests = [self.comm.Irecv(buf, source=source, tag=tag) for buf, source in items]
         self.wait_cpu_seconds += _wait_all(requests, [source for _, source in items], self.timeout, describe,
