@@ -40,5 +40,31 @@ def test_a_run_in_the_lab_gives_both_clocks():
     assert [(row["servers"], row["rate"]) for row in rows] == [("colocated", "20MB/s"), ("pipeline", "20MB/s")]
     for row in rows:
         assert row["real_s"] > 0 and row["sim_s"] > 0 and 0 < row["local_s"] < row["real_s"]
+        assert set(row["phases"]) == {"compute", "losses", "control", "gradients", "broadcast", "after"}
+        assert all(real >= 0 and sim >= 0 for real, sim in row["phases"].values()), row["phases"]
+        assert row["phases"]["gradients"][1] > 0 and "real (sim) s: compute" in done.stdout
         # the modelled messages take real time too: a clock off by 3x either way is broken
         assert 0.33 < row["sim_over_real"] < 3, row
+
+
+def test_the_phase_log_times_every_phase_of_every_rank(tmp_path, monkeypatch):
+    """MPIGRAD_PHASE_LOG: each rank logs when it ended each phase, rank 0 what the clock
+    charged; the bench's per-phase medians come out of it."""
+    from mpigrad.bench.clock import _phases
+    from mpigrad.config import COLOCATED
+    from mpigrad.runtime.iteration import PHASES
+    from mpigrad.runtime.phaselog import ENV, read
+    from test_runtime_loopback import run
+
+    monkeypatch.setenv(ENV, str(tmp_path / "phases"))
+    code, errors, _ = run(tmp_path, servers="colocated", workers=2, iterations=4)
+    assert code == 0 and not errors, errors
+    lines = read(tmp_path / "phases")
+    assert sorted(lines) == [0, 1, 2, 3] and all(sorted(ranks) == [0, 1, 2] for ranks in lines.values())
+    for ranks in lines.values():
+        for line in ranks.values():
+            times = [line["t"][phase] for phase in ("begin", *PHASES, "end")]
+            assert times == sorted(times)
+        assert set(ranks[0]["sim"]) == {"losses", "control", "gradients", "broadcast", "local"}
+    phases = _phases(tmp_path / "phases", 2, COLOCATED, 1)
+    assert all(real >= 0 for real, _ in phases.values()) and phases["gradients"][1] > 0

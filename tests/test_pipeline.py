@@ -41,7 +41,7 @@ def test_the_pipelined_iteration_gives_the_sequential_run_bit_for_bit(tmp_path, 
     pd.testing.assert_frame_equal(a.policy, b.policy)  # policies that do not read the clock
     if len(a.eval):
         np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])
-    # a frame per piece: 16 header bytes more per piece beyond the first of each shard
+    # a frame per bucket: 16 header bytes more per bucket beyond the first of each shard
     for column in ("bytes_up", "bytes_down"):
         extra = b.steps[column].to_numpy() - a.steps[column].to_numpy()
         assert ((extra > 0) & (extra < 0.05 * a.steps[column].to_numpy())).all(), (column, extra)
@@ -59,13 +59,16 @@ def test_a_non_finite_gradient_is_named_in_the_pipeline(tmp_path, monkeypatch):
 def test_the_buckets_follow_backward_and_cover_every_piece():
     layout = Layout((Segment("a", 0, 100), Segment("b", 100, 300)), Segment("small layers", 400, 10), 410)
     shards = plan_shards(layout, 2, lambda p: p.size, chunk=100)
-    buckets = pipeline_buckets(shards)
-    pieces = [[(s, p) for s, part in enumerate(parts) if part for p in part.pieces] for parts in buckets]
-    assert all(len(bucket) == 1 for bucket in pieces)  # one piece each, on the shard that owns it
-    assert [p.layer for [(_, p)] in pieces] == [1, 1, 1, 0, -1]  # last layer first, the small layers last
-    assert [p.index for [(_, p)] in pieces] == [1, 2, 3, 0, 4]
-    for b, [(s, p)] in enumerate(pieces):
-        assert p in shards[s].pieces and (buckets[b][s].server, buckets[b][s].bucket) == (s, b)
+    buckets = pipeline_buckets(shards, limit=200)
+    parts = [[(s, part) for s, part in enumerate(parts) if part] for parts in buckets]
+    assert all(len(bucket) == 1 for bucket in parts)  # each on one shard, as that shard's part
+    layers = [{p.layer for p in part.pieces} for [(_, part)] in parts]
+    assert layers == [{1}, {1}, {0}, {-1}]  # last layer first, the small layers last
+    for b, [(s, part)] in enumerate(parts):
+        assert set(part.pieces) <= set(shards[s].pieces) and (part.server, part.bucket) == (s, b)
+        assert sum(p.size for p in part.pieces) <= 200 or len(part.pieces) == 1
+    assert sorted(p.index for [(_, part)] in parts for p in part.pieces) == list(range(5))
+    assert len(pipeline_buckets(shards, limit=1)) == 5  # one piece each
 
 
 def test_bad_combinations_are_one_line_errors():

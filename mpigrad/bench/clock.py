@@ -12,8 +12,11 @@ the iterations after ``--warmup`` (medians):
   the slowest server's decode, the policy: ``steps`` columns);
 - ``real comm`` (real minus local) against ``sim comm`` (the modelled messages, ``t_comm``).
 
-The trace does not time the phases of communication apart (loss gather, control, gradient
-gather, broadcast), so the split is local work against communication. Needs root, as the lab.
+Then, per communication phase (loss gather, Control, gradient gather, broadcast), real against
+simulated seconds: the ranks log when they end each phase (``MPIGRAD_PHASE_LOG``,
+:mod:`mpigrad.runtime.phaselog`; the lab's nodes share one host clock). A real phase holds
+the local work done in it (encoding in the gradient gather, decoding in both rounds); the
+simulated one only the messages. Needs root, as the lab.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 
 from ..config import COLOCATED, parse_rate, parse_servers
 from ..errors import UsageError
+from ..runtime.phaselog import ENV as PHASE_ENV
 
 #: ``--codecs`` items: a name, and the train options it stands for.
 CODECS = {"fp32": ["--codec", "fp32"], "uniform2": ["--codec", "uniform", "--bits", "2"],
@@ -122,15 +126,18 @@ def run(args: argparse.Namespace) -> int:
                        *sharding, "--broadcast", broadcast, "--bandwidth", rate_text, "--net-mode", "virtual",
                        "--iterations", str(args.iterations), "--eval-every", "0", "--progress-every", "0",
                        "--trace", str(trace), *extra]
-            done = subprocess.run(command, capture_output=True, text=True)
+            phase_dir = Path(tmp) / f"phases-{len(results)}"
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  env={**os.environ, PHASE_ENV: str(phase_dir)})
             if done.returncode != 0:
                 print(done.stdout[-2000:] + done.stderr[-2000:], file=sys.stderr)
                 raise UsageError(f"the run P={p} S={layout} {codec} {broadcast} at {rate_text} failed "
                                  f"(exit {done.returncode})")
             row = dict(workers=p, servers=layout, codec=codec, broadcast=broadcast, rate=rate_text,
-                       **_clocks(trace, args.warmup))
+                       **_clocks(trace, args.warmup), phases=_phases(phase_dir, p, layout, args.warmup))
             results.append(row)
             print(_format(row), flush=True)
+            print(_format_phases(row["phases"]), flush=True)
     within = sum(abs(r["sim_over_real"] - 1) <= 0.10 for r in results)
     print(f"{within} of {len(results)} rows within 10 %")
     report = {"bench": "clock", "load": os.getloadavg()[0], "train_args": extra, "results": results}
@@ -154,6 +161,58 @@ def _clocks(trace: Path, warmup: int) -> dict:
     return {"real_s": med(real), "sim_s": med(sim), "sim_over_real": med(sim / real), "local_s": med(local),
             "real_comm_s": med(real_comm), "sim_comm_s": med(sim_comm),
             "comm_sim_over_real": med(sim_comm / np.maximum(real_comm, 1e-9))}
+
+
+#: The phases compared: the local work before the loss gather (the compute, on the clock all
+#: local work), the four communication phases, and what follows the broadcast (reports, the
+#: SGD step: nothing on the clock).
+PHASES = ("compute", "losses", "control", "gradients", "broadcast", "after")
+
+
+def _phases(directory: Path, workers: int, layout, warmup: int) -> dict[str, list[float]]:
+    """Per phase (``PHASES``), the medians of [real, simulated] seconds over the steady
+    iterations: real from the ranks' phase log (the end of each phase on the last rank to
+    end it, from the end of the phase before: the last worker's previous iteration, its
+    compute, the loss gather on rank 0, the Control on every rank, gradients on the servers,
+    broadcast and then the SGD step on the workers), simulated from the clock's charges
+    (its local work under "compute"). A pipelined run's "gradients" holds its backward pass and every frame,
+    its "broadcast" nothing, and its charge, one for the whole exchange, stands under
+    "gradients"."""
+    from ..runtime.phaselog import read
+
+    colocated = layout in (COLOCATED, PIPELINE)
+    worker_ranks = list(range(1, workers + 1)) if colocated else list(range(layout, layout + workers))
+    server_ranks = worker_ranks if colocated else list(range(layout))
+    lines = read(directory)
+    real: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    sim: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    steady = sorted(lines)[warmup + 1:]
+    for m in steady:
+        ranks = lines[m]
+        if m - 1 not in lines:
+            continue
+        t = lambda rank, phase: ranks[rank]["t"][phase]  # noqa: E731
+        started = max(lines[m - 1][w]["t"]["end"] for w in worker_ranks)
+        compute = max(t(w, "begin") for w in worker_ranks)
+        losses = t(0, "losses")
+        control = max(t(rank, "control") for rank in ranks)
+        gradients = max(t(s, "gradients") for s in server_ranks)
+        broadcast = max(t(rank, "broadcast") for rank in (worker_ranks if colocated else [0, *worker_ranks]))
+        after = max(t(w, "end") for w in worker_ranks)
+        for phase, end, begin in (("compute", compute, started), ("losses", losses, compute),
+                                  ("control", control, losses), ("gradients", gradients, control),
+                                  ("broadcast", broadcast, gradients), ("after", after, broadcast)):
+            real[phase].append(end - begin)
+        charged = ranks[0].get("sim", {})
+        for phase in PHASES:
+            name = "local" if phase == "compute" else phase
+            sim[phase].append(charged.get(name, 0.0) + (charged.get("pipelined", 0.0) if phase == "gradients" else 0))
+    return {phase: [float(np.median(real[phase])), float(np.median(sim[phase]))] if real[phase] else [0.0, 0.0]
+            for phase in PHASES}
+
+
+def _format_phases(phases: dict[str, list[float]]) -> str:
+    return "      real (sim) s: " + "  ".join(f"{phase} {real:.4f} ({sim:.4f})" for phase, (real, sim) in phases.items())
 
 
 def _format(r: dict) -> str:

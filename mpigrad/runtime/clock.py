@@ -69,6 +69,8 @@ class IterationClock:
 
     def start(self) -> None:
         self.t_comm = 0.0
+        #: This iteration's charge per communication phase (the phase log's "sim").
+        self.phases: dict[str, float] = {}
         self.comm_start = self.clocks.sim
         self.wall_start = self.clocks.now_wall()
 
@@ -78,20 +80,25 @@ class IterationClock:
         """``t_compute``: the iteration's compute so far (the slowest worker's), which the
         first message follows; ``compute_time`` replaces it when set."""
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_compute)
-        self.t_comm = self.link.charge(self.link.losses(self.workers, nbytes, self.comm_start, self.servers,
-                                                        self.colocated))
+        self.t_comm = self.phases["losses"] = self.link.charge(
+            self.link.losses(self.workers, nbytes, self.comm_start, self.servers, self.colocated))
 
     def control(self, nbytes: int) -> None:
-        self.t_comm += self.link.charge(self.link.control(self.workers, self.servers, nbytes, self.colocated,
-                                                          start=self.comm_start + self.t_comm))
+        self._add("control", self.link.control(self.workers, self.servers, nbytes, self.colocated,
+                                               start=self.comm_start + self.t_comm))
 
     def gradients(self, sizes_per_server: list[list[int]]) -> None:
-        self.t_comm += self.link.charge(self.link.gradients(sizes_per_server, self.colocated,
-                                                            start=self.comm_start + self.t_comm))
+        self._add("gradients", self.link.gradients(sizes_per_server, self.colocated,
+                                                   start=self.comm_start + self.t_comm))
 
     def broadcasts(self, bytes_per_server: list[int]) -> None:
-        self.t_comm += self.link.charge(self.link.broadcasts(self.workers, bytes_per_server, self.colocated,
-                                                             start=self.comm_start + self.t_comm))
+        self._add("broadcast", self.link.broadcasts(self.workers, bytes_per_server, self.colocated,
+                                                    start=self.comm_start + self.t_comm))
+
+    def _add(self, phase: str, seconds: float) -> None:
+        charged = self.link.charge(seconds)
+        self.t_comm += charged
+        self.phases[phase] = self.phases.get(phase, 0.0) + charged  # two-round codecs: both rounds
 
     def pipelined(self, traffic: PipelinedTraffic, t_forward: float, t_backward: float) -> None:
         """Charge a pipelined iteration's communication (``LinkModel.pipelined``) from the
@@ -105,7 +112,7 @@ class IterationClock:
             t_backward = 0.0
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_forward)
         span = self.link.pipelined(traffic, self.comm_start)
-        self.t_comm = self.link.charge(max(0.0, span - t_backward))
+        self.t_comm = self.phases["pipelined"] = self.link.charge(max(0.0, span - t_backward))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall
@@ -132,6 +139,8 @@ class IterationClock:
             t_comm = max(0.0, (wall_now - self.wall_start) - local)
             self.clocks.sim = wall_now
         else:
-            self.clocks.sim += iteration_seconds(t_comm, self.compute_time, t_compute, t_encode, t_decode,
-                                                 t_policy, self.local_seconds(bits))
+            seconds = iteration_seconds(t_comm, self.compute_time, t_compute, t_encode, t_decode, t_policy,
+                                        self.local_seconds(bits))
+            self.clocks.sim += seconds
+            self.phases["local"] = seconds - t_comm
         return wall_now, self.clocks.sim, t_comm

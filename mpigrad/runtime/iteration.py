@@ -70,12 +70,25 @@ PHASES = ("losses", "control", "gradients", "broadcast", "gradients2", "broadcas
 
 def run_iteration(role, m: int):
     """Run iteration m on this rank (``role.iteration`` is m until its ``end`` moves it on);
-    return what the role's ``end`` returns."""
+    return what the role's ``end`` returns. With ``role.phase_log`` (a
+    :class:`~.phaselog.PhaseLog`), the end of each phase is logged."""
     role.iteration = m
+    log = getattr(role, "phase_log", None)
+    if log is None:
+        role.begin(m)
+        for phase in PHASES:
+            getattr(role, phase)(m)
+        return role.end(m)
     role.begin(m)
+    log.record("begin")
     for phase in PHASES:
         getattr(role, phase)(m)
-    return role.end(m)
+        log.record(phase)
+    result = role.end(m)
+    log.record("end")
+    clock = getattr(role, "clock", None)
+    log.flush(m, dict(clock.phases) if clock is not None else None)
+    return result
 
 
 def run_until_stopped(role, start: int, iterations: int, on_checkpoint=None) -> bool:

@@ -97,18 +97,30 @@ def plan_shards(layout: Layout, servers: int, piece_bytes, chunk: int = 0) -> tu
     return tuple(Shard(s, tuple(sorted(owned[s], key=lambda p: p.index))) for s in range(servers))
 
 
-def pipeline_buckets(shards: tuple[Shard, ...]) -> list[list[Shard | None]]:
-    """The pipelined iteration's buckets in the order backward produces them: each piece of
-    each quantized layer, last layer first (a layer's pieces, ``--shard-chunk``'s chunks, in
-    layout order), then the small layers (float32, complete only when backward ends).
-    ``buckets[b][s]``: bucket b as shard s's part (a one-piece shard), None on every other
-    shard. Every rank computes the same list from the same shards, so a frame's place in the
-    sequence of its (sender, receiver) pair says which bucket it is."""
-    owner = {p.index: shard.server for shard in shards for p in shard.pieces}
-    pieces = sorted((p for shard in shards for p in shard.pieces), key=lambda p: (p.layer < 0, -p.layer, p.index))
-    buckets = []
-    for b, piece in enumerate(pieces):
-        parts: list[Shard | None] = [None] * len(shards)
-        parts[owner[piece.index]] = Shard(owner[piece.index], (piece,), b)
-        buckets.append(parts)
+#: The most elements a pipelined bucket holds (1 MiB of float32, DDP's first bucket): a
+#: layer's pieces on one shard go together up to it, so that frames stay few.
+BUCKET_ELEMENTS = 1 << 18
+
+
+def pipeline_buckets(shards: tuple[Shard, ...], limit: int = BUCKET_ELEMENTS) -> list[list[Shard | None]]:
+    """The pipelined iteration's buckets in the order backward produces them: each quantized
+    layer, last layer first, then the small layers (float32, complete only when backward
+    ends). A layer's pieces (``--shard-chunk``'s chunks) on one shard form buckets of
+    consecutive pieces of at most ``limit`` elements (a larger piece alone); shard by shard.
+    ``buckets[b][s]``: bucket b as shard s's part, None on every other shard. Every rank
+    computes the same list from the same shards, so a frame's place in the sequence of its
+    (sender, receiver) pair says which bucket it is."""
+    layers = sorted({p.layer for shard in shards for p in shard.pieces}, key=lambda layer: (layer < 0, -layer))
+    buckets: list[list[Shard | None]] = []
+    for layer in layers:
+        for shard in shards:
+            group: list[Piece] = []
+            for piece in [p for p in shard.pieces if p.layer == layer] + [None]:
+                if group and (piece is None or sum(p.size for p in group) + piece.size > limit):
+                    parts: list[Shard | None] = [None] * len(shards)
+                    parts[shard.server] = Shard(shard.server, tuple(group), len(buckets))
+                    buckets.append(parts)
+                    group = []
+                if piece is not None:
+                    group.append(piece)
     return buckets

@@ -1,9 +1,9 @@
 """The pipelined iteration (``--pipeline``, colocated servers): one worker's backward, its
 frames and its shard's averages, bucket by bucket.
 
-A *bucket* is one quantized layer (all its pieces, on whatever shards hold them), or the
-small layers together; buckets go in the order backward produces them, last layer first
-(:func:`~.layout.pipeline_buckets`). The worker sends its loss after the forward pass and
+A *bucket* is a run of one quantized layer's pieces on one shard (up to
+``layout.BUCKET_ELEMENTS``), or the small layers; buckets go in the order backward produces
+them, last layer first (:func:`~.layout.pipeline_buckets`). The worker sends its loss after the forward pass and
 runs backward with a post-accumulate-grad hook on every parameter; when a bucket's last
 gradient is in (and every earlier bucket has gone), it takes the Control (rank 0 chose the
 bits meanwhile), encodes the bucket's frame for each shard and posts the sends. After
@@ -190,8 +190,12 @@ class PipelinedExchange:
             progressed = False
             if own:
                 b = own[0]
-                counts = {rank: channel.received(self.grad_recv, self.frames_in[(b, rank)]) for rank in others}
-                if all(n is not None for n in counts.values()):
+                counts = {}
+                for rank in others:  # stop at the first frame not in
+                    counts[rank] = channel.received(self.grad_recv, self.frames_in[(b, rank)])
+                    if counts[rank] is None:
+                        break
+                if len(counts) == len(others) and all(n is not None for n in counts.values()):
                     frames = [(rank, self.local[b] if rank == w.rank else
                                self.worker.pipeline_buffers[("grad", b, rank)][:counts[rank]]) for rank in ranks]
                     self._average(b, frames, bits, others)
@@ -199,9 +203,13 @@ class PipelinedExchange:
                     self._apply_if_complete(b, parts_left, update)
                     own.pop(0)
                     progressed = True
+            waiting_on = set()  # a source's averages come in bucket order: test only its oldest
             for (b, s), index in list(averages.items()):
+                if s in waiting_on:
+                    continue
                 count = channel.received(self.avg_recv, index)
                 if count is None:
+                    waiting_on.add(s)
                     continue
                 frame = self.worker.pipeline_buffers[("avg", b, s)][:count]
                 start = time.process_time()

@@ -19,6 +19,7 @@ from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
 from .faults import Fault
+from .phaselog import PhaseLog
 from .iteration import FollowerRole
 from .lowrank import LowRank
 from .pipeline import PipelinedExchange
@@ -58,6 +59,7 @@ class Worker(FollowerRole):
         self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
+        self.phase_log = PhaseLog.from_environment(self.rank)  # MPIGRAD_PHASE_LOG (bench clock)
         #: PowerSGD's factors, error memory and Q (two-round codecs), else None.
         self.lowrank = (LowRank(self.replica.model, self.replica.layout, codec, config.seed, worker=True,
                                 shards=self.shards) if codec.two_rounds else None)

@@ -1,0 +1,56 @@
+"""A diagnostic log of when each rank ends each phase of each iteration, for
+``mpigrad bench clock``'s per-phase comparison (not a trace: every rank writes its own file).
+
+``MPIGRAD_PHASE_LOG=DIR`` makes rank r append one JSON line per iteration to
+``DIR/rank-r.jsonl``: ``{"m": iteration, "rank": r, "t": {phase: perf_counter at its end}}``,
+the phases of :mod:`.iteration` (``begin`` ... ``end``); rank 0 adds ``"sim"``, what the
+clock charged each communication phase (seconds). ``time.perf_counter`` is the host's
+monotonic clock, so the ranks' times compare only where they share a host, as in the network
+lab. Unset, it costs one dictionary lookup at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+ENV = "MPIGRAD_PHASE_LOG"
+
+
+class PhaseLog:
+    """One rank's log; ``record`` after each phase, ``flush`` after each iteration."""
+
+    def __init__(self, path: Path, rank: int):
+        self.rank = rank
+        self.file = path.open("a", buffering=1)
+        self.times: dict[str, float] = {}
+
+    @classmethod
+    def from_environment(cls, rank: int) -> "PhaseLog | None":
+        directory = os.environ.get(ENV)
+        if not directory:
+            return None
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return cls(Path(directory) / f"rank-{rank}.jsonl", rank)
+
+    def record(self, phase: str) -> None:
+        self.times[phase] = time.perf_counter()
+
+    def flush(self, m: int, sim: dict | None = None) -> None:
+        line = {"m": m, "rank": self.rank, "t": self.times}
+        if sim is not None:
+            line["sim"] = sim
+        self.file.write(json.dumps(line) + "\n")
+        self.times = {}
+
+
+def read(directory: Path) -> dict[int, dict[int, dict]]:
+    """Every rank's lines: ``{iteration: {rank: line}}``."""
+    lines: dict[int, dict[int, dict]] = {}
+    for path in sorted(Path(directory).glob("rank-*.jsonl")):
+        for text in path.read_text().splitlines():
+            line = json.loads(text)
+            lines.setdefault(line["m"], {})[line["rank"]] = line
+    return lines
