@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_mpi
+from conftest import fuzz_tally, run_mpi
 from mpigrad.codecs import CodecError, get_codec
 from mpigrad.runtime import EXIT_REQUEUE
 from mpigrad.runtime.lowrank import orthogonalize
@@ -67,14 +67,6 @@ def test_a_bad_width_is_one_line(name, value):
     with pytest.raises(CodecError, match=f"powersgd: {name} must be") as info:
         get_codec({"id": "powersgd", name: value})
     assert "\n" not in str(info.value)
-
-
-def test_the_command_line_refuses_a_bad_width_with_exit_2():
-    done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--codec", "powersgd", "--policy", "fixed",
-                           "--codec-opt", "factor_bits=12"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "factor_bits must be 1..8 (uniform), 16 (fp16) or 32" in lines[0], done.stderr
 
 
 def test_the_help_lists_the_widths():
@@ -155,11 +147,7 @@ def test_the_factor_frame_is_frozen():
 
 
 def test_mutated_factor_frames_only_raise_codec_or_frame_errors():
-    result = subprocess.run([sys.executable, str(FUZZ), "--seed", "20261124", "--mutations", "1200"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, (f"fuzzer exited with {result.returncode} (negative: killed by a signal)\n"
-                                    f"stdout: {result.stdout}\nstderr: {result.stderr[-4000:]}")
-    tally = dict(item.split("=") for item in result.stdout.split())
+    tally = fuzz_tally(FUZZ, 20261124, 1200)
     assert {key.split(":")[0] for key in tally} == {"flip", "bytes", "truncate", "extend", "lengths", "swap"}
     assert sum(int(v) for k, v in tally.items() if k.endswith(":error")) > 300
     assert sum(int(v) for k, v in tally.items() if k.endswith(":ok")) > 50  # payload flips decode (no payload CRC)
