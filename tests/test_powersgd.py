@@ -167,9 +167,11 @@ def test_before_start_every_layer_goes_float32_in_one_round(tmp_path):
     assert list(sent) == [plain] * 3 + [first + second] * 3
 
 
-def test_stop_and_resume_continue_the_straight_run(tmp_path):
-    """The workers' error memories and Q travel in the checkpoint: the resumed run is the straight one."""
-    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1})
+@pytest.mark.parametrize("widths", [{}, {"factor_bits": 4, "rest_bits": 4}])
+def test_stop_and_resume_continue_the_straight_run(tmp_path, widths):
+    """The workers' error memories and Q travel in the checkpoint: the resumed run is the
+    straight one; with a quantized rest (tests/test_powersgd_quantized.py) its memory too."""
+    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1, **widths})
     code, errors, straight = run(tmp_path, name="straight.h5", **options)
     assert code == 0 and not errors, errors
     code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(3), **options)
