@@ -24,8 +24,9 @@ other layers too (``PowerSGD.rest_codec``). Every rank decodes the broadcasts in
 quantization error of the iteration (the workers' P_i and Q_i, the server's P^ and Q), not
 only the rank's truncation; P^ is orthogonalised before its encode and not again after the
 decode (8 bits: max |P^T P - I| below 4e-3 on random matrices, 4 bits about 0.02-0.03;
-docs/codecs.rst). With a quantized rest the workers keep e_i = M_i - (decoded average) for those layers as well, M_i = g_i + e_i: torch's
-hook keeps that memory for its uncompressed layers too.
+docs/codecs.rst). With a quantized rest the workers keep e_i = M_i - (decoded average) for
+those layers as well, M_i = g_i + e_i: torch's hook keeps that memory for its uncompressed
+layers too.
 
 Each round's frame is an ordinary gradient frame (``FrameHeader`` and one codec buffer per
 piece) over a *factor layout*: round 1's pieces are the P factors (piece = layer index) and
