@@ -13,6 +13,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def fuzz_tally(script: Path, seed: int, mutations: int, timeout: float = 300) -> dict[str, int]:
+    """Run a fuzzer script (``tests/fuzz_*.py --seed S --mutations N``) in a subprocess, so
+    that a segfault in a kernel fails the test instead of killing pytest; fail unless it
+    exits 0, and return its tally (``kind:outcome`` -> count) from its stdout."""
+    result = subprocess.run([sys.executable, str(script), "--seed", str(seed), "--mutations", str(mutations)],
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (f"fuzzer exited with {result.returncode} (negative: killed by a signal)\n"
+                                    f"stdout: {result.stdout}\nstderr: {result.stderr[-4000:]}")
+    return {key: int(value) for key, value in (item.split("=") for item in result.stdout.split())}
+
+
 def mpiexec(ranks: int, argv: list[str]) -> list[str]:
     """The command starting ``argv`` on ``ranks`` ranks with the venv's MPI (MPICH or Open MPI,
     with the flags it needs here: mpigrad.mpiexec)."""

@@ -65,6 +65,8 @@ EXCLUDED = [
     (r"^mpigrad data (fetch|verify) cifar10 data/cifar10$|^mpigrad data verify data/cifar10$", _CIFAR),
     (r"runs/paper-1[28]nodes", _GRID),
     (r"^python examples/compare/run\.py", _COMPARISON),
+    (r"^python examples/compare/lowrank\.py", "the low-rank comparison: 40 runs, 30 to 60 minutes on a shared 2-core machine "
+                                              "(tests/test_powersgd_quantized.py runs its --smoke version)"),
     (r"^mpigrad trace compare runs/compare/", "reads the comparison's traces (" + _COMPARISON + ")"),
     (r"^mpigrad bench (codecs|iteration|trace|peers|clock)",
      "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import scipy.stats
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+from conftest import fuzz_tally
 from mpigrad.codecs import CodecError, get_codec, read_header
 from mpigrad.codecs.base import HEADER_SIZE, Header, _write_header
 from mpigrad.codecs.kernels import mcgq as kernels
@@ -455,11 +455,7 @@ def assert_accumulate_refuses(codec, damaged: np.ndarray, message: str) -> None:
 
 
 def test_fuzz_in_subprocess():
-    result = subprocess.run([sys.executable, str(FUZZ), "--seed", "7", "--mutations", "2500"],
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, (f"fuzzer exited with {result.returncode} (negative: a signal)\n"
-                                    f"stdout: {result.stdout}\nstderr: {result.stderr[-4000:]}")
-    tally = dict(item.split("=") for item in result.stdout.split())
+    tally = fuzz_tally(FUZZ, 7, 2500, timeout=240)
     outcomes = {key.split(":")[1] for key in tally}
     assert outcomes == {"ok", "error"}
     assert int(tally.get("checksum:error", 0)) > 100 and "checksum:ok" not in tally

@@ -94,12 +94,16 @@ def test_what_it_does_not_run_with_is_refused_in_one_line(options, words):
     assert "\n" not in str(info.value)
 
 
-def test_the_command_line_refuses_a_bad_combination_with_exit_2():
+@pytest.mark.parametrize("args, words", [
+    (["--error-feedback", "residual"], "its own error feedback"),
+    (["--codec-opt", "factor_bits=12"], "factor_bits must be 1..8 (uniform), 16 (fp16) or 32"),
+])
+def test_the_command_line_refuses_a_bad_combination_with_exit_2(args, words):
     done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--codec", "powersgd", "--policy", "fixed",
-                           "--error-feedback", "residual"], capture_output=True, text=True, timeout=60)
+                           *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "its own error feedback" in lines[0], done.stderr
+    assert len(lines) == 1 and words in lines[0], done.stderr
 
 
 # ---- the two rounds on the loopback channel -----------------------------------------------
@@ -163,9 +167,11 @@ def test_before_start_every_layer_goes_float32_in_one_round(tmp_path):
     assert list(sent) == [plain] * 3 + [first + second] * 3
 
 
-def test_stop_and_resume_continue_the_straight_run(tmp_path):
-    """The workers' error memories and Q travel in the checkpoint: the resumed run is the straight one."""
-    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1})
+@pytest.mark.parametrize("widths", [{}, {"factor_bits": 4, "rest_bits": 4}])
+def test_stop_and_resume_continue_the_straight_run(tmp_path, widths):
+    """The workers' error memories and Q travel in the checkpoint: the resumed run is the
+    straight one; with a quantized rest (tests/test_powersgd_quantized.py) its memory too."""
+    options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1, **widths})
     code, errors, straight = run(tmp_path, name="straight.h5", **options)
     assert code == 0 and not errors, errors
     code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(3), **options)

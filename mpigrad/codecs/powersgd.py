@@ -12,15 +12,35 @@ two rounds (``mpigrad/runtime/lowrank.py``, the ``gradients2``/``broadcast2`` ph
 element, like ``fp32`` under its own wire id (the factors are exact; the compression is the
 rank). Before iteration ``start`` every layer travels as float32 in one round, as torch's
 hook all-reduces before ``start_powerSGD_iter``.
+
+``factor_bits`` and ``rest_bits`` (both 32 by default: float32) hand the factors, and the
+layers PowerSGD leaves uncompressed, to another mpigrad codec instead: ``uniform`` at 1..8
+bits (round to nearest, one min/max range per factor or per rest piece), or ``fp16`` at 16.
+``uniform`` rather than ``qsgd``: its frame sizes are fixed by the element count, as the
+float32 factors' are (rank 0 charges the rounds from the layout's sizes), and its rounding
+error is at most half a step, deterministic, which the workers' error memory takes back
+(the memory is measured against the decoded factors every rank applies).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .base import CodecError, register_codec
+from .base import Codec, CodecError, get_codec, register_codec
 from .checks import check_int
 from .fp import _FloatCodec
+
+#: The widths ``factor_bits`` and ``rest_bits`` take, and the codec each width stands for.
+FLOAT_WIDTHS = {32: "fp32", 16: "fp16"}
+QUANTIZED_WIDTHS = range(1, 9)  # uniform
+
+
+def check_width(name: str, value) -> int:
+    """``factor_bits``/``rest_bits``: 1..8 (``uniform``), 16 (``fp16``) or 32 (float32)."""
+    width = check_int(PowerSGD.codec_id, name, value, 1, 32)
+    if width not in QUANTIZED_WIDTHS and width not in FLOAT_WIDTHS:
+        raise CodecError(f"powersgd: {name} must be 1..8 (uniform), 16 (fp16) or 32 (float32), got {value!r}")
+    return width
 
 
 @register_codec
@@ -28,7 +48,11 @@ class PowerSGD(_FloatCodec):
     """Low-rank factors, float32. ``rank``: the approximation's rank r (at most min(n, m) per
     layer); ``min_compression_rate``: a layer viewed as n x m (n its first dimension) is
     compressed when (n + m) r * min_compression_rate < n m (torch's rule, default 2);
-    ``start``: the first compressed iteration (before it, every layer float32)."""
+    ``start``: the first compressed iteration (before it, every layer float32);
+    ``factor_bits``: the width of the factors P, P^, Q on the wire, 32 (float32, default), 16
+    (``fp16``) or 1..8 (``uniform``, round to nearest, one range per factor);
+    ``rest_bits``: the same for the layers it does not compress (the workers then keep an
+    error memory for them too)."""
 
     codec_id = "powersgd"
     wire_id = 8
@@ -38,7 +62,7 @@ class PowerSGD(_FloatCodec):
     two_rounds = True
 
     def __init__(self, *, rank: int = 1, min_compression_rate: float = 2.0, start: int = 0,
-                 checksum: bool = False):
+                 factor_bits: int = 32, rest_bits: int = 32, checksum: bool = False):
         super().__init__(checksum=checksum)
         self.rank = check_int(self.codec_id, "rank", rank, 1, 1 << 16)
         try:
@@ -49,9 +73,39 @@ class PowerSGD(_FloatCodec):
             raise CodecError(f"powersgd: min_compression_rate must be at least 1, got {min_compression_rate!r}")
         self.min_compression_rate = rate
         self.start = check_int(self.codec_id, "start", start, 0, 2**62)
+        self.factor_bits = check_width("factor_bits", factor_bits)
+        self.rest_bits = check_width("rest_bits", rest_bits)
 
     def _config(self):
-        return {"rank": self.rank, "min_compression_rate": self.min_compression_rate, "start": self.start}
+        config = {"rank": self.rank, "min_compression_rate": self.min_compression_rate, "start": self.start}
+        # float32 (the default) stays out of the config: traces of float32 factors read as before
+        config.update({name: width for name, width in (("factor_bits", self.factor_bits),
+                                                         ("rest_bits", self.rest_bits)) if width != 32})
+        return config
+
+    @property
+    def fixed_bits(self) -> int:
+        """A trace's ``bits`` columns: the factors' width."""
+        return self.factor_bits
+
+    def _width_codec(self, width: int) -> Codec:
+        if width in FLOAT_WIDTHS:
+            return get_codec({"id": FLOAT_WIDTHS[width], "checksum": self.checksum})
+        return get_codec({"id": "uniform", "bits": width, "checksum": self.checksum})
+
+    def factor_codec(self) -> Codec:
+        """The codec of one factor on the wire: this one (float32, wire id 8) at 32 bits,
+        else ``fp16`` or ``uniform`` at ``factor_bits``, its bits fixed (no policy moves them)."""
+        return self if self.factor_bits == 32 else self._width_codec(self.factor_bits)
+
+    def rest_codec(self) -> Codec:
+        """The codec of the uncompressed layers' piece: ``fp32``, ``fp16`` or ``uniform``."""
+        return self._width_codec(self.rest_bits)
+
+    @property
+    def rest_memory(self) -> bool:
+        """True when the uncompressed layers are quantized, so the workers keep their error."""
+        return self.rest_bits != 32
 
     @staticmethod
     def matrix_shape(shape) -> tuple[int, int]:

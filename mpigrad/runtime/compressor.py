@@ -19,16 +19,19 @@ from .wire.messages import FrameHeader
 
 class GradientCompressor:
     """Hyperparameters: the pieces, the base codec, one RNG seed per piece and an optional
-    error-feedback memory. State: per-piece call counters, codec instances, the memory."""
+    error-feedback memory. State: per-piece call counters, codec instances, the memory.
+    ``rest_codec`` serves the small layers' piece (default ``fp32``); ``policy_bits=False``
+    keeps ``codec``'s own bits whatever bits ``encode`` is given (PowerSGD's factor codec)."""
 
-    def __init__(self, pieces: list[Piece], codec: Codec, seeds: dict[int, int], feedback=None):
+    def __init__(self, pieces: list[Piece], codec: Codec, seeds: dict[int, int], feedback=None, *,
+                 rest_codec: Codec | None = None, policy_bits: bool = True):
         self.pieces = pieces
         self.base_config = codec.get_config()
-        self.takes_bits = codec.takes_policy_bits
+        self.takes_bits = policy_bits and codec.takes_policy_bits
         self.decoder = codec
         self.seeds = seeds
         self.feedback = feedback
-        self.rest_codec = get_codec({"id": "fp32"})
+        self.rest_codec = rest_codec if rest_codec is not None else get_codec({"id": "fp32"})
         self.calls = [0] * sum(p.quantized for p in pieces)  # quantized pieces come first
         self._codecs: dict[tuple[int, int], Codec] = {}
         self._frames: dict[tuple[int, int], np.ndarray] = {}

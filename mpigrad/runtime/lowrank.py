@@ -17,6 +17,17 @@ M_i = g_i + e_i (worker i's gradient plus its error memory) and Q the shared m x
   (warm start). The first Q is drawn from the run's seed, per layer, identically on every
   rank, and orthogonalised.
 
+With ``factor_bits`` below 32 the factors travel through another codec (``uniform`` or
+``fp16``, ``PowerSGD.factor_codec``) in both directions, and with ``rest_bits`` below 32 the
+other layers too (``PowerSGD.rest_codec``). Every rank decodes the broadcasts into
+``p_buf``/``q_buf`` and applies the decoded P^ Q^T, so e_i = M_i - M^ holds every
+quantization error of the iteration (the workers' P_i and Q_i, the server's P^ and Q), not
+only the rank's truncation; P^ is orthogonalised before its encode and not again after the
+decode (8 bits: max |P^T P - I| below 4e-3 on random matrices, 4 bits about 0.02-0.03;
+docs/codecs.rst). With a quantized rest the workers keep e_i = M_i - (decoded average) for
+those layers as well, M_i = g_i + e_i: torch's hook keeps that memory for its uncompressed
+layers too.
+
 Each round's frame is an ordinary gradient frame (``FrameHeader`` and one codec buffer per
 piece) over a *factor layout*: round 1's pieces are the P factors (piece = layer index) and
 the other layers' float32 piece, round 2's the Q factors; with S servers (or colocated
@@ -94,6 +105,9 @@ class LowRank:
         self.rest = layout.rest
         #: The low-rank layers fill the flat buffer's [0, matrix_end) (they come first).
         self.matrix_end = layout.rest.offset
+        #: The workers' error memory covers [0, memory_end): the low-rank layers, and the
+        #: other layers when they are quantized (``rest_bits``).
+        self.memory_end = layout.rest.offset + (layout.rest.size if codec.rest_memory else 0)
         pieces1 = [Piece(lay.layer, lay.layer, lay.p_offset, lay.n * lay.r) for lay in layers]
         if self.rest.size:
             pieces1.append(Piece(len(layers), -1, p_off, self.rest.size))
@@ -110,12 +124,14 @@ class LowRank:
         self.p_size, self.q_size = p_off + self.rest.size, q_off
         self.p_buf = np.zeros(self.p_size, np.float32)   # round 1: P_i out, then P^ and the rest's average in
         self.q_buf = np.zeros(self.q_size, np.float32)   # round 2: Q_i out, then the average Q in
-        # One compressor per round (their frame buffers are the rounds' own).
-        self.compressor1 = GradientCompressor(pieces1, codec, {})
-        self.compressor2 = GradientCompressor(pieces2, codec, {})
-        self.error: np.ndarray | None = None   # worker: e_i over [0, matrix_end), from the first compressed iteration
+        # One compressor per round (their frame buffers are the rounds' own), the factors'
+        # codec at its own fixed width, the other layers' codec in round 1.
+        factors = codec.factor_codec()
+        self.compressor1 = GradientCompressor(pieces1, factors, {}, rest_codec=codec.rest_codec(), policy_bits=False)
+        self.compressor2 = GradientCompressor(pieces2, factors, {}, policy_bits=False)
+        self.error: np.ndarray | None = None   # worker: e_i over [0, memory_end), from the first compressed iteration
         self.q_memory: np.ndarray | None = None  # worker: the last Q (round 2's layout)
-        self.matrix = np.empty(self.matrix_end if worker else 0, np.float32)  # worker: M_i
+        self.matrix = np.empty(self.memory_end if worker else 0, np.float32)  # worker: M_i
 
     def active(self, iteration: int) -> bool:
         return self.codec.active(iteration)
@@ -133,20 +149,21 @@ class LowRank:
     # ---- a worker's two rounds ----------------------------------------------------------
     def first_factors(self, grad: np.ndarray) -> np.ndarray:
         """Round 1's vector: M_i = g_i + e_i, P_i = M_i Q per low-rank layer, then the other
-        layers' gradient as it is (a view of ``p_buf``)."""
+        layers' gradient (plus their error memory when they are quantized; a view of ``p_buf``)."""
         if self.error is None:  # the first compressed iteration: memory and Q from zero and the seed
-            self.error = np.zeros(self.matrix_end, np.float32)
+            self.error = np.zeros(self.memory_end, np.float32)
             self.q_memory = np.empty(self.q_size, np.float32)
             for lay in self.layers:
                 generator = torch.Generator().manual_seed(derive_seed(self.seed, LOWRANK_STREAM, lay.layer))
                 self._q(self.q_memory, lay).copy_(torch.randn(lay.m, lay.r, generator=generator))
-        np.add(grad[:self.matrix_end], self.error, out=self.matrix)
+        np.add(grad[:self.memory_end], self.error, out=self.matrix)
         for lay in self.layers:
             q = self._q(self.q_memory, lay)
             orthogonalize(q)
             torch.matmul(self._mat(self.matrix, lay), q, out=self._p(self.p_buf, lay))
         rest = self.p_size - self.rest.size
-        self.p_buf[rest:] = grad[self.rest.offset:self.rest.offset + self.rest.size]
+        source = self.matrix if self.memory_end > self.matrix_end else grad
+        self.p_buf[rest:] = source[self.rest.offset:self.rest.offset + self.rest.size]
         return self.p_buf
 
     def second_factors(self) -> np.ndarray:
@@ -166,21 +183,23 @@ class LowRank:
         return transform
 
     def frame_sizes(self, bits) -> tuple[list[int], list[int]]:
-        """Each server's frame bytes in round 1 and round 2 (float32 factors: fixed by the
-        layout, the same for every worker and for the broadcast)."""
+        """Each server's frame bytes in round 1 and round 2 (fixed by the layout and the
+        widths, the same for every worker and for the broadcast: float32, fp16 and uniform
+        buffers have sizes set by their element counts)."""
         return tuple([compressor.capacity(shard, bits) for shard in shards]
                      for compressor, shards in ((self.compressor1, self.rounds[0]), (self.compressor2, self.rounds[1])))
 
     # ---- every rank: the update ---------------------------------------------------------
     def apply(self, update: np.ndarray) -> None:
         """Write M^ = P^ Q^T (``p_buf``, ``q_buf`` hold the broadcasts) and the other layers'
-        average into the flat ``update``; a worker then keeps e_i = M_i - M^ and Q."""
+        average into the flat ``update``; a worker then keeps e_i = M_i - M^ (over
+        ``memory_end``) and Q."""
         for lay in self.layers:
             torch.matmul(self._p(self.p_buf, lay), self._q(self.q_buf, lay).t(), out=self._mat(update, lay))
         rest = self.p_size - self.rest.size
         update[self.rest.offset:self.rest.offset + self.rest.size] = self.p_buf[rest:]
         if self.worker:
-            np.subtract(self.matrix, update[:self.matrix_end], out=self.error)
+            np.subtract(self.matrix, update[:self.memory_end], out=self.error)
             self.q_memory[:] = self.q_buf
 
     # ---- checkpoint state ---------------------------------------------------------------
@@ -194,7 +213,7 @@ class LowRank:
             self.error = self.q_memory = None
             return
         error, q = state["error"].numpy(), state["q"].numpy()
-        if error.size != self.matrix_end or q.size != self.q_size:
+        if error.size != self.memory_end or q.size != self.q_size:
             raise ValueError("checkpoint holds PowerSGD state of another model or rank")
         self.error = error.astype(np.float32, copy=True)
         self.q_memory = q.astype(np.float32, copy=True)

@@ -155,8 +155,10 @@ def _method(config: dict[str, Any]) -> str:
     codec_id = str(codec.get("id", _DEFAULT_CODEC))
     if codec_id in _PLAIN_CODECS:
         return _PLAIN_CODECS[codec_id]
-    if codec_id == "powersgd":  # low rank: the rank is the method, not bits
-        return f"PowerSGD r{codec.get('rank', 1)}"
+    if codec_id == "powersgd":  # low rank: the rank is the method, and the widths when not float32
+        widths = [f"{what} {codec[key]}-bit" for what, key in (("factors", "factor_bits"), ("rest", "rest_bits"))
+                  if codec.get(key, 32) != 32]
+        return f"PowerSGD r{codec.get('rank', 1)}" + (f" ({', '.join(widths)})" if widths else "")
     policy_id = str(policy.get("id", "fixed"))
     if policy_id == "fixed":
         bits = policy.get("bits", codec.get("bits"))
