@@ -89,7 +89,7 @@ def test_run_py_runs_and_reports_iterations_to_target(tmp_path, mpi_env):
     out = tmp_path / "hard"
     listed = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--list"], env=mpi_env,
                             capture_output=True, text=True, timeout=120)
-    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 18
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 24
     result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--smoke"], env=mpi_env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -25,7 +25,7 @@ sys.modules[_SPEC.name] = runner      # dataclasses look their module up there
 _SPEC.loader.exec_module(runner)
 
 METHODS = ("fp32", "fix8", "fix4", "fix2")
-LR_GRID_METHODS = ("fix4", "fix2")  # the low widths, whose longer steps may want a smaller rate
+LR_GRID_METHODS = METHODS       # every width at every rate of the grid
 LR_GRID = (0.1, 0.2)
 SHARED_LR = 0.2                  # the configs' lr
 SEEDS = (1, 2, 3)
