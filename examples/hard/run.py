@@ -8,7 +8,8 @@
 The same runner as examples/compare/run.py (one run after another under mpiexec -n 3, complete
 traces skipped, ``mpigrad trace compare``'s tables written to OUT/{shared-lr,lr-grid,best-lr}.*),
 with this task's widths, rates and target. It adds OUT/iterations.{txt,md}: per (width, rate),
-the iterations to the target loss (mean and 95 % interval over the seeds), and per width at its
+over the plan's traces and any other trace in OUT (runs by hand, e.g. ``--codec qsgd``), the
+iterations to the target loss (mean and 95 % interval over the seeds), and per width at its
 best rate, those iterations relative to fp32's at its best rate: what a width costs per iteration.
 """
 
@@ -56,7 +57,8 @@ def iteration_rows(traces, target_loss: float, smooth: int) -> list[dict]:
         if not group.runs:
             continue
         flat = flat_config(group.runs[0].config)
-        width = "fp32" if flat.get("codec", flat.get("codec.id")) == "fp32" else f"uniform {flat.get('bits')}"
+        codec = flat.get("codec", flat.get("codec.id"))
+        width = codec if codec in ("fp32", "fp16") else f"{codec} {flat.get('bits')}"
         counts = [iterations_to_target(t, target_loss, smooth) for t in group.runs]
         reached = [c for c in counts if c is not None]
         mean, ci = mean_ci(reached)
@@ -110,10 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = SMOKE if smoke else dict(target_loss=TARGET_LOSS, smooth=SMOOTH)
     target = float(argv[argv.index("--target-loss") + 1]) if "--target-loss" in argv else settings["target_loss"]
     runs = runner.plan(out, *((SMOKE["methods"], SMOKE["seeds"], SMOKE["lrs"]) if smoke else (METHODS, SEEDS, LR_GRID)))
-    traces = []
-    for run in runs:
+    planned = {run.trace for run in runs}
+    traces = []   # the plan's runs, then any other trace in OUT (runs by hand, e.g. other codecs)
+    for path in [run.trace for run in runs] + sorted(p for p in out.glob("*.h5") if p not in planned):
         try:
-            traces.append(load(run.trace))
+            traces.append(load(path))
         except TraceError:
             pass
     targets = (target,) if smoke or "--target-loss" in argv else ITERATION_TARGETS
