@@ -1,4 +1,4 @@
-"""Datasets (digits, CIFAR-10 python batches, synthetic) and per-worker sharding."""
+"""Datasets (digits, CIFAR-10 python batches, synthetic; teacher in test_teacher.py) and per-worker sharding."""
 
 import pickle
 import struct
@@ -28,12 +28,12 @@ def assert_well_formed(ds: Dataset):
 
 # ---- registry ----------------------------------------------------------------------------
 
-def test_registry_lists_the_three_datasets():
-    assert available_datasets() == ["cifar10", "digits", "synthetic"]
+def test_registry_lists_the_four_datasets():
+    assert available_datasets() == ["cifar10", "digits", "synthetic", "teacher"]
 
 
 def test_unknown_dataset_names_the_available_ones():
-    with pytest.raises(DataError, match="unknown dataset 'mnist'; available: cifar10, digits, synthetic"):
+    with pytest.raises(DataError, match="unknown dataset 'mnist'; available: cifar10, digits, synthetic, teacher"):
         load_dataset("mnist")
     assert issubclass(DataError, ValueError)
 

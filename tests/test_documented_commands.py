@@ -48,6 +48,8 @@ _CIFAR = "needs CIFAR-10, a download (tests/test_data_fetch.py fetches from a lo
 _GRID = "needs the paper grid's CIFAR-10 traces (days of simulated training on 12 or 18 ranks)"
 _COMPARISON = ("the comparison: 45 runs, half an hour (tests/test_compare_example.py runs its tiny "
                "version end to end)")
+_HARD = ("the teacher task: 24 runs, about 50 minutes (tests/test_hard_example.py runs its tiny "
+         "version end to end)")
 
 #: (regex searched in the command, reason): commands not run here.
 EXCLUDED = [
@@ -68,6 +70,8 @@ EXCLUDED = [
     (r"^python examples/compare/lowrank\.py", "the low-rank comparison: 40 runs, 30 to 60 minutes on a shared 2-core machine "
                                               "(tests/test_powersgd_quantized.py runs its --smoke version)"),
     (r"^mpigrad trace compare runs/compare/", "reads the comparison's traces (" + _COMPARISON + ")"),
+    (r"^python examples/hard/run\.py", _HARD),
+    (r"^mpigrad trace compare runs/hard/", "reads the teacher task's traces (" + _HARD + ")"),
     (r"^mpigrad bench (codecs|iteration|trace|peers|clock)",
      "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "
      "tests/test_bench_peers.py bench peers, tests/test_bench_clock.py bench clock)"),

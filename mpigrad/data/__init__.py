@@ -3,6 +3,7 @@
     ds = load_dataset("digits")                        # bundled, no download
     ds = load_dataset("cifar10", data_dir="~/cifar")   # the python batches, local
     ds = load_dataset("synthetic", shape=(3, 32, 32), train_size=4096)
+    ds = load_dataset("teacher", shape=(1, 12, 12), classes=4)   # labelled by a random CNN
     ds = load_dataset("mypkg.data:load", seed=0, size=1000)   # a user's factory
     sampler = ShardSampler(ds.train_size, worker_index, num_workers, batch_size, seed)
     x, y = ds.train_x[idx], ds.train_y[idx] where idx = sampler.next_batch()
@@ -25,6 +26,7 @@ from .datasets import DataError, Dataset
 from .digits import load_digits
 from .sharding import ShardSampler
 from .synthetic import make_synthetic
+from .teacher import make_teacher
 
 __all__ = ["Dataset", "DataError", "ShardSampler", "available_datasets", "load_dataset"]
 
@@ -32,6 +34,7 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
     "digits": load_digits,
     "cifar10": load_cifar10,
     "synthetic": make_synthetic,
+    "teacher": make_teacher,
 }
 
 
