@@ -20,6 +20,7 @@ def _lab_reason():
     (["--servers", "0"], "servers must be a number of server ranks"),
     (["--broadcast", "ring"], "broadcast must be star or tree"),
     (["--iterations", "4", "--warmup", "3"], "--iterations must exceed --warmup"),
+    (["--servers", "pipeline", "--codecs", "powersgd2q8"], "--servers pipeline does not run two-round codecs"),
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, args, message):
     assert cli_main(["bench", "clock", *args]) == 2
@@ -68,3 +69,27 @@ def test_the_phase_log_times_every_phase_of_every_rank(tmp_path, monkeypatch):
         assert set(ranks[0]["sim"]) == {"losses", "control", "gradients", "broadcast", "local"}
     phases = _phases(tmp_path / "phases", 2, COLOCATED, 1)
     assert all(real >= 0 for real, _ in phases.values()) and phases["gradients"][1] > 0
+
+
+def test_two_round_phases_add_the_second_round_to_the_first(tmp_path, monkeypatch):
+    """PowerSGD's second round (gradients2, broadcast2) is real time the clock charges under
+    "gradients" and "broadcast": the bench adds it there, and leaving it out loses time."""
+    from mpigrad.bench.clock import _phases
+    from mpigrad.config import COLOCATED
+    from mpigrad.runtime.phaselog import ENV, read
+    from test_runtime_loopback import run
+
+    monkeypatch.setenv(ENV, str(tmp_path / "phases"))
+    code, errors, _ = run(tmp_path, servers="colocated", workers=2, iterations=5, codec="powersgd",
+                          codec_opts={"rank": 2, "factor_bits": 8}, policy="fixed", min_quantize_size=None)
+    assert code == 0 and not errors, errors
+    lines = read(tmp_path / "phases")
+    one, two = _phases(tmp_path / "phases", 2, COLOCATED, 1), _phases(tmp_path / "phases", 2, COLOCATED, 1, True)
+    assert all(real >= 0 for real, _ in two.values()), two
+    assert two["gradients"][1] == one["gradients"][1] > 0  # the charge holds both rounds either way
+    round2 = [max(r[w]["t"]["broadcast2"] for w in (1, 2)) - max(r[w]["t"]["broadcast"] for w in (1, 2))
+              for m, r in sorted(lines.items())[2:]]
+    assert min(round2) > 0
+    # per iteration the second round moves from "after" into the rounds: medians keep the order
+    assert two["gradients"][0] > one["gradients"][0] and two["broadcast"][0] >= one["broadcast"][0]
+    assert two["after"][0] < one["after"][0]

@@ -38,8 +38,13 @@ from ..runtime.phaselog import ENV as PHASE_ENV
 
 #: ``--codecs`` items: a name, and the train options it stands for.
 CODECS = {"fp32": ["--codec", "fp32"], "uniform2": ["--codec", "uniform", "--bits", "2"],
-          "uniform4": ["--codec", "uniform", "--bits", "4"], "uniform8": ["--codec", "uniform", "--bits", "8"]}
-SHARD_CHUNK = 32768  # elements: lets several shards balance the paper CNN's two big layers
+          "uniform4": ["--codec", "uniform", "--bits", "4"], "uniform8": ["--codec", "uniform", "--bits", "8"],
+          # PowerSGD rank 2, 8-bit factors and rest, from the first iteration: two rounds per iteration
+          "powersgd2q8": ["--codec", "powersgd", "--codec-opt", "rank=2", "--codec-opt", "factor_bits=8",
+                          "--codec-opt", "rest_bits=8"]}
+#: The ``CODECS`` items that take two rounds per iteration (not pipelined).
+TWO_ROUNDS = frozenset({"powersgd2q8"})
+SHARD_CHUNK = 32768  # elements: lets several shards balance the paper CNN's two big layers (one-round codecs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     codecs = _items(args.codecs, "--codecs", _codec)
     broadcasts = _items(args.broadcast, "--broadcast", _broadcast)
     rates = _items(args.rates, "--rates", lambda text: (text, parse_rate(text)))
+    if PIPELINE in layouts and TWO_ROUNDS.intersection(codecs):
+        raise UsageError(f"--servers pipeline does not run two-round codecs ({', '.join(sorted(TWO_ROUNDS))})")
     if args.iterations <= args.warmup + 1:
         raise UsageError("--iterations must exceed --warmup by at least 2")
     reason = unavailable_reason()
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             trace = Path(tmp) / f"run-{len(results)}.h5"
             ranks = p + (1 if layout in (COLOCATED, PIPELINE) else layout)
             sharding = (["--servers", COLOCATED, "--pipeline"] if layout == PIPELINE else ["--servers", str(layout)]) + \
-                (["--shard-chunk", str(SHARD_CHUNK)] if layout != 1 else [])
+                (["--shard-chunk", str(SHARD_CHUNK)] if layout != 1 and codec not in TWO_ROUNDS else [])
             command = [sys.executable, "-m", "mpigrad", "lab", "--nodes", str(ranks), "--rate", rate_text,
                        "--name", "mgbc", "--check", "none", "--", "train", "--policy", "fixed", *CODECS[codec],
                        *sharding, "--broadcast", broadcast, "--bandwidth", rate_text, "--net-mode", "virtual",
@@ -134,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"the run P={p} S={layout} {codec} {broadcast} at {rate_text} failed "
                                  f"(exit {done.returncode})")
             row = dict(workers=p, servers=layout, codec=codec, broadcast=broadcast, rate=rate_text,
-                       **_clocks(trace, args.warmup), phases=_phases(phase_dir, p, layout, args.warmup))
+                       **_clocks(trace, args.warmup),
+                       phases=_phases(phase_dir, p, layout, args.warmup, codec in TWO_ROUNDS))
             results.append(row)
             print(_format(row), flush=True)
             print(_format_phases(row["phases"]), flush=True)
@@ -169,7 +177,7 @@ def _clocks(trace: Path, warmup: int) -> dict:
 PHASES = ("compute", "losses", "control", "gradients", "broadcast", "after")
 
 
-def _phases(directory: Path, workers: int, layout, warmup: int) -> dict[str, list[float]]:
+def _phases(directory: Path, workers: int, layout, warmup: int, two_rounds: bool = False) -> dict[str, list[float]]:
     """Per phase (``PHASES``), the medians of [real, simulated] seconds over the steady
     iterations: real from the ranks' phase log (the end of each phase on the last rank to
     end it, from the end of the phase before: the last worker's previous iteration, its
@@ -177,7 +185,8 @@ def _phases(directory: Path, workers: int, layout, warmup: int) -> dict[str, lis
     broadcast and then the SGD step on the workers), simulated from the clock's charges
     (its local work under "compute"). A pipelined run's "gradients" holds its backward pass and every frame,
     its "broadcast" nothing, and its charge, one for the whole exchange, stands under
-    "gradients"."""
+    "gradients". With ``two_rounds`` the second round's gradients and broadcast are added to
+    the first's, as the clock charges them."""
     from ..runtime.phaselog import read
 
     colocated = layout in (COLOCATED, PIPELINE)
@@ -197,12 +206,21 @@ def _phases(directory: Path, workers: int, layout, warmup: int) -> dict[str, lis
         losses = t(0, "losses")
         control = max(t(rank, "control") for rank in ranks)
         gradients = max(t(s, "gradients") for s in server_ranks)
-        broadcast = max(t(rank, "broadcast") for rank in (worker_ranks if colocated else [0, *worker_ranks]))
+        receivers = worker_ranks if colocated else [0, *worker_ranks]
+        broadcast = max(t(rank, "broadcast") for rank in receivers)
         after = max(t(w, "end") for w in worker_ranks)
-        for phase, end, begin in (("compute", compute, started), ("losses", losses, compute),
-                                  ("control", control, losses), ("gradients", gradients, control),
-                                  ("broadcast", broadcast, gradients), ("after", after, broadcast)):
-            real[phase].append(end - begin)
+        spans = {"compute": compute - started, "losses": losses - compute, "control": control - losses,
+                 "gradients": gradients - control, "broadcast": broadcast - gradients}
+        if two_rounds:
+            gradients2 = max(t(s, "gradients2") for s in server_ranks)
+            # the workers' (rank 0's decode and update of its replica is off their path)
+            broadcast2 = max(t(rank, "broadcast2") for rank in worker_ranks)
+            spans["gradients"] += gradients2 - broadcast
+            spans["broadcast"] += broadcast2 - gradients2
+            broadcast = broadcast2
+        spans["after"] = after - broadcast
+        for phase, span in spans.items():
+            real[phase].append(span)
         charged = ranks[0].get("sim", {})
         for phase in PHASES:
             name = "local" if phase == "compute" else phase
