@@ -93,7 +93,7 @@ def test_topology_names_and_addresses():
 
 def test_tbf_bucket_grows_with_the_rate():
     assert tbf_arguments(10e6)[:4] == ["tbf", "rate", "80000000bit", "burst"]
-    assert int(tbf_arguments(10e6)[4]) == 100_000 and int(tbf_arguments(1e6)[4]) == 64 * 1024
+    assert int(tbf_arguments(10e6)[4]) == 20_000 and int(tbf_arguments(1e6)[4]) == 16 * 1024
 
 
 @pytest.mark.parametrize("args, message", [
@@ -193,6 +193,25 @@ def _iteration_seconds(trace) -> tuple[float, float]:
     """Mean (wall, simulated) seconds per iteration, the first two (warm-up) left out."""
     steps = trace.steps
     return float(np.diff(steps["wall_time"])[1:].mean()), float(np.diff(steps["sim_time"])[1:].mean())
+
+
+@needs_lab
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_exchange_probe_times_a_colocated_round_on_the_links(mpi_env):
+    """``mpiprobe --exchange``: 3 ranks each send 2 x 200 kB at once over 4 MB/s links; the
+    exchange cannot beat the links (0.1 s), and a link-bound one takes less than 3x that."""
+    import json
+
+    result = subprocess.run(lab_command("--nodes", "4", "--rate", "4MB/s", "--check", "none", "--",
+                                        sys.executable, "-m", "mpigrad.lab.mpiprobe", "--exchange", "200000:3"),
+                            env=mpi_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("MPIPROBE-EXCHANGE "))
+    found = json.loads(line.split(" ", 1)[1])
+    assert found["ranks"] == 3 and found["sent_per_rank"] == 400000, found
+    assert 0.09 < found["seconds"] < 0.3, found
+    assert_nothing_left()
 
 
 @needs_lab
