@@ -40,7 +40,7 @@ from .labels import differing_keys, flat_config, format_value, group_key, group_
 from .summary import require_steps, smoothed_loss, time_to_target
 from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
 
-__all__ = ["Group", "group_runs", "compare_rows", "compare_columns", "student_t95", "mean_ci",
+__all__ = ["Group", "group_runs", "compare_rows", "config_kind", "compare_columns", "student_t95", "mean_ci",
            "mixed_provenance", "provenance_warnings"]
 
 #: Root attributes that say which machine and libraries a run's floats came from.
@@ -200,16 +200,20 @@ def _ratio_to(rows, networks: Sequence[str], column: str, kind: str) -> None:
 
 
 def reference_kind(group: Group) -> str | None:
-    """What a group is a reference for: "ddp" (a DDP run of bench peers), "fp32" (mpigrad
+    """What a group is a reference for (``config_kind`` of its first run's config)."""
+    return config_kind((group.runs or group.excluded)[0].config)
+
+
+def config_kind(config: dict[str, Any]) -> str | None:
+    """What a run is a reference for: "ddp" (a DDP run of bench peers), "fp32" (mpigrad
     with every gradient in float32, policy ``fixed``), "fixed" (a fixed width of a quantizing
     codec: policy ``fixed``, codec other than ``BASELINE_CODECS``), else None (a moving policy,
-    fp16, low rank). The one rule for vs_fp32, vs_best_fixed and vs_best_ddp."""
-    config = (group.runs or group.excluded)[0].config
+    fp16, low rank). The one rule for vs_fp32, vs_best_fixed and vs_best_ddp (and the map's)."""
     if isinstance(config.get("peer"), dict):
         return "ddp"
-    if not group.fixed_bits:
-        return None
     flat = flat_config(config)
+    if flat.get("policy", flat.get("policy.id")) != "fixed":
+        return None
     codec = flat.get("codec", flat.get("codec.id"))
     if codec == "fp32":
         return "fp32"
