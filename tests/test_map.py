@@ -175,3 +175,20 @@ def test_the_smoke_runs_both_parts_resumes_and_estimates(tmp_path, mpi_env):
     assert second.returncode == 0 and ": train" not in second.stdout and ": retime" not in second.stdout
     listed = script("--part", "bandwidths", "--list")
     assert listed.returncode == 0 and "measured runs in" in listed.stdout.splitlines()[-1]
+
+
+def test_the_array_script_reads_what_task_prints(tmp_path):
+    import shutil
+
+    sbatch = SCRIPT.parent / "array.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    if shutil.which("shellcheck"):
+        done = subprocess.run(["shellcheck", "-x", str(sbatch)], cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout
+    text = sbatch.read_text()
+    assert "read -r kind config seed lr trace bandwidth _" in text and "#SBATCH --ntasks=3\n" in text
+    run = load_run_py()
+    step = run.plan(tmp_path, "bandwidths", run.Settings(methods=("mqgrad",), lrs=(0.02,), seeds=(1,),
+                                                         bandwidths=("1MB/s",), peers=False))[0]
+    kind, config, seed, lr, trace, bandwidth, source = step.line().split()
+    assert (kind, seed, lr, bandwidth, source) == ("train", "1", "0.02", "1MB/s", "-") and config.endswith("mqgrad.toml")

@@ -296,6 +296,8 @@ def record_timing(out: Path, step: Step, seconds: float, s: Settings) -> None:
         wall = load(step.trace).steps["wall_time"].to_numpy(float)
         # the first two iterations (compilation, first touches) count as start-up
         entry["train_seconds"] = float(wall[-1] - wall[1]) * len(wall) / (len(wall) - 2) if len(wall) > 2 else None
+    if step.kind == "peers":
+        entry["runs"] = len(s.seeds) * len(DDP_VARIANTS.split(","))
     timings.append(entry)
     path.write_text(json.dumps(timings, indent=1))
 
@@ -314,6 +316,9 @@ def estimate(steps: list[Step], out: Path, s: Settings) -> tuple[float, str]:
         source = f"{len(trains)} measured runs in {path}"
     if retimes:
         figures["retime"] = sum(t["seconds"] for t in retimes) / len(retimes)
+    peers = [t for t in timings if t["kind"] == "peers" and t.get("runs")]
+    if peers:
+        figures["peers_per_run_iteration"] = sum(t["seconds"] / (t["runs"] * t["iterations"]) for t in peers) / len(peers)
     left = [st for st in steps if not done(st, s.iterations)]
     runs = sum(1 for st in left if st.kind == "train")
     total = (runs * (figures["startup"] + ITERATIONS * figures["per_iteration"])
@@ -433,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                              "it is done, or a re-timing, which the closing run.py call does); for job arrays")
     parser.add_argument("--do", type=int, metavar="N", help="run step N of the plan only (job arrays: bench peers)")
     parser.add_argument("--report", action="store_true", help="only write the report from existing traces")
+    parser.add_argument("--methods", help="a part of the plan only: these methods (comma-separated, of "
+                                          f"{','.join(CONFIGS)}, plus ddp for bench peers)")
+    parser.add_argument("--lrs", help="a part of the plan only: these rates (comma-separated)")
+    parser.add_argument("--seeds", help="a part of the plan only: these seeds (comma-separated)")
     args = parser.parse_args(argv)
     if not args.smoke and args.part is None:
         parser.error("--part bandwidths|congestion is required (or --smoke)")
@@ -442,6 +451,19 @@ def main(argv: list[str] | None = None) -> int:
         s = Settings(methods=smoke["methods"], lrs=smoke["lrs"], seeds=smoke["seeds"],
                      bandwidths=smoke["bandwidths"], congestion=smoke["congestion"], iterations=smoke["iterations"],
                      target_loss=smoke["target_loss"], smooth=smoke["smooth"], peers=smoke["peers"])
+    try:
+        if args.methods:
+            methods = tuple(args.methods.split(","))
+            unknown = [m for m in methods if m not in CONFIGS and m != "ddp"]
+            if unknown:
+                parser.error(f"--methods: unknown {', '.join(unknown)}")
+            s.methods, s.peers = tuple(m for m in methods if m != "ddp"), s.peers and "ddp" in methods
+        if args.lrs:
+            s.lrs = tuple(float(x) for x in args.lrs.split(","))
+        if args.seeds:
+            s.seeds = tuple(int(x) for x in args.seeds.split(","))
+    except ValueError as exc:
+        parser.error(f"--lrs/--seeds: {exc}")
     parts = [args.part] if args.part else ["bandwidths", "congestion"]
     if args.list:
         for part in parts:
