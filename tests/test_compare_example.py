@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPT = REPO / "examples" / "compare" / "run.py"
 
@@ -23,13 +23,7 @@ def run_script(*args, env, timeout=900):
 
 
 def load_run_py():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "compare_run")
 
 
 def test_the_comparison_configs_differ_only_in_their_method():

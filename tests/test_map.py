@@ -3,7 +3,6 @@ ratios on synthetic tables, the runner's plan, resume and skip logic, and its sm
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 from mpigrad.analysis.compare import student_t95
 from mpigrad.analysis.maps import Cell, congestion_rows, crossover, crossovers, map_rows, none_beats
 from mpigrad.trace import TraceWriter, default_tables
@@ -22,11 +21,7 @@ MB = 1e6
 
 
 def load_run_py():
-    spec = importlib.util.spec_from_file_location("map_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "map_run")
 
 
 # ---- crossovers and ratios on synthetic tables ----------------------------------------------
