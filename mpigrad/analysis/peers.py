@@ -121,7 +121,8 @@ def model_peer_trace(trace: Trace, bandwidth: float | str, latency: float | str,
         start = sim + local[m]
         # every ring step pays the latency in force when the iteration starts communicating,
         # the bytes go at the rates in force while they travel
-        t_comm[m] = transfer_seconds(per_node[m], start, rate, delay) + (rounds[m] - 1) * delay.at(start)
+        t_comm[m] = (0.0 if rounds[m] == 0 else   # P = 1: no all-reduce on any wire
+                     transfer_seconds(per_node[m], start, rate, delay) + (rounds[m] - 1) * delay.at(start))
         sim = start + t_comm[m]
         sim_time[m] = sim
     new_steps = steps.copy()
