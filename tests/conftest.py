@@ -13,6 +13,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def load_script(path: Path, name: str):
+    """The example script at ``path`` imported as module ``name`` (registered in sys.modules,
+    where dataclasses look their module up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def fuzz_tally(script: Path, seed: int, mutations: int, timeout: float = 300) -> dict[str, int]:
     """Run a fuzzer script (``tests/fuzz_*.py --seed S --mutations N``) in a subprocess, so
     that a segfault in a kernel fails the test instead of killing pytest; fail unless it

@@ -143,6 +143,46 @@ def test_trace_compare_reads_ddp_runs_as_groups(peers_run, capsys):
         assert len(rows) == 1 and "2/2" in rows[0], table  # one group, both seeds
 
 
+@pytest.mark.mpi
+def test_trace_compare_models_the_ddp_runs_on_each_network_of_the_runs(peers_run, tmp_path, capsys):
+    """--peers: bench peers' real DDP runs beside mpigrad's on the simulated clock, per network,
+    with vs_best_ddp; the model's clock by hand for DDP fp32."""
+    import io
+
+    import pandas as pd
+
+    from mpigrad.analysis.peers import load_peer_runs, model_peer_trace
+    from test_compare import write
+
+    out, _ = peers_run
+    networks = [{"bandwidth": 1e6, "latency": 0.001, "compute_time": 0.05, "net_mode": "virtual"},
+                {"bandwidth": 1e9, "latency": 0.001, "compute_time": 0.05, "net_mode": "virtual"}]
+    # mpigrad's runs (synthetic): loss 2.0 - 0.1 (i + 1), 0.2 s per iteration at either rate
+    files = [write(tmp_path / f"fp32-{k}-s{s}.h5", codec="fp32", seed=s, seconds_per_iteration=0.2, network=net,
+                   iterations=8) for k, net in enumerate(networks) for s in (1, 2)]
+    peers = load_peer_runs(out)
+    assert sorted({t.label for t in peers}) == sorted(v.label for v in VARIANTS.values())   # mpigrad's row left out
+    ddp = next(t for t in peers if t.label == "DDP fp32" and t.config["seed"] == 1)
+    slow = model_peer_trace(ddp, 1e6, 0.001, 0.05)
+    per_node = (ddp.steps["bytes_up"] + ddp.steps["bytes_down"]).to_numpy() / 2      # P = 2
+    expected = np.cumsum(0.05 + 2 * 0.001 + per_node / 1e6)                          # one all-reduce, 2 ring steps
+    assert np.allclose(slow.steps["sim_time"].to_numpy(), expected)
+    assert slow.label == "DDP fp32 (modelled)" and list(slow.steps["loss"]) == list(ddp.steps["loss"])
+    code = cli_main(["trace", "compare", *map(str, files), "--target-loss", str(TARGET), "--smooth", "2",
+                     "--peers", str(out / "peers.json"), "--format", "csv"])
+    table = pd.read_csv(io.StringIO(capsys.readouterr().out), keep_default_na=False)
+    assert code == 0
+    ddp_rows = table[table["method"].str.startswith("DDP")]
+    assert len(ddp_rows) == 2 * len(VARIANTS) and set(ddp_rows["runs"]) == {"2/2"}    # every variant on both networks
+    for bandwidth in ("1MB/s", "1GB/s"):
+        mine = table[table["method"].str.contains(f"bandwidth={bandwidth},", regex=False)]
+        ddp_here = mine[mine["method"].str.startswith("DDP")]
+        assert len(ddp_here) == len(VARIANTS) and "N/A" not in set(mine["vs_best_ddp"])
+        assert ddp_here["vs_best_ddp"].astype(float).min() == 1.0     # the best DDP variant is the reference
+        assert mine[mine["method"].str.startswith("FP32")]["vs_fp32"].astype(float).tolist() == [1.0]
+    assert cli_main(["trace", "compare", *map(str, files), "--target-loss", "1", "--peers", str(tmp_path)]) == 2
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert cli_main(["bench", "peers", "--config", str(tmp_path / "none.toml")]) == 2
     err = capsys.readouterr().err

@@ -17,11 +17,13 @@ from mpigrad.trace import TraceWriter, default_tables
 
 
 def write(path: Path, *, policy="fixed", bits=2, lr=0.01, seed=0, slope=0.1, status="complete",
-          seconds_per_iteration=10.0, iterations=20, bytes_per_iteration=1000, machine=None) -> Path:
+          seconds_per_iteration=10.0, iterations=20, bytes_per_iteration=1000, machine=None, codec="uniform",
+          network=None) -> Path:
     """A run whose loss falls linearly from 2.0 by ``slope`` per iteration, one iteration per
-    ``seconds_per_iteration`` simulated seconds, evaluated every 5 iterations."""
-    config = {"policy": policy, "bits": bits, "lr": lr, "seed": seed, "codec": "uniform",
-              "trace": str(path), "policy_opts": {} if policy == "fixed" else {"T": 5}}
+    ``seconds_per_iteration`` simulated seconds, evaluated every 5 iterations (``network``:
+    config keys such as bandwidth, latency, compute_time)."""
+    config = {"policy": policy, "bits": bits, "lr": lr, "seed": seed, "codec": codec,
+              "trace": str(path), "policy_opts": {} if policy == "fixed" else {"T": 5}, **(network or {})}
     writer = TraceWriter(path, config=config, attrs={"seed": seed, **(machine or {})}, tables=default_tables(2),
                          flush_every=50)
     for i in range(iterations):
@@ -161,3 +163,23 @@ def test_configs_not_written_by_train_are_taken_as_written():
     api = {"codec": {"id": "uniform", "bits": 2}, "note": "TraceWriter API"}
     assert flat_config(api) == {"codec.id": "uniform", "codec.bits": 2, "note": "TraceWriter API"}
     assert flat_config({"lr": 0.1})["servers"] == 1
+
+
+def test_compare_ratios_to_fp32_and_to_the_best_fixed_width(grid, tmp_path, capsys):
+    """FP32 is vs_fp32's reference; FP32, FP16 and low rank are baselines, never the best
+    fixed width, even when faster than every width."""
+    fp32 = [write(tmp_path / f"fp32-s{s}.h5", codec="fp32", bits=32, seed=s, seconds_per_iteration=20.0 + s)
+            for s in range(3)]
+    fp16 = [write(tmp_path / f"fp16-s{s}.h5", codec="fp16", bits=16, seed=s, seconds_per_iteration=5.0)
+            for s in range(3)]
+    files = grid["fix2"] + grid["fix4"][:2] + fp32 + fp16
+    code, out, _ = cli(capsys, "compare", *files, "--target-loss", "1.0", "--format", "csv")
+    table = pd.read_csv(io.StringIO(out), keep_default_na=False).set_index("method")
+    assert code == 0 and list(table.columns[:9]) == ["runs", "reached", "sim_s_to_1", "ci95_s", "vs_fp32",
+                                                     "vs_best_fixed", "vs_best_ddp", "sent_MB", "excluded"]
+    assert float(table.loc["FP32", "sim_s_to_1"]) == pytest.approx(210.0)
+    assert float(table.loc["Fix (2-bit)", "vs_fp32"]) == pytest.approx(110 / 210)
+    assert float(table.loc["FP16", "vs_fp32"]) == pytest.approx(50 / 210)
+    assert float(table.loc["FP16", "vs_best_fixed"]) == pytest.approx(50 / 110)   # not itself the reference
+    assert float(table.loc["Fix (2-bit)", "vs_best_fixed"]) == 1.0
+    assert set(table["vs_best_ddp"]) == {"N/A"}                                   # no DDP runs given

@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 SCRIPT = REPO / "examples" / "compare" / "run.py"
 
@@ -23,13 +23,7 @@ def run_script(*args, env, timeout=900):
 
 
 def load_run_py():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "compare_run")
 
 
 def test_the_comparison_configs_differ_only_in_their_method():
@@ -47,12 +41,16 @@ def test_the_comparison_configs_differ_only_in_their_method():
         config = RunConfig.from_sources(str(path), {})
         get_policy(config.policy_config(), n_layers=2, seed=1)
         assert (config.net_mode, config.compute_time, config.lr) == ("virtual", 0.05, run.SHARED_LR)
-        assert config.min_quantize_size is None and config.codec == "uniform"
+        assert config.min_quantize_size is None
+        assert config.codec == {"fp32": "fp32", "fp16": "fp16", "lowrank": "powersgd"}.get(method, "uniform")
         with open(path, "rb") as f:
             raw = tomllib.load(f)
-        shared[method] = {k: v for k, v in raw.items() if k not in ("policy", "bits", "policy_opts")}
+        shared[method] = {k: v for k, v in raw.items() if k not in ("policy", "bits", "policy_opts", "codec",
+                                                                    "codec_opts")}
     assert all(c == shared["fix2"] for c in shared.values()), "methods differ only in how bits are chosen"
-    assert set(run.LR_GRID_METHODS) >= {"fix2", "fix4", "fix8", "mqgrad"} and len(run.LR_GRID) >= 3
+    assert set(run.LR_GRID_METHODS) >= {"fix2", "fix4", "fix8", "mqgrad", *run.BASELINES} and len(run.LR_GRID) >= 3
+    lowrank = RunConfig.from_sources(str(SCRIPT.parent / "lowrank.toml"), {})
+    assert lowrank.codec_opts == {"rank": 2, "factor_bits": 8, "rest_bits": 8, "start": 0}
     sbatch = (SCRIPT.parent / "array.sbatch").read_text()
     assert f"#SBATCH --array=0-{len(run.plan(SCRIPT.parent)) - 1}\n" in sbatch
     assert f"#SBATCH --ntasks={run.RANKS}\n" in sbatch
@@ -62,7 +60,7 @@ def test_the_comparison_configs_differ_only_in_their_method():
 def test_the_comparison_command_runs_resumes_and_reports(tmp_path, mpi_env):
     out = tmp_path / "cmp"
     listed = run_script("--out", out, "--list", env=mpi_env)
-    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 45   # the full plan
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 72   # the full plan
     first = run_script("--out", out, "--smoke", env=mpi_env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count(": running") == 4

@@ -46,8 +46,10 @@ COMMAND_WORDS = {"mpiexec", "mpirun", "mpigrad", "python", "pip", "sbatch", "sru
 _SLURM = "needs a Slurm cluster (tests/test_slurm.py and tests/test_jobscripts.py run the jobscripts)"
 _CIFAR = "needs CIFAR-10, a download (tests/test_data_fetch.py fetches from a local archive and server)"
 _GRID = "needs the paper grid's CIFAR-10 traces (days of simulated training on 12 or 18 ranks)"
-_COMPARISON = ("the comparison: 45 runs, half an hour (tests/test_compare_example.py runs its tiny "
+_COMPARISON = ("the comparison: 72 runs, about 45 minutes (tests/test_compare_example.py runs its tiny "
                "version end to end)")
+_MAP = ("the map over bandwidths: 207 runs and 360 re-timings, hours (tests/test_map.py runs its tiny "
+        "version end to end)")
 _HARD = ("the teacher task: 24 runs, about 50 minutes (tests/test_hard_example.py runs its tiny "
          "version end to end)")
 
@@ -71,6 +73,7 @@ EXCLUDED = [
                                               "(tests/test_powersgd_quantized.py runs its --smoke version)"),
     (r"^mpigrad trace compare runs/compare/", "reads the comparison's traces (" + _COMPARISON + ")"),
     (r"^python examples/hard/run\.py", _HARD),
+    (r"^python examples/map/run\.py", _MAP),
     (r"^mpigrad trace compare runs/hard/", "reads the teacher task's traces (" + _HARD + ")"),
     (r"^mpigrad bench (codecs|iteration|trace|peers|clock)",
      "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "

@@ -3,7 +3,6 @@ iterations of each through the loopback runtime, and run.py's tiny version under
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import threading
@@ -12,7 +11,7 @@ import tomllib
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_script
 from mpigrad.config import RunConfig
 from mpigrad.data import load_dataset
 from mpigrad.models import build_model
@@ -26,11 +25,7 @@ SCRIPT = HERE / "run.py"
 
 
 def load_run_py():
-    spec = importlib.util.spec_from_file_location("hard_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "hard_run")
 
 
 def test_the_configs_differ_only_in_the_width_and_quantize_every_convolution():

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("fix2", "fix4", "fix8", "mqgrad", "adaptive", "accordion", "lgreco")
-LR_GRID_METHODS = ("fix2", "fix4", "fix8", "mqgrad")
+METHODS = ("fix2", "fix4", "fix8", "mqgrad", "adaptive", "accordion", "lgreco", "fp32", "fp16", "lowrank")
+#: The baselines: mpigrad in float32 and float16, and its low-rank codec (PowerSGD r2, 8-bit
+#: factors and rest); trace compare's vs_fp32 is the ratio to the first.
+BASELINES = ("fp32", "fp16", "lowrank")
+LR_GRID_METHODS = ("fix2", "fix4", "fix8", "mqgrad", *BASELINES)
 LR_GRID = (0.01, 0.02, 0.04)
 SHARED_LR = 0.02                 # the configs' lr
 SEEDS = (1, 2, 3)
@@ -126,7 +129,8 @@ def best_rates(groups, rows, smooth: int) -> dict[str, str]:
     return {method: label for method, (_, label, _) in best.items()}
 
 
-def report(out: Path, runs: list[Run], target_loss: float, smooth: int, at: str, log=print) -> None:
+def report(out: Path, runs: list[Run], target_loss: float, smooth: int, at: str, log=print,
+           peers: Path | None = None) -> None:
     from mpigrad.analysis import parse_points, render
     from mpigrad.analysis.compare import (compare_columns, compare_rows, group_runs, partial_note,
                                           plot_compare)
@@ -140,6 +144,10 @@ def report(out: Path, runs: list[Run], target_loss: float, smooth: int, at: str,
             log(f"report: left out {run.trace.name}: {exc}")
     if not traces:
         raise SystemExit("run.py: no traces to report on")
+    if peers is not None:  # bench peers' DDP runs, modelled on the runs' simulated network
+        from mpigrad.analysis.peers import load_peer_runs, model_peers_at, networks_of
+
+        traces += model_peers_at(load_peer_runs(peers), networks_of(traces))
     points = parse_points(at)
     columns = compare_columns(target_loss, points)
 
@@ -174,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="print run N of the plan as 'CONFIG SEED LR TRACE' (nothing if complete); for job arrays")
     parser.add_argument("--report", action="store_true", help="only write the report from existing traces")
     parser.add_argument("--target-loss", type=float, help=f"default {TARGET_LOSS} ({SMOKE['target_loss']} with --smoke)")
+    parser.add_argument("--peers", type=Path, metavar="DIR",
+                        help="a `mpigrad bench peers` result (peers.json or its folder): its DDP runs join the "
+                             "report, modelled on the runs' network (mpigrad/analysis/peers.py), and vs_best_ddp")
     args, extra = parser.parse_known_args(argv)
     settings = dict(methods=METHODS, seeds=SEEDS, lrs=LR_GRID, target_loss=TARGET_LOSS, smooth=SMOOTH, at=AT)
     if args.smoke:
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         print(f"{len(runs)} runs into {args.out} (complete traces are skipped)", flush=True)
         failed = run_all(runs, extra, log=lambda line: print(line, flush=True))
-    report(args.out, runs, target, settings["smooth"], settings["at"])
+    report(args.out, runs, target, settings["smooth"], settings["at"], peers=args.peers)
     return 1 if failed else 0
 
 

@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="group by this config key only (repeatable; e.g. lr, policy, policy_opts.T)")
     compare.add_argument("--at", metavar="TIMES", help="simulated times for loss and accuracy columns, e.g. 60s,5m")
     compare.add_argument("--plot", metavar="FILE", help="also draw mean curves with 95%% bands (.png, .pdf, .svg)")
+    compare.add_argument("--peers", metavar="FILE",
+                         help="also the DDP runs of `mpigrad bench peers` (its peers.json or its folder), each "
+                              "modelled on every simulated network of the runs (mpigrad/analysis/peers.py): "
+                              "groups of their own, and the vs_best_ddp column")
     compare.add_argument("--include-incomplete", action="store_true",
                          help="use stopped, failed or running traces in the statistics too")
     _add_smooth(compare)
@@ -224,6 +228,13 @@ def _compare(args: argparse.Namespace) -> int:
         raise AnalysisError(f"smoothing window must be at least 1 iteration, got {args.smooth}")
     skipped = _Skipped()
     traces, _ = _load_runs(args.files, skipped)
+    if args.peers:
+        from .peers import load_peer_runs, model_peers_at, networks_of
+
+        networks = networks_of(traces)
+        if not networks:
+            raise AnalysisError("--peers: none of the runs has a simulated network to model DDP on")
+        traces = [*traces, *model_peers_at(load_peer_runs(args.peers), networks)]
     groups = group_runs(traces, args.by, include_incomplete=args.include_incomplete)
     for line in provenance_warnings(groups):
         print(line, file=sys.stderr)

@@ -11,9 +11,14 @@ group, over its runs (seeds):
   interval (Student t, n - 1 degrees of freedom), over the runs that reached it. When some
   runs never reached it, the mean is marked as over the reaching runs only (``reached``
   says how many), never silently averaged with them;
-- ``vs_best_fixed``: the group's mean time to target divided by that of the fastest
-  fixed-bits group (policy ``fixed``) whose runs all reached the target, on the same
-  network model (``NETWORK_KEYS``): times at different bandwidths are not compared;
+- ``vs_fp32``, ``vs_best_fixed``, ``vs_best_ddp``: the group's mean time to target
+  divided by that of the reference group on the same network model (``NETWORK_KEYS``:
+  times at different bandwidths are not compared) whose runs all reached the target:
+  mpigrad in float32 (codec ``fp32``, policy ``fixed``), the fastest fixed width of a
+  quantizing codec (policy ``fixed``; fp32, fp16 and low rank are baselines, not widths),
+  the fastest DDP variant (``bench peers``' runs, modelled on the same network by
+  ``analysis.peers``); ``reference_kind`` is the rule. None where a side is missing or
+  some of its runs did not reach the target;
 - ``sent_mb``: mean megabytes sent per run (up and down);
 - training loss (smoothed) and test accuracy at the given simulated times, means over runs.
 
@@ -35,7 +40,7 @@ from .labels import differing_keys, flat_config, format_value, group_key, group_
 from .summary import require_steps, smoothed_loss, time_to_target
 from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
 
-__all__ = ["Group", "group_runs", "compare_rows", "compare_columns", "student_t95", "mean_ci",
+__all__ = ["Group", "group_runs", "compare_rows", "config_kind", "compare_columns", "student_t95", "mean_ci",
            "mixed_provenance", "provenance_warnings"]
 
 #: Root attributes that say which machine and libraries a run's floats came from.
@@ -171,15 +176,53 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
     firsts = [(group.runs or group.excluded)[0].config for group, _ in rows]
     differing = [k for k in differing_keys(firsts) if k in NETWORK_KEYS or k.startswith("link_bandwidth.")]
     networks = [network_label(config, differing) for config in firsts]
-    best = {}
-    for (group, row), network in zip(rows, networks):
-        if group.fixed_bits and row["target_mean"] is not None and not row["target_partial"]:
-            best[network] = min(best.get(network, math.inf), row["target_mean"])
     for (_, row), network in zip(rows, networks):
         row["network"] = network
-        row["vs_best_fixed"] = (row["target_mean"] / best[network] if network in best
-                                and row["target_mean"] is not None and not row["target_partial"] else None)
+    for column, kind in (("vs_fp32", "fp32"), ("vs_best_fixed", "fixed"), ("vs_best_ddp", "ddp")):
+        _ratio_to(rows, networks, column, kind)
     return [row for _, row in rows]
+
+
+def _reached_by_all(row: dict[str, Any]) -> bool:
+    return row["target_mean"] is not None and not row["target_partial"]
+
+
+def _ratio_to(rows, networks: Sequence[str], column: str, kind: str) -> None:
+    """``row[column]``: the group's mean time to target over the least of the groups of
+    ``kind`` (``reference_kind``) on its network whose runs all reached it; None where either
+    side is missing or partial."""
+    best: dict[str, float] = {}
+    for (group, row), network in zip(rows, networks):
+        if reference_kind(group) == kind and _reached_by_all(row):
+            best[network] = min(best.get(network, math.inf), row["target_mean"])
+    for (_, row), network in zip(rows, networks):
+        row[column] = row["target_mean"] / best[network] if network in best and _reached_by_all(row) else None
+
+
+def reference_kind(group: Group) -> str | None:
+    """What a group is a reference for (``config_kind`` of its first run's config)."""
+    return config_kind((group.runs or group.excluded)[0].config)
+
+
+def config_kind(config: dict[str, Any]) -> str | None:
+    """What a run is a reference for: "ddp" (a DDP run of bench peers), "fp32" (mpigrad
+    with every gradient in float32, policy ``fixed``), "fixed" (a fixed width of a quantizing
+    codec: policy ``fixed``, codec other than ``BASELINE_CODECS``), else None (a moving policy,
+    fp16, low rank). The one rule for vs_fp32, vs_best_fixed and vs_best_ddp (and the map's)."""
+    if isinstance(config.get("peer"), dict):
+        return "ddp"
+    flat = flat_config(config)
+    if flat.get("policy", flat.get("policy.id")) != "fixed":
+        return None
+    codec = flat.get("codec", flat.get("codec.id"))
+    if codec == "fp32":
+        return "fp32"
+    return None if codec in BASELINE_CODECS else "fixed"
+
+
+#: Codecs whose fixed-policy runs are baselines, not fixed widths of a quantizer: float32,
+#: float16 and low rank (``powersgd``) never enter ``vs_best_fixed``'s reference.
+BASELINE_CODECS = ("fp32", "fp16", "powersgd")
 
 
 #: Config keys of the network model: vs_best_fixed compares groups that agree on them (and on
@@ -196,7 +239,8 @@ def network_label(config: dict[str, Any], keys: Sequence[str]) -> str:
 def compare_columns(target_loss: float, points: Sequence[Point] = ()) -> list[Column]:
     columns = [Column("method", "method", left=True), Column("runs", "runs"), Column("reached", "reached"),
                Column("target_mean", f"sim_s_to_{target_loss:g}", ".1f"), Column("target_ci", "ci95_s", ".1f"),
-               Column("vs_best_fixed", "vs_best_fixed", ".2f"), Column("sent_mb", "sent_MB", ".1f")]
+               Column("vs_fp32", "vs_fp32", ".2f"), Column("vs_best_fixed", "vs_best_fixed", ".2f"),
+               Column("vs_best_ddp", "vs_best_ddp", ".2f"), Column("sent_mb", "sent_MB", ".1f")]
     for k, point in enumerate(points):
         columns += [Column(f"loss{k}", f"loss@{point.header}", ".4g"), Column(f"acc{k}", f"acc%@{point.header}", ".1f")]
     return columns + [Column("excluded", "excluded", left=True)]

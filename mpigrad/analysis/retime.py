@@ -38,7 +38,7 @@ from ..trace import TraceError, read_raw
 from ..trace.writer import write_closed
 from .labels import flat_config
 
-__all__ = ["retime"]
+__all__ = ["retime", "retime_refusal"]
 
 #: The config keys of a run's network (``link_bandwidth`` recorded where it is set).
 NETWORK_KEYS = ("bandwidth", "latency", "broadcast", "link_bandwidth")
@@ -161,29 +161,39 @@ def _check_retimable(path: Path, attrs: dict, config) -> None:
     status = str(attrs.get("status", "running"))
     if status != "complete":
         raise TraceError(f"{path}: trace status {status!r}; only a complete run is re-timed")
+    reason = retime_refusal(config)
+    if reason:
+        raise TraceError(f"{path}: {reason}")
+
+
+def retime_refusal(config) -> str | None:
+    """Why a run of ``config`` (a trace's config, or a RunConfig's ``to_dict()``) cannot be
+    re-timed to another network, whatever its status; None when it can. The one rule for
+    `trace retime` and for planners that decide between re-timing and re-running
+    (examples/map/run.py)."""
     if isinstance(config, dict) and "peer" in config:
-        raise TraceError(f"{path}: a peer system's run (mpigrad bench peers), not timed by mpigrad's clock model")
+        return "a peer system's run (mpigrad bench peers), not timed by mpigrad's clock model"
     needed = ("bandwidth", "latency", "broadcast", "net_mode", "policy")
     if not isinstance(config, dict) or any(key not in config for key in needed):
-        raise TraceError(f"{path}: not a trace of `mpigrad train` (its config lacks {', '.join(needed)})")
+        return f"not a trace of `mpigrad train` (its config lacks {', '.join(needed)})"
     codec = flat_config(config).get("codec")
     if codec_two_rounds(codec):
-        raise TraceError(f"{path}: codec {codec!r} sends two rounds per iteration, which the trace's frame "
-                         "columns sum into one; re-run it on the other network instead")
+        return (f"codec {codec!r} sends two rounds per iteration, which the trace's frame "
+                "columns sum into one; re-run it on the other network instead")
     if config.get("pipeline"):
-        raise TraceError(f"{path}: a pipelined run (--pipeline), whose overlap depends on when backward produced "
-                         "each piece, which the trace does not keep; re-run it on the other network instead")
+        return ("a pipelined run (--pipeline), whose overlap depends on when backward produced "
+                "each piece, which the trace does not keep; re-run it on the other network instead")
     if config["net_mode"] == "off":
-        raise TraceError(f"{path}: run with --net-mode off, so its times were measured, not modelled; "
-                         "nothing to re-charge")
+        return "run with --net-mode off, so its times were measured, not modelled; nothing to re-charge"
     policy = flat_config(config).get("policy")
     try:
         reads_clock = policy_class(policy).reads_clock
     except PolicyError as exc:
-        raise TraceError(f"{path}: {exc}") from None
+        return str(exc)
     if reads_clock:
-        raise TraceError(f"{path}: policy {policy!r} reads the clock to choose its bits, so on another "
-                         "network the run itself would differ; re-run it instead")
+        return (f"policy {policy!r} reads the clock to choose its bits, so on another "
+                "network the run itself would differ; re-run it instead")
+    return None
 
 
 def _recorded_traffic(path: Path, raw, colocated: bool = False) -> list[IterationTraffic]:
