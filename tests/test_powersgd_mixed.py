@@ -233,8 +233,10 @@ def test_a_tight_budget_sends_more_than_a_loose_one(tmp_path):
     assert (sent["tight"] > sent["loose"]).all()
 
 
-def test_stop_and_resume_keep_the_decisions(tmp_path):
-    options = dict(MIXED, iterations=10)
+@pytest.mark.parametrize("servers", [1, "colocated"])
+def test_stop_and_resume_keep_the_decisions(tmp_path, servers):
+    """Rank 0's measured errors for the next decision travel in the checkpoint too."""
+    options = dict(MIXED, iterations=10, servers=servers)
     code, errors, straight = run(tmp_path, name="straight.h5", **options)
     assert code == 0 and not errors, errors
     code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(4), **options)
@@ -256,13 +258,13 @@ def test_mpiexec_run_chooses_settings_and_trains(tmp_path, mpi_env):
     result = run_mpi(3, ["train", "--trace", str(trace), "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
                          "--codec-opt", "rank=2", "--codec-opt", "ranks=1,2,4", "--codec-opt", "widths=2,4,8",
                          "--codec-opt", "start=2", "--codec-opt", "factor_bits=8", "--policy", "lgreco",
-                         "--policy-opt", "interval=10", "--iterations", "40", "--lr", "0.1", "--batch-size", "16",
+                         "--policy-opt", "interval=20", "--iterations", "60", "--lr", "0.1", "--batch-size", "16",
                          "--eval-every", "20", "--compute-time", "50ms"], mpi_env)
     assert result.returncode == 0, result.stderr
     tr = load(trace)
-    assert tr.complete and len(tr.steps) == 40
+    assert tr.complete and len(tr.steps) == 60
     losses = tr.steps["loss"].to_numpy()
-    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.1
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.1  # measured: 2.65 -> 2.32 (seed 0)
     settings = tr.steps.filter(like="setting_layers").to_numpy()
     assert len({tuple(row) for row in settings}) > 1 and len(tr.policy) > 0
     assert tr.checksums.shape[0] > 0  # the replicas agreed (a mismatch stops the run)

@@ -783,8 +783,10 @@ class ParameterServer:
     def state_dict(self) -> dict:
         # The previous average feeds only policies that read gradients (Observation.gradients):
         # for the others it would double the checkpoint for nothing.
-        keep_update = self.has_previous and self.policy.uses_gradients
-        return {"iteration": self.iteration, "replica": self.replica.state_dict(),
+        keep_update = self.has_previous and self.policy.uses_gradients and not self.mixed
+        errors = self.setting_errors  # measured, for the next decision (PowerSGD with menus)
+        return {"setting_errors": torch.from_numpy(errors.copy()) if errors is not None else None,
+                "iteration": self.iteration, "replica": self.replica.state_dict(),
                 "policy": self.policy.state_dict(),
                 "compressor": self.compressor.state_dict() if self.compressor is not None else None,
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
@@ -797,6 +799,8 @@ class ParameterServer:
         self.iteration = int(state["iteration"])
         self.replica.load_state_dict(state["replica"])
         self.policy.load_state_dict(state["policy"])
+        errors = state.get("setting_errors")
+        self.setting_errors = errors.numpy().astype(np.float64) if errors is not None else None
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
         self.saved_clocks = dict(state["clocks"])
