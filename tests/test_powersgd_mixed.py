@@ -253,9 +253,11 @@ def test_stop_and_resume_keep_the_decisions(tmp_path, servers):
 
 # ---- a real mpiexec run ----------------------------------------------------------------------
 @pytest.mark.mpi
-def test_mpiexec_run_chooses_settings_and_trains(tmp_path, mpi_env):
+@pytest.mark.parametrize("servers", [1, "colocated"])
+def test_mpiexec_run_chooses_settings_and_trains(tmp_path, mpi_env, servers):
     trace = tmp_path / "mixed.h5"
-    result = run_mpi(3, ["train", "--trace", str(trace), "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
+    result = run_mpi(3, ["train", "--trace", str(trace), "--servers", str(servers),
+                         "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
                          "--codec-opt", "rank=2", "--codec-opt", "ranks=1,2,4", "--codec-opt", "widths=2,4,8",
                          "--codec-opt", "start=2", "--codec-opt", "factor_bits=8", "--policy", "lgreco",
                          "--policy-opt", "interval=20", "--iterations", "60", "--lr", "0.1", "--batch-size", "16",

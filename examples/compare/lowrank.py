@@ -4,7 +4,7 @@ docs/peers.rst, "Quantized low-rank factors".
     python examples/compare/lowrank.py --out runs/lowrank            # the runs, then the table
     python examples/compare/lowrank.py --out runs/lowrank --report   # only the table
     python examples/compare/lowrank.py --out runs/lowrank --smoke    # 2 methods, 1 seed, 4 iterations
-    python examples/compare/lowrank.py --out runs/mixed --methods fix2 psgd-f8 psgd-f8-lgreco
+    python examples/compare/lowrank.py --out runs/mixed --methods fix2 psgd-f8 psgd-f8-lgreco psgd0-f8 psgd0-f8-lgreco
 
 Every method runs fix2.toml's task (digits, paper CNN fc [1024, 2048], batch 32 per worker,
 P = 2, one server) at lr 0.04 for 300 iterations with ``--cost-model none`` (the simulated
@@ -15,10 +15,10 @@ do not depend on the bandwidth and every seed's clock is the same, so one trace 
 gives the 100 MB/s clock of every seed (the table checks that the iterations to the target
 agree where both rates ran a seed). Traces: OUT/<method>-<rate>-s<seed>.h5; complete ones
 are skipped. The table (stdout and OUT/lowrank.md): bytes a worker sends per iteration
-(after PowerSGD's start), iterations and simulated seconds to the target (trailing mean of
+(after PowerSGD's start, mean over the iterations and seeds), iterations and simulated seconds to the target (trailing mean of
 20 losses <= 2.5), seconds per iteration after the start, final loss.
 
-``psgd-f8-lgreco``: PowerSGD whose per-layer setting L-GreCo chooses (``--codec-opt
+``psgd-f8-lgreco`` (``psgd0-f8-lgreco`` from iteration 0): PowerSGD whose per-layer setting L-GreCo chooses (``--codec-opt
 ranks=1,2,4 widths=2,4,8``, ``--policy lgreco``; docs/policies.rst): its frames change with
 its decisions, which differ per seed, so it runs every seed at every rate (``MOVING``).
 """
@@ -59,10 +59,12 @@ METHODS = {
     "psgd-f4-rest8": _psgd(factor_bits=4, rest_bits=8),
     "psgd0": _psgd(0),
     "psgd0-f8-rest8": _psgd(0, factor_bits=8, rest_bits=8),
+    "psgd0-f8": _psgd(0, factor_bits=8),
     "psgd-f8-lgreco": _psgd(factor_bits=8, ranks="1,2,4", widths="2,4,8") + ["--policy", "lgreco"],
+    "psgd0-f8-lgreco": _psgd(0, factor_bits=8, ranks="1,2,4", widths="2,4,8") + ["--policy", "lgreco"],
 }
 #: Methods whose frames (so clocks) differ per seed: every seed at every rate.
-MOVING = ("psgd-f8-lgreco",)
+MOVING = ("psgd-f8-lgreco", "psgd0-f8-lgreco")
 SEEDS = (1, 2, 3)
 RATES = ("10MB/s", "100MB/s")
 ITERATIONS, LR, TARGET, SMOOTH = 300, 0.04, 2.5, 20
@@ -121,7 +123,7 @@ def table(out: Path, methods, seeds, target: float, smooth: int) -> str:
     from mpigrad.analysis.summary import iterations_to_target
     from mpigrad.trace import load, method_label
 
-    lines = ["| method | B sent / worker / it | its to target (per seed) | sim s to target, 10 MB/s | "
+    lines = ["| method | B sent / worker / it after start | its to target (per seed) | sim s to target, 10 MB/s | "
              "100 MB/s | sim s / it after start, 10 MB/s | 100 MB/s | final loss |",
              "|---|---|---|---|---|---|---|---|"]
     for method in methods:
@@ -149,7 +151,8 @@ def table(out: Path, methods, seeds, target: float, smooth: int) -> str:
 
         start = int(slow[0].config.get("codec_opts", {}).get("start", 0))
         first_fast = fast[0] if fast else None
-        sent = int(slow[0].workers.filter(like="bytes_sent").to_numpy()[-1, 0])
+        # after the start: the mean over the iterations and seeds (a MOVING method's frames change)
+        sent = int(round(np.mean([t.workers.filter(like="bytes_sent").to_numpy()[start:, 0].mean() for t in slow])))
         final = np.mean([t.steps["loss"].to_numpy()[-smooth:].mean() for t in slow])
         lowrank = slow[0].config.get("codec") == "powersgd"
         label = method_label(slow[0].config) + (f" start {start}" if lowrank and start != START else "")

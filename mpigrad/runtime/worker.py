@@ -292,12 +292,15 @@ class Worker(FollowerRole):
         return t_encode
 
     def reports(self, m: int) -> None:
-        if self._two_rounds(m) and self.control_msg.measure:  # message 11: errors at every setting
+        if self.serves is not None:
+            self._server_reports(m)
+        if self._two_rounds(m) and self.control_msg.measure:  # message 11, after 5 as rank 0 takes them
             self.setting_errors = self.lowrank.setting_errors()
             self.channel.send([(self.setting_errors, 0)], TAG_SETTINGS,
                               lambda pending: f"rank 0 took no setting errors for iteration {m}")
-        if self.serves is None:
-            return
+
+    def _server_reports(self, m: int) -> None:
+        """Serving a shard (colocated): its ServerReport, backward report and average to rank 0."""
         agg, layers = self.aggregator, max(self.n_layers, 1)
         if self._two_rounds(m):  # no ||g|| on a server of factors: norm_ratio NaN
             energies = update_energies = [0.0] * layers
