@@ -15,7 +15,8 @@ do not depend on the bandwidth and every seed's clock is the same, so one trace 
 gives the 100 MB/s clock of every seed (the table checks that the iterations to the target
 agree where both rates ran a seed). Traces: OUT/<method>-<rate>-s<seed>.h5; complete ones
 are skipped. The table (stdout and OUT/lowrank.md): bytes a worker sends per iteration
-(after PowerSGD's start, mean over the iterations and seeds), iterations and simulated seconds to the target (trailing mean of
+(at the last iteration, after PowerSGD's start; a ``MOVING`` method's the mean after the
+start over the iterations and seeds), iterations and simulated seconds to the target (trailing mean of
 20 losses <= 2.5), seconds per iteration after the start, final loss.
 
 ``psgd-f8-lgreco`` (``psgd0-f8-lgreco`` from iteration 0): PowerSGD whose per-layer setting L-GreCo chooses (``--codec-opt
@@ -123,7 +124,7 @@ def table(out: Path, methods, seeds, target: float, smooth: int) -> str:
     from mpigrad.analysis.summary import iterations_to_target
     from mpigrad.trace import load, method_label
 
-    lines = ["| method | B sent / worker / it after start | its to target (per seed) | sim s to target, 10 MB/s | "
+    lines = ["| method | B sent / worker / it | its to target (per seed) | sim s to target, 10 MB/s | "
              "100 MB/s | sim s / it after start, 10 MB/s | 100 MB/s | final loss |",
              "|---|---|---|---|---|---|---|---|"]
     for method in methods:
@@ -151,8 +152,10 @@ def table(out: Path, methods, seeds, target: float, smooth: int) -> str:
 
         start = int(slow[0].config.get("codec_opts", {}).get("start", 0))
         first_fast = fast[0] if fast else None
-        # after the start: the mean over the iterations and seeds (a MOVING method's frames change)
-        sent = int(round(np.mean([t.workers.filter(like="bytes_sent").to_numpy()[start:, 0].mean() for t in slow])))
+        sent = int(slow[0].workers.filter(like="bytes_sent").to_numpy()[-1, 0])
+        if moving:  # its frames change: the mean after the start, over the iterations and seeds
+            sent = int(round(np.mean([t.workers.filter(like="bytes_sent").to_numpy()[start:, 0].mean()
+                                      for t in slow])))
         final = np.mean([t.steps["loss"].to_numpy()[-smooth:].mean() for t in slow])
         lowrank = slow[0].config.get("codec") == "powersgd"
         label = method_label(slow[0].config) + (f" start {start}" if lowrank and start != START else "")
