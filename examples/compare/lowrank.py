@@ -4,6 +4,7 @@ docs/peers.rst, "Quantized low-rank factors".
     python examples/compare/lowrank.py --out runs/lowrank            # the runs, then the table
     python examples/compare/lowrank.py --out runs/lowrank --report   # only the table
     python examples/compare/lowrank.py --out runs/lowrank --smoke    # 2 methods, 1 seed, 4 iterations
+    python examples/compare/lowrank.py --out runs/mixed --methods fix2 psgd-f8 psgd-f8-lgreco psgd0-f8 psgd0-f8-lgreco
 
 Every method runs fix2.toml's task (digits, paper CNN fc [1024, 2048], batch 32 per worker,
 P = 2, one server) at lr 0.04 for 300 iterations with ``--cost-model none`` (the simulated
@@ -14,8 +15,13 @@ do not depend on the bandwidth and every seed's clock is the same, so one trace 
 gives the 100 MB/s clock of every seed (the table checks that the iterations to the target
 agree where both rates ran a seed). Traces: OUT/<method>-<rate>-s<seed>.h5; complete ones
 are skipped. The table (stdout and OUT/lowrank.md): bytes a worker sends per iteration
-(after PowerSGD's start), iterations and simulated seconds to the target (trailing mean of
+(at the last iteration, after PowerSGD's start; a ``MOVING`` method's the mean after the
+start over the iterations and seeds), iterations and simulated seconds to the target (trailing mean of
 20 losses <= 2.5), seconds per iteration after the start, final loss.
+
+``psgd-f8-lgreco`` (``psgd0-f8-lgreco`` from iteration 0): PowerSGD whose per-layer setting L-GreCo chooses (``--codec-opt
+ranks=1,2,4 widths=2,4,8``, ``--policy lgreco``; docs/policies.rst): its frames change with
+its decisions, which differ per seed, so it runs every seed at every rate (``MOVING``).
 """
 
 from __future__ import annotations
@@ -54,7 +60,12 @@ METHODS = {
     "psgd-f4-rest8": _psgd(factor_bits=4, rest_bits=8),
     "psgd0": _psgd(0),
     "psgd0-f8-rest8": _psgd(0, factor_bits=8, rest_bits=8),
+    "psgd0-f8": _psgd(0, factor_bits=8),
+    "psgd-f8-lgreco": _psgd(factor_bits=8, ranks="1,2,4", widths="2,4,8") + ["--policy", "lgreco"],
+    "psgd0-f8-lgreco": _psgd(0, factor_bits=8, ranks="1,2,4", widths="2,4,8") + ["--policy", "lgreco"],
 }
+#: Methods whose frames (so clocks) differ per seed: every seed at every rate.
+MOVING = ("psgd-f8-lgreco", "psgd0-f8-lgreco")
 SEEDS = (1, 2, 3)
 RATES = ("10MB/s", "100MB/s")
 ITERATIONS, LR, TARGET, SMOOTH = 300, 0.04, 2.5, 20
@@ -66,9 +77,10 @@ def trace_path(out: Path, method: str, rate: str, seed: int) -> Path:
 
 
 def plan(out: Path, methods, seeds) -> list[tuple[str, str, int, Path]]:
-    """(method, rate, seed, trace): every seed at the first rate, seed 1 at the others."""
+    """(method, rate, seed, trace): every seed at the first rate, seed 1 at the others
+    (every seed for a ``MOVING`` method)."""
     return [(m, rate, seed, trace_path(out, m, rate, seed)) for m in methods for rate in RATES
-            for seed in (seeds if rate == RATES[0] else seeds[:1])]
+            for seed in (seeds if rate == RATES[0] or m in MOVING else seeds[:1])]
 
 
 def _status():
@@ -122,16 +134,18 @@ def table(out: Path, methods, seeds, target: float, smooth: int) -> str:
         if not slow:
             continue
         its = [iterations_to_target(t, target, smooth) for t in slow]
+        moving = method in MOVING
         for trace in fast:  # another rate: the same losses; another seed at it: the same clock
             seed = int(trace.config["seed"])
             assert iterations_to_target(trace, target, smooth) == its[seeds.index(seed)], (method, seed)
-            assert np.array_equal(trace.steps["sim_time"], fast[0].steps["sim_time"]), (method, seed)
+            assert moving or np.array_equal(trace.steps["sim_time"], fast[0].steps["sim_time"]), (method, seed)
 
-        def to_target(trace) -> str:  # the clock after each seed's iterations to the target
+        def to_target(trace, own=None) -> str:  # the clock after each seed's iterations to the target
             if trace is None:
                 return "-"
-            return _mean([None if n is None or n > len(trace.steps) else float(trace.steps["sim_time"].iloc[n - 1])
-                          for n in its], 1)
+            clocks = own if own is not None else [trace] * len(its)  # MOVING: each seed's own clock
+            return _mean([None if n is None or n > len(t.steps) else float(t.steps["sim_time"].iloc[n - 1])
+                          for n, t in zip(its, clocks)], 1)
 
         def per_iteration(trace) -> str:  # median simulated seconds per iteration after the start
             return "-" if trace is None else f"{np.median(np.diff(trace.steps['sim_time'].to_numpy())[start + 1:]):.4f}"
@@ -139,11 +153,16 @@ def table(out: Path, methods, seeds, target: float, smooth: int) -> str:
         start = int(slow[0].config.get("codec_opts", {}).get("start", 0))
         first_fast = fast[0] if fast else None
         sent = int(slow[0].workers.filter(like="bytes_sent").to_numpy()[-1, 0])
+        if moving:  # its frames change: the mean after the start, over the iterations and seeds
+            sent = int(round(np.mean([t.workers.filter(like="bytes_sent").to_numpy()[start:, 0].mean()
+                                      for t in slow])))
         final = np.mean([t.steps["loss"].to_numpy()[-smooth:].mean() for t in slow])
         lowrank = slow[0].config.get("codec") == "powersgd"
         label = method_label(slow[0].config) + (f" start {start}" if lowrank and start != START else "")
         lines.append(f"| {label} | {sent} | {', '.join(str(n) if n else '-' for n in its)} | "
-                     f"{to_target(slow[0])} | {to_target(first_fast)} | {per_iteration(slow[0])} | "
+                     f"{to_target(slow[0], slow if moving else None)} | "
+                     f"{to_target(first_fast, fast if moving and len(fast) == len(slow) else None)} | "
+                     f"{per_iteration(slow[0])} | "
                      f"{per_iteration(first_fast)} | {final:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -153,8 +172,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--report", action="store_true", help="only the table, from existing traces")
     parser.add_argument("--smoke", action="store_true", help="2 methods, 1 seed, 4 iterations")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), metavar="METHOD",
+                        help=f"only these methods (default all: {', '.join(METHODS)})")
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), metavar="SEED",
+                        help="the seeds (default 1 2 3)")
     args = parser.parse_args(argv)
-    methods, seeds, iterations, target, smooth = list(METHODS), SEEDS, ITERATIONS, TARGET, SMOOTH
+    methods, seeds, iterations, target, smooth = (args.methods or list(METHODS), tuple(args.seeds), ITERATIONS,
+                                                  TARGET, SMOOTH)
     if args.smoke:
         methods, seeds, iterations, target, smooth = (list(SMOKE["methods"]), SMOKE["seeds"], SMOKE["iterations"],
                                                       SMOKE["target"], SMOKE["smooth"])

@@ -35,6 +35,46 @@ FLOAT_WIDTHS = {32: "fp32", 16: "fp16"}
 QUANTIZED_WIDTHS = range(1, 9)  # uniform
 
 
+def setting_code(kind: str, value: int) -> int:
+    """The Control's integer for a layer's setting: ``("rank", r)`` -> r, ``("width", b)`` -> -b."""
+    if kind == "rank":
+        return int(value)
+    if kind == "width":
+        return -int(value)
+    raise ValueError(f"setting kind must be 'rank' or 'width', got {kind!r}")
+
+
+def setting_of(code: int) -> tuple[str, int]:
+    """The inverse of :func:`setting_code` (unchecked against any menu): ("rank", r) or ("width", b)."""
+    return ("rank", int(code)) if code > 0 else ("width", -int(code))
+
+
+def setting_label(code: int) -> str:
+    """``r2`` for rank 2, ``b4`` for 4-bit uniform (traces, tables)."""
+    kind, value = setting_of(code)
+    return f"{'r' if kind == 'rank' else 'b'}{value}"
+
+
+def check_menu(name: str, value, low: int, high: int) -> tuple[int, ...]:
+    """``ranks``/``widths``: a list of whole numbers in [low, high], or one string ``"1,2,4"``
+    (as ``--codec-opt ranks=1,2,4`` gives it); sorted, no repeats; () for none."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise CodecError(f"powersgd: {name} must be whole numbers separated by commas, got {value!r}") from None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise CodecError(f"powersgd: {name} must be a list of whole numbers, got {value!r}")
+    items = [check_int(PowerSGD.codec_id, f"{name} entry", v, low, high) for v in value]
+    if len(set(items)) != len(items):
+        raise CodecError(f"powersgd: {name} repeats an entry: {value!r}")
+    return tuple(sorted(items))
+
+
 def check_width(name: str, value) -> int:
     """``factor_bits``/``rest_bits``: 1..8 (``uniform``), 16 (``fp16``) or 32 (float32)."""
     width = check_int(PowerSGD.codec_id, name, value, 1, 32)
@@ -52,7 +92,8 @@ class PowerSGD(_FloatCodec):
     ``factor_bits``: the width of the factors P, P^, Q on the wire, 32 (float32, default), 16
     (``fp16``) or 1..8 (``uniform``, round to nearest, one range per factor);
     ``rest_bits``: the same for the layers it does not compress (the workers then keep an
-    error memory for them too)."""
+    error memory for them too); ``ranks``/``widths``: the menus of a per-layer choice
+    (module docstring), empty for every layer at ``rank``."""
 
     codec_id = "powersgd"
     wire_id = 8
@@ -62,7 +103,7 @@ class PowerSGD(_FloatCodec):
     two_rounds = True
 
     def __init__(self, *, rank: int = 1, min_compression_rate: float = 2.0, start: int = 0,
-                 factor_bits: int = 32, rest_bits: int = 32, checksum: bool = False):
+                 factor_bits: int = 32, rest_bits: int = 32, ranks=(), widths=(), checksum: bool = False):
         super().__init__(checksum=checksum)
         self.rank = check_int(self.codec_id, "rank", rank, 1, 1 << 16)
         try:
@@ -75,13 +116,59 @@ class PowerSGD(_FloatCodec):
         self.start = check_int(self.codec_id, "start", start, 0, 2**62)
         self.factor_bits = check_width("factor_bits", factor_bits)
         self.rest_bits = check_width("rest_bits", rest_bits)
+        self.ranks = check_menu("ranks", ranks, 1, 1 << 16)
+        self.widths = check_menu("widths", widths, 1, max(QUANTIZED_WIDTHS))
+        if self.widths and not self.ranks:
+            raise CodecError(f"powersgd: widths needs ranks too (ranks={self.rank} at least: rank is the "
+                             "setting every layer starts at, and the policy's error budget)")
+        if self.ranks and self.rank not in self.ranks:
+            raise CodecError(f"powersgd: rank {self.rank} must be one of ranks {list(self.ranks)} "
+                             "(it is every layer's first setting and the policy's error budget)")
 
     def _config(self):
         config = {"rank": self.rank, "min_compression_rate": self.min_compression_rate, "start": self.start}
         # float32 (the default) stays out of the config: traces of float32 factors read as before
         config.update({name: width for name, width in (("factor_bits", self.factor_bits),
                                                          ("rest_bits", self.rest_bits)) if width != 32})
+        config.update({name: list(menu) for name, menu in (("ranks", self.ranks), ("widths", self.widths)) if menu})
         return config
+
+    # ---- per-layer settings (``ranks``/``widths``) --------------------------------------
+    @property
+    def mixed(self) -> bool:
+        """True when a policy chooses each layer's setting from ``ranks`` and ``widths``."""
+        return bool(self.ranks)
+
+    @property
+    def menu(self) -> tuple[int, ...]:
+        """The setting codes a layer may take: the ranks, then the widths (as -b); (rank,) without menus."""
+        if not self.mixed:
+            return (self.rank,)
+        return tuple(setting_code("rank", r) for r in self.ranks) + tuple(setting_code("width", b) for b in self.widths)
+
+    @property
+    def reference_setting(self) -> int:
+        """Every layer's setting until a policy decides (and its error, the budget): rank ``rank``."""
+        return setting_code("rank", self.rank)
+
+    @property
+    def max_rank(self) -> int:
+        """The widest rank a layer may take: the columns of its Q memory."""
+        return max(self.ranks) if self.mixed else self.rank
+
+    def check_settings(self, codes, layers: int) -> tuple[int, ...]:
+        """The Control's per-layer integers as setting codes: ``layers`` of them, each in
+        ``menu``; CodecError (one line) otherwise. A decoder never trusts the wire."""
+        codes = tuple(int(c) for c in codes)
+        menu = self.menu
+        if len(codes) < layers or any(c not in menu for c in codes[:layers]):
+            raise CodecError(f"powersgd: settings {list(codes[:layers])} for {layers} layer(s) are not in "
+                             f"the menu {[setting_label(c) for c in menu]} ({list(menu)})")
+        return codes[:layers]
+
+    def width_codec(self, width: int) -> Codec:
+        """The codec of a whole layer sent at ``width`` bits (``uniform``, round to nearest)."""
+        return self._width_codec(width)
 
     @property
     def fixed_bits(self) -> int:

@@ -30,7 +30,7 @@ from .. import options
 from ..plugins import call_factory, is_plugin, load_factory
 
 __all__ = [
-    "Policy", "PeriodicPolicy", "PolicyError", "Observation", "BITS_LIMITS", "register_policy", "get_policy",
+    "Policy", "PeriodicPolicy", "PolicyError", "Observation", "SettingCosts", "BITS_LIMITS", "register_policy", "get_policy",
     "available", "policy_class", "policy_options", "check_decision",
 ]
 
@@ -40,6 +40,31 @@ BITS_LIMITS = (1, 32)
 
 class PolicyError(ValueError):
     """A policy config, observation or state that a policy cannot accept."""
+
+
+@dataclass(frozen=True)
+class SettingCosts:
+    """What a policy that chooses settings (``Policy.chooses_settings``) sees of a low-rank
+    codec's menu (``powersgd`` with ``ranks``/``widths``): ``codes`` the K setting codes
+    (r > 0 rank r, -b width b: ``mpigrad.codecs.powersgd.setting_code``), ``errors`` and
+    ``sizes`` layers x K (the workers' mean squared error of their M_i at each setting, and
+    the bytes each setting puts on the wire), ``reference`` the code whose total error is
+    the budget (the codec's ``rank``)."""
+
+    codes: tuple[int, ...]
+    errors: np.ndarray
+    sizes: np.ndarray
+    reference: int
+
+    def __post_init__(self):
+        k = len(self.codes)
+        for name in ("errors", "sizes"):
+            value = np.asarray(getattr(self, name), dtype=np.float64)
+            if value.ndim != 2 or value.shape[1] != k or not np.isfinite(value).all() or (value < 0).any():
+                raise PolicyError(f"setting {name} must be a finite, non-negative layers x {k} array, "
+                                  f"got shape {value.shape}")
+        if self.reference not in self.codes:
+            raise PolicyError(f"setting reference {self.reference} is not one of {list(self.codes)}")
 
 
 @dataclass(frozen=True)
@@ -53,6 +78,7 @@ class Observation:
     codec: object | None = None             # the run's codec (accepts_bits) for error-based policies
     last_comm_ms: float = 0.0               # communication time of iteration m-1 on the run's clock (0.0 at m=0)
     last_bytes: int = 0                     # bytes iteration m-1 put on the network, both directions (0 at m=0)
+    settings: SettingCosts | None = None    # a low-rank codec's menu, measured in m-1 (chooses_settings)
 
     def __post_init__(self):
         options.check_int("observation iteration", self.iteration, 0, error=PolicyError)
@@ -234,6 +260,10 @@ class Policy(ABC):
     #: True when ``decide`` reads the clock (``Observation.last_iteration_ms``): its bits,
     #: and so the whole run, depend on the network, and ``mpigrad trace retime`` refuses it.
     reads_clock: ClassVar[bool] = False
+    #: True when, given a low-rank codec with menus (``powersgd`` ``ranks``/``widths``), the
+    #: policy chooses setting codes from ``Observation.settings`` instead of bits
+    #: (``setup_codec`` tells it; the runtime refuses the other policies with such a codec).
+    chooses_settings: ClassVar[bool] = False
 
     def __init__(self, *, n_layers: int = 1, seed: int = 0):
         self.n_layers = check_int(self.policy_id, "n_layers", n_layers, 1)
@@ -268,6 +298,16 @@ class Policy(ABC):
             except ValueError as exc:
                 raise PolicyError(f"policy {self.policy_id!r} may choose {bits} bits, which codec "
                                   f"{codec.codec_id!r} rejects: {exc}") from None
+
+    def setup_codec(self, codec: Any) -> None:
+        """Rank 0 calls this once with the run's codec, before the first decision (and before
+        a checkpoint's state is loaded). A policy that ``chooses_settings`` switches to the
+        codec's menu here; the others ignore it."""
+
+    def observes(self, iteration: int) -> bool:
+        """True when ``decide`` at ``iteration`` may read what iteration - 1 measured (the
+        runtime asks the workers for setting errors only then); by default ``uses_gradients``."""
+        return self.uses_gradients
 
     def __eq__(self, other: object) -> bool:
         return (type(self) is type(other) and self.get_config() == other.get_config()
@@ -323,8 +363,11 @@ class PeriodicPolicy(Policy):
     def _choose(self, obs: Observation) -> tuple[int, ...]:
         """The bits of every layer from ``obs.gradients`` (present, not yet checked)."""
 
+    def observes(self, iteration: int) -> bool:
+        return iteration >= self._next_decision
+
     def decide(self, obs: Observation) -> tuple[int, ...]:
-        if len(obs.gradients) and obs.iteration >= self._next_decision:
+        if (len(obs.gradients) or obs.settings is not None) and obs.iteration >= self._next_decision:
             self._bits = tuple(self._choose(obs))
             self._next_decision = obs.iteration + self.interval
             self._decisions += 1

@@ -21,6 +21,18 @@ n_layers * E_ref / error_levels. With ``sample_size`` > 0 a layer's error is mea
 strided subsample (as ``adaptive`` does) and scaled by len(layer) / len(sample). The paper
 measures errors on the error-feedback-accumulated gradient of the workers; rank 0 sees the
 average, which is what mpigrad's runs without error feedback quantize.
+
+With ``--codec powersgd`` and its menus (``ranks``/``widths``) the candidates are the menu's
+settings instead of [min_bits, max_bits] (``setup_codec``; ``Observation.settings``): a rank
+r (the layer as rank-r factors) or a width b (the whole layer ``uniform`` at b bits), the
+decision one setting code per layer. e(l, s) is the workers' mean squared error of their
+error-feedback-accumulated M_i at setting s, as the codec would compute it: rank r one power
+iteration from the current Q (float32 factors; ``factor_bits`` rounding not counted), width
+b uniform's rounding; s(l, s) the bytes on the wire, one direction (P and Q for a rank,
+the whole layer for a width); the reference, and every layer's setting until the first
+decision, is the codec's ``rank``. ``reference_bits``, ``min_bits``, ``max_bits`` and
+``sample_size`` do not apply then. The first decision is at the first iteration after
+``start`` (the workers measure in the iteration before a decision only).
 """
 
 from __future__ import annotations
@@ -80,6 +92,7 @@ class LGreCoPolicy(PeriodicPolicy):
 
     policy_id = "lgreco"
     uses_gradients = True
+    chooses_settings = True
 
     def __init__(self, *, interval: int = 50, reference_bits: int = 4, min_bits: int = 2,
                  max_bits: int = 8, error_levels: int = 1000, sample_size: int = 0,
@@ -92,7 +105,14 @@ class LGreCoPolicy(PeriodicPolicy):
         self.error_levels = check_int(pid, "error_levels", error_levels, 1, 10**6)
         self.sample_size = check_int(pid, "sample_size", sample_size, 0)
         self._workspace = Workspace()
+        self._menu: tuple[int, ...] | None = None  # a low-rank codec's setting codes (setup_codec)
         self._start((self.reference_bits,) * self.n_layers)
+
+    def setup_codec(self, codec) -> None:
+        """A low-rank codec with menus: choose among its settings, every layer at its ``rank`` until then."""
+        if getattr(codec, "two_rounds", False) and getattr(codec, "mixed", False):
+            self._menu = tuple(codec.menu)
+            self._start((codec.reference_setting,) * self.n_layers)
 
     def _config(self):
         return {"interval": self.interval, "reference_bits": self.reference_bits,
@@ -100,9 +120,13 @@ class LGreCoPolicy(PeriodicPolicy):
                 "error_levels": self.error_levels, "sample_size": self.sample_size}
 
     def bits_range(self):
+        if self._menu is not None:  # setting codes: the widths' -b up to the largest rank
+            return min(self._menu), max(self._menu)
         return self.min_bits, self.max_bits
 
     def _choose(self, obs: Observation) -> tuple[int, ...]:
+        if self._menu is not None:
+            return self._choose_settings(obs)
         codec = bits_codec(self.policy_id, obs)
         candidates = range(self.min_bits, self.max_bits + 1)
         errors = np.zeros((self.n_layers, len(candidates)))
@@ -127,7 +151,24 @@ class LGreCoPolicy(PeriodicPolicy):
                                   "reference_error": reference})
         return chosen
 
+    def _choose_settings(self, obs: Observation) -> tuple[int, ...]:
+        costs = obs.settings
+        if costs is None or tuple(costs.codes) != self._menu or np.shape(costs.errors)[0] != self.n_layers:
+            raise PolicyError(f"policy 'lgreco' chooses among settings {list(self._menu)} of {self.n_layers} "
+                              f"layer(s), but the observation has {costs!r}")
+        errors = np.asarray(costs.errors, dtype=np.float64)
+        sizes = np.asarray(costs.sizes, dtype=np.float64)
+        reference = self._menu.index(costs.reference)
+        picks = assign_bits(errors, sizes, reference, self.error_levels)
+        chosen = tuple(self._menu[k] for k in picks)
+        budget = float(errors[:, reference].sum())
+        for layer, code in enumerate(chosen):
+            self._records.append({"iteration": int(obs.iteration), "layer": layer, "bits": code,
+                                  "error": errors[layer].copy(), "size": sizes[layer].copy(),
+                                  "reference_error": budget})
+        return chosen
+
     def record_columns(self):
-        levels = self.max_bits - self.min_bits + 1
+        levels = len(self._menu) if self._menu is not None else self.max_bits - self.min_bits + 1
         return {"iteration": ("i8", ()), "layer": ("i4", ()), "bits": ("i4", ()),
                 "error": ("f8", (levels,)), "size": ("f8", (levels,)), "reference_error": ("f8", ())}

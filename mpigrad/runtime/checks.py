@@ -11,7 +11,7 @@ from ..codecs import Codec, CodecError, get_codec
 from ..config import RunConfig
 from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
-from ..policies import PolicyError, get_policy
+from ..policies import PolicyError, get_policy, policy_class
 
 __all__ = ["check_options", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
 
@@ -76,8 +76,14 @@ def check_device(name: str) -> None:
 def check_two_rounds(config: RunConfig, codec: Codec) -> None:
     """UsageError (one line) for what a two-round (low-rank) codec does not run with."""
     name = f"--codec {codec.codec_id}"
-    if config.policy != "fixed":
-        raise UsageError(f"{name} has no bits to choose: use --policy fixed (its rank is --codec-opt rank=R)")
+    chooses = policy_class(config.policy).chooses_settings
+    if getattr(codec, "mixed", False) and not chooses:
+        raise UsageError(f"{name} with ranks/widths needs a policy that chooses each layer's setting: "
+                         f"--policy lgreco, not {config.policy} (or drop ranks/widths for every layer at rank)")
+    if config.policy != "fixed" and not getattr(codec, "mixed", False):
+        hint = (" or give it menus to choose from, e.g. --codec-opt ranks=1,2,4 --codec-opt widths=2,4,8"
+                if chooses else "")
+        raise UsageError(f"{name} has no bits to choose: use --policy fixed (its rank is --codec-opt rank=R){hint}")
     if config.error_feedback != "none":
         raise UsageError(f"{name} keeps its own error feedback on the workers (PowerSGD's); "
                          "drop --error-feedback")
@@ -104,6 +110,11 @@ def check_options(config: RunConfig) -> None:
                              "(bits 2 from iteration 0, 4 from 500, 8 from 2000); --bits does not apply")
         codec = base_codec(config)
         policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
+        if codec.two_rounds:  # no bits: a rank, or settings a policy chooses
+            check_two_rounds(config, codec)
+            cost_model(config)
+            check_device(config.device)
+            return
         lowest, highest = policy.bits_range()
         moving = lowest != highest
         if moving and not codec.accepts_bits:
@@ -114,8 +125,6 @@ def check_options(config: RunConfig) -> None:
                              "chooses bits: use --policy fixed, or drop levels")
         if codec.takes_policy_bits:
             policy.check_codec(codec)
-        if codec.two_rounds:
-            check_two_rounds(config, codec)
         down, down_bits = broadcast_codec(config)
         if moving and down_bits is None and down.accepts_bits:
             policy.check_codec(down)

@@ -21,10 +21,12 @@ class GradientCompressor:
     """Hyperparameters: the pieces, the base codec, one RNG seed per piece and an optional
     error-feedback memory. State: per-piece call counters, codec instances, the memory.
     ``rest_codec`` serves the small layers' piece (default ``fp32``); ``policy_bits=False``
-    keeps ``codec``'s own bits whatever bits ``encode`` is given (PowerSGD's factor codec)."""
+    keeps ``codec``'s own bits whatever bits ``encode`` is given (PowerSGD's factor codec);
+    ``piece_codecs`` (piece index -> codec) gives some quantized pieces a codec of their own, at
+    its own bits, for encode and decode (PowerSGD's layers sent whole, ``runtime/lowrank.py``)."""
 
     def __init__(self, pieces: list[Piece], codec: Codec, seeds: dict[int, int], feedback=None, *,
-                 rest_codec: Codec | None = None, policy_bits: bool = True):
+                 rest_codec: Codec | None = None, policy_bits: bool = True, piece_codecs=None):
         self.pieces = pieces
         self.base_config = codec.get_config()
         self.takes_bits = policy_bits and codec.takes_policy_bits
@@ -32,6 +34,7 @@ class GradientCompressor:
         self.seeds = seeds
         self.feedback = feedback
         self.rest_codec = rest_codec if rest_codec is not None else get_codec({"id": "fp32"})
+        self.piece_codecs = dict(piece_codecs or {})
         self.calls = [0] * sum(p.quantized for p in pieces)  # quantized pieces come first
         self._codecs: dict[tuple[int, int], Codec] = {}
         self._frames: dict[tuple[int, int], np.ndarray] = {}
@@ -41,6 +44,8 @@ class GradientCompressor:
     def codec_for(self, piece: Piece, bits: int) -> Codec:
         if not piece.quantized:
             return self.rest_codec
+        if piece.index in self.piece_codecs:
+            return self.piece_codecs[piece.index]
         key = (piece.index, bits if self.takes_bits else 0)
         codec = self._codecs.get(key)
         if codec is None:
@@ -93,7 +98,8 @@ class GradientCompressor:
         """
         encode_seconds, buffers = FrameHeader.read(frame, len(shard.pieces))
         for piece, buf in zip(shard.pieces, buffers):
-            codec = self.decoder if piece.quantized else self.rest_codec
+            codec = (self.piece_codecs.get(piece.index, self.decoder) if piece.quantized
+                     else self.rest_codec)
             codec.decode(buf, out=out[piece.offset:piece.offset + piece.size], accumulate=accumulate)
         return encode_seconds
 

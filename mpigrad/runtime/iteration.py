@@ -44,7 +44,11 @@ average), then ``gradients2``/``broadcast2`` round 2 (each server: the Q_i of it
 summed, averaged, broadcast; rank 0 decodes every shard's, as in round 1); the update is
 written in ``broadcast2``, on the workers and on rank 0. With colocated servers each worker
 runs the server's part for its shard in both rounds, and rank 0 takes part in neither.
-Before ``start``, and for every other codec, those two phases do nothing.
+Before ``start``, and for every other codec, those two phases do nothing. With the codec's
+menus (``ranks``/``widths``) every rank selects the iteration's factor plan from the
+Control's setting codes in ``control`` (``LowRank.select``, which checks them), and after an
+iteration whose Control says ``measure`` the workers send rank 0 their setting errors in
+``reports`` (message 11), which rank 0 receives there for the policy's next decision.
 
 The pipelined iteration (``--pipeline``, colocated servers, :mod:`.pipeline`): a worker's
 ``begin`` runs the forward pass only, so ``losses`` goes before backward; its ``control``

@@ -51,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--codec", help=f"gradient codec: %(codecs)s | package.module:Class, a codec of your own "
                    f"(docs/extending.rst) (default {d.codec})")
     g.add_argument("--codec-opt", action="append", metavar="KEY=VALUE", help="codec option, e.g. bucket_size=512; powersgd (low rank, two rounds "
-                   "per iteration, --policy fixed): rank=R (1), start=K (0: float32 before "
+                   "per iteration, --policy fixed, or lgreco with menus): rank=R (1), start=K (0: float32 before "
                    "iteration K), min_compression_rate=X (2), factor_bits=B (32: float32 factors; 1..8: "
-                   "uniform, 16: fp16), rest_bits=B (the same for the layers it leaves uncompressed)")
+                   "uniform, 16: fp16), rest_bits=B (the same for the layers it leaves uncompressed), "
+                   "ranks=1,2,4 and widths=2,4,8 (menus: with --policy lgreco each layer gets a rank of ranks, "
+                   "or goes whole uniform at a width of widths; rank must be one of ranks)")
     g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); "
                    "uniform: 2**bits levels from min to max; qsgd: the sign is one of the bits, "
                    "s = 2**(bits-1) - 1 levels per sign (bits 4 gives s = 7)")

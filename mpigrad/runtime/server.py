@@ -21,7 +21,7 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..costmodel import CostModel, LocalWork
-from ..policies import Observation, check_decision, get_policy, policy_class
+from ..policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
 from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
@@ -37,7 +37,7 @@ from .record import IterationRecord
 from .tracing import close_seconds
 from .stopping import StopFlag
 from .lowrank import LowRank
-from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, WORLD,
+from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, TAG_SETTINGS, WORLD,
                    BackwardReport, Channel, Control, FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
 
 
@@ -166,10 +166,14 @@ def unpack_average(shard, average: np.ndarray, out: np.ndarray) -> None:
 
 
 def factor_aggregators(config: RunConfig, channel: Channel, lowrank: LowRank, server: int) -> tuple:
-    """Server ``server``'s aggregators of a two-round codec's factors: (round 1, round 2)."""
-    return tuple(ShardAggregator(config, channel, shards[server], compressor, compressor, size, None)
-                 for shards, compressor, size in ((lowrank.rounds[0], lowrank.compressor1, lowrank.p_size),
-                                                  (lowrank.rounds[1], lowrank.compressor2, lowrank.q_size)))
+    """Server ``server``'s aggregators of a two-round codec's factors under the running plan
+    (``lowrank.current``): (round 1, round 2), built on the plan's first use and kept with it."""
+    plan = lowrank.current
+    if plan.aggregators is None:
+        plan.aggregators = tuple(ShardAggregator(config, channel, shards[server], compressor, compressor, size, None)
+                                 for shards, compressor, size in ((plan.rounds[0], plan.compressor1, plan.p_size),
+                                                                  (plan.rounds[1], plan.compressor2, plan.q_size)))
+    return plan.aggregators
 
 
 def _stalled(m: int):
@@ -198,8 +202,9 @@ class ShardServer(FollowerRole):
             self.lowrank = LowRank(replica.model, layout, codec, config.seed, worker=False,
                                    shards=build_shards(config, layout, codec, channel.servers))
             self.factor_aggregators = factor_aggregators(config, channel, self.lowrank, self.rank)
-        #: Rank 0's policy observes the whole average: send it this shard's part (message 6).
-        self.send_average = policy_class(config.policy).uses_gradients
+        #: Rank 0's policy observes the whole average: send it this shard's part (message 6)
+        #: (PowerSGD's policies read the workers' setting errors instead, message 11).
+        self.send_average = policy_class(config.policy).uses_gradients and not codec.two_rounds
         self.buffer_sync = BufferSync(replica.model, channel)
         self.control_msg = Control(self.n_layers)
         self.report = ServerReport.buffer(len(channel.workers), max(self.n_layers, 1))
@@ -217,6 +222,9 @@ class ShardServer(FollowerRole):
         self.channel.broadcast([(self.control_msg.buf, WORLD)],
                                lambda: f"rank 0 sent no bits for iteration {m}")
         self.bits = self.control_msg.bits
+        if self._two_rounds(m):  # the iteration's factor plan (settings checked against the menu)
+            self.lowrank.select(self.bits)
+            self.factor_aggregators = factor_aggregators(self.config, self.channel, self.lowrank, self.rank)
 
     def _two_rounds(self, m: int) -> bool:
         return self.lowrank is not None and self.lowrank.active(m)
@@ -298,6 +306,7 @@ class ParameterServer:
         layout = self.replica.layout
         self.n_layers = len(layout.quantized)
         self.policy = get_policy(config.policy_config(), n_layers=max(self.n_layers, 1), seed=config.seed)
+        self.policy.setup_codec(self.codec)
         self.shards = build_shards(config, layout, self.codec, self.servers)
         self.colocated = channel.colocated
         #: Shards other ranks serve, and the rank serving each: with colocated servers every
@@ -322,7 +331,14 @@ class ParameterServer:
                 self.factor_aggregators = factor_aggregators(config, channel, lowrank, 0)
         # The other servers send their part of the average (message 6) when the policy
         # observes it: self.average is then the whole average, as with S = 1.
-        self.receive_averages = bool(self.remote_shards) and self.policy.uses_gradients
+        self.receive_averages = bool(self.remote_shards) and self.policy.uses_gradients and not self.codec.two_rounds
+        #: PowerSGD with menus: the workers' mean errors at each setting (message 11), the
+        #: settings' bytes, for the policy's next decision (None until measured).
+        self.mixed = self.lowrank is not None and self.codec.mixed
+        self.setting_errors: np.ndarray | None = None
+        self.setting_sizes = self.lowrank.setting_sizes() if self.mixed else None
+        self.setting_rows = [np.zeros((self.n_layers, len(self.codec.menu))) for _ in self.worker_ranks] \
+            if self.mixed else []
         self.averages = {s: np.empty(sum(p.size for p in self.shards[s].pieces if p.quantized), np.float32)
                          for s in self.remote_shards} if self.receive_averages else {}
         self.parameter_sync = ParameterSync(self.replica, channel) if self.colocated else None
@@ -398,7 +414,16 @@ class ParameterServer:
         checkpoint_after = not (last or self.it["stop_after"]) and self.checkpoint_schedule.due(m + 1)
         self.command = (STOP_AFTER if self.it["stop_after"] else CHECKPOINT_AFTER if checkpoint_after
                         else CONTINUE)
-        self.control_msg.set(self.command, m, bits)
+        measure = False
+        if self.lowrank is not None and self.lowrank.active(m):  # the iteration's factor plan
+            try:
+                self.lowrank.select(bits)
+            except CodecError as exc:
+                raise PolicyError(f"policy {self.policy.policy_id!r} decided {bits} for iteration {m}: {exc}") from None
+            if self.aggregator is not None:
+                self.factor_aggregators = factor_aggregators(self.config, self.channel, self.lowrank, 0)
+            measure = self.mixed and self.policy.observes(m + 1)
+        self.control_msg.set(self.command, m, bits, measure)
         self.channel.broadcast([(self.control_msg.buf, WORLD)],
                                lambda: f"control broadcast of iteration {m} stalled")
         if self.buckets is None:
@@ -498,6 +523,14 @@ class ParameterServer:
             self.it["frame_bytes"] = [int(r.bytes_out) - FrameLength.NBYTES for r in reports]
             self.it["worker_encode"] = max(r.worker_encode for r in reports)
         self.it["servers"] = reports
+        if self.control_msg.measure:  # message 11: the workers' errors at each setting, averaged in rank order
+            self.channel.recv(list(zip(self.setting_rows, self.worker_ranks)), TAG_SETTINGS,
+                              lambda pending: f"worker rank(s) {', '.join(map(str, pending))} sent no "
+                                              f"setting errors for iteration {m}")
+            total = self.setting_rows[0].copy()
+            for row in self.setting_rows[1:]:
+                total += row
+            self.setting_errors = total / self.workers
         if two_rounds:  # each round charged as it went: P up, P^ down, Q up, Q down
             if self.colocated:  # the factor frames' sizes are the layout's
                 self.it["frame_bytes"], self.it["frame_bytes2"] = self.lowrank.frame_sizes(self.it["bits"])
@@ -568,6 +601,11 @@ class ParameterServer:
             traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
                                        tuple(tuple(s.sizes) for s in servers), tuple(frames_down), self.colocated)
         bits = it["bits"] if self.codec.takes_policy_bits else [self.codec.fixed_bits] * len(it["bits"])
+        settings = None
+        if self.mixed:  # each layer's setting, and the width its numbers travelled at
+            settings = list(it["bits"])  # the Control's codes (before ``start``: float32 whatever they say)
+            bits = [lay.width or self.codec.factor_bits for lay in self.lowrank.layers] if self.lowrank.active(m) \
+                else bits
         record = IterationRecord(
             iteration=m, loss=it["loss"], bits=bits, bytes_up=traffic.bytes_up, bytes_down=traffic.bytes_down,
             t_compute=max(compute), t_encode=t_encode, t_decode=t_decode, t_policy=it["t_policy"],
@@ -578,7 +616,7 @@ class ParameterServer:
             server_frame_bytes=[list(s.sizes) for s in servers],
             server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
             norm_ratio=self._norm_ratio(servers),
-            checksums=it["checksums"], policy_rows=self.policy.drain_records())
+            checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings)
         self.bytes_total += record.bytes_up + record.bytes_down
         self.last_comm_ms, self.last_bytes = 1e3 * t_comm, record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]
@@ -676,9 +714,16 @@ class ParameterServer:
         if self.has_previous:
             average = self.average
             grads = tuple(average[s.offset:s.offset + s.size] for s in self.replica.layout.quantized)
+        settings = None
+        if self.mixed:  # PowerSGD with menus: the errors measured in iteration m - 1, if it measured
+            grads = ()
+            if self.setting_errors is not None:
+                settings = SettingCosts(self.codec.menu, self.setting_errors, self.setting_sizes,
+                                        self.codec.reference_setting)
+                self.setting_errors = None
         return Observation(iteration=m, loss=loss, last_iteration_ms=self.last_iteration_ms,
-                           gradients=grads, codec=self.codec if self.codec.accepts_bits else None,
-                           last_comm_ms=self.last_comm_ms, last_bytes=self.last_bytes)
+                           gradients=grads, codec=self.codec if self.codec.accepts_bits or self.mixed else None,
+                           last_comm_ms=self.last_comm_ms, last_bytes=self.last_bytes, settings=settings)
 
     def _mean_iteration_seconds(self, m: int) -> float:
         """Mean wall seconds per iteration in this session (0 before the first one ends)."""
@@ -738,8 +783,10 @@ class ParameterServer:
     def state_dict(self) -> dict:
         # The previous average feeds only policies that read gradients (Observation.gradients):
         # for the others it would double the checkpoint for nothing.
-        keep_update = self.has_previous and self.policy.uses_gradients
-        return {"iteration": self.iteration, "replica": self.replica.state_dict(),
+        keep_update = self.has_previous and self.policy.uses_gradients and not self.mixed
+        errors = self.setting_errors  # measured, for the next decision (PowerSGD with menus)
+        return {"setting_errors": torch.from_numpy(errors.copy()) if errors is not None else None,
+                "iteration": self.iteration, "replica": self.replica.state_dict(),
                 "policy": self.policy.state_dict(),
                 "compressor": self.compressor.state_dict() if self.compressor is not None else None,
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,
@@ -752,6 +799,8 @@ class ParameterServer:
         self.iteration = int(state["iteration"])
         self.replica.load_state_dict(state["replica"])
         self.policy.load_state_dict(state["policy"])
+        errors = state.get("setting_errors")
+        self.setting_errors = errors.numpy().astype(np.float64) if errors is not None else None
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
         self.saved_clocks = dict(state["clocks"])

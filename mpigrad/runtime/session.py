@@ -175,7 +175,8 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
     trace = RunTrace.open(config, layout=server.replica.layout, workers=server.workers, servers=server.servers,
                           policy_columns=server.policy.record_columns(),
                           data_description=server.data_description, hosts=hosts, argv=argv,
-                          resume_at=start if config.resume else None, cost_attrs=server.cost_attrs())
+                          resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
+                          settings=server.mixed)
     if not config.resume:
         describe_run(config, server, channel.size, log)
 

@@ -35,8 +35,10 @@ class RunTrace:
 
     @classmethod
     def open(cls, config, *, layout, workers: int, servers: int, policy_columns, data_description: str,
-             hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None) -> "RunTrace":
-        tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns)
+             hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None,
+             settings: bool = False) -> "RunTrace":
+        """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``)."""
+        tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings)
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
                                                flush_every=config.trace_flush))
@@ -62,10 +64,11 @@ class RunTrace:
                                force=config.force, flush_every=config.trace_flush))
 
     @staticmethod
-    def tables(layers: int, workers: int, servers: int, policy_columns) -> dict[str, dict]:
-        """The trace's tables for a run of ``workers`` workers and ``servers`` servers."""
+    def tables(layers: int, workers: int, servers: int, policy_columns, settings: bool = False) -> dict[str, dict]:
+        """The trace's tables for a run of ``workers`` workers and ``servers`` servers
+        (``settings``: with ``steps/setting_layers``, PowerSGD's per-layer settings)."""
         return {
-            "steps": schema.step_columns(schema.layer_step_columns(layers)),
+            "steps": schema.step_columns(schema.layer_step_columns(layers, settings)),
             "workers": schema.workers_columns(workers),
             "servers": schema.servers_columns(servers, workers),
             "eval": dict(schema.EVAL_COLUMNS),

@@ -24,7 +24,7 @@ from .iteration import FollowerRole
 from .lowrank import LowRank
 from .pipeline import PipelinedExchange
 from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_BCAST, TAG_FACTORS, TAG_GRAD, TAG_LOSS,
-                   TAG_REPORT, WORLD, BackwardReport, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
+                   TAG_REPORT, TAG_SETTINGS, WORLD, BackwardReport, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
                    error_frame)
 
 
@@ -74,7 +74,8 @@ class Worker(FollowerRole):
                                               self.server_compressor, layout.total, broadcast_codec(config)[1])
             self.n_layers = len(layout.quantized)
             self.report = ServerReport.buffer(workers, max(self.n_layers, 1))
-            self.send_average = policy_class(config.policy).uses_gradients
+            # PowerSGD's policies read the workers' setting errors, not the average (message 11)
+            self.send_average = policy_class(config.policy).uses_gradients and not codec.two_rounds
             self.bcast_buffers = {rank: np.empty(0, np.uint8) for rank in channel.workers}
             if self.lowrank is not None:  # this shard's factors, one aggregator per round
                 from .server import factor_aggregators
@@ -127,6 +128,11 @@ class Worker(FollowerRole):
         if self.control_msg.iteration != m:
             raise RuntimeError(f"protocol out of step: rank 0 is at iteration {self.control_msg.iteration}, "
                                f"rank {self.rank} at {m}")
+        if self._two_rounds(m):  # the iteration's factor plan (settings checked against the menu)
+            self.lowrank.select(self.control_msg.bits)
+            if self.serves is not None:
+                from .server import factor_aggregators
+                self.factor_aggregators = factor_aggregators(self.config, self.channel, self.lowrank, self.serves)
 
     def _two_rounds(self, m: int) -> bool:
         return self.lowrank is not None and self.lowrank.active(m)
@@ -286,8 +292,15 @@ class Worker(FollowerRole):
         return t_encode
 
     def reports(self, m: int) -> None:
-        if self.serves is None:
-            return
+        if self.serves is not None:
+            self._server_reports(m)
+        if self._two_rounds(m) and self.control_msg.measure:  # message 11, after 5 as rank 0 takes them
+            self.setting_errors = self.lowrank.setting_errors()
+            self.channel.send([(self.setting_errors, 0)], TAG_SETTINGS,
+                              lambda pending: f"rank 0 took no setting errors for iteration {m}")
+
+    def _server_reports(self, m: int) -> None:
+        """Serving a shard (colocated): its ServerReport, backward report and average to rank 0."""
         agg, layers = self.aggregator, max(self.n_layers, 1)
         if self._two_rounds(m):  # no ||g|| on a server of factors: norm_ratio NaN
             energies = update_energies = [0.0] * layers

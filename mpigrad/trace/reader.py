@@ -158,6 +158,11 @@ def _method(config: dict[str, Any]) -> str:
     if codec_id == "powersgd":  # low rank: the rank is the method, and the widths when not float32
         widths = [f"{what} {codec[key]}-bit" for what, key in (("factors", "factor_bits"), ("rest", "rest_bits"))
                   if codec.get(key, 32) != 32]
+        if codec.get("ranks"):  # per-layer settings a policy chooses (L-GreCo)
+            menus = " ".join(f"{key} {codec[key]}" for key in ("ranks", "widths") if codec.get(key))
+            widths.insert(0, menus.replace("[", "").replace("]", "").replace(", ", ","))
+            label = _POLICY_LABELS.get(str(policy.get("id")), str(policy.get("id")))
+            return f"PowerSGD {label} r{codec.get('rank', 1)} ({', '.join(widths)})"
         return f"PowerSGD r{codec.get('rank', 1)}" + (f" ({', '.join(widths)})" if widths else "")
     policy_id = str(policy.get("id", "fixed"))
     if policy_id == "fixed":

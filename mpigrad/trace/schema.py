@@ -79,12 +79,19 @@ def step_columns(extra: Columns | None = None) -> dict[str, tuple[str, tuple[int
     return columns
 
 
-def layer_step_columns(layers: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def layer_step_columns(layers: int, settings: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The run's per-layer steps columns (index i: quantized layer i): the bits each layer
     was quantized with and ``norm_ratio``, ||Q(g)|| / ||g|| of the broadcast update (g the
-    workers' average, Q(g) the decoded broadcast; NaN where g = 0)."""
+    workers' average, Q(g) the decoded broadcast; NaN where g = 0). ``settings`` (PowerSGD
+    with ``ranks``/``widths``; traces before it have no such column): ``setting_layers``,
+    each low-rank layer's setting code (r > 0 rank r, -b the whole layer at b bits;
+    ``mpigrad.codecs.powersgd.setting_of``); ``bits_layers`` then holds the width its
+    numbers travelled at (the factors' for a rank, b for a width)."""
     _check_count("layers", layers)
-    return {"bits_layers": ("i4", (layers,)), "norm_ratio": ("f8", (layers,))}
+    columns = {"bits_layers": ("i4", (layers,)), "norm_ratio": ("f8", (layers,))}
+    if settings:
+        columns["setting_layers"] = ("i4", (layers,))
+    return columns
 
 
 def workers_columns(workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:

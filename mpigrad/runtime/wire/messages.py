@@ -7,7 +7,11 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
 1. ``LossReport``   worker -> rank 0, tag LOSS, float64[5]
                     (loss, compute CPU s, compute wall s, parameter CRC-32 or -1, status).
 2. ``Control``      rank 0 -> every rank, broadcast on the world,
-                    int64[3 + L] (command, iteration, reserved, bits of each quantized layer).
+                    int64[3 + L] (command, iteration, measure, bits of each quantized layer;
+                    ``--codec powersgd`` with ``ranks``/``widths``: each layer's setting code,
+                    r > 0 rank r, -b width b, checked against the menu by every rank that
+                    reads it, ``PowerSGD.check_settings``). measure: 1 asks the workers for
+                    message 11 after this iteration, else 0.
 3. gradient frame   worker -> server s, tag GRAD, uint8: ``FrameHeader`` then one codec
                     buffer per piece of shard s (see :mod:`mpigrad.runtime.layout`).
                     A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
@@ -49,6 +53,12 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     go per bucket: a frame per (shard, bucket), in bucket order
                     (``layout.pipeline_buckets``).
 
+11. setting errors  ``--codec powersgd`` with ``ranks``/``widths``, in ``reports`` after an
+                    iteration whose Control says measure: worker -> rank 0, tag SETTINGS,
+                    float64[L x K] (each low-rank layer's squared error at each of the K
+                    settings of the menu, on the worker's M_i; ``LowRank.setting_errors``).
+                    Off the clock, like message 6 (L x K x 8 bytes, once per decision).
+
 Outside the iteration's order:
 
 8. ``ErrorReport``  a worker or shard server that raised -> rank 0, tag ERROR, uint8: magic
@@ -82,6 +92,7 @@ TAG_PARAMS = 18  # message 9
 TAG_BCAST = 19   # message 4 with colocated servers: the shard's frame, point to point
 TAG_FACTORS = 20  # message 3b: a worker's second-round factors (PowerSGD's Q_i)
 TAG_BACKWARD = 21  # message 10: a pipelined worker's backward times
+TAG_SETTINGS = 22  # message 11: a worker's errors at each low-rank setting
 
 # Control commands.
 CONTINUE = 1
@@ -131,16 +142,22 @@ class LossReport:
 class Control:
     """Message 2: int64[FIXED + layers], one reused buffer per rank."""
 
-    COMMAND, ITERATION = 0, 1
+    COMMAND, ITERATION, MEASURE = 0, 1, 2
     FIXED = 3
 
     def __init__(self, layers: int):
         self.buf = np.zeros(self.FIXED + max(layers, 1), np.int64)
 
-    def set(self, command: int, iteration: int, bits: list[int]) -> None:
+    def set(self, command: int, iteration: int, bits: list[int], measure: bool = False) -> None:
         self.buf[self.COMMAND] = command
         self.buf[self.ITERATION] = iteration
+        self.buf[self.MEASURE] = int(measure)
         self.buf[self.FIXED:self.FIXED + len(bits)] = bits
+
+    @property
+    def measure(self) -> bool:
+        """True when the workers send their setting errors (message 11) after this iteration."""
+        return bool(self.buf[self.MEASURE])
 
     @property
     def command(self) -> int:
