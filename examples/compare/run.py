@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("fix2", "fix4", "fix8", "mqgrad", "adaptive", "accordion", "lgreco")
+METHODS = ("fix2", "fix4", "fix8", "mqgrad", "adaptive", "accordion", "lgreco", "progress")
 LR_GRID_METHODS = ("fix2", "fix4", "fix8", "mqgrad")
 LR_GRID = (0.01, 0.02, 0.04)
 SHARED_LR = 0.02                 # the configs' lr
