@@ -60,7 +60,7 @@ def test_the_comparison_configs_differ_only_in_their_method():
 def test_the_comparison_command_runs_resumes_and_reports(tmp_path, mpi_env):
     out = tmp_path / "cmp"
     listed = run_script("--out", out, "--list", env=mpi_env)
-    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 72   # the full plan
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 75   # the full plan
     first = run_script("--out", out, "--smoke", env=mpi_env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count(": running") == 4

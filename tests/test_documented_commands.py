@@ -46,7 +46,7 @@ COMMAND_WORDS = {"mpiexec", "mpirun", "mpigrad", "python", "pip", "sbatch", "sru
 _SLURM = "needs a Slurm cluster (tests/test_slurm.py and tests/test_jobscripts.py run the jobscripts)"
 _CIFAR = "needs CIFAR-10, a download (tests/test_data_fetch.py fetches from a local archive and server)"
 _GRID = "needs the paper grid's CIFAR-10 traces (days of simulated training on 12 or 18 ranks)"
-_COMPARISON = ("the comparison: 72 runs, about 45 minutes (tests/test_compare_example.py runs its tiny "
+_COMPARISON = ("the comparison: 75 runs, about 45 minutes (tests/test_compare_example.py runs its tiny "
                "version end to end)")
 _MAP = ("the map over bandwidths: 207 runs and 360 re-timings, hours (tests/test_map.py runs its tiny "
         "version end to end)")

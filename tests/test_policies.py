@@ -74,7 +74,7 @@ def test_defaults_round_trip_and_decide_one_value_per_layer(policy_id):
 
 
 @pytest.mark.parametrize("config, fragment", [
-    ({"id": "nope"}, "unknown policy 'nope'; available: accordion, adaptive, aimd, fixed, lgreco, mqgrad, schedule"),
+    ({"id": "nope"}, "unknown policy 'nope'; available: accordion, adaptive, aimd, fixed, lgreco, mqgrad, progress, schedule"),
     ({"bits": 4}, "must be a dict with an 'id' key"),
     ({"id": "fixed", "bitz": 4}, "unknown option(s) bitz; valid: bits"),
     ({"id": "mqgrad", "n_layers": 2}, "unknown option(s) n_layers"),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("fix2", "fix4", "fix8", "mqgrad", "adaptive", "accordion", "lgreco", "fp32", "fp16", "lowrank")
+METHODS = ("fix2", "fix4", "fix8", "mqgrad", "adaptive", "accordion", "lgreco", "progress", "fp32", "fp16", "lowrank")
 #: The baselines: mpigrad in float32 and float16, and its low-rank codec (PowerSGD r2, 8-bit
 #: factors and rest); trace compare's vs_fp32 is the ratio to the first.
 BASELINES = ("fp32", "fp16", "lowrank")

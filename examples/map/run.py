@@ -13,8 +13,8 @@ Part ``bandwidths``: every method at every rate of LRS and seed of SEEDS, at eve
 of BANDWIDTHS. A method whose runs ``trace retime`` can re-charge (``retime_refusal``: a
 policy that does not read the clock, a one-round codec) trains once per (rate, seed), at the
 configs' 10 MB/s, into OUT/base/, and is re-timed to each bandwidth; the others (MQGrad and
-``aimd`` read the clock; low rank's two rounds cannot be re-timed; ``progress`` when the
-package has that policy) run at each bandwidth. torch DDP (fp32, fp16 hook, PowerSGD r1 and
+``aimd`` and ``progress`` read the clock; low rank's two rounds cannot be re-timed) run at
+each bandwidth. torch DDP (fp32, fp16 hook, PowerSGD r1 and
 r2) trains once per rate under ``mpigrad bench peers`` (loopback, seeds of SEEDS) into
 OUT/peers/lrR/, and is modelled on each bandwidth by mpigrad/analysis/peers.py (its real
 losses, a modelled clock). Traces: OUT/bandwidths/<bandwidth>/<method>-lr<R>-s<S>.h5. Report:
@@ -55,7 +55,7 @@ CONFIGS = {
     "fix4": COMPARE / "fix4.toml", "fix8": COMPARE / "fix8.toml", "lowrank": COMPARE / "lowrank.toml",
     "mqgrad": COMPARE / "mqgrad.toml", "adaptive": COMPARE / "adaptive.toml",
     "accordion": COMPARE / "accordion.toml", "lgreco": COMPARE / "lgreco.toml", "aimd": HERE / "aimd.toml",
-    "progress": HERE / "progress.toml",   # the controller of issue 25 item 6: used once the policy exists
+    "progress": COMPARE / "progress.toml",   # mpigrad's own controller (issue 25 item 6)
 }
 LRS = (0.01, 0.02, 0.04)
 SEEDS = (1, 2, 3)

@@ -128,7 +128,7 @@ def _first_line(exc: BaseException) -> str:
 
 # ---- labels -------------------------------------------------------------------------------
 _POLICY_LABELS = {"adaptive": "Adaptive", "mqgrad": "MQGrad", "accordion": "Accordion", "lgreco": "L-GreCo",
-                  "aimd": "AIMD"}
+                  "aimd": "AIMD", "progress": "Progress"}
 _PLAIN_CODECS = {"fp32": "FP32", "fp16": "FP16"}
 _DEFAULT_CODEC = "uniform"
 
