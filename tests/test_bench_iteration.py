@@ -11,7 +11,7 @@ pytestmark = pytest.mark.mpi
 
 def test_bench_iteration_runs_the_chosen_model(mpi_env):
     command = [sys.executable, "-m", "mpigrad", "bench", "iteration", "--model", "resnet20", "--workers", "1",
-               "--servers", "1,colocated", "--iterations", "4", "--warmup", "2", "--", "--batch-size", "8"]
+               "--servers", "1,colocated", "--iterations", "8", "--warmup", "2", "--", "--batch-size", "8"]
     try:
         result = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=400)
     except subprocess.TimeoutExpired:
@@ -24,7 +24,8 @@ def test_bench_iteration_runs_the_chosen_model(mpi_env):
     for row in report["results"]:
         assert row["compute_ms"] > 0 and row["encode_ms"] > 0 and row["decode_ms"] > 0
         assert 0 < row["overhead_fraction_wall"] < 1 and row["rank0_cpu_ms"] > 0
-    # rank 0 serving no shard does less: no decode and re-encode of its own
+    # rank 0 serving no shard does less: no decode and re-encode of its own (about half here;
+    # medians of 6 iterations, since 2 under CI's load once came out 4.0 against 3.7 ms)
     one, colocated = report["results"]
     assert colocated["rank0_cpu_ms"] < one["rank0_cpu_ms"]
 
