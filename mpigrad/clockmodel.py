@@ -4,7 +4,12 @@ Network: every message costs ``latency + bytes / bandwidth``. A server's link is
 bottleneck of a parameter server: the P messages it receives in a round are serialised on
 it, and a star broadcast sends one copy per receiver over it one after another. A
 binomial-tree broadcast (``--broadcast tree``) takes ceil(log2(receivers + 1)) rounds of one
-message each, the copies being forwarded by workers. With S servers each has its own link:
+message each, the copies being forwarded by workers. ``--broadcast mpich`` is what the runtime's
+``Ibcast`` does under MPICH with fewer than 8 ranks: a binomial tree whose every node sends to
+all its children at once, so that they share its link and all have the message after as many
+message times as it has children, then forward it in turn (5 ranks: 3 + 1 message times; 6
+ranks: 3 + 1; 7: 3 + 2); colocated servers' shards, which the runtime sends point to point,
+go as a star. With S servers each has its own link:
 the gradient round takes as long as the slowest server's (its P frames of its shard), and so
 does the broadcast round (server s > 0 also sends its shard to rank 0). Rank 0's loss
 gather and its control broadcast (to the P workers and S - 1 other servers) are as with one
@@ -47,7 +52,7 @@ import heapq
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 __all__ = ["LinkModel", "IterationTraffic", "PipelinedTraffic", "iteration_seconds", "comm_start", "Constant", "Steps", "Markov",
@@ -264,6 +269,22 @@ def _ranks(workers: int, servers: int, colocated: bool):
     return (lambda w: servers + w), (lambda s: s)
 
 
+def _binomial_arrivals(n: int, send, timed: bool = False) -> list[float]:
+    """When each of ``n`` ranks (relative to the root, 0) holds the message of MPICH's binomial
+    broadcast: rank r's parent is r less its lowest set bit, its children r + 2^k for every
+    2^k below that bit (the root: below n); a parent sends to all its children at once, and
+    they have it ``send(parent, children[, at])`` seconds after the parent had it (``at``)."""
+    arrivals = [0.0] * n
+    for r in range(n):  # a parent precedes its children
+        low = r & -r if r else 1 << max(n - 1, 1).bit_length()
+        children = [r + m for m in (1 << k for k in range(low.bit_length() - 1)) if r + m < n]
+        if children:
+            spent = send(r, children, arrivals[r]) if timed else send(r, children)
+            for c in children:
+                arrivals[c] = arrivals[r] + spent
+    return arrivals
+
+
 def comm_start(sim_start: float, compute_time: float | None, t_compute: float) -> float:
     """When an iteration's first message is sent on the simulated clock: after its compute
     (the fixed ``compute_time``, or the slowest worker's measured ``t_compute``)."""
@@ -275,7 +296,7 @@ class LinkModel:
     bandwidth: float           # bytes per second
     latency: float             # seconds per message
     mode: str = "virtual"      # virtual | sleep | off
-    broadcast: str = "star"    # star | tree
+    broadcast: str = "star"    # star | tree | mpich
     #: Schedules and per-link rates (None: ``bandwidth`` and ``latency`` for every message at
     #: any time). With one, every charge depends on when and between which ranks it is sent:
     #: the phases take ``start`` (simulated seconds) and know the ranks (servers 0..S-1,
@@ -316,8 +337,14 @@ class LinkModel:
         if self.network is None:
             if self.broadcast == "tree":
                 return math.ceil(math.log2(workers + 1)) * self.message(nbytes)
+            if self.broadcast == "mpich":
+                return max(_binomial_arrivals(workers + 1, lambda parent, children: sum(self.message(nbytes) for _ in children)))
             return workers * self.message(nbytes)
         receivers = [sender] * workers if receivers is None else receivers
+        if self.broadcast == "mpich":
+            ranks = [sender, *receivers]
+            return max(_binomial_arrivals(len(ranks), lambda parent, children, at: self.serial(
+                [(nbytes, ranks[parent], ranks[c]) for c in children], start + at), timed=True))
         spent = 0.0
         if self.broadcast == "tree":
             for _ in range(math.ceil(math.log2(workers + 1))):
@@ -326,6 +353,11 @@ class LinkModel:
         for receiver in receivers:
             spent += self.transfer_seconds(nbytes, start + spent, sender, receiver)
         return spent
+
+    def point_to_point(self) -> "LinkModel":
+        """The model of broadcasts the runtime sends point to point (colocated shards): a
+        star under ``mpich``, whose binomial tree is only ``Ibcast``'s."""
+        return replace(self, broadcast="star") if self.broadcast == "mpich" else self
 
     # ---- the phases of an iteration (mpigrad.runtime.iteration) ------------------------
     # ``start``: the phase's first message on the simulated clock (only a network schedule
@@ -377,18 +409,22 @@ class LinkModel:
                 return max(self.bcast(n, workers + (s > 0)) for s, n in enumerate(frames_out))
             if workers < 2:
                 return 0.0
-            outbound = max(self.bcast(n, workers - 1) for n in frames_out)
+            outbound = max(self.point_to_point().bcast(n, workers - 1) for n in frames_out)
             inbound = max(self.gather([n for t, n in enumerate(frames_out) if t != s]) for s in range(workers))
             return max(outbound, inbound)
         S = len(frames_out)
         worker, server = _ranks(workers, S, colocated)
         if not colocated:
-            return max(self.bcast(n, workers + (s > 0), start, server(s),
-                                  [*(worker(w) for w in range(workers)), *([0] if s else [])])
-                       for s, n in enumerate(frames_out))
+            def members(s):  # the broadcast group's order (runtime.wire.channel.group_members)
+                workers_ = [worker(w) for w in range(workers)]
+                if self.broadcast != "mpich":
+                    return [*workers_, *([0] if s else [])]
+                return [*([0] if s else []), *workers_]
+            return max(self.bcast(n, workers + (s > 0), start, server(s), members(s)) for s, n in enumerate(frames_out))
         if workers < 2:
             return 0.0
-        outbound = max(self.bcast(n, workers - 1, start, server(s), [worker(w) for w in range(workers) if w != s])
+        outbound = max(self.point_to_point().bcast(n, workers - 1, start, server(s),
+                                                   [worker(w) for w in range(workers) if w != s])
                        for s, n in enumerate(frames_out))
         inbound = max(self.serial([(n, server(t), worker(s)) for t, n in enumerate(frames_out) if t != s], start)
                       for s in range(workers))

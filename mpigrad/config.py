@@ -30,7 +30,7 @@ NET_MODES = ("virtual", "sleep", "off")
 #: digits the paper CNN's 8.8M-weight FC layers, fed 2-bit round-to-nearest gradients,
 #: diverge at 0.2 and learn steadily at 0.01.
 DEFAULT_LR = {"cifar10": 0.2, "digits": 0.01, "synthetic": 0.05, "teacher": 0.05}
-BROADCASTS = ("star", "tree")
+BROADCASTS = ("star", "tree", "mpich")
 ERROR_FEEDBACK = ("none", "residual", "accumulate")
 DEVICES = ("cpu", "cuda", "auto")
 

@@ -18,7 +18,7 @@ def _lab_reason():
     (["--codecs", "fp64"], "unknown codec 'fp64'"),
     (["--rates", "10"], "has no unit"),
     (["--servers", "0"], "servers must be a number of server ranks"),
-    (["--broadcast", "ring"], "broadcast must be star or tree"),
+    (["--broadcast", "ring"], "broadcast must be one of star, tree, mpich"),
     (["--iterations", "4", "--warmup", "3"], "--iterations must exceed --warmup"),
     (["--servers", "pipeline", "--codecs", "powersgd2q8"], "--servers pipeline does not run two-round codecs"),
 ])

@@ -10,6 +10,7 @@ import pytest
 from mpigrad.cli import main
 from mpigrad.config import RunConfig, format_duration, format_rate, parse_assignments, parse_duration, parse_rate
 from mpigrad.errors import UsageError
+from mpigrad.clockmodel import Constant, Network
 from mpigrad.runtime.clock import LinkModel
 
 
@@ -126,6 +127,30 @@ def test_star_and_tree_link_models():
     tree = LinkModel(bandwidth=1e6, latency=1e-3, broadcast="tree")
     assert tree.bcast(1000, workers=8) == pytest.approx(4 * 2e-3)  # ceil(log2(9)) rounds
     assert LinkModel(1e6, 0.0, mode="off").charge(5.0) == 0.0
+
+
+def test_mpich_broadcast_model_is_a_binomial_tree_whose_copies_share_a_link():
+    m = 2e-3  # one message: 1 ms latency + 1000 B at 1 MB/s
+    mpich = LinkModel(bandwidth=1e6, latency=1e-3, broadcast="mpich")
+    # receivers -> message times: the root's children share its link, then they forward
+    # (3 ranks: 2; 5 ranks: root to 1, 2, 4 (3), 2 to 3 (4); 6: 4 to 5 as well; 7: 4 to 5 and 6 (5)).
+    for receivers, times in {1: 1, 2: 2, 3: 3, 4: 4, 5: 4, 6: 5, 7: 6}.items():
+        assert mpich.bcast(1000, workers=receivers) == pytest.approx(times * m), receivers
+    # P = 4 with one server: the broadcast phase as the star's; two servers: server 1's group
+    # of six ranks (it, rank 0, four workers) takes four message times, the star five.
+    star = LinkModel(bandwidth=1e6, latency=1e-3)
+    assert mpich.broadcasts(4, [1000]) == pytest.approx(star.broadcasts(4, [1000]))
+    assert mpich.broadcasts(4, [1000, 1000]) == pytest.approx(4 * m)
+    assert star.broadcasts(4, [1000, 1000]) == pytest.approx(5 * m)
+    # Colocated shards go point to point in the runtime: a star under mpich.
+    assert mpich.broadcasts(4, [1000] * 4, colocated=True) == star.broadcasts(4, [1000] * 4, colocated=True)
+    # With a network each copy goes at the slower of its two links: rank 3 (relative rank 3 of
+    # the group [0, 1, 2, 3, 4]) has a tenth of the rate and gets its copy from rank 2 after
+    # the root's three fast ones.
+    slow = Network(Constant(1e6), Constant(1e-3), links={3: Constant(1e5)})
+    linked = LinkModel(bandwidth=1e6, latency=1e-3, broadcast="mpich", network=slow)
+    assert linked.bcast(1000, 4, 0.0, 0, [1, 2, 3, 4]) == pytest.approx(3 * m + 1e-3 + 1000 / 1e5)
+    assert linked.bcast(1000, 4, 0.0, 0, [3, 1, 2, 4]) == pytest.approx(2 * m + 1e-3 + 1000 / 1e5 + m)
 
 
 @pytest.mark.parametrize("value, interval", [

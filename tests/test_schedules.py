@@ -140,7 +140,7 @@ def test_phases_run_in_sequence_from_the_start_and_a_constant_network_changes_no
     separate = IterationTraffic(12, 40, ((1000, 1200), (700, 900)), (2100, 1500))
     colocated = IterationTraffic(12, 40, ((0, 1200, 800), (700, 0, 600), (900, 500, 0)), (2100, 1500, 1700),
                                  colocated=True)
-    for traffic, latency, broadcast in itertools.product((separate, colocated), (0.0, 1e-3), ("star", "tree")):
+    for traffic, latency, broadcast in itertools.product((separate, colocated), (0.0, 1e-3), ("star", "tree", "mpich")):
         plain = LinkModel(1e6, latency, broadcast=broadcast)
         constant = LinkModel(1e6, latency, broadcast=broadcast, network=Network(Constant(1e6), Constant(latency)))
         for start in (0.0, 3.7):  # bit for bit the same as the formula, wherever it starts

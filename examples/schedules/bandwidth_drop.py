@@ -1,7 +1,7 @@
 """What the adaptive policies do with their bits when the bandwidth drops and comes back.
 
-Runs examples/compare's MQGrad, Accordion and L-GreCo configs (digits, 2 workers + 1
-server, deterministic clock) on a bandwidth schedule, then draws each run's bits (the mean
+Runs examples/compare's MQGrad, Accordion, L-GreCo and progress configs and examples/map's
+AIMD (digits, 2 workers + 1 server, deterministic clock) on a bandwidth schedule, then draws each run's bits (the mean
 over the quantized layers) and its simulated seconds per iteration against simulated time,
 under the schedule's bandwidth::
 
@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-POLICIES = ("mqgrad", "accordion", "lgreco")
+POLICIES = ("mqgrad", "accordion", "lgreco", "aimd", "progress")
+#: Where each policy's config is: examples/compare, or examples/map for AIMD (a map method).
+CONFIG_DIRS = (REPO / "examples" / "compare", REPO / "examples" / "map")
 #: 100 MB/s, 10 MB/s from 10 s to 50 s of simulated time, then 100 MB/s again.
 SCHEDULE = "100MB/s@0s,10MB/s@10s,100MB/s@50s"
 
@@ -49,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         trace = out / f"{policy}{suffix}.h5"
         if not _complete(trace, load, TraceError):
-            train = ["--config", str(REPO / "examples" / "compare" / f"{policy}.toml"), "--seed", str(args.seed),
+            config = next((d / f"{policy}.toml" for d in CONFIG_DIRS if (d / f"{policy}.toml").exists()), None)
+            if config is None:
+                raise SystemExit(f"no config {policy}.toml in examples/compare or examples/map")
+            train = ["--config", str(config), "--seed", str(args.seed),
                      "--trace", str(trace), "--force"]
             if args.lab:
                 command = [sys.executable, "-m", "mpigrad", "lab", "--name", "mgldrop", "--nodes", "3", "--rate",

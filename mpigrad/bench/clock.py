@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import COLOCATED, parse_rate, parse_servers
+from ..config import BROADCASTS, COLOCATED, parse_rate, parse_servers
 from ..errors import UsageError
 from ..runtime.phaselog import ENV as PHASE_ENV
 
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--pipeline) (default 1,colocated)")
     parser.add_argument("--codecs", default="fp32,uniform2,uniform8",
                         help=f"comma-separated, of {', '.join(CODECS)} (default fp32,uniform2,uniform8)")
-    parser.add_argument("--broadcast", default="star", help="comma-separated broadcast models: star, tree (default star)")
+    parser.add_argument("--broadcast", default="star", help="comma-separated broadcast models: star, tree, mpich (default star)")
     parser.add_argument("--rates", default="10MB/s,100MB/s", help="comma-separated link rates (default 10MB/s,100MB/s)")
     parser.add_argument("--iterations", type=int, default=15, help="iterations per run (default 15)")
     parser.add_argument("--warmup", type=int, default=4, help="iterations left out (default 4)")
@@ -81,8 +81,8 @@ def _codec(name: str) -> str:
 
 
 def _broadcast(name: str) -> str:
-    if name not in ("star", "tree"):
-        raise UsageError(f"broadcast must be star or tree, got {name!r}")
+    if name not in BROADCASTS:
+        raise UsageError(f"broadcast must be one of {', '.join(BROADCASTS)}, got {name!r}")
     return name
 
 

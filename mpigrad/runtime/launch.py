@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from ..config import DEFAULT_LR, RunConfig, format_rate, parse_assignments
+from ..config import BROADCASTS, DEFAULT_LR, RunConfig, format_rate, parse_assignments
 from ..errors import UsageError
 from .environment import apply_thread_settings, export_thread_variables, threads_per_rank
 
@@ -96,7 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="rank RANK's link at its own rate or schedule (repeatable), e.g. 1=1MB/s for a slow "
                         "server link; a message goes at the slower of its two ranks' links")
     g.add_argument("--net-mode", choices=["virtual", "sleep", "off"], help="virtual clock, real sleeps, or no model (default virtual)")
-    g.add_argument("--broadcast", choices=["star", "tree"], help="broadcast model (default star)")
+    g.add_argument("--broadcast", choices=BROADCASTS,
+                   help="broadcast model: star (a copy per receiver, one after another; default), tree "
+                        "(ceil(log2(n)) rounds) or mpich (MPICH's binomial Ibcast: a node's copies to its "
+                        "children share its link)")
     g.add_argument("--compute-time", help="charge this per iteration for the workers' compute instead of measured "
                    "CPU time, e.g. 50ms (deterministic runs); the policy, encoding, decoding and averaging are "
                    "then charged by --cost-model")
