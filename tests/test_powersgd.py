@@ -19,12 +19,11 @@ from conftest import run_mpi
 from mpigrad.codecs import CodecError, get_codec
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
-from mpigrad.runtime import EXIT_REQUEUE
 from mpigrad.runtime.checks import check_options
 from mpigrad.runtime.lowrank import orthogonalize
 from mpigrad.runtime.wire import FrameHeader, FrameLength
 from mpigrad.trace import load
-from test_runtime_loopback import StopAfter, run
+from test_runtime_loopback import run, straight_and_resumed
 
 POWERSGD = dict(codec="powersgd", codec_opts={"rank": 2}, policy="fixed", min_quantize_size=None)
 
@@ -172,14 +171,7 @@ def test_stop_and_resume_continue_the_straight_run(tmp_path, widths):
     """The workers' error memories and Q travel in the checkpoint: the resumed run is the
     straight one; with a quantized rest (tests/test_powersgd_quantized.py) its memory too."""
     options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1, **widths})
-    code, errors, straight = run(tmp_path, name="straight.h5", **options)
-    assert code == 0 and not errors, errors
-    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(3), **options)
-    assert code == EXIT_REQUEUE and not errors, errors
-    assert load(stopped.trace).status == "stopped"
-    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
-    assert code == 0 and not errors, errors
-    a, b = load(straight.trace), load(stopped.trace)
+    a, b = straight_and_resumed(tmp_path, 3, **options)
     for column in ("loss", "bytes_up", "bytes_down", "sim_time"):
         np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
     np.testing.assert_array_equal(a.workers.filter(like="loss"), b.workers.filter(like="loss"))
@@ -228,13 +220,7 @@ def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("servers", [2, "colocated"])
 def test_sharded_stop_and_resume_continue_the_straight_run(tmp_path, servers):
     options = dict(POWERSGD, codec_opts={"rank": 2, "start": 1}, servers=servers)
-    code, errors, straight = run(tmp_path, name="straight.h5", **options)
-    assert code == 0 and not errors, errors
-    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(3), **options)
-    assert code == EXIT_REQUEUE and not errors, errors
-    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
-    assert code == 0 and not errors, errors
-    a, b = load(straight.trace), load(stopped.trace)
+    a, b = straight_and_resumed(tmp_path, 3, **options)
     for column in ("loss", "bytes_up", "bytes_down", "sim_time"):
         np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
     np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())

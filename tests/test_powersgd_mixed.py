@@ -19,11 +19,10 @@ from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
 from mpigrad.policies import PolicyError, SettingCosts, get_policy
 from mpigrad.policies.base import Observation
-from mpigrad.runtime import EXIT_REQUEUE
 from mpigrad.runtime.checks import check_options
 from mpigrad.trace import load
 from test_powersgd_quantized import lowrank_of, twin_uniform
-from test_runtime_loopback import StopAfter, run
+from test_runtime_loopback import run, straight_and_resumed
 
 MENUS = {"rank": 2, "ranks": [1, 2, 4], "widths": [2, 4, 8]}
 MIXED = dict(codec="powersgd", codec_opts={**MENUS, "start": 1}, policy="lgreco", policy_opts={"interval": 3},
@@ -237,13 +236,7 @@ def test_a_tight_budget_sends_more_than_a_loose_one(tmp_path):
 def test_stop_and_resume_keep_the_decisions(tmp_path, servers):
     """Rank 0's measured errors for the next decision travel in the checkpoint too."""
     options = dict(MIXED, iterations=10, servers=servers)
-    code, errors, straight = run(tmp_path, name="straight.h5", **options)
-    assert code == 0 and not errors, errors
-    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(4), **options)
-    assert code == EXIT_REQUEUE and not errors, errors
-    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
-    assert code == 0 and not errors, errors
-    a, b = load(straight.trace), load(stopped.trace)
+    a, b = straight_and_resumed(tmp_path, 4, **options)
     for column in ("loss", "bytes_up", "bytes_down", "sim_time"):
         np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
     np.testing.assert_array_equal(a.steps.filter(like="setting_layers"), b.steps.filter(like="setting_layers"))

@@ -70,6 +70,19 @@ def run(tmp_path, servers=1, workers=2, stop=None, timeout=20.0, name="run.h5", 
     return codes.get(0), errors, config
 
 
+def straight_and_resumed(tmp_path, stop_after: int, **options):
+    """One run straight through and one stopped after iteration ``stop_after`` (exit 75, a
+    trace marked stopped and a checkpoint) then resumed; their traces, loaded."""
+    code, errors, straight = run(tmp_path, name="straight.h5", **options)
+    assert code == 0 and not errors, errors
+    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(stop_after), **options)
+    assert code == EXIT_REQUEUE and not errors, errors
+    assert load(stopped.trace).status == "stopped" and stopped.checkpoint_path.exists()
+    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
+    assert code == 0 and not errors, errors
+    return load(straight.trace), load(stopped.trace)
+
+
 def test_a_full_run_traces_every_iteration_with_bytes_per_server(tmp_path):
     code, errors, config = run(tmp_path, servers=2, workers=2)
     assert code == 0 and not errors, errors
@@ -126,14 +139,7 @@ def test_colocated_servers_give_the_single_server_run_bit_for_bit(tmp_path, poli
 @pytest.mark.parametrize("servers", [2, "colocated"])
 def test_stop_and_resume_continue_the_straight_run(tmp_path, servers):
     options = dict(codec="qsgd", policy="mqgrad", bits=2, error_feedback="residual", servers=servers)
-    code, errors, straight = run(tmp_path, name="straight.h5", **options)
-    assert code == 0 and not errors, errors
-    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(2), **options)
-    assert code == EXIT_REQUEUE and not errors, errors
-    assert load(stopped.trace).status == "stopped" and stopped.checkpoint_path.exists()
-    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
-    assert code == 0 and not errors, errors
-    a, b = load(straight.trace), load(stopped.trace)
+    a, b = straight_and_resumed(tmp_path, 2, **options)
     for column in ("loss", "bits", "bytes_up", "bytes_down", "sim_time"):
         np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
     np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
@@ -274,12 +280,6 @@ def test_batchnorm_statistics_reach_rank_0_with_one_server_and_with_two(tmp_path
 def test_stop_and_resume_carry_the_batchnorm_statistics(tmp_path):
     options = dict(model="resnet20", model_opts={}, iterations=4, eval_every=4, eval_samples=64, bits=4,
                    policy="fixed", servers=2)
-    code, errors, straight = run(tmp_path, name="straight.h5", **options)
-    assert code == 0 and not errors, errors
-    code, errors, stopped = run(tmp_path, name="stopped.h5", stop=StopAfter(1), **options)
-    assert code == EXIT_REQUEUE and not errors, errors
-    code, errors, _ = run(tmp_path, name="stopped.h5", resume=True, **options)
-    assert code == 0 and not errors, errors
-    a, b = load(straight.trace), load(stopped.trace)
+    a, b = straight_and_resumed(tmp_path, 1, **options)
     np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
     np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])
