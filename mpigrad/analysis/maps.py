@@ -183,7 +183,8 @@ def _sentence(method: str, reference: str, result: dict[str, Any]) -> str:
         return f"{method} beats {reference} at {', '.join(map(rate, result['wins']))} only (not one range)"
     b0, b1 = result["between"]
     side = "below" if kind == "below" else "above"
-    return (f"{method} beats {reference} {side} about {rate(result['at'])} "
+    at = float(f"{result['at']:.2g}")  # an interpolation between grid points: two figures
+    return (f"{method} beats {reference} {side} about {rate(at)} "
             f"(between {rate(b0)} and {rate(b1)} of the map)")
 
 
