@@ -189,6 +189,30 @@ def test_events_change_a_rate_and_take_a_link_down_and_up(lab):
 
 
 
+@needs_lab
+@pytest.mark.slow
+def test_a_transfer_in_flight_when_the_rate_drops_goes_on_at_the_new_rate(lab):
+    """tbf keeps its queue across a rate change and never sends a packet larger than its
+    bucket: at 40 MB/s 64 KB super-packets queue, at 20 MB/s the bucket is 40 KB, and the
+    transfer stalled until the rate rose again (netns.GSO_MAX_SIZE keeps packets smaller)."""
+    import threading
+
+    topology, links = lab
+    for i in (0, 1):
+        links.set_rate(i, 40e6)
+    drop = threading.Timer(0.25, lambda: [links.set_rate(i, 20e6) for i in (0, 1)])
+    drop.start()
+    try:
+        started = time.perf_counter()
+        check = check_link(topology, links, 0, 1, seconds=0.8, timeout=15)  # 32 MB at 40 MB/s
+        spent = time.perf_counter() - started
+    finally:
+        drop.join()
+    assert links.rates[0] == links.rates[1] == 20e6
+    # about 10 MB at 40 MB/s, the other 22 at 20 MB/s: 1.35 s of link time, and start-up
+    assert spent < 5.0, (spent, check.describe())
+
+
 def _iteration_seconds(trace) -> tuple[float, float]:
     """Mean (wall, simulated) seconds per iteration, the first two (warm-up) left out."""
     steps = trace.steps

@@ -27,6 +27,12 @@ from .host import LabError, run
 
 IFACE = "lab0"
 BRIDGE = "br0"
+#: The largest packet (a GSO super-packet) the stack hands a lab link. tbf can never send a
+#: queued packet larger than its bucket, and a rate change keeps the queue: at 100 MB/s a
+#: 64 KB super-packet queues, at 10 MB/s the bucket is 20 KB, and the link carried nothing
+#: until the rate rose again (a 4 MB message stalled for the 20 s of a drop). Every packet
+#: under the smallest bucket (lab.shaping's 16 KiB, with the headers of its segments) cannot.
+GSO_MAX_SIZE = 15000
 _NAME = re.compile(r"[a-z][a-z0-9]{0,11}")
 _OWNER = re.compile(r"mpigrad-lab pid=(\d+) start=(\d+)")
 
@@ -149,11 +155,11 @@ class Lab:
         for node in t.node_list:
             self._add_namespace(node.namespace)
             run([*hub, "link", "add", node.hub_port, "type", "veth", "peer", "name", IFACE, "netns", node.namespace])
-            run([*hub, "link", "set", node.hub_port, "master", BRIDGE])
+            run([*hub, "link", "set", node.hub_port, "master", BRIDGE, "gso_max_size", str(GSO_MAX_SIZE)])
             run([*hub, "link", "set", node.hub_port, "up"])
             inside = ["ip", "-n", node.namespace]
             run([*inside, "addr", "add", f"{node.address}/{prefix}", "dev", IFACE])
-            run([*inside, "link", "set", IFACE, "up"])
+            run([*inside, "link", "set", IFACE, "gso_max_size", str(GSO_MAX_SIZE), "up"])
             run([*inside, "link", "set", "lo", "up"])
         return self
 

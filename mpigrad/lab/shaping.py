@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..config import parse_duration, parse_rate
 from ..errors import UsageError
 from .host import LabError, run
-from .netns import IFACE, Topology
+from .netns import GSO_MAX_SIZE, IFACE, Topology
 
 #: tbf's queue: packets wait at most this long before tbf drops them.
 _QUEUE_LATENCY = "400ms"
@@ -28,6 +28,8 @@ _QUEUE_LATENCY = "400ms"
 #: every small exchange ran faster than the link (docs/lab.rst).
 _MIN_BURST = 16 * 1024
 _BURST_SECONDS = 0.002
+# A queued packet larger than the bucket never leaves (netns.GSO_MAX_SIZE); ~11 segments' headers.
+assert GSO_MAX_SIZE + 11 * 100 <= _MIN_BURST
 
 
 def tbf_burst(rate: float) -> int:
