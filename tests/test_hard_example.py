@@ -50,9 +50,10 @@ def test_the_configs_differ_only_in_the_width_and_quantize_every_convolution():
     assert len(quantized) == 20 and sum(quantized) / sum(sizes) > 0.99   # 19 convolutions + the classifier
 
 
-@pytest.mark.parametrize("method", ["fp32", "fix8", "fix4", "fix2"])
+@pytest.mark.parametrize("method", ["fp32", "fix8", "fix4", "fix2", "lowrank", "progress", "mqgrad", "aimd", "accordion", "lgreco", "adaptive", "fp16"])
 def test_each_config_trains_a_few_iterations(tmp_path, method):
-    """Each config, as shipped but for its length and data size, through the loopback runtime
+    """Each config (the widths, and the map's other methods on this task: examples/map/run.py
+    --setup hard), as shipped but for its length and data size, through the loopback runtime
     (every rank a thread of this process): a complete trace at the config's width."""
     overrides = dict(iterations=3, eval_every=0, progress_every=0, trace=str(tmp_path / "run.h5"),
                      data_opts={"train_size": 256, "test_size": 64})

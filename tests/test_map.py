@@ -124,6 +124,40 @@ def test_the_plan_retimes_what_it_can_and_runs_the_rest_at_each_bandwidth(tmp_pa
     assert len(set(st.trace for st in with_progress)) == len(with_progress)   # no two steps share a trace
 
 
+def test_the_hard_setup_runs_the_same_methods_on_the_teacher_task(tmp_path):
+    """--setup hard: a config per method in examples/hard, each the method of the digits map
+    (codec, policy, their options) on the teacher task (everything else as examples/hard's
+    fix2.toml), planned like the digits map at its own rates, length and target."""
+    import tomllib
+
+    run = load_run_py()
+    method_keys = ("codec", "policy", "bits", "codec_opts", "policy_opts")
+
+    def toml(path):
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+
+    task = {k: v for k, v in toml(REPO / "examples" / "hard" / "fix2.toml").items() if k not in method_keys}
+    hard = run.SETUPS["hard"]
+    assert set(hard.configs) == set(run.CONFIGS) and len(hard.lrs) >= 3
+    for method, path in hard.configs.items():
+        mine = toml(path)
+        assert {k: v for k, v in mine.items() if k not in method_keys} == task, method
+        ours, theirs = (run._config(p).to_dict() for p in (path, run.CONFIGS[method]))
+        assert {k: ours[k] for k in method_keys} == {k: theirs[k] for k in method_keys}, method
+        assert f"--config examples/hard/{method}.toml" in path.read_text() and "\n# ranks: 3\n" in path.read_text()
+    s = run.settings_for("hard")
+    assert (s.iterations, s.target_loss, s.lrs) == (500, hard.target_loss, hard.lrs)
+    steps = run.plan(tmp_path, "bandwidths", s)
+    assert {st.config.parent.name for st in steps} == {"hard"}
+    assert len(steps) == len(run.plan(tmp_path, "bandwidths", run.settings_for("digits")))
+    peers = [st for st in steps if st.kind == "peers"]
+    assert run.command(peers[0], s)[run.command(peers[0], s).index("--config") + 1].endswith("hard/fp32.toml")
+    train = next(st for st in steps if st.kind == "train")
+    assert "--iterations" not in run.command(train, s)     # the configs' own 500
+    assert "--iterations" in run.command(train, run.settings_for("hard", smoke=True))
+
+
 def test_resume_skips_complete_traces_of_the_planned_length_only(tmp_path):
     run = load_run_py()
     s = run.Settings(methods=("fix2",), lrs=(0.02,), seeds=(1,), bandwidths=("10MB/s",), peers=False)

@@ -5,9 +5,13 @@
     python examples/map/run.py --out runs/map --part bandwidths --list     # the plan and its wall time
     python examples/map/run.py --out runs/map --part bandwidths --report   # only the tables and figure
     python examples/map/run.py --out runs/map --smoke              # a tiny version of both parts
+    python examples/map/run.py --setup hard --out runs/map-hard --part bandwidths   # examples/hard's task
 
 The task is that of examples/compare (digits, paper CNN with fc [1024, 2048], 1 server + 2
-workers, 400 iterations, 50 ms of compute charged per iteration, the default cost model).
+workers, 400 iterations, 50 ms of compute charged per iteration, the default cost model), or
+with ``--setup hard`` that of examples/hard (the teacher data, ResNet-20 with every
+convolution quantized, 500 iterations; the same methods from examples/hard's configs, rates
+0.05-0.2, target 1.3): SETUPS.
 
 Part ``bandwidths``: every method at every rate of LRS and seed of SEEDS, at every bandwidth
 of BANDWIDTHS. A method whose runs ``trace retime`` can re-charge (``retime_refusal``: a
@@ -70,9 +74,34 @@ DDP_POWERSGD_START = 2
 TARGET_LOSS = 2.5
 SMOOTH = 20
 ITERATIONS = 400
-SMOKE = dict(methods=("fp32", "fix2"), lrs=(0.02,), seeds=(1,), bandwidths=("10MB/s", "1000MB/s"),
-             iterations=12, target_loss=4.34, smooth=1, peers=False,
-             congestion={"stretches": "10MB/s@0s,1GB/s@1s,repeat@2s"})
+SMOKE = dict(methods=("fp32", "fix2"), seeds=(1,), bandwidths=("10MB/s", "1000MB/s"),
+             iterations=12, smooth=1, peers=False, congestion={"stretches": "10MB/s@0s,1GB/s@1s,repeat@2s"})
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A task the map runs on: a config per method (the same task, differing in codec and
+    policy), the rate grid, the target (trailing mean of ``smooth`` iterations), and the
+    smoke's rate and target (reached in its 12 iterations)."""
+
+    configs: dict
+    lrs: tuple
+    target_loss: float
+    smooth: int
+    smoke_lr: float
+    smoke_target_loss: float
+
+
+HARD = HERE.parent / "hard"
+#: ``--setup``: examples/compare's digits (the default), or examples/hard's teacher task
+#: (ResNet-20, every convolution quantized, 500 iterations: issue 25 item 4; its target 1.3 is
+#: the early one of docs/results.rst, "A task where bits matter", which float32 reaches
+#: after 170-260 iterations).
+SETUPS = {
+    "digits": Setup(CONFIGS, LRS, TARGET_LOSS, SMOOTH, smoke_lr=0.02, smoke_target_loss=4.34),
+    "hard": Setup({method: HARD / path.name for method, path in CONFIGS.items()}, (0.05, 0.1, 0.2), 1.3, SMOOTH,
+                  smoke_lr=0.1, smoke_target_loss=4.0),
+}
 #: Wall seconds assumed per step when OUT has no measured ones (a shared 2-core machine:
 #: examples/compare/README.md, about 35 s per 400-iteration run of which ~13 s start-up).
 DEFAULT_TIMES = {"startup": 13.0, "per_iteration": 0.055, "retime": 1.5, "peers_per_run_iteration": 0.08}
@@ -85,15 +114,12 @@ class Step:
 
     kind: str
     method: str
+    config: Path        # the method's config (a peers step: FP32's, whose task DDP trains)
     lr: float
     seed: int | None
     trace: Path
     bandwidth: str | None = None
     source: Path | None = None
-
-    @property
-    def config(self) -> Path:
-        return CONFIGS[self.method] if self.method in CONFIGS else CONFIGS["fp32"]
 
     def line(self) -> str:
         """The step as 'KIND CONFIG SEED LR TRACE BANDWIDTH SOURCE' (- for none): --task's output."""
@@ -103,6 +129,7 @@ class Step:
 
 @dataclass
 class Settings:
+    configs: dict = field(default_factory=lambda: dict(CONFIGS))
     methods: tuple = tuple(CONFIGS)
     lrs: tuple = LRS
     seeds: tuple = SEEDS
@@ -114,53 +141,65 @@ class Settings:
     peers: bool = True
 
 
+def settings_for(setup: str, smoke: bool = False) -> Settings:
+    """The whole plan of ``setup`` (a key of SETUPS), or its smoke: run lengths from its FP32
+    config (every config of a setup runs as long)."""
+    chosen = SETUPS[setup]
+    s = Settings(configs=dict(chosen.configs), lrs=chosen.lrs, target_loss=chosen.target_loss, smooth=chosen.smooth,
+                 iterations=_config(chosen.configs["fp32"]).iterations)
+    if smoke:
+        s = Settings(configs=dict(chosen.configs), lrs=(chosen.smoke_lr,), target_loss=chosen.smoke_target_loss,
+                     **SMOKE)
+    return s
+
+
 def tag(bandwidth: str) -> str:
     """A folder name for a bandwidth: '10MB/s' -> '10MBps'."""
     return bandwidth.replace("/", "p")
 
 
-def available(method: str) -> bool:
+def available(config: Path) -> bool:
     """A method is planned when its config exists and its policy is known to the package."""
     from mpigrad.policies import PolicyError, policy_class
 
-    path = CONFIGS[method]
-    if not path.exists():
+    if not config.exists():
         return False
     try:
-        policy_class(_config(method).policy)
+        policy_class(_config(config).policy)
     except PolicyError:
         return False
     return True
 
 
-def _config(method: str):
+def _config(config: Path):
     from mpigrad.config import RunConfig
 
-    return RunConfig.from_sources(str(CONFIGS[method]), {})
+    return RunConfig.from_sources(str(config), {})
 
 
-def retimable(method: str) -> bool:
-    """True when a run of ``method`` can be re-timed to another network (``retime_refusal``)."""
+def retimable(config: Path) -> bool:
+    """True when a run of this config can be re-timed to another network (``retime_refusal``)."""
     from mpigrad.analysis.retime import retime_refusal
 
-    return retime_refusal(_config(method).to_dict()) is None
+    return retime_refusal(_config(config).to_dict()) is None
 
 
 def trace_name(method: str, lr: float, seed: int) -> str:
     return f"{method}-lr{lr:g}-s{seed}.h5"
 
 
-def _network_steps(out: Path, method: str, lr: float, seed: int, networks: dict[str, str]) -> list[Step]:
+def _network_steps(out: Path, method: str, config: Path, lr: float, seed: int,
+                   networks: dict[str, str]) -> list[Step]:
     """The steps that give ``method`` a trace on each network (folder -> bandwidth)."""
     steps = []
     name = trace_name(method, lr, seed)
-    if retimable(method):
+    if retimable(config):
         base = out / "base" / name
-        steps.append(Step("train", method, lr, seed, base))
-        steps += [Step("retime", method, lr, seed, out / folder / name, bandwidth, base)
+        steps.append(Step("train", method, config, lr, seed, base))
+        steps += [Step("retime", method, config, lr, seed, out / folder / name, bandwidth, base)
                   for folder, bandwidth in networks.items()]
     else:
-        steps += [Step("train", method, lr, seed, out / folder / name, bandwidth)
+        steps += [Step("train", method, config, lr, seed, out / folder / name, bandwidth)
                   for folder, bandwidth in networks.items()]
     return steps
 
@@ -170,11 +209,12 @@ def plan_bandwidths(out: Path, s: Settings) -> list[Step]:
     networks = {f"bandwidths/{tag(b)}": b for b in s.bandwidths}
     steps = []
     for seed in s.seeds:
-        for method in (m for m in s.methods if available(m)):
+        for method in (m for m in s.methods if available(s.configs[m])):
             for lr in s.lrs:
-                steps += _network_steps(out, method, lr, seed, networks)
+                steps += _network_steps(out, method, s.configs[method], lr, seed, networks)
     if s.peers:
-        steps += [Step("peers", "ddp", lr, None, out / "peers" / f"lr{lr:g}" / "peers.json") for lr in s.lrs]
+        steps += [Step("peers", "ddp", s.configs["fp32"], lr, None, out / "peers" / f"lr{lr:g}" / "peers.json")
+                  for lr in s.lrs]
     return steps
 
 
@@ -203,8 +243,8 @@ def plan_congestion(out: Path, s: Settings) -> list[Step]:
     networks = {f"congestion/{name}": schedule for name, schedule in s.congestion.items()}
     steps = []
     for seed in s.seeds:
-        for method in (m for m in s.methods if available(m) and m in rates):
-            steps += [st for st in _network_steps(out, method, rates[method], seed, networks)
+        for method in (m for m in s.methods if available(s.configs[m]) and m in rates):
+            steps += [st for st in _network_steps(out, method, s.configs[method], rates[method], seed, networks)
                       if not (st.kind == "train" and st.bandwidth is None)]   # the base runs exist
     return steps
 
@@ -239,7 +279,7 @@ def command(step: Step, s: Settings) -> list[str]:
 
     if step.kind == "train":
         extra = [] if step.bandwidth is None else ["--bandwidth", step.bandwidth]
-        if s.iterations != ITERATIONS:
+        if s.iterations != _config(step.config).iterations:
             extra += ["--iterations", str(s.iterations), "--eval-every", "0"]
         return mpiexec_command(RANKS, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train", "--config",
                                        str(step.config), "--seed", str(step.seed), "--lr", f"{step.lr:g}",
@@ -248,7 +288,7 @@ def command(step: Step, s: Settings) -> list[str]:
         return [sys.executable, "-m", "mpigrad", "trace", "retime", str(step.source), "--bandwidth",
                 step.bandwidth, "-o", str(step.trace), "--force"]
     seeds = ",".join(map(str, s.seeds))
-    return [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(CONFIGS["fp32"]), "--no-mpigrad",
+    return [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(step.config), "--no-mpigrad",
             "--variants", DDP_VARIANTS, "--powersgd-start", str(DDP_POWERSGD_START), "--seeds", seeds,
             "--iterations", str(s.iterations), "--target-loss", f"{s.target_loss:g}", "--smooth", str(s.smooth),
             "--out", str(step.trace.parent), "--", "--lr", f"{step.lr:g}"]
@@ -266,8 +306,8 @@ def run_steps(steps: list[Step], out: Path, s: Settings, log=print) -> int:
         if done(step, s.iterations):
             log(f"{where}: complete, skipped")
             continue
-        if step.kind == "retime" and not done(Step("train", step.method, step.lr, step.seed, step.source),
-                                                s.iterations):
+        if step.kind == "retime" and not done(Step("train", step.method, step.config, step.lr, step.seed,
+                                                   step.source), s.iterations):
             failed += 1
             log(f"{where}: not re-timed: its run {step.source.name} is not complete")
             continue
@@ -303,7 +343,7 @@ def record_timing(out: Path, step: Step, seconds: float, s: Settings) -> None:
 
 
 def estimate(steps: list[Step], out: Path, s: Settings) -> tuple[float, str]:
-    """Wall seconds the steps not yet done would take at ITERATIONS iterations per run, from
+    """Wall seconds the steps not yet done would take at ``s.iterations`` per run, from
     OUT/timings.json where it has measured steps (a smoke's), else DEFAULT_TIMES."""
     path = out / "timings.json"
     timings = json.loads(path.read_text()) if path.exists() else []
@@ -321,14 +361,14 @@ def estimate(steps: list[Step], out: Path, s: Settings) -> tuple[float, str]:
         figures["peers_per_run_iteration"] = sum(t["seconds"] / (t["runs"] * t["iterations"]) for t in peers) / len(peers)
     left = [st for st in steps if not done(st, s.iterations)]
     runs = sum(1 for st in left if st.kind == "train")
-    total = (runs * (figures["startup"] + ITERATIONS * figures["per_iteration"])
+    total = (runs * (figures["startup"] + s.iterations * figures["per_iteration"])
              + sum(1 for st in left if st.kind == "retime") * figures["retime"]
              + sum(1 for st in left if st.kind == "peers") * len(s.seeds) * len(DDP_VARIANTS.split(","))
-             * ITERATIONS * figures["peers_per_run_iteration"])
+             * s.iterations * figures["peers_per_run_iteration"])
     text = (f"{len(left)} of {len(steps)} steps to do ({runs} runs, "
             f"{sum(1 for st in left if st.kind == 'retime')} re-timings, "
             f"{sum(1 for st in left if st.kind == 'peers')} bench peers runs): about {total / 3600:.1f} h of wall "
-            f"time at {ITERATIONS} iterations per run on a 2-core machine (start-up {figures['startup']:.1f} s + "
+            f"time at {s.iterations} iterations per run on a 2-core machine (start-up {figures['startup']:.1f} s + "
             f"{figures['per_iteration'] * 1000:.0f} ms per iteration per run, {figures['retime']:.1f} s per "
             f"re-timing; from {source})")
     return total, text
@@ -430,6 +470,9 @@ def report_congestion(out: Path, s: Settings, log=print) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for traces and the report")
+    parser.add_argument("--setup", choices=tuple(SETUPS), default="digits",
+                        help="the task: digits (examples/compare's, default) or hard (examples/hard's teacher "
+                             "task, ResNet-20; give it an OUT of its own)")
     parser.add_argument("--part", choices=("bandwidths", "congestion"), help="which part (--smoke: both)")
     parser.add_argument("--smoke", action="store_true", help="a tiny version of both parts (checks the pipeline)")
     parser.add_argument("--list", action="store_true", help="print the plan and its estimated wall time, then exit")
@@ -445,16 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.smoke and args.part is None:
         parser.error("--part bandwidths|congestion is required (or --smoke)")
-    s = Settings()
-    if args.smoke:
-        smoke = dict(SMOKE)
-        s = Settings(methods=smoke["methods"], lrs=smoke["lrs"], seeds=smoke["seeds"],
-                     bandwidths=smoke["bandwidths"], congestion=smoke["congestion"], iterations=smoke["iterations"],
-                     target_loss=smoke["target_loss"], smooth=smoke["smooth"], peers=smoke["peers"])
+    s = settings_for(args.setup, args.smoke)
     try:
         if args.methods:
             methods = tuple(args.methods.split(","))
-            unknown = [m for m in methods if m not in CONFIGS and m != "ddp"]
+            unknown = [m for m in methods if m not in s.configs and m != "ddp"]
             if unknown:
                 parser.error(f"--methods: unknown {', '.join(unknown)}")
             s.methods, s.peers = tuple(m for m in methods if m != "ddp"), s.peers and "ddp" in methods
