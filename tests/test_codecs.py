@@ -85,6 +85,36 @@ def test_kernels_match_numpy_twins(config, n):
         assert np.isfinite(y).all()
 
 
+def test_half_kernels_cast_as_numpy_does():
+    """kernels/half.py against NumPy's casts, bit for bit: random float32 bit patterns, every
+    half and the float32s around each one (the rounding boundaries), infinities and NaNs."""
+    from mpigrad.codecs.kernels import half
+
+    rng = np.random.default_rng(0)
+    halves = half.HALF_TO_FLOAT.view(np.uint32)
+    near = np.concatenate([halves + d for d in (0, 1, 0xFFF, 0x1000, 0x1001)] + [halves - 1])
+    special = np.array([0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x387FF000, 0x7F800000, 0xFF800000,
+                        0x7FC00000, 0x7F800001, 0x80000000], np.uint32)
+    for src in (rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32), near.astype(np.uint32), special):
+        values = src.view(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = values.astype(np.float16)
+        got = np.empty(src.size, np.uint16)
+        not_finite = half.narrow(src, got)
+        nan = np.isnan(values)
+        np.testing.assert_array_equal(got[~nan], want.view(np.uint16)[~nan])
+        assert np.isnan(got.view(np.float16)[nan]).all()
+        assert not_finite == (~np.isfinite(want)).sum()
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(every.size, np.float32)
+    half.widen(every, half.HALF_TO_FLOAT, out)
+    np.testing.assert_array_equal(out.view(np.uint32), every.view(np.float16).astype(np.float32).view(np.uint32))
+    acc = np.ones(every.size, np.float32)
+    half.widen_add(every, half.HALF_TO_FLOAT, acc)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(acc, np.float32(1) + every.view(np.float16).astype(np.float32))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_property_twins_and_error_bounds(data):
