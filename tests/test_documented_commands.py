@@ -48,7 +48,7 @@ _CIFAR = "needs CIFAR-10, a download (tests/test_data_fetch.py fetches from a lo
 _GRID = "needs the paper grid's CIFAR-10 traces (days of simulated training on 12 or 18 ranks)"
 _COMPARISON = ("the comparison: 75 runs, about 45 minutes (tests/test_compare_example.py runs its tiny "
                "version end to end)")
-_MAP = ("the map over bandwidths: 207 runs and 360 re-timings, hours (tests/test_map.py runs its tiny "
+_MAP = ("the map over bandwidths: 252 runs and 360 re-timings, hours (tests/test_map.py runs its tiny "
         "version end to end)")
 _HARD = ("the teacher task: 24 runs, about 50 minutes (tests/test_hard_example.py runs its tiny "
          "version end to end)")

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, load_script
 from mpigrad.analysis.compare import student_t95
-from mpigrad.analysis.maps import Cell, congestion_rows, crossover, crossovers, map_rows, none_beats
+from mpigrad.analysis.maps import Cell, congestion_rows, crossover, crossovers, map_pivot, map_rows, none_beats
 from mpigrad.trace import TraceWriter, default_tables
 
 SCRIPT = REPO / "examples" / "map" / "run.py"
@@ -50,6 +50,8 @@ def test_map_rows_take_each_best_rate_and_pair_ratios_by_seed():
              cell("Fix (2-bit)", 10 * MB, "fixed", lr0_02=[45, 50, 57], lr0_04=[10, None, 10]),
              cell("DDP fp32 (modelled)", 10 * MB, "ddp", lr0_02=[60, 60, 60]),
              cell("MQGrad", 10 * MB, None, lr0_02=[None, None, 30]),
+             cell("Fix (4-bit)", 10 * MB, "fixed", lr0_02=[60, 70, 65]),
+             cell("Adaptive", 10 * MB, None, lr0_02=[50, 55, 57]),
              cell("FP32", 100 * MB, "fp32", lr0_02=[10, 10, 10]),
              cell("Fix (2-bit)", 100 * MB, "fixed", lr0_02=[12, 12, 15])]
     rows = {(r["method"], r["bandwidth"]): r for r in map_rows(cells)}
@@ -60,6 +62,16 @@ def test_map_rows_take_each_best_rate_and_pair_ratios_by_seed():
     sd = math.sqrt(sum((x - mean) ** 2 for x in per_seed) / 2)
     assert fix["vs_fp32"] == pytest.approx(mean) and fix["vs_fp32_ci"] == pytest.approx(student_t95(2) * sd / math.sqrt(3))
     assert fix["vs_ddp"] == pytest.approx((152 / 3) / 60)
+    # the best fixed width is the fixed cell of least mean time (Fix 2 at its 0.02, not Fix 4)
+    adaptive = rows["Adaptive", 10 * MB]
+    assert adaptive["best_fixed"] == "Fix (2-bit)" and fix["vs_best_fixed"] == 1.0
+    assert adaptive["vs_best_fixed"] == pytest.approx((50 / 45 + 55 / 50 + 57 / 57) / 3)
+    assert rows["MQGrad", 10 * MB]["vs_best_fixed"] is None
+    table, columns = map_pivot(list(rows.values()), "vs_best_fixed")
+    assert [c.header for c in columns] == ["method", "10MB/s", "100MB/s"]
+    pivot = {r["method"]: r for r in table}
+    assert pivot["Adaptive"]["10MB/s"] == f"{adaptive['vs_best_fixed']:.3f} +- {adaptive['vs_best_fixed_ci']:.3f}"
+    assert pivot["Adaptive"]["100MB/s"] == "-" and pivot["MQGrad"]["10MB/s"] == "-"
     assert rows["FP32", 10 * MB]["best_lr"] == 0.02 and rows["FP32", 10 * MB]["vs_fp32"] == 1.0
     assert rows["MQGrad", 10 * MB]["best_lr"] is None and rows["MQGrad", 10 * MB]["vs_fp32"] is None
     assert rows["MQGrad", 10 * MB]["reached"] == "1/3"
@@ -199,6 +211,9 @@ def test_the_smoke_runs_both_parts_resumes_and_estimates(tmp_path, mpi_env):
     assert (out / "map.png").stat().st_size > 10000
     congestion = pd.read_csv(out / "congestion.csv")
     assert congestion["best_fixed"].tolist() == ["Fix (2-bit)", "Fix (2-bit)"]
+    note = (out / "congestion.txt").read_text()     # neither reference counts as a winner
+    assert "(moving bits) whose 95 % interval of the ratio to the best fixed width lies below 1: none" in note
+    assert "baselines (fp16, low rank, DDP) whose interval lies below 1: none" in note
     # a second call skips every complete trace; --list estimates the full plan from the smoke
     second = script("--smoke")
     assert second.returncode == 0 and ": train" not in second.stdout and ": retime" not in second.stdout

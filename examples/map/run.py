@@ -430,7 +430,8 @@ def _write(out: Path, name: str, rows, columns, notes: str = "") -> str:
 
 
 def report_bandwidths(out: Path, s: Settings, log=print) -> None:
-    from mpigrad.analysis.maps import (crossovers, map_cells, map_columns, map_rows, none_beats, plot_map)
+    from mpigrad.analysis.maps import (crossovers, map_cells, map_columns, map_pivot, map_rows, none_beats,
+                                       plot_map)
     from mpigrad.config import format_network_value
 
     traces = _networked(out, {f"bandwidths/{tag(b)}": b for b in s.bandwidths}, s)
@@ -439,6 +440,8 @@ def report_bandwidths(out: Path, s: Settings, log=print) -> None:
     rows = sorted(map_rows(map_cells(traces, s.target_loss, s.smooth)),
                   key=lambda r: (r["ddp"], r["method"] != "FP32", r["method"], r["bandwidth"] or 0.0))
     log(_write(out, "map", rows, map_columns(s.target_loss)))
+    for value, name in (("vs_fp32", "map-vs-fp32"), ("vs_best_fixed", "map-vs-best-fixed")):
+        _write(out, name, *map_pivot(rows, value))
     lines = [entry[key] for entry in crossovers(rows) for key in ("vs_fp32_text", "vs_ddp_text") if key in entry]
     nobody = none_beats(rows)
     lines.append(f"no method beats FP32 at {', '.join(format_network_value(b) for b in nobody)}" if nobody
@@ -455,15 +458,20 @@ def report_bandwidths(out: Path, s: Settings, log=print) -> None:
 
 
 def report_congestion(out: Path, s: Settings, log=print) -> None:
-    from mpigrad.analysis.maps import congestion_columns, congestion_rows, map_cells
+    from mpigrad.analysis.labels import flat_config
+    from mpigrad.analysis.maps import congestion_columns, congestion_rows, map_cells, method_of
 
     traces = _networked(out, {f"congestion/{name}": sched for name, sched in s.congestion.items()}, s)
     if not traces:
         raise SystemExit("run.py: no congestion traces to report on")
     rows = congestion_rows(map_cells(traces, s.target_loss, s.smooth))
+    policies = {method_of(t): flat_config(t.config).get("policy", flat_config(t.config).get("policy.id")) for t in traces}
+    moving = {method for method, policy in policies.items() if policy not in (None, "fixed")}
     winners = sorted({r["method"] for r in rows if r["beats"] == "yes" and r["kind"] not in ("fixed", "fp32")})
-    note = ("\n* policies whose 95 % interval of the ratio to the best fixed width lies below 1: "
-            + (", ".join(winners) if winners else "none") + "\n")
+    note = ("\n* policies (moving bits) whose 95 % interval of the ratio to the best fixed width lies below 1: "
+            + (", ".join(w for w in winners if w in moving) or "none")
+            + "\n* baselines (fp16, low rank, DDP) whose interval lies below 1: "
+            + (", ".join(w for w in winners if w not in moving) or "none") + "\n")
     log(_write(out, "congestion", rows, congestion_columns(s.target_loss), note))
 
 

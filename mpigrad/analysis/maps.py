@@ -106,10 +106,24 @@ def bandwidth_value(network: float | str) -> float | None:
     return float(network) if not isinstance(network, str) else None
 
 
+def best_fixed_cells(cells: Sequence[Cell]) -> dict[str, Cell]:
+    """repr(network) -> the ``fixed`` cell of least mean time at its best rate there."""
+    best: dict[str, Cell] = {}
+    for c in cells:
+        times = c.best()
+        if c.kind == "fixed" and times:
+            key = repr(c.network)
+            if key not in best or np.mean(list(times.values())) < np.mean(list(best[key].best().values())):
+                best[key] = c
+    return best
+
+
 def map_rows(cells: Sequence[Cell]) -> list[dict[str, Any]]:
     """One row per cell: method, network, best rate, reached, mean time and its interval,
-    ratio to FP32 (paired by seed) with its interval, ratio to the best DDP variant."""
+    ratio to FP32 and to the best fixed width (each paired by seed) with their intervals,
+    ratio to the best DDP variant."""
     reference = {repr(c.network): c.best() for c in cells if c.method == FP32}
+    best_fixed = best_fixed_cells(cells)
     ddp_best: dict[str, float] = {}
     for c in cells:
         best = c.best()
@@ -128,12 +142,15 @@ def map_rows(cells: Sequence[Cell]) -> list[dict[str, Any]]:
         pairs = 0
         if best and reference.get(key):
             ratio, ratio_ci, pairs = _paired(best, reference[key])
+        fixed = best_fixed.get(key)
+        vs_fixed, vs_fixed_ci, _ = _paired(best, fixed.best()) if best and fixed else (None, None, 0)
         rows.append({"method": c.method, "network": format_network_value(c.network),
                      "bandwidth": bandwidth_value(c.network), "ddp": c.ddp,
                      "best_lr": lr, "seeds": len(runs),
                      "reached": f"{reached[0]}/{reached[1]}" if lr is None else f"{len(runs)}/{len(runs)}",
                      "time_mean": mean, "time_ci": ci, "vs_fp32": ratio, "vs_fp32_ci": ratio_ci,
-                     "pairs": pairs,
+                     "pairs": pairs, "best_fixed": fixed.method if fixed else None,
+                     "vs_best_fixed": vs_fixed, "vs_best_fixed_ci": vs_fixed_ci,
                      "vs_ddp": mean / ddp_best[key] if mean is not None and key in ddp_best else None})
     return rows
 
@@ -142,7 +159,26 @@ def map_columns(target_loss: float) -> list[Column]:
     return [Column("method", "method", left=True), Column("network", "bandwidth"), Column("best_lr", "best_lr", "g"),
             Column("reached", "reached"), Column("time_mean", f"sim_s_to_{target_loss:g}", ".1f"),
             Column("time_ci", "ci95_s", ".1f"), Column("vs_fp32", "vs_fp32", ".3f"),
-            Column("vs_fp32_ci", "vs_fp32_ci95", ".3f"), Column("vs_ddp", "vs_best_ddp", ".3f")]
+            Column("vs_fp32_ci", "vs_fp32_ci95", ".3f"), Column("vs_best_fixed", "vs_best_fixed", ".3f"),
+            Column("vs_best_fixed_ci", "vs_best_fixed_ci95", ".3f"), Column("vs_ddp", "vs_best_ddp", ".3f")]
+
+
+def map_pivot(rows: Sequence[dict[str, Any]], value: str = "vs_fp32") -> tuple[list[dict[str, Any]], list[Column]]:
+    """The map's ``value`` ("vs_fp32" or "vs_best_fixed") and its 95 % interval as a table of
+    a row per method and a column per constant bandwidth ("0.140 +- 0.023"; "-" where the
+    method has none), for render()."""
+    bandwidths = sorted({r["bandwidth"] for r in rows if r["bandwidth"]})
+    names = {b: format_network_value(b) for b in bandwidths}
+    table: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if not r["bandwidth"]:
+            continue
+        entry = table.setdefault(r["method"], {"method": r["method"], **{names[b]: "-" for b in bandwidths}})
+        mean, ci = r.get(value), r.get(f"{value}_ci")
+        if mean is not None:
+            entry[names[r["bandwidth"]]] = f"{mean:.3f}" + ("" if ci is None else f" +- {ci:.3f}")
+    columns = [Column("method", "method", left=True)] + [Column(names[b], names[b]) for b in bandwidths]
+    return list(table.values()), columns
 
 
 def crossover(points: Sequence[tuple[float, float | None]]) -> dict[str, Any]:
@@ -219,6 +255,7 @@ def none_beats(rows: Sequence[dict[str, Any]]) -> list[float]:
 def plot_map(rows: Sequence[dict[str, Any]], output, *, title: str | None = None):
     """Time to the target relative to FP32 against bandwidth (log axis): a line per method
     through its bandwidths, with its 95 % band (paired by seed) where it has one."""
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -229,27 +266,31 @@ def plot_map(rows: Sequence[dict[str, Any]], output, *, title: str | None = None
                if any(r["method"] == m and r["vs_fp32"] is not None and r["bandwidth"] for r in rows)]
     if not methods:
         raise AnalysisError("no method has a ratio to FP32 at a constant bandwidth: nothing to plot")
-    figure = Figure(figsize=(7.0, 5.6), layout="constrained")
+    figure = Figure(figsize=(8.0, 6.4), layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.subplots()
+    palette = matplotlib.colormaps["tab20"]
     for k, method in enumerate(methods):
+        # tab20's ten strong hues first, then their light twins: 20 lines before a colour repeats
+        color = palette((2 * k) % 20 + (k // 10) % 2)
+        marker = "os^vD"[(k // 10) % 5]
         mine = sorted((r["bandwidth"], r["vs_fp32"], r["vs_fp32_ci"]) for r in rows
                       if r["method"] == method and r["vs_fp32"] is not None and r["bandwidth"])
         xs = np.array([b for b, _, _ in mine]) / 1e6
         ys = np.array([y for _, y, _ in mine])
         half = np.array([np.nan if c is None else c for _, _, c in mine])
         style = "--" if "DDP" in method else "-"
-        ax.plot(xs, ys, style, marker="o", ms=3, color=f"C{k % 10}", lw=1.3, label=method)
+        ax.plot(xs, ys, style, marker=marker, ms=3.5, color=color, lw=1.3, label=method)
         if np.isfinite(half).any():
-            ax.fill_between(xs, ys - np.nan_to_num(half), ys + np.nan_to_num(half), color=f"C{k % 10}",
-                            alpha=0.15, lw=0)
+            ax.fill_between(xs, ys - np.nan_to_num(half), ys + np.nan_to_num(half), color=color,
+                            alpha=0.12, lw=0)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("Bandwidth (MB/s, simulated)")
     ax.set_ylabel("Time to target / FP32's (best rate each)")
     ax.grid(True, which="both", alpha=0.3)
-    legend_below(figure, ax)
+    legend_below(figure, ax, ncols=2)
     if title:
         figure.suptitle(title)
     figure.savefig(output)
@@ -262,13 +303,7 @@ def congestion_rows(cells: Sequence[Cell]) -> list[dict[str, Any]]:
     target (mean, 95 % interval), and its ratio to the best fixed width on that network
     (least mean time of the ``fixed`` cells), paired by seed, with its interval; ``beats``:
     "yes" when the interval lies below 1, "no" when above, "not resolved" when it spans 1."""
-    best_fixed: dict[str, Cell] = {}
-    for c in cells:
-        times = c.best()
-        if c.kind == "fixed" and times:
-            key = repr(c.network)
-            if key not in best_fixed or np.mean(list(times.values())) < np.mean(list(best_fixed[key].best().values())):
-                best_fixed[key] = c
+    best_fixed = best_fixed_cells(cells)
     rows = []
     for c in cells:
         times = c.best()

@@ -96,9 +96,10 @@ def loss_axis_label(smooth: int) -> str:
 
 
 def legend_below(figure, ax, **options) -> None:
-    """The legend of ``ax``'s lines under the panels, where it covers no curve."""
+    """The legend of ``ax``'s lines under the panels, where it covers no curve (``ncols``:
+    that many columns, else 1 for long labels and 2 otherwise)."""
     handles, labels = ax.get_legend_handles_labels()
-    columns = 1 if max(map(len, labels), default=0) > 30 else min(len(labels), 2)
+    columns = options.pop("ncols", None) or (1 if max(map(len, labels), default=0) > 30 else min(len(labels), 2))
     figure.legend(handles, labels, loc="outside lower center", ncols=max(columns, 1), frameon=False,
                   fontsize="small", **options)
 
