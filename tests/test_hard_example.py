@@ -15,6 +15,7 @@ from conftest import REPO, load_script
 from mpigrad.config import RunConfig
 from mpigrad.data import load_dataset
 from mpigrad.models import build_model
+from mpigrad.runtime.checks import check_options
 from mpigrad.runtime.session import run_other_rank, run_parameter_server
 from mpigrad.runtime.stopping import StopFlag
 from mpigrad.runtime.wire.loopback import LoopbackNetwork
@@ -58,6 +59,7 @@ def test_each_config_trains_a_few_iterations(tmp_path, method):
     overrides = dict(iterations=3, eval_every=0, progress_every=0, trace=str(tmp_path / "run.h5"),
                      data_opts={"train_size": 256, "test_size": 64})
     config = RunConfig.from_sources(str(HERE / f"{method}.toml"), overrides)
+    check_options(config)       # what `mpigrad train` refuses before it starts
     net = LoopbackNetwork(3, 1, timeout=60.0)
     errors, codes = {}, {}
 
