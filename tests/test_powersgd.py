@@ -96,6 +96,7 @@ def test_what_it_does_not_run_with_is_refused_in_one_line(options, words):
 @pytest.mark.parametrize("args, words", [
     (["--error-feedback", "residual"], "its own error feedback"),
     (["--codec-opt", "factor_bits=12"], "factor_bits must be 1..8 (uniform), 16 (fp16) or 32"),
+    (["--bits", "8"], "--bits does not apply to --codec powersgd: its widths are --codec-opt factor_bits"),
 ])
 def test_the_command_line_refuses_a_bad_combination_with_exit_2(args, words):
     done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--codec", "powersgd", "--policy", "fixed",

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             ranks = p + (1 if servers == COLOCATED else servers)
             command = mpiexec_command(ranks, [sys.executable, "-m", "mpi4py", "-m",
                        "mpigrad", "train", "--model", args.model, "--data", "synthetic", "--data-opt", "shape=[3,32,32]",
-                       "--policy", "fixed", "--bits", "2", "--iterations", str(args.iterations),
+                       "--policy", "fixed", "--iterations", str(args.iterations),
                        "--net-mode", "off", "--eval-every", "0", "--progress-every", "0",
                        "--trace", str(trace), *sharding, *extra], args.mpiexec)
             done = subprocess.run(command, env=env, capture_output=True, text=True)

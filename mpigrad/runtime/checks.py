@@ -13,7 +13,7 @@ from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
 from ..policies import PolicyError, get_policy, policy_class
 
-__all__ = ["check_options", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
+__all__ = ["check_options", "check_bits_given", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
 
 
 def base_codec(config: RunConfig) -> Codec:
@@ -97,6 +97,15 @@ def check_two_rounds(config: RunConfig, codec: Codec) -> None:
     if config.min_quantize_size is not None:
         raise UsageError(f"{name} chooses its layers itself (every matrix it compresses at its rank and "
                          "min_compression_rate): drop --min-quantize-size")
+
+
+def check_bits_given(config: RunConfig) -> None:
+    """UsageError (one line) for ``--bits`` given on the command line to a codec that has no
+    width to set (a two-round, low-rank codec), which would otherwise ignore it."""
+    codec = base_codec(config)
+    if codec.two_rounds:
+        raise UsageError(f"--bits does not apply to --codec {codec.codec_id}: its widths are "
+                         "--codec-opt factor_bits=B and rest_bits=B (its rank --codec-opt rank=R)")
 
 
 def check_options(config: RunConfig) -> None:

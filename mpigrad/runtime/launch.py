@@ -151,9 +151,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     config = config_from_args(args)
     export_thread_variables(threads_per_rank(config.threads))  # before Numba's pool starts
-    from .checks import check_options
+    from .checks import check_bits_given, check_options
 
     check_options(config)  # UsageError: cli prints it (rank 0 only) and exits 2
+    if args.bits is not None:
+        check_bits_given(config)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
