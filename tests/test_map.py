@@ -217,6 +217,13 @@ def test_the_smoke_runs_both_parts_resumes_and_estimates(tmp_path, mpi_env):
     note = (out / "congestion.txt").read_text()     # neither reference counts as a winner
     assert "(moving bits) whose 95 % interval of the ratio to the best fixed width lies below 1: none" in note
     assert "baselines (fp16, low rank, DDP) whose interval lies below 1: none" in note
+    # another target re-reports the same traces into a folder of its own, the first report untouched
+    before = (out / "map.csv").read_text()
+    other = script("--smoke", "--report", "--target-loss", "4.5")
+    assert other.returncode == 0 and ": train" not in other.stdout, other.stdout + other.stderr
+    assert "sim_s_to_4.5" in pd.read_csv(out / "target-4.5" / "map.csv").columns
+    assert (out / "target-4.5" / "congestion.csv").exists() and (out / "map.csv").read_text() == before
+    assert script("--smoke", "--target-loss", "4.5").returncode == 2     # a target changes reports only
     # a second call skips every complete trace; --list estimates the full plan from the smoke
     second = script("--smoke")
     assert second.returncode == 0 and ": train" not in second.stdout and ": retime" not in second.stdout

@@ -429,7 +429,8 @@ def _write(out: Path, name: str, rows, columns, notes: str = "") -> str:
     return render(rows, columns, "text") + notes
 
 
-def report_bandwidths(out: Path, s: Settings, log=print) -> None:
+def report_bandwidths(out: Path, s: Settings, log=print, dest: Path | None = None) -> None:
+    """The map's tables, crossovers and figure from OUT's traces, written into DEST (default OUT)."""
     from mpigrad.analysis.maps import (crossovers, map_cells, map_columns, map_pivot, map_rows, none_beats,
                                        plot_map)
     from mpigrad.config import format_network_value
@@ -437,27 +438,29 @@ def report_bandwidths(out: Path, s: Settings, log=print) -> None:
     traces = _networked(out, {f"bandwidths/{tag(b)}": b for b in s.bandwidths}, s)
     if not traces:
         raise SystemExit("run.py: no traces to report on")
+    to = dest or out
     rows = sorted(map_rows(map_cells(traces, s.target_loss, s.smooth)),
                   key=lambda r: (r["ddp"], r["method"] != "FP32", r["method"], r["bandwidth"] or 0.0))
-    log(_write(out, "map", rows, map_columns(s.target_loss)))
+    log(_write(to, "map", rows, map_columns(s.target_loss)))
     for value, name in (("vs_fp32", "map-vs-fp32"), ("vs_best_fixed", "map-vs-best-fixed")):
-        _write(out, name, *map_pivot(rows, value))
+        _write(to, name, *map_pivot(rows, value))
     lines = [entry[key] for entry in crossovers(rows) for key in ("vs_fp32_text", "vs_ddp_text") if key in entry]
     nobody = none_beats(rows)
     lines.append(f"no method beats FP32 at {', '.join(format_network_value(b) for b in nobody)}" if nobody
                  else "at every bandwidth of the map some method beats FP32")
     text = "\n".join(f"- {line}" for line in lines) + "\n"
     for suffix in ("txt", "md"):
-        (out / f"crossovers.{suffix}").write_text(text)
+        (to / f"crossovers.{suffix}").write_text(text)
     log(text)
     try:
-        plot_map(rows, out / "map.png", title=f"Time to loss {s.target_loss:g} relative to FP32")
+        plot_map(rows, to / "map.png", title=f"Time to loss {s.target_loss:g} relative to FP32")
     except Exception as exc:  # noqa: BLE001  the tables stand without the figure
         log(f"report: no figure: {exc}")
-    log(f"wrote {out}/map.*, {out}/crossovers.*")
+    log(f"wrote {to}/map.*, {to}/crossovers.*")
 
 
-def report_congestion(out: Path, s: Settings, log=print) -> None:
+def report_congestion(out: Path, s: Settings, log=print, dest: Path | None = None) -> None:
+    """The congestion table from OUT's traces, written into DEST (default OUT)."""
     from mpigrad.analysis.labels import flat_config
     from mpigrad.analysis.maps import congestion_columns, congestion_rows, map_cells, method_of
 
@@ -472,7 +475,7 @@ def report_congestion(out: Path, s: Settings, log=print) -> None:
             + (", ".join(w for w in winners if w in moving) or "none")
             + "\n* baselines (fp16, low rank, DDP) whose interval lies below 1: "
             + (", ".join(w for w in winners if w not in moving) or "none") + "\n")
-    log(_write(out, "congestion", rows, congestion_columns(s.target_loss), note))
+    log(_write(dest or out, "congestion", rows, congestion_columns(s.target_loss), note))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                              "it is done, or a re-timing, which the closing run.py call does); for job arrays")
     parser.add_argument("--do", type=int, metavar="N", help="run step N of the plan only (job arrays: bench peers)")
     parser.add_argument("--report", action="store_true", help="only write the report from existing traces")
+    parser.add_argument("--target-loss", type=float, metavar="LOSS",
+                        help="with --report: report the time to this loss (trailing mean) instead of the setup's, "
+                             "into OUT/target-LOSS/")
     parser.add_argument("--methods", help="a part of the plan only: these methods (comma-separated, of "
                                           f"{','.join(CONFIGS)}, plus ddp for bench peers)")
     parser.add_argument("--lrs", help="a part of the plan only: these rates (comma-separated)")
@@ -496,7 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.smoke and args.part is None:
         parser.error("--part bandwidths|congestion is required (or --smoke)")
+    if args.target_loss is not None and not args.report:
+        parser.error("--target-loss only changes a report: give --report too")
     s = settings_for(args.setup, args.smoke)
+    dest = None
+    if args.target_loss is not None:
+        s.target_loss, dest = args.target_loss, args.out / f"target-{args.target_loss:g}"
     try:
         if args.methods:
             methods = tuple(args.methods.split(","))
@@ -537,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
             steps = plan(args.out, part, s)
             print(f"{part}: {len(steps)} steps into {args.out} (complete traces are skipped)", flush=True)
             failed += run_steps(steps, args.out, s, log=lambda line: print(line, flush=True))
-        (report_bandwidths if part == "bandwidths" else report_congestion)(args.out, s)
+        if dest is not None:
+            dest.mkdir(exist_ok=True)
+        (report_bandwidths if part == "bandwidths" else report_congestion)(args.out, s, dest=dest)
     return 1 if failed else 0
 
 
