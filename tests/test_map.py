@@ -84,6 +84,18 @@ def test_map_rows_take_each_best_rate_and_pair_ratios_by_seed():
     assert none_beats(list(rows.values())) == [100 * MB]
 
 
+def test_a_rate_run_on_fewer_seeds_is_not_compared_with_one_run_on_all():
+    # 0.1's one seed is faster than 0.2's mean only because 0.2 also ran the slow seed 3
+    partial = cell("Progress", 1 * MB, None, lr0_2=[80, 100, 120])
+    partial.times[0.1] = {1: 85.0}
+    assert partial.best_lr() == 0.2
+    partial.times[0.1].update({2: 90.0, 3: 100.0})    # run on every seed, it competes
+    assert partial.best_lr() == 0.1
+    partial.times[0.2][3] = None                      # the full rate missed once: no best rate
+    partial.times[0.1].pop(3)
+    assert partial.best_lr() is None
+
+
 def test_congestion_rows_say_whether_a_policy_beats_the_best_fixed_width():
     sched = "markov:10MB/s,1GB/s,dwell=30s,30s"
     cells = [cell("Fix (2-bit)", sched, "fixed", lr0_02=[100, 110, 120]),

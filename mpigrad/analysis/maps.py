@@ -70,9 +70,11 @@ class Cell:
         return self.kind == "ddp"
 
     def best_lr(self) -> float | None:
-        """The rate of least mean time among those whose every run reached the target."""
+        """The rate of least mean time among those run on every seed of the cell (means over
+        different seeds do not compare) whose every run reached the target."""
+        seeds = {seed for runs in self.times.values() for seed in runs}
         reached = {lr: np.mean(list(t.values())) for lr, t in self.times.items()
-                   if t and all(v is not None for v in t.values())}
+                   if set(t) == seeds and all(v is not None for v in t.values())}
         return min(reached, key=lambda lr: (reached[lr], lr)) if reached else None
 
     def best(self) -> dict[int, float] | None:
