@@ -1,7 +1,8 @@
 """Option values, one rule each: the integer check codecs, policies and models share, the
 one check that refuses unknown option names (codec, policy, model and data options alike,
 listing the valid ones), and the one ``KEY=VALUE`` parser (``--model-opt``, ``--data-opt``,
-``--codec-opt``, ``--policy-opt``).
+``--codec-opt``, ``--policy-opt``), and the one refusal to overwrite a result file
+without ``--force`` (``check_overwrite``).
 
 A leaf module: it imports nothing from mpigrad, and each caller passes its own error class
 and message prefix, so a bad option still names its owner (``qsgd: bits ...``).
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from numbers import Integral
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["check_int", "check_keys", "keyword_names", "parse_value", "parse_assignments"]
+__all__ = ["check_int", "check_keys", "keyword_names", "parse_value", "parse_assignments", "check_overwrite"]
 
 
 def check_int(name: str, value: Any, low: int | None = None, high: int | None = None, *,
@@ -89,3 +92,17 @@ def parse_assignments(items: list[str] | None, what: str, *,
             raise error(f"{what} expects KEY=VALUE, got {item!r}")
         result[key.strip().replace("-", "_")] = parse_value(value.strip())
     return result
+
+
+def check_overwrite(paths: Iterable[str | os.PathLike], force: bool, *, error: type[Exception] = ValueError,
+                    alternative: str = "") -> None:
+    """``error`` naming the first of ``paths`` that exists, unless ``force``: the one rule of
+    every writer of result files (``train``'s trace, ``trace retime`` and ``trace export``,
+    ``bench calibrate``, ``bench peers``, ``bench clock``), called before any work starts, so
+    that a refusal writes nothing. One line: ``{path} exists; pass --force to overwrite
+    it{alternative}`` (e.g. ``" or --trace to choose another"``)."""
+    if force:
+        return
+    for path in paths:
+        if Path(path).exists():
+            raise error(f"{path} exists; pass --force to overwrite it{alternative}")

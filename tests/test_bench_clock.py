@@ -93,3 +93,13 @@ def test_two_round_phases_add_the_second_round_to_the_first(tmp_path, monkeypatc
     # per iteration the second round moves from "after" into the rounds: medians keep the order
     assert two["gradients"][0] > one["gradients"][0] and two["broadcast"][0] >= one["broadcast"][0]
     assert two["after"][0] < one["after"][0]
+
+
+def test_an_existing_out_file_is_refused_without_force(tmp_path, capsys):
+    out = tmp_path / "clock.json"
+    out.write_text("keep me")
+    assert cli_main(["bench", "clock", "--workers", "2", "--servers", "1", "--codecs", "fp32", "--rates", "20MB/s",
+                     "--iterations", "4", "--warmup", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} exists; pass --force to overwrite it" in err, err
+    assert out.read_text() == "keep me"

@@ -211,6 +211,28 @@ def test_lab_and_variant_refusals_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "has no unit" in err
 
 
+def test_earlier_results_are_kept_unless_forced(tmp_path, capsys):
+    """An existing trace or peers.json in --out: one line, exit 2, nothing written, before any
+    run; --force runs and replaces it."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ddp-fp32-seed2.h5").write_bytes(b"keep me")
+    command = ["bench", "peers", "--config", str(config), "--out", str(out), "--variants", "fp32",
+               "--no-mpigrad", "--iterations", "3", "--warmup", "0", "--seeds", "1,2"]
+    assert cli_main(command) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert f"{out / 'ddp-fp32-seed2.h5'} exists; pass --force to overwrite it" in captured.err
+    assert sorted(p.name for p in out.iterdir()) == ["ddp-fp32-seed2.h5"]
+    (out / "ddp-fp32-seed2.h5").unlink()
+    (out / "peers.json").write_text("keep me")
+    assert cli_main(command) == 2 and "peers.json exists" in capsys.readouterr().err
+    assert cli_main([*command, "--force"]) == 0
+    assert json.loads((out / "peers.json").read_text())["seeds"] == [1, 2]
+
+
 def _lab_reason():
     from mpigrad.lab.host import unavailable_reason
     return unavailable_reason() if sys.platform.startswith("linux") else "network namespaces need Linux"

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import options
 from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
 from ..costmodel import CostModel, CostModelError, LocalWork, resolve
 from ..config import BROADCASTS, COLOCATED, format_network_value, network_from
@@ -63,8 +64,7 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
         raise TraceError(f"broadcast must be one of {', '.join(BROADCASTS)}, got {broadcast!r}")
     if output.exists() and output.resolve() == source.resolve():
         raise TraceError(f"{output} is the trace being re-timed; write to another file")
-    if output.exists() and not force:
-        raise TraceError(f"{output} exists; pass --force to overwrite it")
+    options.check_overwrite([output], force, error=TraceError)
     raw = read_raw(source)
     config = raw.attrs.get("config")
     _check_retimable(source, raw.attrs, config)

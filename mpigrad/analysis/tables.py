@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
 
+from .. import options
 from ..trace import Trace
 
 __all__ = ["AnalysisError", "Column", "Point", "CLOCKS", "METRICS", "NOT_AVAILABLE", "NOT_YET",
@@ -159,9 +160,7 @@ def export_csv(trace: Trace, directory: str | Path, *, force: bool = False) -> l
         raise AnalysisError(f"{directory} exists and is not a folder")
     targets = {name: directory / f"{name}.csv" for name in trace.tables}
     targets["attrs"] = directory / "attrs.json"
-    existing = [str(p) for p in targets.values() if p.exists()]
-    if existing and not force:
-        raise AnalysisError(f"{existing[0]} exists; pass --force to overwrite")
+    options.check_overwrite(targets.values(), force, error=AnalysisError)
     directory.mkdir(parents=True, exist_ok=True)
     for name, frame in trace.tables.items():
         frame.to_csv(targets[name], index=False)

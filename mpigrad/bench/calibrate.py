@@ -32,6 +32,7 @@ import numpy as np
 
 from ..costmodel import CODEC_OPERATIONS, FORMAT, VERSION, CostModel, fit_linear
 from ..errors import UsageError
+from ..options import check_overwrite
 
 DEFAULT_SIZES = (1024, 16384, 262144, 1048576, 4194304)
 #: Each timed measurement repeats the call until it has taken about this much CPU time.
@@ -71,8 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise UsageError("--repeat must be at least 1")
     output = Path(args.output)
-    if output.exists() and not args.force:
-        raise UsageError(f"{output} exists; pass --force to overwrite it")
+    check_overwrite([output], args.force, error=UsageError)
     if output.parent and not output.parent.is_dir():
         raise UsageError(f"{output.parent}, where the cost model should go, is not a directory")
     known = [c for c in available() if not codec_class(c).two_rounds]  # powersgd's matmuls: not modelled

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..config import BROADCASTS, COLOCATED, parse_rate, parse_servers
 from ..errors import UsageError
+from ..options import check_overwrite
 from ..runtime.phaselog import ENV as PHASE_ENV
 
 #: ``--codecs`` items: a name, and the train options it stands for.
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=15, help="iterations per run (default 15)")
     parser.add_argument("--warmup", type=int, default=4, help="iterations left out (default 4)")
     parser.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="'mpigrad train' options after --, e.g. -- --model-opt fc_sizes=[64,64] "
                              "(default: the paper CNN with fc [1024, 2048] on the digits, lr 0.02)")
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--servers pipeline does not run two-round codecs ({', '.join(sorted(TWO_ROUNDS))})")
     if args.iterations <= args.warmup + 1:
         raise UsageError("--iterations must exceed --warmup by at least 2")
+    check_overwrite([args.out] if args.out else [], args.force, error=UsageError)
     reason = unavailable_reason()
     if reason:
         raise UsageError(f"mpigrad bench clock needs the network lab: {reason}")

@@ -56,6 +56,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import UsageError
+from ..options import check_overwrite
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="iterations left out of the time statistics (default 5)")
     parser.add_argument("--out", default="bench-peers", metavar="DIR",
                         help="directory for the traces and peers.json (default bench-peers)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite the traces and peers.json of an earlier run in DIR")
     parser.add_argument("--no-mpigrad", dest="mpigrad", action="store_false",
                         help="run the DDP variants only")
     parser.add_argument("--address", default="127.0.0.1",
@@ -392,12 +395,14 @@ def run(args: argparse.Namespace) -> int:
     start = args.powersgd_start if args.powersgd_start is not None else max(2, config.iterations // 10)
     if start < 2:
         raise UsageError("--powersgd-start must be at least 2 (torch's minimum with error feedback)")
-    _check_task(config, workers)
     if not variants and not args.mpigrad:
         raise UsageError("--variants none with --no-mpigrad leaves nothing to run")
+    out = Path(args.out)
+    methods = [*variants, *(["mpigrad"] if args.mpigrad else [])]
+    check_overwrite(_outputs(out, methods, seeds), args.force, error=UsageError)
+    _check_task(config, workers)
     if args.lab is not None:
         _check_lab(args)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     threads = threads_per_rank(config.threads)
     env = dict(os.environ, **{name: str(threads) for name in THREAD_VARIABLES})
@@ -409,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
           f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; PowerSGD from "
           f"iteration {start}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
 
-    runs: dict[str, list[Path]] = {name: [] for name in [*variants, *(["mpigrad"] if args.mpigrad else [])]}
+    runs: dict[str, list[Path]] = {name: [] for name in methods}
     try:
         for seed in seeds:
             seeded = dataclasses.replace(config, seed=seed)
@@ -418,8 +423,8 @@ def run(args: argparse.Namespace) -> int:
                     "port": _free_port(args.address), "out": str(out)}
             records = _run_ddp(spec, env, args.lab) if variants else {}
             for name in variants:
-                path = out / f"ddp-{name}-seed{seed}.h5"
-                runs[name].append(_write_peer_trace(path, seeded, VARIANTS[name], records[name], spec))
+                runs[name].append(_write_peer_trace(_trace_path(out, name, seed), seeded, VARIANTS[name],
+                                                    records[name], spec))
             if args.mpigrad:
                 runs["mpigrad"].append(_run_mpigrad(args, seeded, workers, out, env))
     except RuntimeError as exc:
@@ -437,6 +442,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'peers.json'} and the traces; compare them with: mpigrad trace compare {out}/*.h5 "
           f"--target-loss X --smooth {args.smooth}")
     return 0
+
+
+def _trace_path(out: Path, method: str, seed: int) -> Path:
+    """The trace of one run: ``method`` a DDP variant's name, or "mpigrad"."""
+    return out / (f"mpigrad-seed{seed}.h5" if method == "mpigrad" else f"ddp-{method}-seed{seed}.h5")
+
+
+def _outputs(out: Path, methods: Sequence[str], seeds: Sequence[int]) -> list[Path]:
+    """Every result file a run writes in ``out``: its traces and peers.json."""
+    return [*(_trace_path(out, method, seed) for seed in seeds for method in methods), out / "peers.json"]
 
 
 def _check_lab(args: argparse.Namespace) -> None:
@@ -540,7 +555,7 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
 def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
     from ..mpiexec import mpiexec_command
 
-    trace = out / f"mpigrad-seed{config.seed}.h5"
+    trace = _trace_path(out, "mpigrad", config.seed)
     ranks = workers + config.non_worker_ranks()
     train = ["train", "--config", args.config, *[a for a in args.train_args if a != "--"],
              "--iterations", str(config.iterations), "--seed", str(config.seed), "--net-mode", "off",

@@ -16,6 +16,7 @@ from ..config import format_duration, format_network_value, format_rate
 from ..errors import UsageError
 from ..machine import mpi_library_version
 from ..models import check_model
+from ..options import check_overwrite
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, load_data
 from .environment import check_world_size
@@ -66,8 +67,8 @@ def _launch_problem(config, size: int) -> str | None:
                                  "(start a new run with another --trace, or --force without --resume)")
             if not checkpoint.exists(config.checkpoint_path):
                 raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
-        elif trace.exists() and not config.force:
-            raise UsageError(f"trace {trace} exists; pass --force to overwrite it or --trace to choose another")
+        else:
+            check_overwrite([trace], config.force, error=UsageError, alternative=" or --trace to choose another")
         make_parent_directory(trace, "trace")
         make_parent_directory(config.checkpoint_path, "checkpoint")
     except (UsageError, ValueError) as exc:

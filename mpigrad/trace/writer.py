@@ -78,8 +78,7 @@ class TraceWriter:
         self._setup(path, tables, flush_every)
         if not isinstance(config, Mapping):
             raise TraceError(f"config must be a dict, got {type(config).__name__}")
-        if self.path.exists() and not force:
-            raise TraceError(f"{self.path} exists; pass --force to overwrite it")
+        options.check_overwrite([self.path], force, error=TraceError)
         root = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION,
                 "mpigrad_version": __version__, "start_time": _now(), "config": dict(config),
                 **_user_attrs(attrs)}
