@@ -12,6 +12,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The device codecs' kernels run in Numba's CUDA simulator unless MPIGRAD_TEST_GPU=1 asks for
+# the real device (a GPU machine: the same tests then run the compiled kernels, and the
+# ``cuda`` marker's tests run too). Numba reads this when it is first imported: here, first.
+if os.environ.get("MPIGRAD_TEST_GPU") != "1":
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
 
 def load_script(path: Path, name: str):
     """The example script at ``path`` imported as module ``name`` (registered in sys.modules,
@@ -108,3 +114,13 @@ def assert_same_trace(expected, actual) -> None:
             if not column.startswith(WALL_CLOCK_COLUMNS):
                 np.testing.assert_array_equal(left[column].to_numpy(), right[column].to_numpy(),
                                               err_msg=f"{table}.{column}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``cuda`` tests need a real device: skipped (saying why) unless MPIGRAD_TEST_GPU=1."""
+    if os.environ.get("MPIGRAD_TEST_GPU") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: run with MPIGRAD_TEST_GPU=1 on a GPU machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

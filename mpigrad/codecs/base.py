@@ -39,7 +39,7 @@ from ..plugins import _describe, call_factory, is_plugin, load_factory
 
 __all__ = [
     "Codec", "CodecError", "FusedCodec", "Header", "PluginFault", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
-    "register_codec", "get_codec", "available", "codec_class", "read_header", "BUILTIN_WIRE_IDS",
+    "register_codec", "get_codec", "available", "codec_class", "read_header", "header_bytes", "BUILTIN_WIRE_IDS",
     "PLUGIN_WIRE_IDS",
 ]
 
@@ -120,6 +120,14 @@ def _write_header(out: np.ndarray, h: Header, with_crc: bool) -> None:
                         h.n, h.payload_len, payload_crc)
     out[:_HEADER.size] = np.frombuffer(head, np.uint8)
     out[_HEADER.size:HEADER_SIZE] = np.frombuffer(_CRC.pack(zlib.crc32(head)), np.uint8)
+
+
+def header_bytes(h: Header) -> np.ndarray:
+    """The 40 bytes of header ``h``, without a payload CRC (the device codecs write their
+    payload on the GPU and this header on the host)."""
+    out = np.zeros(HEADER_SIZE, np.uint8)
+    _write_header(out, h, False)
+    return out
 
 
 _REGISTRY: dict[str, type["Codec"]] = {}

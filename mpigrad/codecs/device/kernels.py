@@ -1,0 +1,471 @@
+"""Numba CUDA kernels of the device codecs: the host kernels' twins, payload for payload.
+
+Fixed-width codes use the host's blocked byte planes (``kernels.common.pack_block``): a full
+block of BLOCK = 8 * GROUPS codes is GROUPS little-endian group words, word m holding the
+codes of elements ``j * GROUPS + m`` (j = 0..7), its byte p stored at ``p * GROUPS + m``.
+One thread builds one word, so reads and writes are coalesced; the last, partial block is
+an MSB-first bit stream (``pack_tail``), one thread per byte to write and one per code to
+read. Payload bytes are written one at a time (a frame's pieces start at any byte), scales
+go through an aligned float32 scratch array.
+
+Float arithmetic is the host's, operation for operation: products and sums that the host
+rounds separately go through ``fmul_rn``/``fadd_rn`` (CUDA would otherwise fuse ``a * b + c``
+into one rounding), divisions are IEEE (Numba's default, no fastmath). Under the simulator
+(``NUMBA_ENABLE_CUDASIM=1``) the same helpers are plain float32 NumPy operations.
+"""
+
+import math
+
+import numpy as np
+from numba import config, cuda, int32, uint32, uint64
+
+from ..kernels.common import BLOCK, GROUPS
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+#: Threads per block: fewer under the simulator, where every thread is a Python thread.
+THREADS = 32 if SIMULATOR else 256
+#: Elements one block reduces in the min/max pass (fewer than a bucket: several blocks).
+CHUNK = THREADS * 32
+
+ERR_NONFINITE = 0  # status slots (int32, set to 1 when the condition was met)
+ERR_RANGE = 1
+ERR_BAD_SCALE = 2
+STATUS_SLOTS = 3
+
+_I32_MAX = 0x7FFFFFFF
+_I32_MIN = -0x80000000
+_F32_MAX_KEY = 0x7F7FFFFF
+_F32_MIN_KEY = -0x7F800000
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+if SIMULATOR:
+    def _fmul(a, b):
+        return np.float32(a) * np.float32(b)
+
+    def _fadd(a, b):
+        return np.float32(a) + np.float32(b)
+
+    def _rint(a):
+        return np.rint(np.float32(a))
+
+    def _floor(a):
+        return np.floor(np.float32(a))
+
+    def _as_float(bits):
+        return np.int32(bits).view(np.float32)
+
+    def _as_int(value):
+        return np.float32(value).view(np.int32)
+else:  # pragma: no cover - needs a GPU
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _fmul(a, b):
+        return libdevice.fmul_rn(a, b)
+
+    @cuda.jit(device=True)
+    def _fadd(a, b):
+        return libdevice.fadd_rn(a, b)
+
+    @cuda.jit(device=True)
+    def _rint(a):
+        return libdevice.rintf(a)
+
+    @cuda.jit(device=True)
+    def _floor(a):
+        return libdevice.floorf(a)
+
+    @cuda.jit(device=True)
+    def _as_float(bits):
+        return libdevice.int_as_float(bits)
+
+    @cuda.jit(device=True)
+    def _as_int(value):
+        return libdevice.float_as_int(value)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _order_key(bits):
+    return int32(bits ^ ((bits >> int32(31)) & int32(_I32_MAX)))
+
+
+@cuda.jit(device=True)
+def _store_f32(buf, offset, value):
+    bits = uint32(_as_int(value))
+    for p in range(4):
+        buf[offset + p] = np.uint8((bits >> uint32(8 * p)) & uint32(0xFF))
+
+
+@cuda.jit(device=True)
+def _load_f32(buf, offset):
+    bits = uint32(0)
+    for p in range(4):
+        bits |= uint32(buf[offset + p]) << uint32(8 * p)
+    return _as_float(int32(bits))
+
+
+@cuda.jit(device=True)
+def _store(out, i, value, accumulate):
+    if accumulate:
+        out[i] = _fadd(out[i], value)
+    else:
+        out[i] = value
+
+
+@cuda.jit(device=True)
+def _mix64(z):
+    z = (z ^ (z >> uint64(30))) * uint64(_MIX1)
+    z = (z ^ (z >> uint64(27))) * uint64(_MIX2)
+    return z ^ (z >> uint64(31))
+
+
+@cuda.jit(device=True)
+def _uniform01(key, index):
+    r = _mix64(key + uint64(index) * uint64(_GOLDEN))
+    return _fmul(np.float32(r >> uint64(40)), np.float32(1.0 / (1 << 24)))
+
+
+def stream_key(seed: int, counter: int) -> int:
+    """The host's ``common.stream_key``, in Python: the key of one encode call."""
+    mask = (1 << 64) - 1
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * _MIX1) & mask
+        z = ((z ^ (z >> 27)) * _MIX2) & mask
+        return z ^ (z >> 31)
+
+    return mix((seed * _GOLDEN + mix((counter + _GOLDEN) & mask)) & mask)
+
+
+# ---- scales: per-bucket min/max and mean |x| ------------------------------------------------
+@cuda.jit
+def fill_keys(keys):
+    i = cuda.grid(1)
+    if i < keys.size:
+        keys[i] = int32(_I32_MAX) if i % 2 == 0 else int32(_I32_MIN)
+
+
+@cuda.jit
+def range_keys(x, bucket, chunks, keys):
+    """Block j reduces chunk ``j % chunks`` of bucket ``j // chunks`` to its min and max
+    order keys (integers: any order gives the same result) and folds them into ``keys``."""
+    j = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    b = j // chunks
+    start = b * bucket + (j - b * chunks) * CHUNK
+    stop = min(start + CHUNK, (b + 1) * bucket, x.size)
+    lo = int32(_I32_MAX)
+    hi = int32(_I32_MIN)
+    for i in range(start + t, stop, THREADS):
+        k = _order_key(_as_int(x[i]))
+        lo = min(lo, k)
+        hi = max(hi, k)
+    s_lo = cuda.shared.array(THREADS, int32)
+    s_hi = cuda.shared.array(THREADS, int32)
+    s_lo[t] = lo
+    s_hi[t] = hi
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:
+        if t < step:
+            s_lo[t] = min(s_lo[t], s_lo[t + step])
+            s_hi[t] = max(s_hi[t], s_hi[t + step])
+        cuda.syncthreads()
+        step //= 2
+    if t == 0 and start < stop:
+        cuda.atomic.min(keys, 2 * b, s_lo[0])
+        cuda.atomic.max(keys, 2 * b + 1, s_hi[0])
+
+
+@cuda.jit
+def finish_ranges(keys, lohi, status):
+    """(lo, hi) floats of each bucket from its keys; flag NaN/inf and spans beyond float32."""
+    b = cuda.grid(1)
+    if b >= lohi.size // 2:
+        return
+    lo_key = keys[2 * b]
+    hi_key = keys[2 * b + 1]
+    if lo_key < _F32_MIN_KEY or hi_key > _F32_MAX_KEY:
+        status[ERR_NONFINITE] = 1
+        return
+    lo = _as_float(_order_key(lo_key))
+    hi = _as_float(_order_key(hi_key))
+    if not math.isfinite(hi - lo):
+        status[ERR_RANGE] = 1
+        return
+    lohi[2 * b] = lo
+    lohi[2 * b + 1] = hi
+
+
+@cuda.jit
+def abs_partials(x, bucket, chunks, partials, status):
+    """Block j sums |x| in float64 over its chunk (as ``range_keys`` splits buckets) into
+    ``partials[j]``, and flags NaN/inf."""
+    j = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    b = j // chunks
+    start = b * bucket + (j - b * chunks) * CHUNK
+    stop = min(start + CHUNK, (b + 1) * bucket, x.size)
+    s = 0.0
+    bad = 0
+    for i in range(start + t, stop, THREADS):
+        v = x[i]
+        if not math.isfinite(v):
+            bad = 1
+        s += abs(np.float64(v))
+    sums = cuda.shared.array(THREADS, np.float64)
+    sums[t] = s
+    if bad:
+        status[ERR_NONFINITE] = 1
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:
+        if t < step:
+            sums[t] += sums[t + step]
+        cuda.syncthreads()
+        step //= 2
+    if t == 0:
+        partials[j] = sums[0]
+
+
+@cuda.jit
+def finish_means(partials, chunks, bucket, n, scales):
+    """scale = (sum of the bucket's partials, in chunk order) / its length, as float32."""
+    b = cuda.grid(1)
+    if b >= scales.size:
+        return
+    s = 0.0
+    for c in range(chunks):
+        s += partials[b * chunks + c]
+    count = min(bucket, n - b * bucket)
+    scales[b] = np.float32(s / count)
+
+
+@cuda.jit
+def store_scales(scales, payload):
+    """Write the float32 ``scales`` as the payload's first 4 * len bytes."""
+    i = cuda.grid(1)
+    if i < scales.size:
+        _store_f32(payload, 4 * i, scales[i])
+
+
+@cuda.jit
+def load_scales(payload, scales, status):
+    """Read the payload's scales into ``scales``; flag non-finite or negative ones (sign,
+    pairs of which are not (lo, hi): the caller checks pairs with ``check_pairs``)."""
+    i = cuda.grid(1)
+    if i < scales.size:
+        v = _load_f32(payload, 4 * i)
+        scales[i] = v
+        if not (math.isfinite(v) and v >= 0):
+            status[ERR_BAD_SCALE] = 1
+
+
+@cuda.jit
+def load_pairs(payload, lohi, status):
+    """Read (lo, hi) pairs; flag any that the host's ``check_ranges`` refuses."""
+    b = cuda.grid(1)
+    if b < lohi.size // 2:
+        lo = _load_f32(payload, 8 * b)
+        hi = _load_f32(payload, 8 * b + 4)
+        lohi[2 * b] = lo
+        lohi[2 * b + 1] = hi
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi and math.isfinite(hi - lo)):
+            status[ERR_BAD_SCALE] = 1
+
+
+# ---- fixed-width codes ----------------------------------------------------------------------
+@cuda.jit(device=True)
+def _uniform_code(x, i, bucket, lohi, levels, stochastic, key):
+    b = i // bucket
+    lo = lohi[2 * b]
+    hi = lohi[2 * b + 1]
+    span = hi - lo
+    if span == np.float32(0.0):
+        return 0
+    if span < np.float32(2.0 ** -100):
+        pre = np.float32(2.0 ** 100)
+        inv = np.float32(levels) / _fmul(span, pre)
+    else:
+        pre = np.float32(1.0)
+        inv = np.float32(levels) / span
+    t = _fmul(_fmul(x[i] - lo, pre), inv)
+    if stochastic:
+        q = _floor(_fadd(t, _uniform01(key, i)))
+    else:
+        q = _rint(t)
+    return int32(min(q, np.float32(levels)))
+
+
+@cuda.jit(device=True)
+def _code(kind, x, i, bucket, lohi, levels, stochastic, key):
+    if kind == 0:
+        return _uniform_code(x, i, bucket, lohi, levels, stochastic, key)
+    return int32(1) if x[i] < np.float32(0.0) else int32(0)  # sign: 1 for x < 0
+
+
+@cuda.jit
+def pack_blocks(kind, x, bucket, bits, lohi, stochastic, key, out, pos):
+    """Thread g builds group word g % GROUPS of full block g // GROUPS and stores its bytes.
+    ``kind`` 0: the uniform quantizer's codes; 1: sign bits."""
+    g = cuda.grid(1)
+    if g >= (x.size // BLOCK) * GROUPS:
+        return
+    k = g // GROUPS
+    m = g - k * GROUPS
+    levels = (1 << bits) - 1
+    word = uint64(0)
+    for j in range(8):
+        c = _code(kind, x, k * BLOCK + j * GROUPS + m, bucket, lohi, levels, stochastic, key)
+        word |= uint64(c) << uint64(bits * j)
+    base = pos + k * bits * GROUPS + m
+    for p in range(bits):
+        out[base + p * GROUPS] = np.uint8((word >> uint64(8 * p)) & uint64(0xFF))
+
+
+@cuda.jit
+def pack_tail(kind, x, bucket, bits, lohi, stochastic, key, out, pos):
+    """The codes after the last full block, MSB-first: thread t writes byte t."""
+    t = cuda.grid(1)
+    start = (x.size // BLOCK) * BLOCK
+    count = x.size - start
+    if t >= (count * bits + 7) // 8:
+        return
+    levels = (1 << bits) - 1
+    byte = 0
+    e_cached = -1
+    c = 0
+    for q in range(8):
+        p = 8 * t + q
+        e = p // bits
+        if e >= count:
+            break
+        if e != e_cached:
+            c = _code(kind, x, start + e, bucket, lohi, levels, stochastic, key)
+            e_cached = e
+        r = p - e * bits
+        byte |= ((c >> (bits - 1 - r)) & 1) << (7 - q)
+    out[pos + (start // BLOCK) * bits * GROUPS + t] = np.uint8(byte)
+
+
+@cuda.jit(device=True)
+def _value(kind, code, i, bucket, lohi, levels):
+    if kind == 0:
+        b = i // bucket
+        lo = lohi[2 * b]
+        hi = lohi[2 * b + 1]
+        step = (hi - lo) / levels
+        return min(_fadd(lo, _fmul(np.float32(code), step)), hi)
+    scale = lohi[i // bucket]  # sign: the bucket's scale
+    return -scale if code else scale
+
+
+@cuda.jit
+def unpack_blocks(kind, src, pos, bits, bucket, lohi, out, accumulate):
+    """Inverse of pack_blocks: decode (or add) the full blocks' values into ``out``."""
+    g = cuda.grid(1)
+    if g >= (out.size // BLOCK) * GROUPS:
+        return
+    k = g // GROUPS
+    m = g - k * GROUPS
+    base = pos + k * bits * GROUPS + m
+    word = uint64(0)
+    for p in range(bits):
+        word |= uint64(src[base + p * GROUPS]) << uint64(8 * p)
+    mask = uint64((1 << bits) - 1)
+    levels = np.float32((1 << bits) - 1)
+    for j in range(8):
+        i = k * BLOCK + j * GROUPS + m
+        code = int32((word >> uint64(bits * j)) & mask)
+        _store(out, i, _value(kind, code, i, bucket, lohi, levels), accumulate)
+
+
+@cuda.jit
+def unpack_tail(kind, src, pos, bits, bucket, lohi, out, accumulate):
+    """The codes after the last full block: thread e reads code e of the MSB-first stream."""
+    e = cuda.grid(1)
+    start = (out.size // BLOCK) * BLOCK
+    if e >= out.size - start:
+        return
+    bit = e * bits
+    pos += (start // BLOCK) * bits * GROUPS
+    code = 0
+    for r in range(bits):
+        p = bit + r
+        code = (code << 1) | ((int32(src[pos + (p >> 3)]) >> (7 - (p & 7))) & 1)
+    levels = np.float32((1 << bits) - 1)
+    _store(out, start + e, _value(kind, code, start + e, bucket, lohi, levels), accumulate)
+
+
+# ---- float payloads -----------------------------------------------------------------------
+@cuda.jit
+def store_float32(x, out, pos, status):
+    """out[pos + 4i ..] = the bytes of x[i]; flag NaN/inf."""
+    i = cuda.grid(1)
+    if i < x.size:
+        v = x[i]
+        if not math.isfinite(v):
+            status[ERR_NONFINITE] = 1
+        _store_f32(out, pos + 4 * i, v)
+
+
+@cuda.jit
+def load_float32(src, pos, out, accumulate):
+    i = cuda.grid(1)
+    if i < out.size:
+        _store(out, i, _load_f32(src, pos + 4 * i), accumulate)
+
+
+@cuda.jit
+def store_float16(x, out, pos, status):
+    """The host's ``half.narrow``, bit for bit: round to nearest even; flag values whose
+    half is not finite (ERR_RANGE; ERR_NONFINITE too for NaN/inf input)."""
+    i = cuda.grid(1)
+    if i >= x.size:
+        return
+    f = uint32(_as_int(x[i]))
+    sign = (f >> uint32(16)) & uint32(0x8000)
+    f &= uint32(0x7FFFFFFF)
+    if f >= uint32(0x477FF000):
+        if f >= uint32(0x7F800000):
+            status[ERR_NONFINITE] = 1
+        status[ERR_RANGE] = 1
+        if f > uint32(0x7F800000):
+            h = uint32(0x7C00) + ((f & uint32(0x7FFFFF)) >> uint32(13))
+            if h == uint32(0x7C00):
+                h += uint32(1)
+        else:
+            h = uint32(0x7C00)
+    elif f >= uint32(0x38800000):
+        h = (f - uint32(0x38000000) + uint32(0xFFF) + ((f >> uint32(13)) & uint32(1))) >> uint32(13)
+    elif f >= uint32(0x33000001):
+        e = f >> uint32(23)
+        m = (f & uint32(0x7FFFFF)) | uint32(0x800000)
+        shift = uint32(126) - e
+        h = m >> shift
+        rest = m & ((uint32(1) << shift) - uint32(1))
+        halfway = uint32(1) << (shift - uint32(1))
+        if rest > halfway or (rest == halfway and (h & uint32(1)) == uint32(1)):
+            h += uint32(1)
+    else:
+        h = uint32(0)
+    h |= sign
+    out[pos + 2 * i] = np.uint8(h & uint32(0xFF))
+    out[pos + 2 * i + 1] = np.uint8(h >> uint32(8))
+
+
+@cuda.jit
+def load_float16(src, pos, table, out, accumulate):
+    """out[i] = (or +=) the float32 of half i, from the host's table of all halves."""
+    i = cuda.grid(1)
+    if i < out.size:
+        h = int32(src[pos + 2 * i]) | (int32(src[pos + 2 * i + 1]) << 8)
+        _store(out, i, table[h], accumulate)
+
+
+def blocks(n: int, threads: int = THREADS) -> int:
+    """Blocks of ``threads`` covering ``n`` threads (at least one)."""
+    return max(1, -(-n // threads))
