@@ -1,6 +1,7 @@
 """``mpigrad bench peers``: torch DDP (fp32, fp16 hook, PowerSGD) beside mpigrad, one tiny real run."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -91,6 +92,16 @@ def test_every_variant_trains_and_is_tabled(peers_run):
         assert row["reached"] == 2 and row["iterations_to_target"] >= 1 and row["seconds_to_target"] > 0
     mpigrad = report["rows"][-1]
     assert mpigrad["iteration_vs_mpigrad"] == 1.0 and mpigrad["target_vs_mpigrad"] == 1.0
+
+
+@pytest.mark.mpi
+def test_each_run_says_when_it_starts_and_ends(peers_run):
+    _, stdout = peers_run
+    assert "PowerSGD from iteration 2" in stdout and "12 run(s): DDP fp32, DDP fp16 hook" in stdout
+    for k, (seed, method) in enumerate([(s, m) for s in (1, 2) for m in [v.label for v in VARIANTS.values()]
+                                        + ["mpigrad FP32"]]):
+        run = f"] run {k + 1}/12: {method}, seed {seed}: "
+        assert run + "started" in stdout and run + "finished, 8 iterations in " in stdout, stdout
 
 
 @pytest.mark.mpi
@@ -231,6 +242,21 @@ def test_earlier_results_are_kept_unless_forced(tmp_path, capsys):
     assert cli_main(command) == 2 and "peers.json exists" in capsys.readouterr().err
     assert cli_main([*command, "--force"]) == 0
     assert json.loads((out / "peers.json").read_text())["seeds"] == [1, 2]
+
+
+def test_progress_lines_while_runs_go_and_no_powersgd_without_it(tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(tmp_path / "o"),
+               "--variants", "fp32", "--no-mpigrad", "--iterations", "3", "--warmup", "0", "--progress-interval", "0.5"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "PowerSGD" not in lines[0] and lines[1].startswith("1 run(s): DDP fp32 on each seed"), lines[:2]
+    # DDP's ranks take seconds to import torch and meet: periodic lines before the run starts
+    assert any(re.search(r"\] seed 1: starting DDP's 2 ranks, \d+ s so far$", line) for line in lines), lines
+    assert any(line.endswith("] run 1/1: DDP fp32, seed 1: started") for line in lines)
+    assert any("] run 1/1: DDP fp32, seed 1: finished, 3 iterations in " in line for line in lines)
 
 
 def _lab_reason():

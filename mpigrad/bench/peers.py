@@ -31,7 +31,11 @@ matrix and r = min(n, m, rank). A DDP trace splits them as bytes_up = P x the re
 half and bytes_down = P x the all-gather half, so bytes_up + bytes_down is every byte on the
 wire, as in an mpigrad trace.
 
-Output in ``--out DIR``: one mpigrad-format trace per run (``ddp-VARIANT-seedS.h5``, ``mpigrad-seedS.h5``;
+Progress on stdout: a line as each run (a variant or mpigrad on one seed) starts and ends,
+and one every ``--progress-interval`` seconds while processes run (DDP's rank 0 reports its
+variants through a file, ``_ChildReport``).
+
+Output in ``--out DIR`` (refused, before any run, where an earlier run's files are, unless ``--force``): one mpigrad-format trace per run (``ddp-VARIANT-seedS.h5``, ``mpigrad-seedS.h5``;
 a DDP trace's config is the mpigrad config without its codec and policy keys, plus ``label``
 and ``peer``), so ``mpigrad trace compare DIR/*.h5 --target-loss X`` reads them as groups
 side by side (its simulated clock equals the wall clock here); and ``peers.json``, the
@@ -216,6 +220,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr)  # w <- w - lr * mean gradient, as mpigrad
     record = RankRecord(variant.name, [], [], [], [])
     fp32_bytes = ring_allreduce_bytes(workers, n_params)
+    report = _ChildReport(spec, variant.name) if rank == 0 else None
     dist.barrier()
     start = time.perf_counter()
     for _ in range(spec["iterations"]):
@@ -231,9 +236,35 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         calls, sent = tally.take()
         record.hook_calls.append(calls)
         record.bytes_per_node.append(sent if variant.hook != "allreduce" else fp32_bytes)
+        if report:
+            report.iteration(len(record.losses))
+    if report:
+        report.done(len(record.losses), record.wall_times[-1] if record.wall_times else 0.0)
     if variant.hook == "powersgd" and any(c != 1 for c in record.hook_calls[2:]):
         raise RuntimeError(f"{variant.label}: DDP used {max(record.hook_calls)} buckets, not one")
     return record
+
+
+class _ChildReport:
+    """DDP rank 0's word to the parent on one variant (``spec["progress"]``, a file it appends
+    to; the parent's ``_Progress`` reads it): ``start NAME``, ``iteration NAME I`` at most once
+    a second, ``done NAME I SECONDS``."""
+
+    def __init__(self, spec: dict, name: str):
+        self.path, self.name, self.last = Path(spec["progress"]), name, time.monotonic()
+        self._write(f"start {name}")
+
+    def iteration(self, done: int) -> None:
+        if time.monotonic() - self.last >= 1.0:
+            self.last = time.monotonic()
+            self._write(f"iteration {self.name} {done}")
+
+    def done(self, iterations: int, seconds: float) -> None:
+        self._write(f"done {self.name} {iterations} {seconds:.3f}")
+
+    def _write(self, line: str) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(line + "\n")
 
 
 def _child_main(spec_path: str, rank: str) -> None:
@@ -296,6 +327,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for the traces and peers.json (default bench-peers)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite the traces and peers.json of an earlier run in DIR")
+    parser.add_argument("--progress-interval", type=float, default=30.0, metavar="SECONDS",
+                        help="while a run goes, a progress line every SECONDS (default 30; 0: only each run's "
+                             "start and end)")
     parser.add_argument("--no-mpigrad", dest="mpigrad", action="store_false",
                         help="run the DDP variants only")
     parser.add_argument("--address", default="127.0.0.1",
@@ -391,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
                          f"{workers + config.non_worker_ranks()}: use a copy without that line, or --no-mpigrad")
     if args.warmup < 0 or args.smooth < 1:
         raise UsageError("--warmup must be >= 0 and --smooth >= 1")
+    if not args.progress_interval >= 0:
+        raise UsageError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval:g}")
     seeds = _seeds(args.seeds, config.seed)
     start = args.powersgd_start if args.powersgd_start is not None else max(2, config.iterations // 10)
     if start < 2:
@@ -404,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lab is not None:
         _check_lab(args)
     out.mkdir(parents=True, exist_ok=True)
+    powersgd = f"PowerSGD from iteration {start}; " if any(VARIANTS[v].hook == "powersgd" for v in variants) else ""
     threads = threads_per_rank(config.threads)
     env = dict(os.environ, **{name: str(threads) for name in THREAD_VARIABLES})
     if args.address == "127.0.0.1":
@@ -411,8 +448,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"mpigrad bench peers: {config.model} on {config.data}, P = {workers} workers, batch {config.batch_size}"
           f"/worker, lr {config.lr:g}, weight decay {config.weight_decay:g}, {config.iterations} iterations, "
           f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; "
-          f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; PowerSGD from "
-          f"iteration {start}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+          f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; "
+          f"{powersgd}{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+    progress = _Progress(len(methods) * len(seeds), args.progress_interval)
+    print(f"{progress.total} run(s): {', '.join(_method_name(m, config) for m in methods)} on each seed; "
+          f"a line as each starts and ends" + (f", and every {args.progress_interval:g} s while one goes"
+                                              if args.progress_interval else ""), flush=True)
 
     runs: dict[str, list[Path]] = {name: [] for name in methods}
     try:
@@ -420,13 +461,13 @@ def run(args: argparse.Namespace) -> int:
             seeded = dataclasses.replace(config, seed=seed)
             spec = {"config": seeded.to_dict(), "variants": variants, "workers": workers, "threads": threads,
                     "iterations": config.iterations, "powersgd_start": start, "address": args.address,
-                    "port": _free_port(args.address), "out": str(out)}
-            records = _run_ddp(spec, env, args.lab) if variants else {}
+                    "port": _free_port(args.address), "out": str(out), "progress": str(out / "ddp-progress.txt")}
+            records = _run_ddp(spec, env, progress, args.lab) if variants else {}
             for name in variants:
                 runs[name].append(_write_peer_trace(_trace_path(out, name, seed), seeded, VARIANTS[name],
                                                     records[name], spec))
             if args.mpigrad:
-                runs["mpigrad"].append(_run_mpigrad(args, seeded, workers, out, env))
+                runs["mpigrad"].append(_run_mpigrad(args, seeded, workers, out, env, progress))
     except RuntimeError as exc:
         print(f"mpigrad bench peers: error: {exc}", file=sys.stderr)
         return 1
@@ -472,15 +513,95 @@ def _lab_command(nodes: int, rate: str, launch: str, command: list[str]) -> list
             "--name", "mgbp", "--", *command]
 
 
-def _run_ddp(spec: dict, env: dict, lab: str | None = None) -> dict[str, RankRecord]:
-    """Start the P DDP ranks (each in a lab node of its own with ``lab``, a link rate), wait,
-    and merge their records: losses averaged over ranks (mpigrad's global loss), times and
-    bytes from rank 0."""
+def _method_name(method: str, config) -> str:
+    """How the progress lines name a method: a DDP variant's label, or "mpigrad" and its method."""
+    from ..trace import method_label
+
+    return VARIANTS[method].label if method in VARIANTS else f"mpigrad {method_label(config.to_dict())}"
+
+
+class _Progress:
+    """The bench's progress lines, each stamped with the seconds since the bench began: every
+    run (a DDP variant or mpigrad's method, on one seed) started and finished, and while
+    processes run, a line every ``interval`` seconds (0: none)."""
+
+    def __init__(self, total: int, interval: float):
+        self.total, self.interval = total, interval
+        self.begin = self.last = time.monotonic()
+        self.count = 0
+        self.run = ""        # the run under way ("" between runs)
+        self.since = 0.0     # when it started
+        self.detail = ""     # how far it is, e.g. "iteration 80/400"
+
+    def say(self, text: str) -> None:
+        self.last = time.monotonic()
+        print(f"[{self.last - self.begin:7.1f} s] {text}", flush=True)
+
+    def started(self, what: str) -> None:
+        self.count += 1
+        self.run, self.since, self.detail = f"run {self.count}/{self.total}: {what}", time.monotonic(), ""
+        self.say(f"{self.run}: started")
+
+    def finished(self, how: str) -> None:
+        self.say(f"{self.run}: finished, {how}")
+        self.run = ""
+
+    def wait(self, procs: Sequence[subprocess.Popen], between: str, poll=lambda: None) -> None:
+        """Until every process has exited, or one has failed (the others are then killed):
+        ``poll`` (reads the processes' word) every half second, and a line every interval,
+        naming the run under way, else ``between`` (what the processes do between runs)."""
+        waiting = time.monotonic()
+        while True:
+            poll()
+            codes = [proc.poll() for proc in procs]
+            if None not in codes or any(code not in (None, 0) for code in codes):
+                break
+            if self.interval and time.monotonic() - self.last >= self.interval:
+                what = f"{self.run}: running" if self.run else between
+                elapsed = time.monotonic() - (self.since if self.run else waiting)
+                self.say(f"{what}, {elapsed:.0f} s so far{', ' + self.detail if self.detail else ''}")
+            time.sleep(0.5)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        poll()
+
+
+class _ChildLines:
+    """Reads DDP rank 0's ``_ChildReport`` lines as they come and turns them into ``_Progress``
+    lines."""
+
+    def __init__(self, path: Path, progress: _Progress, seed: int, iterations: int):
+        self.path, self.progress, self.seed, self.iterations = path, progress, seed, iterations
+        self.seen = 0
+
+    def __call__(self) -> None:
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().split("\n")[:-1]   # whole lines only
+        for line in lines[self.seen:]:
+            kind, name, *numbers = line.split()
+            if kind == "start":
+                self.progress.started(f"{VARIANTS[name].label}, seed {self.seed}")
+            elif kind == "iteration":
+                self.progress.detail = f"iteration {numbers[0]}/{self.iterations}"
+            elif kind == "done":
+                iterations, seconds = int(numbers[0]), float(numbers[1])
+                self.progress.finished(f"{iterations} iterations in {seconds:.1f} s "
+                                       f"({seconds / max(iterations, 1):.3f} s/it)")
+        self.seen = len(lines)
+
+
+def _run_ddp(spec: dict, env: dict, progress: _Progress, lab: str | None = None) -> dict[str, RankRecord]:
+    """Start the P DDP ranks (each in a lab node of its own with ``lab``, a link rate), wait
+    (``progress``: rank 0's word on each variant), and merge their records: losses averaged
+    over ranks (mpigrad's global loss), times and bytes from rank 0."""
     out = Path(spec["out"])
     spec_path = out / "ddp-spec.json"
     spec_path.write_text(json.dumps(spec))
-    for old in out.glob("rank*.json"):
-        old.unlink()
+    for old in [*out.glob("rank*.json"), Path(spec["progress"])]:
+        old.unlink(missing_ok=True)
     child = [sys.executable, "-m", "mpigrad.bench.peers", str(spec_path)]
     if lab is not None:  # one process, the lab, starts every rank (rank and address from its variables)
         logs = [out / "ddp-lab.log"]
@@ -492,14 +613,11 @@ def _run_ddp(spec: dict, env: dict, lab: str | None = None) -> dict[str, RankRec
     for command, log in zip(commands, logs):
         with open(log, "w") as handle:
             procs.append(subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT))
-    failed = []
-    for rank, proc in enumerate(procs):
-        proc.wait()
-        if proc.returncode != 0:
-            failed.append(f"rank {rank} (exit {proc.returncode}): {_cause(logs[rank].read_text())}")
-            for other in procs:
-                if other.poll() is None:
-                    other.kill()
+    seed = spec["config"]["seed"]
+    progress.wait(procs, f"seed {seed}: starting DDP's {spec['workers']} ranks",
+                  _ChildLines(Path(spec["progress"]), progress, seed, spec["iterations"]))
+    failed = [f"rank {rank} (exit {proc.returncode}): {_cause(logs[rank].read_text())}"
+              for rank, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
         raise RuntimeError(f"DDP failed: {'; '.join(failed)} (logs: {out}/ddp-rank*.log)")
     per_rank = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(spec["workers"])]
@@ -509,10 +627,10 @@ def _run_ddp(spec: dict, env: dict, lab: str | None = None) -> dict[str, RankRec
         first.rank_losses = [r[k]["losses"] for r in per_rank]
         first.losses = np.mean(first.rank_losses, axis=0).tolist()
         merged[name] = first
-    for rank, log in enumerate(logs):
+    for rank in range(spec["workers"]):
         (out / f"rank{rank}.json").unlink()
-        log.unlink()
-    spec_path.unlink()
+    for path in [*logs, spec_path, Path(spec["progress"])]:
+        path.unlink(missing_ok=True)
     return merged
 
 
@@ -552,7 +670,7 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
     return path
 
 
-def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
+def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Progress) -> Path:
     from ..mpiexec import mpiexec_command
 
     trace = _trace_path(out, "mpigrad", config.seed)
@@ -564,10 +682,17 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict) -> Path:
         command = _lab_command(ranks, args.lab, "mpi", train)
     else:
         command = mpiexec_command(ranks, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *train], args.mpiexec)
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(done.stderr, file=sys.stderr)
-        raise RuntimeError(f"the mpigrad run failed (exit {done.returncode})")
+    log = out / f"mpigrad-seed{config.seed}.log"
+    progress.started(f"{_method_name('mpigrad', config)}, seed {config.seed}")
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        progress.wait([proc], "mpigrad")
+    if proc.returncode != 0:
+        print(log.read_text(), file=sys.stderr)
+        raise RuntimeError(f"the mpigrad run failed (exit {proc.returncode}; log: {log})")
+    progress.finished(f"{config.iterations} iterations in {time.monotonic() - progress.since:.1f} s "
+                      "(start-up included)")
+    log.unlink()
     return trace
 
 
