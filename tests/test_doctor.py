@@ -75,6 +75,9 @@ def test_doctor_text_report_warns_about_oversubscription():
     assert f"warning: host {socket.gethostname()}: 2 ranks x {threads} threads = {2 * threads} threads " \
            f"on {CPUS} CPUs: oversubscribed" in out
     assert f"warning: OMP_NUM_THREADS exceeds {threads} thread(s) per rank on ranks 0-1" in out
+    # The pip MPI is not CUDA-aware, and this machine has no GPU (runtime/gpu.py).
+    assert "gpus\n  CUDA-aware MPI   no: MPIX_" in out and "(device buffers need host staging)" in out
+    assert "  no rank sees a CUDA device: a --device cuda run would be refused" in out
     assert out.rstrip().endswith("launch OK (with warnings)")
 
 

@@ -18,7 +18,7 @@ from .compressor import GradientCompressor
 from .layout import Layout, Shard, pieces_of, plan_shards
 from .replica import Replica
 
-__all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "base_codec", "broadcast_codec", "load_data", "release_data",
+__all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "bind_rank_device", "base_codec", "broadcast_codec", "load_data", "release_data",
            "build_config_model", "build_replica", "build_shards", "build_compressor"]
 
 #: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
@@ -30,11 +30,28 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
+#: This rank's device once :func:`bind_rank_device` chose it (runtime/gpu.py), else None.
+_bound: torch.device | None = None
+
+
 def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device name`` on this rank: the one bound to it, if any."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(name)
+    if name != "cpu" and _bound is not None:
+        return _bound
     return torch.device(name)
+
+
+def bind_rank_device(index: int | None) -> torch.device:
+    """Make CUDA device ``index`` this rank's (None: the CPU, for a rank that computes on no
+    GPU); :func:`resolve_device` returns it from now on."""
+    global _bound
+    _bound = torch.device("cpu") if index is None else torch.device("cuda", index)
+    if index is not None:
+        torch.cuda.set_device(_bound)
+    return _bound
 
 
 _loaded: dict[str, Dataset] = {}

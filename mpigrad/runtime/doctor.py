@@ -21,6 +21,7 @@ from dataclasses import asdict
 
 from ..errors import UsageError
 from ..machine import mpi_implementation, mpi_library_version
+from .gpu import cuda_aware_mpi, plan_world, visible_devices
 from .environment import (
     THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
     probe_rank, ranks_per_host, threads_per_rank,
@@ -34,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="threads per rank the run will use "
                              "(default: SLURM_CPUS_PER_TASK if set, else 1)")
+    parser.add_argument("--servers", default="1", metavar="S|colocated",
+                        help="the run's --servers, for the rank -> GPU map (colocated: rank 0 takes no GPU)")
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="the run's --share-gpu: GPU ranks may share a device")
     parser.add_argument("--json", action="store_true",
                         help="print the report as one JSON object instead of text")
 
@@ -58,9 +63,14 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         threads, error = 1, str(exc)
     gathered = comm.gather((probe_rank(rank), library_versions(), error), root=0)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    node_id = node.bcast(rank, root=0)
+    node.Free()
+    devices = comm.gather((rank, node_id, MPI.Get_processor_name(), *visible_devices()), root=0)
     outcome = None
     if rank == 0:
-        report = _report(MPI, gathered, size, threads)
+        report = _report(MPI, gathered, size, threads,
+                         gpus=_gpus(devices, args.servers == "colocated", args.share_gpu))
         print(json.dumps(report, indent=1) if args.json else _format(report), flush=True)
         outcome = report["error"]
     outcome = comm.bcast(outcome, root=0)
@@ -74,7 +84,22 @@ def run(args: argparse.Namespace) -> int:
     return 2
 
 
-def _report(mpi, gathered: list, size: int, threads: int) -> dict:
+def _gpus(devices: list, colocated: bool, share: bool) -> dict:
+    """The CUDA devices each rank sees, the rank -> GPU map a --device cuda run would take
+    (runtime/gpu.py's rule), or why it would be refused; and whether the MPI is CUDA-aware."""
+    supported, why = cuda_aware_mpi()
+    seen = {rank: count for rank, _, _, _, count in devices}
+    report = {"cuda_aware_mpi": supported, "cuda_aware_why": why, "devices_seen": seen,
+              "map": None, "refused": None}
+    if any(seen.values()):
+        try:
+            report["map"] = plan_world(devices, colocated, share)
+        except UsageError as exc:
+            report["refused"] = str(exc)
+    return report
+
+
+def _report(mpi, gathered: list, size: int, threads: int, gpus: dict | None = None) -> dict:
     ranks = [info for info, _, _ in gathered]
     mismatches = _version_mismatches([versions for _, versions, _ in gathered])
     errors = [error for _, _, error in gathered if error]
@@ -96,6 +121,7 @@ def _report(mpi, gathered: list, size: int, threads: int) -> dict:
         "ranks": [asdict(info) for info in ranks],
         "warnings": _warnings(ranks, size, threads) + [
             f"ranks differ in {name}: {'; '.join(seen)}" for name, seen in mismatches.items()],
+        "gpus": gpus,
         "error": errors[0] if errors else None,
     }
 
@@ -152,7 +178,25 @@ def _format(report: dict) -> str:
         lines.append(f"  {info.rank:>4}  {info.host[:20]:<20}  {info.pid:<7}  "
                      f"{format_ranks(info.cpus)[:12]:<12}  {info.torch_threads:>5}  "
                      f"{info.numba_threads:>5}  {env}")
+    lines.extend(_format_gpus(report.get("gpus")))
     lines.extend(f"warning: {text}" for text in report["warnings"])
     if report["error"] is None:
         lines.append("launch OK" + (" (with warnings)" if report["warnings"] else ""))
     return "\n".join(lines)
+
+
+def _format_gpus(gpus: dict | None) -> list[str]:
+    if gpus is None:
+        return []
+    aware = "yes" if gpus["cuda_aware_mpi"] else "no"
+    staging = "device buffers go to MPI" if gpus["cuda_aware_mpi"] else "device buffers need host staging"
+    lines = ["gpus", f"  CUDA-aware MPI   {aware}: {gpus['cuda_aware_why']} ({staging})"]
+    if not any(gpus["devices_seen"].values()):
+        lines.append("  no rank sees a CUDA device: a --device cuda run would be refused")
+    elif gpus["refused"]:
+        lines.append(f"  a --device cuda run would be refused: {gpus['refused']}")
+    else:
+        for rank, index in sorted(gpus["map"].items(), key=lambda item: int(item[0])):
+            where = "CPU (takes no GPU)" if index is None else f"cuda:{index}"
+            lines.append(f"  rank {rank} -> {where} (sees {gpus['devices_seen'][rank]})")
+    return lines
