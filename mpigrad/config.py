@@ -90,6 +90,10 @@ class RunConfig:
     #: (config file, N) when the file has a "# ranks: N" line, the world size it was written
     #: for (set by from_sources; not an option, not in to_dict).
     declared_ranks: ClassVar[tuple[str, int] | None] = None
+    #: The options the user set, in the config file or on the command line (set by
+    #: from_sources; not an option, not in to_dict): ``check_options`` refuses one the run
+    #: would not use (``--bits`` to a policy or codec without a width to set).
+    given: ClassVar[frozenset[str]] = frozenset()
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -98,9 +102,11 @@ class RunConfig:
         values: dict[str, Any] = {}
         if config_file:
             values.update({k: coerce(k, v) for k, v in load_toml(config_file).items()})
+        given = set(values)
         for key, value in overrides.items():
             if value is None:
                 continue
+            given.add(key)
             value = coerce(key, value)
             if (key.endswith("_opts") or key == "link_bandwidth") and key in values:
                 values[key] = {**values[key], **value}
@@ -115,6 +121,7 @@ class RunConfig:
         ranks = declared_ranks(config_file) if config_file else None
         if ranks is not None:
             config.declared_ranks = (config_file, ranks)
+        config.given = frozenset(given)
         config.validate()
         return config
 
@@ -159,14 +166,12 @@ class RunConfig:
 
     def policy_config(self) -> dict[str, Any]:
         """The policy's config; ``bits`` becomes its ``bits`` or ``initial_bits`` option."""
-        from .policies import policy_options
+        from .policies import bits_option
 
-        options = policy_options(self.policy)
         config = {"id": self.policy}
-        for name in ("bits", "initial_bits"):
-            if name in options:
-                config[name] = self.bits
-                break
+        name = bits_option(self.policy)
+        if name is not None:
+            config[name] = self.bits
         return {**config, **self.policy_opts}
 
     def network(self) -> Network | None:
@@ -321,6 +326,20 @@ def format_duration(seconds: float) -> str:
         if abs(seconds) >= least:
             return f"{seconds / scale:g}{unit}"
     return f"{seconds / 1e-6:g}us" if seconds else "0s"
+
+
+def format_elapsed(seconds: float) -> str:
+    """An elapsed or simulated time as a run reports it, to the tenth of a second below a
+    minute: ``5.04`` -> '5.0s', ``398`` -> '6m38s', ``7300`` -> '2h01m' (every line of a run
+    that states a duration: the progress lines, the ``done:`` line)."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
 
 
 def _scaled(value: float) -> str:

@@ -317,7 +317,9 @@ def test_the_example_codec_trains_under_mpiexec_and_a_failing_one_fails_the_run(
     assert result.returncode == 0, result.stderr
     tr = load(trace)
     assert tr.complete and tr.config["codec"] == "topk:TopK" and tr.config["codec_opts"] == {"ratio": 0.1}
-    assert tr.label == "Fix (2-bit) [TopK]"
+    assert tr.label == "Fix [TopK]"  # no width: top-k has none (the config's bits are its unused default)
+    progress = [line for line in result.stdout.splitlines() if line.startswith("iter ")]
+    assert progress and not any(" bits " in line for line in progress), result.stdout  # no meaningless "bits 0"
     loss = tr.steps["loss"].to_numpy()
     assert loss[-10:].mean() < loss[:5].mean() - 0.03, loss  # measured: 2.65 -> 2.59
     assert tr.eval["test_loss"].is_monotonic_decreasing and tr.eval["test_accuracy"].iloc[-1] > 0.3, tr.eval

@@ -51,3 +51,66 @@ def test_train_refuses_an_unknown_codec_option_before_mpi_starts():
     assert result.returncode == 2
     assert result.stderr == ("mpigrad train: error: codec 'qsgd': unknown option(s) bucket; valid: bits, levels, "
                              "bucket_size, norm, coding, seed, checksum\n")
+
+
+# ---- options a run would not use: refused by one check (runtime.checks.check_given_options) ----
+def given_bits(**options):
+    from mpigrad.config import RunConfig
+
+    return RunConfig.from_sources(None, {"bits": 4, **options})
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(policy="aimd"), "--bits does not apply to --policy aimd: it chooses its widths itself, from its own "
+                          "options (--policy-opt min_bits, max_bits)"),
+    (dict(policy="progress"), "--policy progress: it chooses its widths itself"),
+    (dict(policy="mpigrad.policies.progress:ProgressPolicy"), "--policy mpigrad.policies.progress:ProgressPolicy"),
+    (dict(policy="accordion"), "(--policy-opt low_bits, high_bits)"),
+    (dict(policy="lgreco"), "--policy lgreco: it chooses its widths itself"),
+    (dict(policy="schedule", policy_opts={"schedule": "0:2,5:4"}), "(--policy-opt schedule, min_bits, max_bits)"),
+    (dict(policy="fixed", codec="fp32"), "--bits does not apply to --codec fp32: it has no bits option (it sends "
+                                         "32-bit values)"),
+    (dict(policy="fixed", codec="fp16"), "--codec fp16: it has no bits option (it sends 16-bit values)"),
+    (dict(policy="fixed", codec="mcgq"), "--codec mcgq: it has no bits option"),
+    (dict(policy="fixed", codec="qsgd", codec_opts={"levels": 3}), "--codec qsgd: its levels fix the quantization"),
+    (dict(policy="fixed", codec="powersgd"), "--bits does not apply to --codec powersgd: its widths are"),
+])
+def test_bits_a_run_would_not_use_are_refused_in_one_line(options, words):
+    from mpigrad.errors import UsageError
+    from mpigrad.runtime.checks import check_options
+
+    with pytest.raises(UsageError) as info:
+        check_options(given_bits(**options))
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("options", [
+    dict(policy="fixed"), dict(policy="mqgrad"), dict(policy="adaptive"),  # its width, or start width
+    dict(policy="fixed", codec="sign", broadcast_codec="uniform"),  # the broadcast follows the policy's bits
+])
+def test_bits_a_run_uses_are_taken(options):
+    from mpigrad.runtime.checks import check_options
+
+    check_options(given_bits(**options))
+
+
+def test_only_bits_the_user_set_are_refused_and_a_config_file_counts(tmp_path):
+    """The default width is no one's choice; ``bits = N`` in a config file is the user's."""
+    from mpigrad.config import RunConfig
+    from mpigrad.errors import UsageError
+    from mpigrad.runtime.checks import check_options
+
+    check_options(RunConfig.from_sources(None, {"policy": "aimd"}))
+    path = tmp_path / "aimd.toml"
+    path.write_text('policy = "aimd"\nbits = 8\n')
+    with pytest.raises(UsageError, match="--bits does not apply to --policy aimd"):
+        check_options(RunConfig.from_sources(str(path), {}))
+
+
+@pytest.mark.parametrize("args", [["--policy", "aimd", "--bits", "4"], ["--policy", "progress", "--bits", "3"]])
+def test_train_refuses_bits_a_policy_does_not_take_before_mpi_starts(args):
+    done = subprocess.run([sys.executable, "-m", "mpigrad", "train", *args], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--bits does not apply to --policy {args[1]}" in lines[0], done.stderr

@@ -347,3 +347,15 @@ def test_bytes_per_iteration_are_the_hooks_plus_frame_headers(against_ddp):
     assert "PowerSGD r2" in rows and "DDP PowerSGD r2" in rows
     assert rows["PowerSGD r2"]["sent_mb_per_node"] == pytest.approx(rows["DDP PowerSGD r2"]["sent_mb_per_node"],
                                                                      rel=0.05)
+
+
+def test_the_shard_line_suggests_shard_chunk_only_to_a_codec_that_takes_it():
+    """Unbalanced shards: --shard-chunk is suggested for uniform, never for powersgd (which refuses it)."""
+    from types import SimpleNamespace
+
+    from mpigrad.runtime.session import shard_description
+
+    shards = [SimpleNamespace(pieces=[SimpleNamespace(quantized=False, size=n)]) for n in (9000, 1000)]
+    assert "--shard-chunk N" in shard_description(shards, get_codec({"id": "uniform", "bits": 2}), 0)
+    line = shard_description(shards, get_codec({"id": "powersgd", "rank": 2}), 0)
+    assert "1.80x an even split" in line and "--shard-chunk" not in line

@@ -108,3 +108,21 @@ def test_compare_ratios_stay_within_one_network_model_and_say_so(tmp_path, capsy
     code, out, _ = cli(capsys, "compare", *runs[:1], runs[2], "--target-loss", "1.0")
     assert "network models" not in out
     assert compare_module.NETWORK_KEYS[0] == "bandwidth"
+
+
+def test_a_codec_without_a_width_is_labelled_without_one(tmp_path, capsys):
+    """A run of a plugin codec records the config's default bits (2), which it never used:
+    ``trace info`` and ``summary`` name it "Fix [TopK]", not "Fix (2-bit) [TopK]"."""
+    path = write(tmp_path / "topk.h5", codec="topk:TopK", codec_opts={"ratio": 0.1})
+    for action in ("info", "summary"):
+        code, out, err = cli(capsys, action, path)
+        assert code == 0 and "Fix [TopK]" in out and "2-bit" not in out, out + err
+    assert group_labels([{"policy": "fixed", "codec": "sign", "bits": 2}]) == ["Fix [sign]"]
+    assert group_labels([{"policy": "fixed", "codec": "qsgd", "bits": 4}]) == ["Fix (4-bit) [qsgd]"]
+
+
+def test_the_codecs_labelled_by_a_width_are_those_a_policy_sets():
+    from mpigrad.codecs import available, codec_class
+    from mpigrad.trace.reader import WIDTH_CODECS
+
+    assert WIDTH_CODECS == tuple(sorted(c for c in available() if codec_class(c).accepts_bits))

@@ -340,3 +340,39 @@ def test_a_shard_server_that_hangs_is_named_by_rank_0(tmp_path, mpi_env):
                       ranks=4, timeout=90)
     assert result.returncode != 0
     assert "server rank(s) 1 sent no report for iteration 3 within 5 s" in result.stderr, result.stderr
+
+
+def test_powersgd_warm_up_is_recorded_as_float32(tmp_path, mpi_env):
+    """``start=2``: iterations 0-1 send every layer as float32 (32 bits in the trace and the
+    progress line), the factors at factor_bits after."""
+    trace = tmp_path / "lowrank.h5"
+    result = run_mpi(3, ["train", "--trace", str(trace), "--model-opt", "fc_sizes=[256,256]", "--codec", "powersgd",
+                         "--policy", "fixed", "--codec-opt", "rank=2", "--codec-opt", "factor_bits=8",
+                         "--codec-opt", "start=2", "--servers", "colocated", "--iterations", "4",
+                         "--progress-every", "1", "--eval-every", "0"], mpi_env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    steps = load(trace).steps
+    assert list(steps["bits"]) == [32, 32, 8, 8]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("iter ")]
+    assert [line.split("  bits ")[1].split()[0] for line in lines] == ["32", "32", "8", "8"], result.stdout
+
+
+def test_the_start_up_lines_say_what_runs_in_one_form_each(tmp_path, mpi_env):
+    """A plugin policy the cost model lacks: the local-work line says so after the cost, at
+    the widths the policy may choose; the config line leaves the network to the network line
+    and shows durations as written; the last progress line and the done line give the
+    simulated time alike."""
+    result, _ = train(tmp_path, mpi_env, "--policy", "mpigrad.policies.progress:ProgressPolicy", "--iterations", "3",
+                      "--progress-every", "3", "--compute-time", "50ms", "--bandwidth", "10MB/s")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    work = next(line for line in lines if line.startswith("local work: "))
+    assert work.startswith("local work: 50ms per iteration for compute, encode, decode and average by the package's "
+                           "cost model (measured on "), work
+    assert " per iteration at 2 bits to " in work and " at 8 bits; policy 'mpigrad.policies.progress:ProgressPolicy' " \
+        "not in the model: not charged" in work, work
+    config = next(line for line in lines if line.startswith("config: "))
+    assert "bandwidth=" not in config and "latency=" not in config and " compute_time=50ms " in config, config
+    assert "network: 10MB/s (80Mbit/s) per link" in result.stdout
+    sim = next(line for line in lines if line.startswith("iter 3/3")).split("  sim ")[1].split()[0]
+    assert f"simulated time {sim}; trace " in result.stdout, result.stdout

@@ -8,8 +8,8 @@ writes ``drain_records()`` to the trace and checkpoints ``state_dict()``.
 """
 
 from .base import (BITS_LIMITS, Observation, PeriodicPolicy, Policy, PolicyError, SettingCosts, available, check_decision,
-                   get_policy, policy_class, policy_options, register_policy)
+                   bits_option, get_policy, policy_class, policy_options, register_policy)
 from . import fixed, schedule, adaptive, mqgrad, accordion, lgreco, aimd, progress  # noqa: F401,E402  (register the policies)
 
 __all__ = ["BITS_LIMITS", "Observation", "PeriodicPolicy", "Policy", "PolicyError", "SettingCosts", "available",
-           "check_decision", "get_policy", "policy_class", "policy_options", "register_policy"]
+           "bits_option", "check_decision", "get_policy", "policy_class", "policy_options", "register_policy"]

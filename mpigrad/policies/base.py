@@ -31,7 +31,7 @@ from ..plugins import call_factory, is_plugin, load_factory
 
 __all__ = [
     "Policy", "PeriodicPolicy", "PolicyError", "Observation", "SettingCosts", "BITS_LIMITS", "register_policy", "get_policy",
-    "available", "policy_class", "policy_options", "check_decision",
+    "available", "policy_class", "policy_options", "bits_option", "check_decision",
 ]
 
 #: Widest bits range any policy accepts; a codec may support less (see ``Policy.check_codec``).
@@ -143,6 +143,18 @@ def policy_options(policy_id: str) -> dict[str, Any]:
     params = inspect.signature(cls.__init__).parameters
     return {name: p.default for name, p in params.items()
             if p.kind is p.KEYWORD_ONLY and name not in _RUN_ARGS}
+
+
+#: The policy options ``--bits`` fills, in order of preference (docs/extending.rst).
+BITS_OPTIONS = ("bits", "initial_bits")
+
+
+def bits_option(policy_id: str) -> str | None:
+    """The option of this policy that the run's ``--bits`` sets: ``bits`` (its width) or
+    ``initial_bits`` (its start width); None when it takes neither: it chooses every width
+    itself and ``--bits`` does not apply (``mpigrad train`` refuses it)."""
+    options = policy_options(policy_id)
+    return next((name for name in BITS_OPTIONS if name in options), None)
 
 
 def get_policy(config: dict[str, Any], n_layers: int = 1, seed: int = 0) -> "Policy":

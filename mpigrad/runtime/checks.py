@@ -11,9 +11,9 @@ from ..codecs import Codec, CodecError, get_codec
 from ..config import RunConfig
 from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
-from ..policies import PolicyError, get_policy, policy_class
+from ..policies import PolicyError, bits_option, get_policy, policy_class, policy_options
 
-__all__ = ["check_options", "check_bits_given", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
+__all__ = ["check_options", "check_given_options", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
 
 
 def base_codec(config: RunConfig) -> Codec:
@@ -99,13 +99,39 @@ def check_two_rounds(config: RunConfig, codec: Codec) -> None:
                          "min_compression_rate): drop --min-quantize-size")
 
 
-def check_bits_given(config: RunConfig) -> None:
-    """UsageError (one line) for ``--bits`` given on the command line to a codec that has no
-    width to set (a two-round, low-rank codec), which would otherwise ignore it."""
-    codec = base_codec(config)
+def unused_bits(config: RunConfig, codec: Codec) -> str | None:
+    """Why this run has no use for ``--bits`` (None when it uses it): the policy must take
+    it (``bits_option``: its width or start width) and a codec must follow the policy's
+    widths (the workers' codec, or a broadcast codec that follows them)."""
     if codec.two_rounds:
-        raise UsageError(f"--bits does not apply to --codec {codec.codec_id}: its widths are "
-                         "--codec-opt factor_bits=B and rest_bits=B (its rank --codec-opt rank=R)")
+        return (f"--codec {codec.codec_id}: its widths are --codec-opt factor_bits=B and rest_bits=B "
+                "(its rank --codec-opt rank=R)")
+    if bits_option(config.policy) is None:
+        widths = [name for name in policy_options(config.policy) if "bits" in name or name == "schedule"]
+        return (f"--policy {config.policy}: it chooses its widths itself"
+                + (f", from its own options (--policy-opt {', '.join(widths)})" if widths else ""))
+    down, down_bits = broadcast_codec(config)
+    if codec.takes_policy_bits or (down_bits is None and down.takes_policy_bits):
+        return None
+    if codec.accepts_bits:
+        return f"--codec {codec.codec_id}: its levels fix the quantization (drop levels to set bits)"
+    width = f" (it sends {codec.fixed_bits}-bit values)" if codec.fixed_bits else ""
+    return f"--codec {codec.codec_id}: it has no bits option{width}"
+
+
+#: The run options that only some policies or codecs use, and the function that says why
+#: this run does not (None when it does): an option the user set (``RunConfig.given``) that
+#: the run would not use is refused, never silently ignored.
+UNUSED = {"bits": unused_bits}
+
+
+def check_given_options(config: RunConfig, codec: Codec) -> None:
+    """UsageError (one line) for an option the user set (config file or command line) that
+    this run's policy and codecs do not use: ``--bits does not apply to --policy aimd: ...``."""
+    for option in sorted(config.given & UNUSED.keys()):
+        why = UNUSED[option](config, codec)
+        if why is not None:
+            raise UsageError(f"--{option.replace('_', '-')} does not apply to {why}")
 
 
 def check_options(config: RunConfig) -> None:
@@ -119,6 +145,7 @@ def check_options(config: RunConfig) -> None:
                              "(bits 2 from iteration 0, 4 from 500, 8 from 2000); --bits does not apply")
         codec = base_codec(config)
         policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
+        check_given_options(config, codec)
         if codec.two_rounds:  # no bits: a rank, or settings a policy chooses
             check_two_rounds(config, codec)
             cost_model(config)

@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "uniform, 16: fp16), rest_bits=B (the same for the layers it leaves uncompressed), "
                    "ranks=1,2,4 and widths=2,4,8 (menus: with --policy lgreco each layer gets a rank of ranks, "
                    "or goes whole uniform at a width of widths; rank must be one of ranks)")
-    g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); "
+    g.add_argument("--bits", type=int, help=f"bits, or initial bits for a moving policy (default {d.bits}); refused where "
+                   "neither the policy nor the codec has a width to set (docs/policies.rst); "
                    "uniform: 2**bits levels from min to max; qsgd: the sign is one of the bits, "
                    "s = 2**(bits-1) - 1 levels per sign (bits 4 gives s = 7)")
     g.add_argument("--policy", help=f"bit policy: %(policies)s | package.module:Class, a policy of your own "
@@ -151,11 +152,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     config = config_from_args(args)
     export_thread_variables(threads_per_rank(config.threads))  # before Numba's pool starts
-    from .checks import check_bits_given, check_options
+    from .checks import check_options
 
     check_options(config)  # UsageError: cli prints it (rank 0 only) and exits 2
-    if args.bits is not None:
-        check_bits_given(config)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

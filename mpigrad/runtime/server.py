@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..codecs import CodecError
-from ..config import RunConfig
+from ..config import RunConfig, format_elapsed
 from ..costmodel import CostModel, LocalWork
 from ..policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
 from . import checkpoint
@@ -602,10 +602,12 @@ class ParameterServer:
                                        tuple(tuple(s.sizes) for s in servers), tuple(frames_down), self.colocated)
         bits = it["bits"] if self.codec.takes_policy_bits else [self.codec.fixed_bits] * len(it["bits"])
         settings = None
+        if self.lowrank is not None and not self.lowrank.active(m):  # before ``start``: the codec's own float32
+            bits = [self.codec.nominal_bits] * len(it["bits"])
         if self.mixed:  # each layer's setting, and the width its numbers travelled at
             settings = list(it["bits"])  # the Control's codes (before ``start``: float32 whatever they say)
-            bits = [lay.width or self.codec.factor_bits for lay in self.lowrank.layers] if self.lowrank.active(m) \
-                else bits
+            if self.lowrank.active(m):
+                bits = [lay.width or self.codec.factor_bits for lay in self.lowrank.layers]
         record = IterationRecord(
             iteration=m, loss=it["loss"], bits=bits, bytes_up=traffic.bytes_up, bytes_down=traffic.bytes_down,
             t_compute=max(compute), t_encode=t_encode, t_decode=t_decode, t_policy=it["t_policy"],
@@ -775,9 +777,11 @@ class ParameterServer:
         done = record.iteration + 1
         eta = (config.iterations - done) * self._mean_iteration_seconds(done)
         acc = f"  acc {self.last_eval[2]:.3f} @{self.last_eval[0] + 1}" if self.last_eval else ""
+        # bits 0: a codec without a width (a plugin's top-k, mcgq's sampling): nothing to show
+        bits = f"bits {record.bits[0]}  " if record.bits[0] else ""
         return (f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss+l2 {record.loss:.4f}  "
-                f"bits {record.bits[0]}  sent {self.bytes_total / 1e6:.1f} MB  sim {format_seconds(record.sim_time)}  "
-                f"wall {format_seconds(self.clock.clocks.now_wall())}  ETA {format_seconds(eta)}{acc}")
+                f"{bits}sent {self.bytes_total / 1e6:.1f} MB  sim {format_elapsed(record.sim_time)}  "
+                f"wall {format_elapsed(self.clock.clocks.now_wall())}  ETA {format_elapsed(eta)}{acc}")
 
     # ---- checkpoint state -----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -837,14 +841,3 @@ def evaluate(replica, dataset, config: RunConfig, batch: int = 256) -> tuple[flo
         correct += int((logits.argmax(1) == y).sum())
     model.train()
     return total_loss / n, correct / n
-
-
-def format_seconds(seconds: float) -> str:
-    seconds = max(0.0, float(seconds))
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, sec = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{sec:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"

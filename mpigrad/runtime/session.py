@@ -280,7 +280,19 @@ def describe_run(config, server, size: int, log) -> None:
     log(f"network: {network_description(config)}")
     if config.compute_time is not None and config.net_mode != "off":
         log(f"local work: {local_work_description(config, server)}")
-    log("config: " + " ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items())))
+    log("config: " + config_description(config))
+
+
+#: Config keys the ``network:`` line states (in their units), left out of the ``config:`` line.
+_NETWORK_KEYS = ("bandwidth", "latency", "link_bandwidth")
+
+
+def config_description(config) -> str:
+    """The ``config:`` line: every option but the network's (the ``network:`` line states
+    it), a value with a unit as a user writes it (``compute_time=50ms``)."""
+    from ..analysis.labels import format_value
+
+    return " ".join(f"{k}={format_value(v, k)}" for k, v in sorted(config.to_dict().items()) if k not in _NETWORK_KEYS)
 
 
 def shard_description(shards, codec, shard_chunk: int) -> str:
@@ -293,7 +305,7 @@ def shard_description(shards, codec, shard_chunk: int) -> str:
     even = sum(loads) / len(loads)
     text = (f"shards at the initial bits: {', '.join(f'{n / 1e6:.2f}' for n in loads)} MB; the largest "
             f"{max(loads) / even:.2f}x an even split")
-    if max(loads) > 1.2 * even and not shard_chunk:
+    if max(loads) > 1.2 * even and not shard_chunk and not codec.two_rounds:  # powersgd refuses --shard-chunk
         text += " (--shard-chunk N cuts layers larger than N elements into pieces the servers can share)"
     return text
 
@@ -322,11 +334,21 @@ def local_work_description(config, server) -> str:
         return f"{compute}; policy, encode, decode and average not charged (--cost-model none)"
     model, _ = server.clock.local_costs
     name = "the package's cost model" if config.cost_model == "default" else f"cost model {config.cost_model}"
-    policy = ("policy, " if model.charges_policy(config.policy) else
-              f"(policy {config.policy!r} not in the model: not charged) ")
-    return (f"{compute}, {policy}encode, decode and average by {name} (measured on {model.machine}): "
-            f"{1e3 * server.clock.local_seconds([config.bits] * max(len(server.replica.layout.quantized), 1)):.2f} ms "
-            f"per iteration at {config.bits} bits")
+    charged = model.charges_policy(config.policy)
+    layers = max(len(server.replica.layout.quantized), 1)
+
+    def ms(bits: int) -> str:
+        return f"{1e3 * server.clock.local_seconds([bits] * layers):.2f} ms"
+
+    if not server.codec.takes_policy_bits:  # its width is the codec's: the policy's bits change nothing
+        cost = f"{ms(server.codec.fixed_bits)} per iteration"
+    else:
+        lowest, highest = server.policy.bits_range()
+        cost = (f"{ms(lowest)} per iteration at {lowest} bits" if lowest == highest else
+                f"{ms(lowest)} per iteration at {lowest} bits to {ms(highest)} at {highest} bits")
+    text = (f"{compute}, {'policy, ' if charged else ''}encode, decode and average by {name} "
+            f"(measured on {model.machine}): {cost}")
+    return text if charged else f"{text}; policy {config.policy!r} not in the model: not charged"
 
 
 def _version() -> str:

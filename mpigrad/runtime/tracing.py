@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..config import format_elapsed
 from ..trace import TraceWriter, collect_versions, schema, slurm_ids
 from .record import TABLE_COLUMNS, IterationRecord, table_block
 
@@ -140,4 +141,4 @@ class RunTrace:
         loss = self.last.loss if self.last else float("nan")
         sim = self.last.sim_time if self.last else 0.0
         return (f"mpigrad: done: {self.rows} iterations this session, final loss {loss:.4f}, "
-                f"simulated time {sim:.1f} s; trace {self.writer.path}")
+                f"simulated time {format_elapsed(sim)}; trace {self.writer.path}")

@@ -131,6 +131,12 @@ _POLICY_LABELS = {"adaptive": "Adaptive", "mqgrad": "MQGrad", "accordion": "Acco
                   "aimd": "AIMD", "progress": "Progress"}
 _PLAIN_CODECS = {"fp32": "FP32", "fp16": "FP16"}
 _DEFAULT_CODEC = "uniform"
+#: The built-in codecs whose width a policy sets (``Codec.accepts_bits``; a test holds this to
+#: the registry): only their runs are labelled by a width. Any other codec's run is labelled
+#: without one ("Fix [sign]", "Fix [TopK]": a reader cannot know a plugin's width, and a
+#: config's ``bits`` is its unused default there); where runs differ in bits, the group
+#: labels add ``bits=N``.
+WIDTH_CODECS = ("qsgd", "uniform")
 
 
 #: Appended to the label of a trace that ``mpigrad trace retime`` wrote (config ``retimed``).
@@ -166,7 +172,7 @@ def _method(config: dict[str, Any]) -> str:
         return f"PowerSGD r{codec.get('rank', 1)}" + (f" ({', '.join(widths)})" if widths else "")
     policy_id = str(policy.get("id", "fixed"))
     if policy_id == "fixed":
-        bits = policy.get("bits", codec.get("bits"))
+        bits = policy.get("bits", codec.get("bits")) if codec_id in WIDTH_CODECS else None
         label = f"Fix ({bits}-bit)" if bits is not None else "Fix"
     else:  # a plugin package.module:Class is labelled by its class name
         label = _POLICY_LABELS.get(policy_id, policy_id.rpartition(":")[2])
