@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SMALL_RUN, assert_same_trace, run_mpi
+from conftest import SMALL_RUN, assert_same_trace, mpiexec, run_mpi
 from mpigrad.errors import UsageError
 from mpigrad.lab import host
 from mpigrad.lab.host import LabError, unavailable_reason
@@ -94,6 +94,25 @@ def test_topology_names_and_addresses():
 def test_tbf_bucket_grows_with_the_rate():
     assert tbf_arguments(10e6)[:4] == ["tbf", "rate", "80000000bit", "burst"]
     assert int(tbf_arguments(10e6)[4]) == 20_000 and int(tbf_arguments(1e6)[4]) == 16 * 1024
+
+
+@pytest.mark.mpi
+def test_a_frame_stalled_on_the_way_is_named_not_the_frames_behind_it(mpi_env):
+    """Rank 2's frame starts to arrive and stops (its sender makes no MPI call, as behind a
+    downed link), rank 1's small frame comes after it: rank 0 receives rank 1's and names
+    rank 2 alone (it named "1, 2": it waited on rank 2's receive before looking for rank 1's,
+    and `mpigrad lab --event 12s:node2:down` blamed rank 1 too). On the lab's transport,
+    MPICH over TCP (on loopback here), which moves a large message only inside MPI calls."""
+    from mpigrad.lab.launch import MPICH_VARIABLES
+    from mpigrad.mpiexec import find_mpiexec, mpiexec_flavour
+
+    if mpiexec_flavour(find_mpiexec(None)) != "MPICH":
+        pytest.skip("the lab's transport is MPICH's")
+    env = {**mpi_env, **MPICH_VARIABLES, "FI_TCP_IFACE": "lo"}
+    script = os.path.join(os.path.dirname(__file__), "stalled_frame.py")
+    result = subprocess.run(mpiexec(3, [sys.executable, script]), env=env, capture_output=True, text=True, timeout=60)
+    assert "TIMEOUT worker rank(s) 2 sent no frame within 2 s" in result.stdout, result.stdout + result.stderr
+    assert "RECEIVED 1\n" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("args, message", [
