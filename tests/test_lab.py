@@ -320,10 +320,42 @@ def test_a_collapsed_link_slows_the_run_a_downed_one_is_named_and_resume_gives_t
           f"median {np.median(step_seconds):.3f} s; failed at {trace.attrs['error']!r}")
     assert step_seconds[slow] > 10 * np.median(step_seconds) and slow + 20 < len(step_seconds)
     assert_nothing_left(str(failed))
-    resumed = run_mpi(3, ["train", "--trace", str(failed), *run, "--resume"], mpi_env, timeout=120)
+    # Outside the lab it resumes on another network: only with --force, and the trace says so.
+    resumed = run_mpi(3, ["train", "--trace", str(failed), *run, "--resume", "--force"], mpi_env, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
     assert_same_trace(load(straight), load(failed))
+    assert load(failed).network.startswith("lab 2MB/s, events 12s:node1:rate=20kB/s 22s:node1:rate=2MB/s "
+                                           "28s:node2:down until iteration ")
+
+
+@needs_lab
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_lab_run_records_its_network_and_readers_tell_two_rates_apart(tmp_path, mpi_env, capsys):
+    """Two runs with --net-mode off at 50 and 10 MB/s: each trace records its lab, and
+    summary labels them apart (both were "MQGrad", the config's unused bandwidth
+    alike, one group for compare)."""
+    from mpigrad.cli import main
+    from mpigrad.trace import load
+
+    traces = []
+    for rate in ("50MB/s", "10MB/s"):
+        trace = tmp_path / f"lab{rate[:2]}.h5"
+        result = subprocess.run(lab_command(
+            "--nodes", "3", "--rate", rate, "--check", "none", "--", "train", "--trace", str(trace), "--iterations",
+            "3", *SMALL_RUN[:4], "--net-mode", "off", "--progress-every", "0", "--eval-every", "0"),
+            env=mpi_env, capture_output=True, text=True, timeout=150)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"links: lab {rate} (mpigrad lab)" in result.stdout, result.stdout
+        assert load(trace).attrs["network"] == {"kind": "lab", "nodes": 3, "rate": rate}
+        traces.append(trace)
+    assert main(["trace", "summary", *map(str, traces), "--format", "csv"]) == 0
+    out = capsys.readouterr().out
+    assert "MQGrad network=lab 50MB/s" in out and "MQGrad network=lab 10MB/s" in out, out
+    assert main(["trace", "info", str(traces[0])]) == 0
+    assert "lab 50MB/s (3 nodes of mpigrad lab)" in capsys.readouterr().out
+    assert_nothing_left(str(traces[0]))
 
 
 GLOO_PEER = r"""

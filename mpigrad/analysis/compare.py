@@ -36,7 +36,7 @@ import numpy as np
 
 from ..machine import FINGERPRINT_KEYS
 from ..trace import Trace
-from .labels import differing_keys, flat_config, format_value, group_key, group_labels
+from .labels import NETWORK_KEY, differing_keys, flat_config, format_value, group_key, group_labels, labelled_config
 from .summary import require_steps, smoothed_loss, time_to_target
 from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
 
@@ -94,7 +94,7 @@ def group_runs(traces: Sequence[Trace], by: Sequence[str] | None = None, *,
     """Groups in the order their first run was given."""
     if not traces:
         raise AnalysisError("no runs to compare")
-    configs = [t.config for t in traces]
+    configs = [labelled_config(t) for t in traces]
     keys = differing_keys(configs) if not by else list(by)
     if by:
         known = set().union(*(flat_config(c) for c in configs))
@@ -104,9 +104,9 @@ def group_runs(traces: Sequence[Trace], by: Sequence[str] | None = None, *,
                                 f"(keys look like lr, policy, policy_opts.epsilon)")
     labels = group_labels(configs, keys)
     groups: dict[str, Group] = {}
-    for trace, label in zip(traces, labels):
+    for trace, config, label in zip(traces, configs, labels):
         require_steps(trace)
-        key = group_key(trace.config, keys)
+        key = group_key(config, keys)
         group = groups.setdefault(key, Group(label, key))
         if trace.status == "complete" or include_incomplete:
             group.runs.append(trace)
@@ -173,7 +173,7 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
             row[f"loss{k}"] = float(np.mean(losses)) if losses else None
             row[f"acc{k}"] = float(np.mean(accuracies)) if accuracies else None
         rows.append((group, row))
-    firsts = [(group.runs or group.excluded)[0].config for group, _ in rows]
+    firsts = [labelled_config((group.runs or group.excluded)[0]) for group, _ in rows]
     differing = [k for k in differing_keys(firsts) if k in NETWORK_KEYS or k.startswith("link_bandwidth.")]
     networks = [network_label(config, differing) for config in firsts]
     for (_, row), network in zip(rows, networks):
@@ -225,9 +225,9 @@ def config_kind(config: dict[str, Any]) -> str | None:
 BASELINE_CODECS = ("fp32", "fp16", "powersgd")
 
 
-#: Config keys of the network model: vs_best_fixed compares groups that agree on them (and on
-#: ``link_bandwidth.RANK``, each rank's own link).
-NETWORK_KEYS = ("bandwidth", "latency", "net_mode", "broadcast")
+#: Config keys of the network model, and the network the run really had (``labels.NETWORK_KEY``):
+#: vs_best_fixed compares groups that agree on them (and on ``link_bandwidth.RANK``, each rank's own link).
+NETWORK_KEYS = ("bandwidth", "latency", "net_mode", "broadcast", NETWORK_KEY)
 
 
 def network_label(config: dict[str, Any], keys: Sequence[str]) -> str:

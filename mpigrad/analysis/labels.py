@@ -16,7 +16,8 @@ from typing import Any, Sequence
 from ..config import format_duration, format_rate
 from ..trace import Trace, method_label
 
-__all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value"]
+__all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value",
+           "labelled_config", "NETWORK_KEY"]
 
 #: Keys that say how a run was run or written, not what was trained: never a difference.
 BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
@@ -35,7 +36,7 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     traces of one config form one group, and a re-timed trace (``retimed = true``) a group of
     its own. Other configs (the TraceWriter API) are taken as written."""
     defaults = {**_defaults(), RETIMED_KEY: False}
-    if config and set(config) <= set(defaults) | _NESTED_KEYS:
+    if config and set(config) <= set(defaults) | _NESTED_KEYS | {NETWORK_KEY}:
         config = {**defaults, **config}
     return _flatten(config)
 
@@ -124,10 +125,20 @@ def group_labels(configs: Sequence[dict[str, Any]], keys: Sequence[str] | None =
     return labels
 
 
+#: The key under which labels and groups see the network a run really had (``Trace.network``:
+#: "host", "lab 10MB/s", ...), beside the config's network model (``net_mode``, ``bandwidth``).
+NETWORK_KEY = "network"
+
+
+def labelled_config(trace: Trace) -> dict[str, Any]:
+    """What a run is labelled and grouped by: its config and its network (``NETWORK_KEY``)."""
+    return {**trace.config, NETWORK_KEY: trace.network}
+
+
 def run_labels(traces: Sequence[Trace]) -> list[str]:
     """Per-run labels: the group label, ``seed=N`` where runs of one group differ in seed,
     and the file name where two runs still share a label."""
-    configs = [t.config for t in traces]
+    configs = [labelled_config(t) for t in traces]
     labels = group_labels(configs)
     seeds = [c.get("seed", t.attrs.get("seed")) for c, t in zip(configs, traces)]
     for text in set(labels):

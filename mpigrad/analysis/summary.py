@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import STEPS_COLUMNS, Trace
+from ..trace import STEPS_COLUMNS, Trace, network
 from .tables import CLOCKS, AnalysisError, Column
 
 __all__ = ["require_steps", "marked_label", "smoothed_loss", "time_to_target", "iterations_to_target", "overhead_fraction",
@@ -151,6 +151,7 @@ def describe(trace: Trace) -> list[tuple[str, str]]:
     lines.append(("tables", ", ".join(f"{name} {len(frame)} rows" for name, frame in trace.tables.items())))
     for resume in attrs.get("resumes", []):
         lines.append(("resumed", f"at iteration {resume.get('at_iteration')} on {resume.get('time')}"))
+    lines.append(("network", network.details(attrs)))
     for key in ("argv", "hostnames", "hosts", "ranks", "slurm", "seed"):
         if key in attrs:
             value = attrs[key]
@@ -161,7 +162,7 @@ def describe(trace: Trace) -> list[tuple[str, str]]:
         lines.append(("versions", ", ".join(f"{k} {str(v).splitlines()[0] if str(v) else v}"
                                             for k, v in versions.items())))
     shown = {"format", "schema_version", "mpigrad_version", "start_time", "end_time", "complete",
-             "status", "error", "last_iteration", "config", "resumes", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
+             "status", "error", "last_iteration", "config", "resumes", "network", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
     lines += [(key, _compact(value)) for key, value in attrs.items() if key not in shown]
     lines.append(("config", json.dumps(trace.config, indent=2, sort_keys=True)))
     return lines

@@ -15,11 +15,14 @@ way it ends, the lab's namespaces, links, qdiscs and processes are removed.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
+from dataclasses import replace
 
 from ..config import is_schedule, parse_duration, parse_schedule
 from ..errors import UsageError
+from ..trace import network as run_network
 from .host import LabError, require_lab
 from .launch import CommandRun, each_plan, expand_command, mpi_plan
 from .netns import Lab, Topology
@@ -71,6 +74,16 @@ def _rates(args: argparse.Namespace) -> dict[int, object]:
     return rates
 
 
+def _rate_texts(args: argparse.Namespace, rates: dict[int, object]) -> dict[int, float | str]:
+    """Each node's rate as the trace records it: bytes/s for a constant rate, else the
+    schedule as written."""
+    texts = {i: args.rate for i in rates}
+    for item in args.node_rate or []:
+        index, _, value = item.partition("=")
+        texts[int(index)] = value
+    return {i: rates[i].at(0.0) if rates[i].constant else "".join(texts[i].split()) for i in rates}
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C: stop the command, remove the lab, exit 130."""
 
@@ -106,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     if command:
         command = expand_command(command, args.launch)
         plan = mpi_plan(topology, command) if args.launch == "mpi" else each_plan(topology, command)
+        # Every process learns the lab's network: mpigrad train records it in its trace.
+        network = run_network.lab_network(args.nodes, _rate_texts(args, rates), latency,
+                                          [e.text() for e in sorted(events, key=lambda e: e.at)], args.seed)
+        plan = replace(plan, env={**plan.env, run_network.VARIABLE: json.dumps(network)})
     log = lambda message: print(message, flush=True)  # noqa: E731
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     lab = Lab(topology, log=log)

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..config import parse_duration, parse_rate
+from ..config import format_duration, format_rate, parse_duration, parse_rate
 from ..errors import UsageError
 from .host import LabError, run
 from .netns import GSO_MAX_SIZE, IFACE, Topology
@@ -107,6 +107,11 @@ class LinkEvent:
             raise UsageError(f"--event {text!r}: the time must be >= 0")
         rate = parse_rate(match["rate"]) if match["rate"] else None
         return cls(at, int(match["node"]), "rate" if rate is not None else match["action"], rate)
+
+    def text(self) -> str:
+        """The event as ``--event`` takes it, normalised: '12s:node2:down', '3s:node1:rate=1MB/s'."""
+        action = f"rate={format_rate(self.rate, bits=False)}" if self.action == "rate" else self.action
+        return f"{format_duration(self.at)}:node{self.node}:{action}"
 
     def describe(self) -> str:
         what = {"down": "link down", "up": "link up"}.get(self.action) or f"rate {self.rate / 1e6:g} MB/s"

@@ -110,7 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "calibrate) or none (charge no local work, the clock before issue 24) (default default)")
     g = parser.add_argument_group("output")
     g.add_argument("--trace", metavar="PATH", help=f"HDF5 trace file (default {d.trace})")
-    g.add_argument("--force", action="store_true", default=None, help="overwrite an existing trace")
+    g.add_argument("--force", action="store_true", default=None,
+                   help="overwrite an existing trace; with --resume, resume on another network than the "
+                        "trace's (the trace records it)")
     g.add_argument("--trace-flush", type=int, help=f"flush the trace every N iterations (default {d.trace_flush})")
     g.add_argument("--progress-every", type=int, help=f"progress line every N iterations, 0 = never (default {d.progress_every})")
     g.add_argument("--checksum-every", type=int, help=f"compare parameter checksums every N iterations (default {d.checksum_every})")

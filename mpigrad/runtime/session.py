@@ -16,6 +16,7 @@ from ..config import format_duration, format_network_value, format_rate
 from ..errors import UsageError
 from ..machine import mpi_library_version
 from ..models import check_model
+from ..trace import network
 from ..options import check_overwrite
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, load_data
@@ -67,6 +68,7 @@ def _launch_problem(config, size: int) -> str | None:
                                  "(start a new run with another --trace, or --force without --resume)")
             if not checkpoint.exists(config.checkpoint_path):
                 raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
+            network.resume_change(trace, network.current(), config.force)  # refused unless --force
         else:
             check_overwrite([trace], config.force, error=UsageError, alternative=" or --trace to choose another")
         make_parent_directory(trace, "trace")
@@ -170,6 +172,8 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
         replica = state["server"]["replica"]
         channel.scatter_object([None] + list(state.get("servers", [])) + [(w, replica) for w in state["workers"]])
         log(f"mpigrad: resuming from {path} at iteration {start}")
+    # Another network than the trace's was refused in check_launch unless --force: say so.
+    changed = network.resume_change(config.trace, network.current(), force=True) if config.resume else None
     # Every rank has built its part once this gather returns: no timeout runs before.
     hosts = channel.gather_object(socket.gethostname())
     channel.bcast_object(start)
@@ -178,8 +182,9 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
                           data_description=server.data_description, hosts=hosts, argv=argv,
                           resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
                           settings=server.mixed)
-    if not config.resume:
-        describe_run(config, server, channel.size, log)
+    describe_run(config, server, channel.size, log)  # a resumed session's start-up lines too
+    if changed:
+        log(changed)
 
     def save_checkpoint() -> str:
         """Flush the trace, gather every rank's state, write it; return "SIZE MB, SECONDS s"."""
@@ -278,6 +283,9 @@ def describe_run(config, server, size: int, log) -> None:
     if server.servers > 1:
         log(shard_description(server.shards, server.codec, config.shard_chunk))
     log(f"network: {network_description(config)}")
+    links = network.current()
+    if links != network.HOST:  # in mpigrad lab: the real links, as the trace records them
+        log(f"links: {network.describe(links)} (mpigrad lab)")
     if config.compute_time is not None and config.net_mode != "off":
         log(f"local work: {local_work_description(config, server)}")
     log("config: " + config_description(config))

@@ -6,7 +6,7 @@ import os
 import time
 
 from ..config import format_elapsed
-from ..trace import TraceWriter, collect_versions, schema, slurm_ids
+from ..trace import TraceWriter, collect_versions, network, schema, slurm_ids
 from .record import TABLE_COLUMNS, IterationRecord, table_block
 
 
@@ -42,8 +42,10 @@ class RunTrace:
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings)
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
-                                               flush_every=config.trace_flush))
+                                               flush_every=config.trace_flush,
+                                               resume={network.ATTR: network.current()}))
         attrs = {
+            network.ATTR: network.current(),  # the lab's, or the hosts' own (trace/network.py)
             "argv": " ".join(argv),
             "hosts": hosts,
             "ranks": len(hosts),

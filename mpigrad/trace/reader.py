@@ -261,6 +261,14 @@ class Trace:
         return method_label(self.config)
 
     @property
+    def network(self) -> str:
+        """The network the run really had, in words: 'host', 'lab 10MB/s', 'lab 10MB/s until
+        iteration 16, then host' (trace/network.py; 'host' for a trace that does not record it)."""
+        from .network import text
+
+        return text(self.attrs)
+
+    @property
     def name(self) -> str:
         return self.path.stem
 

@@ -86,11 +86,13 @@ class TraceWriter:
 
     @classmethod
     def open_append(cls, path: str | os.PathLike, *, tables: Mapping[str, Mapping], truncate_at: int,
-                    attrs: Mapping[str, Any] | None = None, flush_every: int = 100) -> "TraceWriter":
+                    attrs: Mapping[str, Any] | None = None, flush_every: int = 100,
+                    resume: Mapping[str, Any] | None = None) -> "TraceWriter":
         """Continue the trace at ``path`` from iteration ``truncate_at`` (a checkpoint's next one).
 
         Rows with ``iteration >= truncate_at`` (written after the checkpoint) are dropped;
-        the tables must match the file's exactly; ``attrs`` update the root attributes.
+        the tables must match the file's exactly; ``attrs`` update the root attributes;
+        ``resume`` adds keys to this resume's ``resumes`` entry (the runtime's ``network``).
         """
         from .reader import read_raw
 
@@ -110,7 +112,7 @@ class TraceWriter:
         root = {name: value for name, value in raw.attrs.items() if name not in END_ATTRS}
         root.update(_user_attrs(attrs))
         resume = {"at_iteration": int(truncate_at), "time": _now(),
-                  "mpigrad_version": __version__, "dropped_rows": dropped}
+                  "mpigrad_version": __version__, "dropped_rows": dropped, **(resume or {})}
         root["resumes"] = list(raw.attrs.get("resumes", [])) + [resume]
         self._create(root, initial_rows=kept)
         return self
