@@ -104,6 +104,38 @@ def test_compare_text_notes_partial_means_and_plots(grid, tmp_path, capsys):
     assert out.splitlines()[0].startswith("| method | runs | reached |")
 
 
+def test_compare_of_mixed_runs_fits_a_terminal_and_its_plot_shows_everything(tmp_path, capsys, monkeypatch):
+    """Long group labels: the text table fits COLUMNS, with the labels in a key below it; the
+    plot's legend and loss axis label lie inside the figure, and runs evaluated once, at their
+    end, are dots in the accuracy panel."""
+    from mpigrad.analysis import plots
+
+    networks = [{"bandwidth": "10MB/s@0s,100MB/s@30s", "servers": "colocated", "pipeline": True, "shard_chunk": 0},
+                {"bandwidth": "10MB/s", "servers": 1, "pipeline": False, "shard_chunk": 0},
+                {"bandwidth": "10MB/s", "servers": "colocated", "pipeline": False, "shard_chunk": 32768},
+                {"bandwidth": "10MB/s", "servers": 1, "pipeline": False, "shard_chunk": 0, "net_mode": "off"}]
+    runs = [write(tmp_path / f"r{k}.h5", bits=2 + 2 * (k == 3), iterations=5, network=net)  # evaluated at its end
+            for k, net in enumerate(networks)]
+    figures = []
+    monkeypatch.setattr(plots, "finish", lambda figure, *args, finish=plots.finish: figures.append(figure)
+                        or finish(figure, *args))
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = cli(capsys, "compare", *runs, "--target-loss", "1.0", "--smooth", "5", "--plot", tmp_path / "c.png")
+    assert code == 0 and max(map(len, out.splitlines())) <= 80, out
+    assert out.splitlines()[1].startswith("Fix (2-bit) [1] ") and "[1] Fix (2-bit) bandwidth=10MB/s@0s,100MB/s@30s" in out
+    figure, = figures
+    renderer = figure.canvas.get_renderer()
+    loss, accuracy = figure.axes
+    for text in (figure.legends[0], loss.yaxis.label):
+        box = text.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= figure.bbox.width and 0 <= box.y0 and box.y1 <= figure.bbox.height
+    panel, label = loss.get_window_extent(renderer), loss.yaxis.label.get_window_extent(renderer)
+    assert panel.y0 <= label.y0 and label.y1 <= panel.y1       # the loss axis label along its panel, whole
+    dots = [line for line in accuracy.get_lines() if line.get_marker() == "o"]
+    assert [len(line.get_xdata()) for line in dots] == [1, 1, 1, 1]
+    assert [line.get_ydata()[0] for line in dots] == pytest.approx([54.0] * 4)   # 100 * (0.5 + 0.01 * 4)
+
+
 def test_compare_warns_once_per_group_that_mixes_cpus_or_library_versions(tmp_path, capsys):
     epyc = {"cpu": "AMD EPYC", "torch_cpu_capability": "AVX512", "torch": "2.13.0+cpu"}
     xeon = {**epyc, "cpu": "Intel(R) Xeon(R) Gold 6248", "torch_cpu_capability": "AVX2"}

@@ -8,13 +8,15 @@ Never imports mpi4py, torch or numba; only ``retime`` and ``repair`` write (thro
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from typing import Callable
 
 from ..config import BROADCASTS, parse_bandwidth, parse_latency, parse_link_bandwidth
 from ..errors import UsageError
 from ..trace import Trace, TraceError, load
-from .tables import CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, parse_points, render
+from .tables import CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, fit_width, parse_points, render, wrap
 
 _FORMATS = ("text", "csv", "markdown")
 
@@ -239,12 +241,26 @@ def _compare(args: argparse.Namespace) -> int:
     for line in provenance_warnings(groups):
         print(line, file=sys.stderr)
     rows = compare_rows(groups, args.target_loss, points, smooth=args.smooth)
-    print(render(rows, compare_columns(args.target_loss, points), args.format), end="")
-    if args.format != "csv":
-        print(partial_note(rows), end="")
+    width = _terminal_width() if args.format == "text" else None
+    if width:  # long labels in a key below the table, to fit the terminal
+        shorts = [(group.runs or group.excluded)[0].label for group in groups]
+        table, shown = fit_width(rows, compare_columns(args.target_loss, points), shorts, width)
+        print(table + wrap(partial_note(shown).splitlines(), width), end="")
+    else:
+        print(render(rows, compare_columns(args.target_loss, points), args.format), end="")
+        if args.format != "csv":
+            print(partial_note(rows), end="")
     if args.plot:
         print(f"wrote {plot_compare(groups, args.plot, smooth=args.smooth)}")
     return skipped.exit_code(0)
+
+
+def _terminal_width() -> int | None:
+    """The columns a text table should fit: ``COLUMNS`` where set, else the terminal's when
+    stdout is one; None when it is a file or a pipe (lines kept whole, for grep and scripts)."""
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -263,8 +263,10 @@ def partial_note(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: int = 200, title: str | None = None):
     """Mean smoothed training loss (and test accuracy) against simulated time per group,
-    with a 95 % confidence band, on a grid up to the shortest run of each group."""
-    from .plots import _time_unit, check_output, finish, legend_below, loss_axis_label
+    with a 95 % confidence band, on a grid up to the shortest run of each group; the test
+    accuracy also as dots at the group's evaluations where they are few (a run evaluated
+    once, at its end, is one dot)."""
+    from .plots import _MAX_MARKERS, _time_unit, check_output, finish, legend_below, loss_axis_label
 
     output = check_output(output)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -293,12 +295,24 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
                                           100 * t.eval["test_accuracy"].to_numpy(float),
                                           left=np.nan) for t in evaluated])
                 _band(axes[1], grid / scale, acc, color, group.label)
+                iterations, times, accuracies = _mean_evaluations(evaluated)
+                if len(iterations) <= _MAX_MARKERS:
+                    axes[1].plot(times / scale, accuracies, "o", color=color, ms=4)
     axes[0].set_ylabel(loss_axis_label(smooth))
     legend_below(figure, axes[0])
     if with_accuracy:
         axes[1].set_ylabel("Test accuracy (%)")
     axes[-1].set_xlabel(f"Simulated time ({unit})")
     return finish(figure, axes, output, title)
+
+
+def _mean_evaluations(runs: Sequence[Trace]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per iteration at which any of ``runs`` was evaluated: the iteration, and the mean over
+    those runs of its simulated time and test accuracy (%)."""
+    rows = np.concatenate([t.eval[["iteration", "sim_time", "test_accuracy"]].to_numpy(float) for t in runs])
+    iterations = np.unique(rows[:, 0])
+    means = np.array([rows[rows[:, 0] == i, 1:].mean(axis=0) for i in iterations]).reshape(-1, 2)
+    return iterations, means[:, 0], 100 * means[:, 1]
 
 
 def _band(ax, xs, curves, color, label):

@@ -91,17 +91,33 @@ def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Pa
 
 def loss_axis_label(smooth: int) -> str:
     """The loss axis: the trace's ``loss`` column, which carries the l2 term (the progress
-    line's ``loss+l2``)."""
-    return "Training loss + l2" + (f" (mean of {smooth} it.)" if smooth > 1 else "")
+    line's ``loss+l2``); the smoothing on a line of its own, so that a short panel shows it whole."""
+    return "Training loss + l2" + (f"\n(mean of {smooth} it.)" if smooth > 1 else "")
+
+
+#: Characters per line of a legend label under a figure 6.4 in wide at the legend's small font;
+#: longer labels wrap (a figure wider than 6.4 in allows proportionally more).
+_LEGEND_CHARACTERS = 80
 
 
 def legend_below(figure, ax, **options) -> None:
     """The legend of ``ax``'s lines under the panels, where it covers no curve (``ncols``:
-    that many columns, else 1 for long labels and 2 otherwise)."""
+    that many columns, else 1 for long labels and 2 otherwise); labels too long for the
+    figure's width are wrapped, never cut off at its edges."""
+    import textwrap
+
     handles, labels = ax.get_legend_handles_labels()
     columns = options.pop("ncols", None) or (1 if max(map(len, labels), default=0) > 30 else min(len(labels), 2))
+    width = int(_LEGEND_CHARACTERS * figure.get_figwidth() / 6.4 / max(columns, 1))
+    labels = [textwrap.fill(label, width, subsequent_indent="  ", break_on_hyphens=False) for label in labels]
     figure.legend(handles, labels, loc="outside lower center", ncols=max(columns, 1), frameon=False,
                   fontsize="small", **options)
+    lines = sum(label.count("\n") + 1 for label in labels) / max(columns, 1)
+    figure.set_figheight(figure.get_figheight() + _LEGEND_LINE_INCHES * lines)  # the panels keep their height
+
+
+#: The height of a line of the legend (small font and spacing), added to the figure's.
+_LEGEND_LINE_INCHES = 0.18
 
 
 def check_output(output: str | Path) -> Path:

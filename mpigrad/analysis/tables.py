@@ -15,7 +15,7 @@ from .. import options
 from ..trace import Trace
 
 __all__ = ["AnalysisError", "Column", "Point", "CLOCKS", "METRICS", "NOT_AVAILABLE", "NOT_YET",
-           "render", "parse_points", "value_at", "accuracy_table", "export_csv"]
+           "render", "fit_width", "wrap", "parse_points", "value_at", "accuracy_table", "export_csv"]
 
 #: Clock name -> time column (seconds since the run started).
 CLOCKS = {"sim": "sim_time", "wall": "wall_time"}
@@ -81,6 +81,43 @@ def render(rows: Sequence[dict[str, Any]], columns: Sequence[Column], fmt: str =
                          for v, w, c in zip(values, widths, columns)).rstrip()
 
     return "\n".join([line(c.header for c in columns)] + [line(cells_) for cells_ in cells]) + "\n"
+
+
+def fit_width(rows: Sequence[dict[str, Any]], columns: Sequence[Column], shorts: Sequence[str], width: int, *,
+              label: str = "method", notes: Sequence[str] = ("excluded",)) -> tuple[str, list[dict[str, Any]]]:
+    """A text table that fits ``width`` columns where it can, and the rows as it shows them.
+    As ``render`` when it fits; else each ``label`` cell longer than its short name
+    (``shorts``, one per row, e.g. the method without the config keys) becomes
+    ``short [k]`` and the ``notes`` columns leave the table (then, if it is still too wide, the
+    columns N/A in every row too), and a key below it, wrapped to ``width``, gives each
+    ``[k]``'s full label and notes and names the columns left out."""
+    text = render(rows, columns, "text")
+    if max(map(len, text.splitlines()), default=0) <= width:
+        return text, list(rows)
+    shown, key = [], []
+    for row, short in zip(rows, shorts):
+        row = dict(row)
+        extra = [f"{c}: {row[c]}" for c in notes if row.get(c) not in (None, "-", "")]
+        if len(row[label]) > len(short) or extra:
+            mark = f"[{len(key) + 1}]"
+            key.append(f"{mark} {'; '.join([row[label], *extra])}")
+            row[label] = f"{short} {mark}"
+        shown.append(row)
+    kept = [c for c in columns if c.key not in notes]
+    text = render(shown, kept, "text")
+    empty = [c for c in kept if c.key != label and all(row.get(c.key) is None for row in rows)]
+    if max(map(len, text.splitlines())) > width and empty:
+        text = render(shown, [c for c in kept if c not in empty], "text")
+        key.append(f"N/A in every row, left out: {', '.join(c.header for c in empty)}")
+    return text + wrap(key, width), shown
+
+
+def wrap(lines: Iterable[str], width: int) -> str:
+    """Lines of notes wrapped to ``width`` columns, each continuation indented."""
+    import textwrap
+
+    return "".join(textwrap.fill(line, width, subsequent_indent="    ", break_on_hyphens=False) + "\n"
+                   for line in lines)
 
 
 class Point(NamedTuple):
