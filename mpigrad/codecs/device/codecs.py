@@ -85,11 +85,25 @@ class DeviceCodec:
         if out.size < size:
             raise CodecError(f"out= holds {out.size} bytes, encode may need {size}")
         self._reset_status()
-        fields = self._encode_payload(x, out, HEADER_SIZE) if x.size else self._empty_fields()
+        header = self.launch_encode(x, out, HEADER_SIZE, self._status)
         self._raise_status(self._read_status())
-        header = Header(self.codec.wire_id, *fields[:4], x.size, fields[4])
         out[:HEADER_SIZE].copy_to_device(header_bytes(header), stream=self.stream)
         return HEADER_SIZE + header.payload_len
+
+    def launch_encode(self, x, out, pos: int, status) -> Header:
+        """Launch the kernels writing the payload of device ``x`` at ``out[pos:]`` (checked
+        arrays: :meth:`encode` checks them) and flagging refusals in device ``status`` (see
+        :meth:`raise_status`); return the header. Nothing waits for the device."""
+        fields = self._encode_payload(x, out, pos, status) if x.size else self._empty_fields()
+        return Header(self.codec.wire_id, *fields[:4], x.size, fields[4])
+
+    def launch_decode(self, header: Header, payload, out, accumulate: bool, status) -> None:
+        """Launch the kernels checking the scales of a checked ``header``'s device payload
+        (flags in ``status``) and decoding it into ``out``, all at once: a caller that finds
+        a flag afterwards must not use ``out`` (:meth:`decode` checks before it writes)."""
+        if header.n:
+            self._check_scales(header, payload, status)
+            self._decode_values(header, payload, out, accumulate)
 
     def decode(self, frame: np.ndarray, out, *, accumulate: bool = False) -> None:
         """Decode a frame held on the host (validated there: header, CRC, lengths) into
@@ -120,13 +134,20 @@ class DeviceCodec:
         if out.size != header.n:
             raise CodecError(f"out= holds {out.size} elements, buffer encodes {header.n}")
         if header.n:
-            self._decode_payload(header, payload, out, accumulate)
+            self._reset_status()
+            self._check_scales(header, payload, self._status)
+            self._raise_status(self._read_status())
+            self._decode_values(header, payload, out, accumulate)
 
     # ---- per codec ----------------------------------------------------------------------
     def _empty_fields(self) -> tuple[int, int, int, int, int]:
         """Header fields of an empty input: the host codec's own."""
         fields = self.codec._encode_payload(np.zeros(0, np.float32), _EMPTY)
         return fields
+
+    def raise_status(self, status: np.ndarray) -> None:
+        """Raise the CodecError that the host's copy of a ``status`` array stands for."""
+        self._raise_status(status)
 
     def _raise_status(self, status: np.ndarray) -> None:
         if status[k.ERR_NONFINITE]:
@@ -138,27 +159,30 @@ class DeviceCodec:
             raise CodecError(f"{self.codec.codec_id}: corrupted payload (a scale is negative, non-finite "
                              "or out of order)")
 
-    def _encode_payload(self, x, out, pos: int):
+    def _encode_payload(self, x, out, pos: int, status):
         raise NotImplementedError
 
-    def _decode_payload(self, header: Header, payload, out, accumulate: bool) -> None:
+    def _check_scales(self, header: Header, payload, status) -> None:
+        """Read and check the payload's scales (codecs that have none: nothing)."""
+
+    def _decode_values(self, header: Header, payload, out, accumulate: bool) -> None:
         raise NotImplementedError
 
 
 class DeviceFloat32(DeviceCodec):
-    def _encode_payload(self, x, out, pos):
-        self._launch(k.store_float32, x.size, x, out, pos, self._status)
+    def _encode_payload(self, x, out, pos, status):
+        self._launch(k.store_float32, x.size, x, out, pos, status)
         return 0, 0, 0, 0, 4 * x.size
 
-    def _decode_payload(self, header, payload, out, accumulate):
+    def _decode_values(self, header, payload, out, accumulate):
         self._launch(k.load_float32, out.size, payload, 0, out, accumulate)
 
 
 class DeviceFloat16(DeviceCodec):
     _tables: dict = {}
 
-    def _encode_payload(self, x, out, pos):
-        self._launch(k.store_float16, x.size, x, out, pos, self._status)
+    def _encode_payload(self, x, out, pos, status):
+        self._launch(k.store_float16, x.size, x, out, pos, status)
         return 0, 0, 0, 0, 2 * x.size
 
     def _raise_status(self, status):
@@ -166,7 +190,7 @@ class DeviceFloat16(DeviceCodec):
             raise CodecError(f"{self.codec.codec_id}: a value exceeds the format's range")
         super()._raise_status(status)
 
-    def _decode_payload(self, header, payload, out, accumulate):
+    def _decode_values(self, header, payload, out, accumulate):
         table = self._tables.get(id(self.cuda))
         if table is None:
             table = self._tables[id(self.cuda)] = self.cuda.to_device(HALF_TO_FLOAT)
@@ -207,7 +231,7 @@ class _Bucketed(DeviceCodec):
 class DeviceUniform(_Bucketed):
     kind = 0
 
-    def _encode_payload(self, x, out, pos):
+    def _encode_payload(self, x, out, pos, status):
         codec, n = self.codec, x.size
         bucket, chunks = self._chunks(n)
         nb = -(-n // bucket)
@@ -215,7 +239,7 @@ class DeviceUniform(_Bucketed):
         lohi = self._array("lohi", 2 * nb, np.float32)
         self._launch(k.fill_keys, 2 * nb, keys)
         k.range_keys[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, keys)
-        self._launch(k.finish_ranges, nb, keys, lohi, self._status)
+        self._launch(k.finish_ranges, nb, keys, lohi, status)
         self._launch(k.store_scales, 2 * nb, lohi, out[pos:pos + 8 * nb])
         seed, counter = codec._next_stream() if codec.stochastic else (0, 0)
         self._codes(x, lohi, out, pos + 8 * nb, codec.bits, codec.stochastic, k.stream_key(seed, counter))
@@ -223,38 +247,39 @@ class DeviceUniform(_Bucketed):
         return (codec.bits, FLAG_STOCHASTIC if codec.stochastic else 0, codec.bucket_size or 0, 0,
                 payload_size(n, codec.bits, codec.bucket_size or 0))
 
-    def _decode_payload(self, header, payload, out, accumulate):
+    def _check_scales(self, header, payload, status):
+        nb = bucket_layout(header.param_a, header.n)[1]
+        self._launch(k.load_pairs, nb, payload, self._array("lohi_in", 2 * nb, np.float32), status)
+
+    def _decode_values(self, header, payload, out, accumulate):
         bucket, nb = bucket_layout(header.param_a, header.n)
-        lohi = self._array("lohi", 2 * nb, np.float32)
-        self._reset_status()
-        self._launch(k.load_pairs, nb, payload, lohi, self._status)
-        self._raise_status(self._read_status())
+        lohi = self._array("lohi_in", 2 * nb, np.float32)
         self._values(payload, 8 * nb, header.bits, bucket, lohi, out, accumulate)
 
 
 class DeviceSign(_Bucketed):
     kind = 1
 
-    def _encode_payload(self, x, out, pos):
+    def _encode_payload(self, x, out, pos, status):
         codec, n = self.codec, x.size
         bucket, chunks = self._chunks(n)
         nb = -(-n // bucket)
         partials = self._array("partials", nb * chunks, np.float64)
         scales = self._array("scales", nb, np.float32)
-        k.abs_partials[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, partials, self._status)
+        k.abs_partials[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, partials, status)
         self._launch(k.finish_means, nb, partials, chunks, bucket, n, scales)
         self._launch(k.store_scales, nb, scales, out[pos:pos + 4 * nb])
         self._codes(x, scales, out, pos + 4 * nb, 1)
         from ..sign import payload_size
         return 1, 0, codec.bucket_size or 0, 0, payload_size(n, codec.bucket_size or 0)
 
-    def _decode_payload(self, header, payload, out, accumulate):
+    def _check_scales(self, header, payload, status):
+        nb = bucket_layout(header.param_a, header.n)[1]
+        self._launch(k.load_scales, nb, payload, self._array("scales_in", nb, np.float32), status)
+
+    def _decode_values(self, header, payload, out, accumulate):
         bucket, nb = bucket_layout(header.param_a, header.n)
-        scales = self._array("scales", nb, np.float32)
-        self._reset_status()
-        self._launch(k.load_scales, nb, payload, scales, self._status)
-        self._raise_status(self._read_status())
-        self._values(payload, 4 * nb, 1, bucket, scales, out, accumulate)
+        self._values(payload, 4 * nb, 1, bucket, self._array("scales_in", nb, np.float32), out, accumulate)
 
 
 DEVICE_CLASSES = {"fp32": DeviceFloat32, "fp16": DeviceFloat16, "uniform": DeviceUniform, "sign": DeviceSign}

@@ -1,0 +1,256 @@
+"""The device path: gradients encoded and decoded where they live, only packed bytes cross.
+
+With ``--device cuda`` and codecs that have GPU kernels (:mod:`mpigrad.codecs.device`), a
+:class:`DeviceGradientCompressor` stands where the host's
+:class:`~.compressor.GradientCompressor` stands, with the same frames: it encodes a shard
+of a flat gradient that stays in device memory into a device frame buffer (the error
+memory on the device too), copies the packed bytes, and nothing else, into a pinned host
+frame, and writes the headers there; it decodes a received host frame by copying its bytes
+to the device once and adding every piece into a device buffer. One status array per
+frame, read after the copy that waits anyway, carries the kernels' refusals.
+
+Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
+(``NUMBA_ENABLE_CUDASIM=1`` and ``MPIGRAD_DEVICE_CODECS=simulator``): how CI tests it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ..codecs import CodecError, HEADER_SIZE
+from ..codecs.base import header_bytes
+from ..codecs.device import DEVICE_CODECS, device_codec, load_cuda
+from ..codecs.device import kernels as k
+from ..feedback import ErrorFeedback
+from .compressor import GradientCompressor
+from .layout import Shard
+from .wire.messages import FrameHeader
+
+#: ``MPIGRAD_DEVICE_CODECS=simulator`` runs the device path over CPU tensors in Numba's
+#: CUDA simulator (tests without a GPU); ``host`` keeps a CUDA run on the host path.
+ENVIRONMENT = "MPIGRAD_DEVICE_CODECS"
+
+
+def device_path(device: torch.device) -> bool:
+    """Whether a replica on ``device`` takes the device path."""
+    choice = os.environ.get(ENVIRONMENT, "")
+    if device.type == "cuda":
+        return choice != "host"
+    return choice == "simulator" and k.SIMULATOR
+
+
+def missing_kernels(compressor: GradientCompressor) -> list[str]:
+    """The codecs of ``compressor`` that have no GPU kernels (they keep the host path)."""
+    ids = {compressor.base_config["id"], compressor.rest_codec.codec_id,
+           *(codec.codec_id for codec in compressor.piece_codecs.values())}
+    return sorted(i for i in ids if i not in DEVICE_CODECS)
+
+
+def device_view(tensor: torch.Tensor):
+    """A numba device array over ``tensor``'s memory (no copy): a CUDA tensor's, or under
+    the simulator a CPU tensor's."""
+    cuda = load_cuda()
+    tensor = tensor.detach()
+    if k.SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(tensor.numpy())
+    return cuda.as_cuda_array(tensor)
+
+
+def kernel_stream():
+    """The stream the kernels run on: torch's current stream, so that they are ordered
+    with the backward that wrote the gradient and the copies torch makes."""
+    cuda = load_cuda()
+    if k.SIMULATOR:
+        return 0
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class DeviceFeedback:
+    """The error memory of :class:`~mpigrad.feedback.ErrorFeedback` in device tensors, with
+    the same float operations (so the same memory, bit for bit) and the same state_dict."""
+
+    def __init__(self, host: ErrorFeedback, device: torch.device):
+        self.mode, self.decay, self.device = host.mode, host.decay, device
+        self.errors: dict[int, torch.Tensor] = {}
+        self.compensated: dict[int, torch.Tensor] = {}
+
+    def compensate(self, key: int, g: torch.Tensor) -> torch.Tensor:
+        error = self.errors.get(key)
+        if error is None:
+            error = self.errors[key] = torch.zeros_like(g)
+            self.compensated[key] = torch.empty_like(g)
+        p = self.compensated[key]
+        if self.decay == 1.0:
+            torch.add(g, error, out=p)
+        else:
+            torch.mul(error, np.float32(self.decay).item(), out=p)
+            p.add_(g)
+        return p
+
+    def update(self, key: int, p: torch.Tensor, decoded: torch.Tensor) -> None:
+        if self.mode == "residual":
+            torch.sub(p, decoded, out=self.errors[key])
+        else:
+            torch.mul(p, decoded == 0, out=self.errors[key])
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "decay": self.decay,
+                "memory": {key: e.cpu().numpy().copy() for key, e in self.errors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        host = ErrorFeedback(self.mode, self.decay)
+        host.load_state_dict(state)  # its checks
+        self.errors = {key: torch.from_numpy(host.error(key).copy()).to(self.device) for key in host.keys()}
+        self.compensated = {key: torch.empty_like(e) for key, e in self.errors.items()}
+
+
+class DeviceGradientCompressor:
+    """Hyperparameters: the host compressor it mirrors (pieces, codec configs and
+    instances, RNG counters: its ``state_dict`` is the host one's) and the device. State:
+    each codec instance's device twin, the device error memory, the device and pinned
+    frame buffers. ``encode``/``decode`` take device tensors and host frames."""
+
+    def __init__(self, host: GradientCompressor, device: torch.device):
+        missing = missing_kernels(host)
+        if missing:
+            raise CodecError(f"codec {', '.join(missing)} has no GPU kernels (those that do: "
+                             f"{', '.join(sorted(DEVICE_CODECS))})")
+        self.host, self.device = host, device
+        self.pieces = host.pieces
+        self.feedback = DeviceFeedback(host.feedback, device) if host.feedback is not None else None
+        self.cuda = load_cuda()
+        self.stream = kernel_stream()
+        self._twins: dict[int, object] = {}
+        self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
+        self._zeros = np.zeros(k.STATUS_SLOTS, np.int32)
+        self._device_frames: dict = {}
+        self._host_frames: dict = {}
+        self._scratch = torch.empty(max([p.size for p in self.pieces if p.quantized], default=0),
+                                    dtype=torch.float32, device=device)
+
+    @property
+    def calls(self) -> list[int]:
+        return self.host.calls
+
+    def capacity(self, shard: Shard, bits: list[int]) -> int:
+        return self.host.capacity(shard, bits)
+
+    def _twin(self, codec):
+        twin = self._twins.get(id(codec))
+        if twin is None or twin.codec is not codec:
+            twin = self._twins[id(codec)] = device_codec(codec, self.stream)
+        return twin
+
+    def _buffers(self, key, capacity: int) -> tuple[torch.Tensor, np.ndarray]:
+        frame = self._device_frames.get(key)
+        if frame is None or frame.numel() < capacity:
+            frame = self._device_frames[key] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            pinned = self.device.type == "cuda"
+            self._host_frames[key] = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
+        return frame, self._host_frames[key].numpy()
+
+    def _reset_status(self) -> None:
+        self._status.copy_to_device(self._zeros, stream=self.stream)
+
+    def _check_status(self, twins) -> None:
+        """Raise what the frame's status says, in the wording of the first codec that flagged
+        (every flag of the frame is in one array: the first twin's wording serves them all)."""
+        status = self._status.copy_to_host(stream=self.stream)
+        if status.any():
+            twins[0].raise_status(status)
+
+    # ---- encode / decode ----------------------------------------------------------------
+    def encode(self, grad: torch.Tensor, bits: list[int], shard: Shard) -> np.ndarray:
+        """The host frame of ``shard``'s pieces of the flat device ``grad``: a view of a
+        pinned buffer reused per shard (and bucket), valid until the next encode of it."""
+        host = self.host
+        capacity = host.capacity(shard, bits)
+        frame, out = self._buffers((shard.server, shard.bucket), capacity)
+        frame_view = device_view(frame)
+        pos = FrameHeader.size(len(shard.pieces))
+        headers, twins = [], []
+        self._reset_status()
+        for piece in shard.pieces:
+            g = grad[piece.offset:piece.offset + piece.size]
+            if not piece.quantized:
+                twin = self._twin(host.rest_codec)
+                header = twin.launch_encode(device_view(g), frame_view, pos + HEADER_SIZE, self._status)
+            else:
+                codec = host.codec_for(piece, bits[piece.layer])
+                twin = self._twin(codec)
+                p = self.feedback.compensate(piece.index, g) if self.feedback else g
+                codec.calls = host.calls[piece.index]
+                header = twin.launch_encode(device_view(p), frame_view, pos + HEADER_SIZE, self._status)
+                host.calls[piece.index] = codec.calls
+                if self.feedback:
+                    decoded = self._scratch[:piece.size]
+                    payload = frame_view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
+                    twin.launch_decode(header, payload, device_view(decoded), False, self._status)
+                    self.feedback.update(piece.index, p, decoded)
+            headers.append((pos, header))
+            twins.append(twin)
+            pos += HEADER_SIZE + header.payload_len
+        torch.from_numpy(out[:pos]).copy_(frame[:pos])  # the packed bytes, and nothing else
+        synchronize(self.device)
+        self._check_status(twins)
+        for start, header in headers:
+            out[start:start + HEADER_SIZE] = header_bytes(header)
+        return out[:FrameHeader.write(out, [HEADER_SIZE + h.payload_len for _, h in headers])]
+
+    def decode(self, frame: np.ndarray, shard: Shard, out: torch.Tensor, *, accumulate: bool = False) -> float:
+        """Decode ``shard``'s host frame into the flat device ``out`` (or add to it); return
+        the sender's encode seconds. As the host compressor's: a caller that gets an error
+        must not use ``out``."""
+        encode_seconds, buffers = FrameHeader.read(frame, len(shard.pieces))
+        checked = []
+        for piece, buf in zip(shard.pieces, buffers):
+            codec = (self.host.piece_codecs.get(piece.index, self.host.decoder) if piece.quantized
+                     else self.host.rest_codec)
+            twin = self._twin(codec)
+            checked.append((piece, twin, twin.check(buf)))
+        staging, _ = self._buffers(("in", shard.server, shard.bucket), frame.size)
+        staging[:frame.size].copy_(torch.from_numpy(frame), non_blocking=False)
+        view = device_view(staging)
+        pos = FrameHeader.size(len(shard.pieces))
+        self._reset_status()
+        for piece, twin, header in checked:
+            payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
+            twin.launch_decode(header, payload, device_view(out[piece.offset:piece.offset + piece.size]),
+                               accumulate, self._status)
+            pos += HEADER_SIZE + header.payload_len
+        synchronize(self.device)
+        self._check_status([twin for _, twin, _ in checked])
+        return encode_seconds
+
+    # ---- checkpoint state ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The host compressor's state, with the device error memory as its ``feedback``."""
+        state = _without_feedback(self.host, lambda host: host.state_dict())
+        if self.feedback is not None:
+            state["feedback"] = self.feedback.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        rest = {key: value for key, value in state.items() if key != "feedback"}
+        _without_feedback(self.host, lambda host: host.load_state_dict(rest))
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state["feedback"])
+
+
+def _without_feedback(host: GradientCompressor, call):
+    """``call(host)`` with the host's (unused) error memory set aside."""
+    feedback, host.feedback = host.feedback, None
+    try:
+        return call(host)
+    finally:
+        host.feedback = feedback

@@ -1,0 +1,128 @@
+"""The device path's compressor (runtime/device.py) against the host compressor: the same
+frames from a gradient in (simulated) device memory, the same error memory, the same
+decode-and-add, the same checkpoint state. In CI the kernels run in Numba's simulator over
+CPU tensors (conftest); MPIGRAD_TEST_GPU=1 on a GPU machine runs them on CUDA tensors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mpigrad.codecs import CodecError, get_codec
+from mpigrad.runtime.compressor import GradientCompressor
+from mpigrad.runtime.device import DeviceGradientCompressor, device_path
+from mpigrad.runtime.layout import Layout, Segment, pieces_of, plan_shards
+from mpigrad.runtime.wire.messages import FrameHeader
+from mpigrad.feedback import ErrorFeedback
+
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")]
+
+DEVICE = torch.device("cuda" if os.environ.get("MPIGRAD_TEST_GPU") == "1" else "cpu")
+LAYOUT = Layout((Segment("conv", 0, 5000), Segment("fc", 5000, 4200)), Segment("small layers", 9200, 300), 9500)
+
+
+def compressors(config, feedback=None, servers=2, chunk=0):
+    pieces = pieces_of(LAYOUT, chunk)
+    shards = plan_shards(LAYOUT, servers, lambda p: p.size, chunk)
+    seeds = {p.index: 100 + p.index for p in pieces if p.quantized}
+
+    def make():
+        memory = ErrorFeedback(mode=feedback) if feedback else None
+        return GradientCompressor(pieces, get_codec(config), seeds, memory)
+
+    host, mirrored = make(), make()
+    return host, DeviceGradientCompressor(mirrored, DEVICE), shards
+
+
+def gradient(seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(LAYOUT.total) * 0.01).astype(np.float32)
+
+
+@pytest.mark.parametrize("config, feedback", [
+    ({"id": "uniform", "bits": 2, "bucket_size": 512}, None),
+    ({"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}, "residual"),
+    ({"id": "fp16"}, None),
+    ({"id": "sign", "bucket_size": 1024}, "accumulate"),
+])
+def test_device_frames_and_error_memory_follow_the_host_ones(config, feedback):
+    host, device, shards = compressors(config, feedback)
+    exact = config["id"] != "sign"
+    for it in range(3):
+        g = gradient(it)
+        bits = [2 + it, 4]
+        for shard in shards:
+            ours = device.encode(torch.from_numpy(g).to(DEVICE), bits, shard).copy()
+            theirs = host.encode(g, bits, shard)
+            if exact:
+                assert np.array_equal(ours, theirs), (it, shard.server)
+            else:
+                assert ours.size == theirs.size
+    state, want = device.state_dict(), host.state_dict()
+    assert state["calls"] == want["calls"]
+    if feedback:
+        for key, memory in want["feedback"]["memory"].items():
+            if exact:
+                assert np.array_equal(state["feedback"]["memory"][key], memory)
+            else:
+                np.testing.assert_allclose(state["feedback"]["memory"][key], memory, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("config", [{"id": "uniform", "bits": 4, "bucket_size": 700}, {"id": "fp32"}])
+def test_device_decode_adds_every_shard_as_the_host_does(config):
+    host, device, shards = compressors(config, servers=2, chunk=3000)
+    want = gradient(9)
+    ours = torch.from_numpy(want.copy()).to(DEVICE)
+    for seed, shard in enumerate(shards):
+        frame = host.encode(gradient(seed), [3, 5], shard).copy()
+        host.decode(frame, shard, want, accumulate=True)
+        device.decode(frame, shard, ours, accumulate=True)
+    assert np.array_equal(ours.cpu().numpy(), want)
+
+
+def test_a_non_finite_gradient_is_refused_as_on_the_host():
+    host, device, shards = compressors({"id": "uniform", "bits": 4})
+    g = gradient(1)
+    g[6000] = np.inf
+    with pytest.raises(CodecError) as theirs:
+        for shard in shards:
+            host.encode(g, [4, 4], shard)
+    with pytest.raises(CodecError) as ours:
+        for shard in shards:
+            device.encode(torch.from_numpy(g).to(DEVICE), [4, 4], shard)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_a_corrupt_frame_is_refused():
+    host, device, shards = compressors({"id": "uniform", "bits": 4})
+    frame = host.encode(gradient(2), [4, 4], shards[0]).copy()
+    frame[-1] ^= 0xFF  # a code: decodes, but the payload has no CRC; the scales then
+    out = torch.zeros(LAYOUT.total, device=DEVICE)
+    device.decode(frame, shards[0], out)
+    first = FrameHeader.size(len(shards[0].pieces)) + 40  # the first piece's first (lo, hi)
+    frame[first:first + 4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    with pytest.raises(CodecError, match="corrupted payload"):
+        device.decode(frame, shards[0], out)
+
+
+def test_codecs_without_kernels_keep_the_host_path():
+    pieces = pieces_of(LAYOUT)
+    host = GradientCompressor(pieces, get_codec({"id": "qsgd", "bits": 4}), {p.index: 1 for p in pieces})
+    with pytest.raises(CodecError, match="codec qsgd has no GPU kernels"):
+        DeviceGradientCompressor(host, DEVICE)
+    assert not device_path(torch.device("cpu"))  # the simulator path is asked for by name only
+
+
+def test_checkpoint_state_round_trips():
+    host, device, shards = compressors({"id": "uniform", "bits": 3, "rounding": "stochastic"}, "residual")
+    for shard in shards:
+        device.encode(torch.from_numpy(gradient(3)).to(DEVICE), [3, 3], shard)
+    state = device.state_dict()
+    _, other, _ = compressors({"id": "uniform", "bits": 3, "rounding": "stochastic"}, "residual")
+    other.load_state_dict(state)
+    g = torch.from_numpy(gradient(4)).to(DEVICE)
+    for shard in shards:
+        assert np.array_equal(other.encode(g, [3, 3], shard).copy(), device.encode(g, [3, 3], shard))
