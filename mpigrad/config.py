@@ -33,6 +33,8 @@ DEFAULT_LR = {"cifar10": 0.2, "digits": 0.01, "synthetic": 0.05, "teacher": 0.05
 BROADCASTS = ("star", "tree", "mpich")
 ERROR_FEEDBACK = ("none", "residual", "accumulate")
 DEVICES = ("cpu", "cuda", "auto")
+#: TF32 for float32 matmuls and convolutions on the GPU: torch's defaults as they come, or set.
+TF32 = ("default", "on", "off")
 
 
 @dataclass
@@ -82,6 +84,10 @@ class RunConfig:
     checksum_every: int = 50
     timeout: float = 300.0
     device: str = "cpu"
+    #: GPU ranks of a node may share its devices (round-robin); without it more GPU ranks
+    #: than devices is refused (runtime/gpu.py).
+    share_gpu: bool = False
+    tf32: str = "default"
     threads: int | None = None
     walltime: float | None = None
     checkpoint: str | None = None
@@ -245,6 +251,7 @@ class RunConfig:
             (self.checksum_every >= 0, "checksum_every must be >= 0"),
             (self.timeout > 0, "timeout must be positive"),
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
+            (self.tf32 in TF32, f"tf32 must be one of {', '.join(TF32)}"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1"),
             (self.walltime is None or self.walltime > 0, "walltime must be positive"),
             (self.checkpoint_interval is None or self.checkpoint_interval[1] > 0,

@@ -52,3 +52,28 @@ def test_the_pip_mpi_says_it_is_not_cuda_aware():
     supported, why = cuda_aware_mpi()
     assert supported is False
     assert why in ("MPIX_Query_cuda_support() returned 0", "MPIX_GPU_query_support(CUDA) set 0 (return code 0)")
+
+
+@pytest.mark.mpi
+def test_a_run_records_its_device_and_what_tf32_torch_used(tmp_path, mpi_env):
+    from conftest import SMALL_RUN, run_mpi
+    from mpigrad.trace import load
+
+    traces = {}
+    for setting in ("default", "off"):
+        traces[setting] = tmp_path / f"{setting}.h5"
+        result = run_mpi(3, ["train", "--trace", str(traces[setting]), *SMALL_RUN, "--iterations", "1",
+                             "--tf32", setting], mpi_env)
+        assert result.returncode == 0, result.stderr
+    default, off = (load(traces[s]).attrs for s in ("default", "off"))
+    assert default["device"] == "cpu"
+    # torch's own defaults: TF32 off for matmuls, on for cuDNN convolutions
+    assert default["tf32"] == {"setting": "default", "matmul": False, "cudnn_conv": True}
+    assert off["tf32"] == {"setting": "off", "matmul": False, "cudnn_conv": False}
+
+
+def test_a_bad_tf32_setting_is_refused():
+    from mpigrad.config import RunConfig
+
+    with pytest.raises(UsageError, match="tf32 must be one of default, on, off"):
+        RunConfig(tf32="maybe", lr=0.1).validate()

@@ -49,6 +49,45 @@ def missing_kernels(compressor: GradientCompressor) -> list[str]:
     return sorted(i for i in ids if i not in DEVICE_CODECS)
 
 
+def on_device(replica, *compressors) -> list:
+    """``compressors`` as the replica's path takes them: on the device path (a replica on a
+    GPU, or the simulator asked for) and when every codec has kernels, their device twins
+    (one per distinct object) with the replica's codec buffers moved to the device; else
+    the host compressors as they are."""
+    if not device_path(replica.device) or any(missing_kernels(c) for c in compressors):
+        return list(compressors)
+    replica.use_device_codecs()
+    twins: dict[int, DeviceGradientCompressor] = {}
+    for c in compressors:
+        if id(c) not in twins:
+            twins[id(c)] = DeviceGradientCompressor(c, replica.device)
+    return [twins[id(c)] for c in compressors]
+
+
+def codec_path(config, codec_ids) -> str | None:
+    """rank 0's start-up line on where the workers run ``codec_ids`` (the run's codecs), for
+    a run on a GPU or on the simulator's device path; None for a CPU run."""
+    device = torch.device("cuda" if config.device == "cuda" or (
+        config.device == "auto" and torch.cuda.is_available()) else "cpu")
+    if device.type == "cuda" and os.environ.get(ENVIRONMENT) == "host":
+        return f"codecs: on the host ({ENVIRONMENT}=host): the whole gradient is copied out every iteration"
+    if not device_path(device):
+        return None
+    missing = sorted(set(codec_ids) - set(DEVICE_CODECS))
+    if missing:
+        return (f"codecs: on the host: {', '.join(missing)} has no GPU kernels (those that do: "
+                f"{', '.join(sorted(DEVICE_CODECS))}); the whole gradient is copied out every iteration")
+    where = "in Numba's CUDA simulator" if device.type == "cpu" else "on the GPU"
+    return f"codecs: {where} (Numba CUDA kernels), only the packed frames cross to the host"
+
+
+def finite(x) -> bool:
+    """Whether every value of a host array or a tensor is finite."""
+    if isinstance(x, torch.Tensor):
+        return bool(torch.isfinite(x).all())
+    return bool(np.isfinite(x).all())
+
+
 def device_view(tensor: torch.Tensor):
     """A numba device array over ``tensor``'s memory (no copy): a CUDA tensor's, or under
     the simulator a CPU tensor's."""

@@ -102,6 +102,30 @@ def bind_devices(comm, colocated: bool, share: bool) -> dict[int, int | None]:
     return plan_world(entries, colocated, share)
 
 
+def bind_rank(config, comm) -> None:
+    """Before a run's work: make this rank's device the one :func:`bind_devices` gives it
+    (a ``--device cuda`` run; nothing on the CPU) and apply ``--tf32``."""
+    from .build import bind_rank_device, resolve_device
+
+    apply_tf32(config.tf32)
+    if resolve_device(config.device).type == "cuda":
+        plan = bind_devices(comm, config.colocated, config.share_gpu)
+        bind_rank_device(plan[comm.Get_rank()])
+
+
+def apply_tf32(setting: str) -> dict:
+    """Set TF32 for float32 matmuls and cuDNN convolutions (``on``/``off``; ``default``
+    leaves torch's own: matmuls off, convolutions on); return what torch now uses, as the
+    trace's ``tf32`` attribute records it."""
+    import torch
+
+    if setting != "default":
+        torch.backends.cuda.matmul.allow_tf32 = setting == "on"
+        torch.backends.cudnn.allow_tf32 = setting == "on"
+    return {"setting": setting, "matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn_conv": bool(torch.backends.cudnn.allow_tf32)}
+
+
 def cuda_aware_mpi() -> tuple[bool, str]:
     """(whether this process's MPI takes CUDA device buffers, why we think so)."""
     library = _mpi_library()

@@ -37,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic and teacher)")
     g.add_argument("--weight-decay", type=float, help=f"l2 coefficient (paper-cnn: its big FC weights; other models: conv and linear weights) (default {d.weight_decay})")
     g.add_argument("--seed", type=int, help="seeds data order, model init, codecs and policy (default 0)")
-    g.add_argument("--device", choices=["cpu", "cuda", "auto"], help="torch device (default cpu; auto: cuda where available)")
+    g.add_argument("--device", choices=["cpu", "cuda", "auto"], help="torch device (default cpu; auto: cuda where available). "
+                   "With cuda each GPU rank takes the device of its position on its node (docs/gpu.rst)")
+    g.add_argument("--share-gpu", action="store_true", default=None, help="let a node's GPU ranks share its devices "
+                   "(default: more GPU ranks than devices is refused)")
+    g.add_argument("--tf32", choices=["default", "on", "off"], help="TF32 for float32 matmuls and convolutions on "
+                   "the GPU: torch's defaults (default; recorded in the trace), or on/off")
     g.add_argument("--threads", type=int, help="threads per rank (default SLURM_CPUS_PER_TASK or 1)")
     g = parser.add_argument_group("model and data")
     g.add_argument("--model", help="paper-cnn (default) | resnet20 | resnet18 | package.module:factory (docs/models.rst)")
@@ -166,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         apply_thread_settings(threads_per_rank(config.threads))
         from .session import check_launch, run_rank
         check_launch(config, comm)
+        from .gpu import bind_rank
+        bind_rank(config, comm)  # the rank's GPU (UsageError on every rank alike) and TF32
     except UsageError as exc:
         # Every rank gets here together (the checks are deterministic or broadcast).
         if rank == 0:

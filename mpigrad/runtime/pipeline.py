@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..codecs import CodecError
+from .device import finite
 from .layout import pipeline_buckets
 from .wire import TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, error_frame, is_error_frame
 from .wire.channel import Backoff
@@ -151,12 +152,12 @@ class PipelinedExchange:
     def _send(self, b: int) -> None:
         w = self.worker
         start = time.process_time()
-        grad = w.replica.gradient_to_host()
+        grad = w.replica.codec_gradient()
         parts = [(s, part) for s, part in enumerate(self.buckets[b]) if part is not None]
         try:
             frames = [(s, w.compressor.encode(grad, w.control_msg.bits, part)) for s, part in parts]
         except CodecError:
-            if all(np.isfinite(grad[p.offset:p.offset + p.size]).all() for _, part in parts for p in part.pieces):
+            if all(finite(grad[p.offset:p.offset + p.size]) for _, part in parts for p in part.pieces):
                 raise
             frames = [(s, error_frame()) for s, _ in parts]
         self.encode_seconds += time.process_time() - start
@@ -173,7 +174,7 @@ class PipelinedExchange:
         w = self.worker
         m, me, channel, agg = self.m, w.serves, w.channel, w.aggregator
         bits = w.control_msg.bits
-        update = w.replica.update_host
+        update = w.replica.codec_update
         ranks = channel.workers
         others = [rank for rank in ranks if rank != w.rank]
         self.sizes = {rank: 0 for rank in ranks}
@@ -257,7 +258,7 @@ class PipelinedExchange:
         self.bcast[b] = frame.size
         self.bytes_out += frame.size
         start = time.process_time()
-        w.broadcast_decoder.decode(frame, part, w.replica.update_host)
+        w.broadcast_decoder.decode(frame, part, w.replica.codec_update)
         self.t_decode += time.process_time() - start
 
     def _apply_if_complete(self, b: int, parts_left: list[int], update: np.ndarray) -> None:
@@ -267,7 +268,7 @@ class PipelinedExchange:
         for part in self.buckets[b]:
             if part is not None:
                 for piece in part.pieces:
-                    replica.apply_update(update, lr, piece.offset, piece.size)
+                    replica.step(lr, piece.offset, piece.size)
 
     # ---- the report --------------------------------------------------------------------
     def report(self, cpu: float, wall: float, buf: np.ndarray) -> np.ndarray:

@@ -76,6 +76,36 @@ class Replica:
             self.grad_host = self._host_grad.numpy()
             self.update_host = self._host_update.numpy()
 
+        #: Whether the codecs read the gradient and write the update in device memory (the
+        #: device path, runtime/device.py): set by :meth:`use_device_codecs`.
+        self.codecs_on_device = False
+        self.update_device: torch.Tensor | None = None
+
+    def use_device_codecs(self) -> None:
+        """From now on the codecs read ``flat_grad`` and write ``update_device`` where they
+        live (:meth:`codec_gradient`, :attr:`codec_update`, :meth:`step`)."""
+        self.codecs_on_device = True
+        self.update_device = self._device_update if self._device_update is not None else self.flat_grad
+
+    def codec_gradient(self):
+        """What the codecs encode: the flat gradient in device memory (the device path), else
+        its host copy (``gradient_to_host``)."""
+        return self.flat_grad if self.codecs_on_device else self.gradient_to_host()
+
+    @property
+    def codec_update(self):
+        """Where the codecs decode the update: ``update_device`` or ``update_host``."""
+        return self.update_device if self.codecs_on_device else self.update_host
+
+    def step(self, lr: float, offset: int = 0, size: int | None = None) -> None:
+        """w <- w - lr * (the decoded update), on ``size`` elements from ``offset`` (all by
+        default), from wherever the codecs decoded it."""
+        if not self.codecs_on_device:
+            self.apply_update(self.update_host, lr, offset, size)
+            return
+        end = self.flat.numel() if size is None else offset + size
+        self.flat[offset:end].add_(self.update_device[offset:end], alpha=-lr)
+
     def gradient_to_host(self) -> np.ndarray:
         if self._device_update is not None:
             self._host_grad.copy_(self.flat_grad)

@@ -56,11 +56,14 @@ class ShardAggregator:
     """
 
     def __init__(self, config: RunConfig, channel: Channel, shard, decoder, compressor, total: int,
-                 broadcast_bits: int | None):
+                 broadcast_bits: int | None, device: torch.device | None = None):
+        """``device``: the sum lives in that device's memory (the device path: ``decoder``
+        and ``compressor`` are then device compressors, runtime/device.py)."""
         self.config, self.channel, self.shard = config, channel, shard
         self.decoder, self.compressor, self.broadcast_bits = decoder, compressor, broadcast_bits
         self.workers = channel.workers
-        self.grad_sum = np.zeros(total, np.float32)
+        self.grad_sum = (np.zeros(total, np.float32) if device is None
+                         else torch.zeros(total, dtype=torch.float32, device=device))
         self.quantized = [piece for piece in shard.pieces if piece.quantized]
         self.average = np.empty(sum(piece.size for piece in self.quantized), np.float32)
         self.recv_buffers = {rank: np.empty(0, np.uint8) for rank in self.workers}
@@ -114,9 +117,13 @@ class ShardAggregator:
         bucket's) to average and encode alone; by default the whole shard."""
         start = time.process_time()
         shard = self.shard if shard is None else shard
+        scale = np.float32(1.0 / len(self.workers))
         for piece in shard.pieces:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
-            np.multiply(part, np.float32(1.0 / len(self.workers)), out=part)
+            if isinstance(part, torch.Tensor):
+                part.mul_(scale.item())  # the same float32 product
+            else:
+                np.multiply(part, scale, out=part)
         if transform is not None:
             transform(self.grad_sum)
         self.frame = self.compressor.encode(self.grad_sum, self._broadcast_bits(bits), shard)
@@ -132,25 +139,22 @@ class ShardAggregator:
 
     def energies(self, n_layers: int) -> list[float]:
         """||g||^2 of this shard's part of each quantized layer, g the average (after ``encode``)."""
-        energies = [0.0] * n_layers
-        for piece in self.quantized:
-            g = self.grad_sum[piece.offset:piece.offset + piece.size]
-            energies[piece.layer] += float(np.dot(g, g))
-        return energies
+        return self.update_energies(self.grad_sum, n_layers)
 
     def update_energies(self, update: np.ndarray, n_layers: int) -> list[float]:
         """||Q(g)||^2 of this shard's part of each quantized layer, Q(g) the decoded broadcast."""
         energies = [0.0] * n_layers
         for piece in self.quantized:
             u = update[piece.offset:piece.offset + piece.size]
-            energies[piece.layer] += float(np.dot(u, u))
+            energies[piece.layer] += float(torch.dot(u, u) if isinstance(u, torch.Tensor) else np.dot(u, u))
         return energies
 
     def pack_average(self) -> np.ndarray:
         """The average of this shard's quantized pieces, in piece order (message 6)."""
         pos = 0
         for piece in self.quantized:
-            self.average[pos:pos + piece.size] = self.grad_sum[piece.offset:piece.offset + piece.size]
+            part = self.grad_sum[piece.offset:piece.offset + piece.size]
+            self.average[pos:pos + piece.size] = part.cpu().numpy() if isinstance(part, torch.Tensor) else part
             pos += piece.size
         return self.average
 

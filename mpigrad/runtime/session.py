@@ -19,7 +19,7 @@ from ..models import check_model
 from ..trace import network
 from ..options import check_overwrite
 from . import EXIT_REQUEUE, checkpoint
-from .build import base_codec, load_data
+from .build import base_codec, broadcast_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
 from .wire import PeerTimeout
@@ -288,6 +288,10 @@ def describe_run(config, server, size: int, log) -> None:
         log(f"links: {network.describe(links)} (mpigrad lab)")
     if config.compute_time is not None and config.net_mode != "off":
         log(f"local work: {local_work_description(config, server)}")
+    from .device import codec_path
+    where = codec_path(config, {server.codec.codec_id, broadcast_codec(config)[0].codec_id, "fp32"})
+    if where:
+        log(where)
     log("config: " + config_description(config))
 
 

@@ -7,6 +7,7 @@ import time
 
 from ..config import format_elapsed
 from ..trace import TraceWriter, collect_versions, network, schema, slurm_ids
+from .gpu import apply_tf32
 from .record import TABLE_COLUMNS, IterationRecord, table_block
 
 
@@ -47,6 +48,8 @@ class RunTrace:
         attrs = {
             network.ATTR: network.current(),  # the lab's, or the hosts' own (trace/network.py)
             "argv": " ".join(argv),
+            "device": config.device,
+            "tf32": apply_tf32(config.tf32),  # what torch used (runtime/gpu.py)
             "hosts": hosts,
             "ranks": len(hosts),
             "workers": workers,

@@ -18,6 +18,7 @@ from ..policies import policy_class
 from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
+from .device import finite, on_device
 from .faults import Fault
 from .phaselog import PhaseLog
 from .iteration import FollowerRole
@@ -48,9 +49,11 @@ class Worker(FollowerRole):
         release_data()  # the shard is a copy: let the full dataset go
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec, self.servers)
-        self.compressor = build_compressor(config, self.replica.layout, codec, self.number)
+        compressor = build_compressor(config, self.replica.layout, codec, self.number)
         # Decodes the servers' broadcast (a worker never encodes with it: no state to keep).
-        self.broadcast_decoder = build_broadcast_compressor(config, self.replica.layout, codec, self.compressor)
+        broadcast_decoder = build_broadcast_compressor(config, self.replica.layout, codec, compressor)
+        # Where the codecs run: on the GPU when the replica is there and they have kernels.
+        self.compressor, self.broadcast_decoder = on_device(self.replica, compressor, broadcast_decoder)
         self.buffer_sync = BufferSync(self.replica.model, channel)
         self.parameter_sync = ParameterSync(self.replica, channel) if channel.colocated else None
         self.loss_buf = LossReport.buffer()
@@ -69,9 +72,13 @@ class Worker(FollowerRole):
             from .server import ShardAggregator
             layout = self.replica.layout
             decoder = build_compressor(config, layout, codec, SERVER_STREAM)
-            self.server_compressor = build_broadcast_compressor(config, layout, codec, decoder)
+            server_compressor = build_broadcast_compressor(config, layout, codec, decoder)
+            if self.replica.codecs_on_device:
+                decoder, server_compressor = on_device(self.replica, decoder, server_compressor)
+            self.server_compressor = server_compressor
             self.aggregator = ShardAggregator(config, channel, self.shards[self.serves], decoder,
-                                              self.server_compressor, layout.total, broadcast_codec(config)[1])
+                                              self.server_compressor, layout.total, broadcast_codec(config)[1],
+                                              device=self.replica.device if self.replica.codecs_on_device else None)
             self.n_layers = len(layout.quantized)
             self.report = ServerReport.buffer(workers, max(self.n_layers, 1))
             # PowerSGD's policies read the workers' setting errors, not the average (message 11)
@@ -179,7 +186,7 @@ class Worker(FollowerRole):
             return
         bits = self.control_msg.bits
         start = time.process_time()
-        grad = self.replica.gradient_to_host()
+        grad = self.replica.codec_gradient()
         if self._two_rounds(m):  # round 1: P_i = M_i Q and the other layers
             lowrank = self.lowrank
             self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.rounds[0], TAG_GRAD, start)
@@ -190,7 +197,7 @@ class Worker(FollowerRole):
             for frame in frames:
                 FrameHeader.set_encode_seconds(frame, seconds)
         except CodecError:
-            if np.isfinite(grad).all():
+            if finite(grad):
                 raise
             frames = [error_frame()] * self.servers
         describe = lambda pending: (f"server rank(s) {', '.join(map(str, pending))} took no gradient "  # noqa: E731
@@ -218,7 +225,7 @@ class Worker(FollowerRole):
             self.bytes_out = self.factor_aggregators[0].frame.size + FrameLength.NBYTES
             return
         if self.serves is not None:
-            update = self.replica.update_host
+            update = self.replica.codec_update
             self.t_encode = self._exchange_shards(
                 m, self.aggregator, None, lambda s, frame: self.broadcast_decoder.decode(frame, self.shards[s], update))
             self.bytes_out = self.aggregator.frame.size + FrameLength.NBYTES
@@ -229,7 +236,7 @@ class Worker(FollowerRole):
             for shard, view in zip(lowrank.rounds[0], views):
                 lowrank.compressor1.decode(view, shard, lowrank.p_buf)
             return
-        update = self.replica.update_host
+        update = self.replica.codec_update
         for shard, view in zip(self.shards, views):
             self.broadcast_decoder.decode(view, shard, update)
 
@@ -305,7 +312,7 @@ class Worker(FollowerRole):
         if self._two_rounds(m):  # no ||g|| on a server of factors: norm_ratio NaN
             energies = update_energies = [0.0] * layers
         else:
-            energies, update_energies = agg.energies(layers), agg.update_energies(self.replica.update_host, layers)
+            energies, update_energies = agg.energies(layers), agg.update_energies(self.replica.codec_update, layers)
         ServerReport(self.bytes_out, self.t_decode, self.t_encode, self.worker_encode,
                      self.sizes, energies, update_energies).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT, lambda pending: f"rank 0 took no report for iteration {m}")
@@ -319,7 +326,7 @@ class Worker(FollowerRole):
 
     def end(self, m: int) -> bool:
         if self.pipeline is None:  # pipelined: applied bucket by bucket
-            self.replica.apply_update(self.replica.update_host, self.config.lr)
+            self.replica.step(self.config.lr)
         if self.fault:
             self.fault.after_update(m, self.replica.flat)
         if self.parameter_sync is not None and sync_due(self.config, m, self.control_msg.command):

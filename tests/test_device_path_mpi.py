@@ -1,0 +1,69 @@
+"""The device path under a real mpiexec (runtime/device.py): the workers' codecs, the
+colocated shard's decode-add, average and re-encode, the error memory and the update in
+(simulated) device memory give the host path's run, iteration for iteration.
+
+Without a GPU the path runs in Numba's CUDA simulator over CPU tensors
+(NUMBA_ENABLE_CUDASIM=1, from conftest, and MPIGRAD_DEVICE_CODECS=simulator): every
+kernel, buffer and copy of the path runs, on a model small enough for the simulator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import run_mpi
+from mpigrad.trace import load
+
+pytestmark = pytest.mark.mpi
+
+TINY = ["--model-opt", "fc_sizes=[32,32]", "--model-opt", "conv_channels=4", "--min-quantize-size", "500",
+        "--net-mode", "off", "--eval-every", "3", "--progress-every", "1", "--checksum-every", "1",
+        "--iterations", "3", "--policy", "fixed"]
+#: Measured times, and the energies' ratio (torch's dot sums in another order than NumPy's).
+TIMED = ("wall_time", "sim_time", "t_")
+
+
+def run(tmp_path, env, name, *extra, device=True):
+    env = dict(env)
+    if device:
+        env["MPIGRAD_DEVICE_CODECS"] = "simulator"
+    trace = tmp_path / f"{name}.h5"
+    result = run_mpi(3, ["train", "--trace", str(trace), *TINY, *extra], env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result, load(trace)
+
+
+def assert_same_run(device, host):
+    for table in ("steps", "workers", "eval", "policy", "checksums"):
+        left, right = getattr(device, table), getattr(host, table)
+        assert list(left.columns) == list(right.columns) and len(left) == len(right), table
+        for column in left.columns:
+            if column.startswith(TIMED):
+                continue
+            a, b = left[column].to_numpy(), right[column].to_numpy()
+            if column.startswith("norm_ratio"):
+                np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=column)
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f"{table}.{column}")
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("colocated-uniform-ef", ["--servers", "colocated", "--codec", "uniform", "--bits", "3",
+                              "--codec-opt", "rounding=stochastic", "--error-feedback", "residual"]),
+    ("pipelined-fp16", ["--servers", "colocated", "--pipeline", "--codec", "fp16"]),
+    ("one-server-uniform", ["--servers", "1", "--codec", "uniform", "--bits", "4", "--codec-opt", "bucket_size=128"]),
+])
+def test_the_device_path_trains_as_the_host_path_does(tmp_path, mpi_env, name, extra):
+    result, device = run(tmp_path, mpi_env, name, *extra)
+    assert "codecs: in Numba's CUDA simulator (Numba CUDA kernels), only the packed frames cross to the host" \
+        in result.stdout
+    _, host = run(tmp_path, mpi_env, name + "-host", *extra, device=False)
+    assert device.complete and len(device.steps) == 3
+    assert_same_run(device, host)
+
+
+def test_a_codec_without_kernels_keeps_the_host_path_and_says_so(tmp_path, mpi_env):
+    result, trace = run(tmp_path, mpi_env, "qsgd", "--servers", "colocated", "--codec", "qsgd", "--bits", "4")
+    assert "codecs: on the host: qsgd has no GPU kernels (those that do: fp16, fp32, sign, uniform); the whole " \
+           "gradient is copied out every iteration" in result.stdout
+    assert trace.complete
