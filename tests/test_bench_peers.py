@@ -291,3 +291,13 @@ def test_ddp_and_colocated_mpigrad_run_in_a_network_lab(tmp_path):
     assert ours_trace.config["servers"] == "colocated"
     np.testing.assert_allclose(load(out / "ddp-fp32-seed1.h5").steps["loss"], ours_trace.steps["loss"], atol=1e-4)
     assert [ns for ns in namespaces() if ns.startswith("mgbp-")] == []
+
+
+def test_ddp_takes_nccl_only_where_each_rank_has_a_gpu_of_its_own():
+    from mpigrad.bench.peers import ddp_backend
+
+    assert ddp_backend("cpu", 4, 0) == ("gloo", None)
+    assert ddp_backend("cuda", 2, 2) == ("nccl", None)
+    backend, line = ddp_backend("cuda", 2, 1)
+    assert backend == "gloo" and line.startswith("2 DDP ranks share 1 GPU: DDP runs over gloo on CUDA tensors")
+    assert "mpigrad with --share-gpu" in line

@@ -180,7 +180,7 @@ def _ddp_rank(spec: dict[str, Any], rank: int) -> list[RankRecord]:
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+    dist.init_process_group(spec.get("backend", "gloo"),
                             init_method=f"tcp://{spec['address']}:{spec['port']}", rank=rank,
                             world_size=spec["workers"], timeout=datetime.timedelta(seconds=config.timeout))
     try:
@@ -441,6 +441,9 @@ def run(args: argparse.Namespace) -> int:
         _check_lab(args)
     out.mkdir(parents=True, exist_ok=True)
     powersgd = f"PowerSGD from iteration {start}; " if any(VARIANTS[v].hook == "powersgd" for v in variants) else ""
+    backend, sharing = _backend(config, workers)
+    if sharing and args.mpigrad and "--share-gpu" not in args.train_args:
+        args.train_args = [*args.train_args, "--share-gpu"]
     threads = threads_per_rank(config.threads)
     env = dict(os.environ, **{name: str(threads) for name in THREAD_VARIABLES})
     if args.address == "127.0.0.1":
@@ -450,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
           f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; "
           f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; "
           f"{powersgd}{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+    if sharing:
+        print(sharing, flush=True)
     progress = _Progress(len(methods) * len(seeds), args.progress_interval)
     print(f"{progress.total} run(s): {', '.join(_method_name(m, config) for m in methods)} on each seed; "
           f"a line as each starts and ends" + (f", and every {args.progress_interval:g} s while one goes"
@@ -460,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
         for seed in seeds:
             seeded = dataclasses.replace(config, seed=seed)
             spec = {"config": seeded.to_dict(), "variants": variants, "workers": workers, "threads": threads,
+                    "backend": backend,
                     "iterations": config.iterations, "powersgd_start": start, "address": args.address,
                     "port": _free_port(args.address), "out": str(out), "progress": str(out / "ddp-progress.txt")}
             records = _run_ddp(spec, env, progress, args.lab) if variants else {}
@@ -668,6 +674,29 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
         if fp32_node is not None:
             writer.set_attr("float32_bytes_per_iteration", int(round(workers * fp32_node)))
     return path
+
+
+def ddp_backend(device_type: str, workers: int, devices: int) -> tuple[str, str | None]:
+    """(DDP's backend, a line saying why when its ranks share GPUs): NCCL where each rank has
+    a GPU of its own, gloo on CUDA tensors where they share one (NCCL refuses two ranks on a
+    device: "Duplicate GPU detected"), gloo on the CPU."""
+    if device_type != "cuda":
+        return "gloo", None
+    if workers <= devices:
+        return "nccl", None
+    return "gloo", (f"{workers} DDP ranks share {devices} GPU{'s' * (devices != 1)}: DDP runs over gloo on CUDA "
+                    "tensors (NCCL refuses two ranks on one device), mpigrad with --share-gpu")
+
+
+def _backend(config, workers: int) -> tuple[str, str | None]:
+    from ..runtime.build import resolve_device
+
+    device = resolve_device(config.device)
+    if device.type != "cuda":
+        return "gloo", None
+    import torch
+
+    return ddp_backend("cuda", workers, torch.cuda.device_count())
 
 
 def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Progress) -> Path:
