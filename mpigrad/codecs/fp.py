@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Codec, CodecError, Header, non_finite_error, register_codec
-from .kernels import half
+from .kernels import fp as fp_kernels, half
 
 
 class _FloatCodec(Codec):
@@ -53,6 +53,12 @@ class Float32(_FloatCodec):
     wire_id = 1
     dtype = np.dtype(np.float32)
     nominal_bits = 32
+
+    def _encode_payload(self, x, payload):
+        nbytes = 4 * x.size
+        if fp_kernels.copy_count_nonfinite(x.view(np.uint32), payload[:nbytes].view(np.uint32)):
+            raise non_finite_error(self.codec_id)
+        return 0, 0, 0, 0, nbytes
 
 
 @register_codec
