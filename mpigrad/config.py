@@ -35,6 +35,9 @@ ERROR_FEEDBACK = ("none", "residual", "accumulate")
 DEVICES = ("cpu", "cuda", "auto")
 #: TF32 for float32 matmuls and convolutions on the GPU: torch's defaults as they come, or set.
 TF32 = ("default", "on", "off")
+#: How a rank waits for messages: poll without sleeping, sleep-poll with back-off, or auto
+#: (spin where every rank of the node has a core per thread).
+WAITS = ("auto", "spin", "sleep")
 
 
 @dataclass
@@ -88,6 +91,7 @@ class RunConfig:
     #: than devices is refused (runtime/gpu.py).
     share_gpu: bool = False
     tf32: str = "default"
+    wait: str = "auto"
     threads: int | None = None
     walltime: float | None = None
     checkpoint: str | None = None
@@ -252,6 +256,7 @@ class RunConfig:
             (self.timeout > 0, "timeout must be positive"),
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
             (self.tf32 in TF32, f"tf32 must be one of {', '.join(TF32)}"),
+            (self.wait in WAITS, f"wait must be one of {', '.join(WAITS)}"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1"),
             (self.walltime is None or self.walltime > 0, "walltime must be positive"),
             (self.checkpoint_interval is None or self.checkpoint_interval[1] > 0,

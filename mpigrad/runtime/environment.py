@@ -18,7 +18,7 @@ from ..errors import UsageError
 __all__ = [
     "THREAD_VARIABLES", "SKIP_NTASKS_CHECK", "RankInfo",
     "check_world_size", "threads_per_rank", "export_thread_variables", "apply_thread_settings",
-    "probe_rank", "ranks_per_host", "oversubscription_warnings", "format_ranks",
+    "probe_rank", "ranks_per_host", "oversubscription_warnings", "format_ranks", "cores_for_each",
 ]
 
 #: Variables that thread pools read at start-up; the jobscripts export them all.
@@ -159,6 +159,12 @@ def _first_count(value: str | None) -> int:
     """Outermost thread count of a variable such as ``"4"`` or OpenMP's nested ``"4,2"``; 0 if unreadable."""
     head = (value or "").split(",")[0].strip()
     return int(head) if head.isdigit() else 0
+
+
+def cores_for_each(cpus: Sequence[Sequence[int]], threads: int) -> bool:
+    """Whether the ranks of one node, bound to ``cpus`` each (their affinity), have a core
+    per thread between them: ranks x threads <= the CPUs they may run on."""
+    return len(cpus) * threads <= len(set().union(*map(set, cpus)))
 
 
 def oversubscription_warnings(ranks: Sequence[RankInfo], threads: int) -> list[str]:

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tf32", choices=["default", "on", "off"], help="TF32 for float32 matmuls and convolutions on "
                    "the GPU: torch's defaults (default; recorded in the trace), or on/off")
     g.add_argument("--threads", type=int, help="threads per rank (default SLURM_CPUS_PER_TASK or 1)")
+    g.add_argument("--wait", choices=["auto", "spin", "sleep"], help="how ranks wait for messages: poll without "
+                   "sleeping, sleep-poll with back-off, or auto (default: spin where every rank of the node has a "
+                   "core per thread, else sleep; the trace records each rank's)")
     g = parser.add_argument_group("model and data")
     g.add_argument("--model", help="paper-cnn (default) | resnet20 | resnet18 | package.module:factory (docs/models.rst)")
     g.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model option, e.g. fc_sizes=[256,256], norm=group")

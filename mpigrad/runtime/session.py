@@ -133,7 +133,8 @@ def warm_up(config) -> None:
 
 def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = None) -> int:
     """Run this rank's part; ``started`` (time.monotonic) is when the process began, for --walltime."""
-    from .wire.mpi import MpiChannel, barrier
+    from .environment import threads_per_rank
+    from .wire.mpi import MpiChannel, barrier, choose_waiting
 
     rank = comm.Get_rank()
     # Rank 0 compiles first, so the others load from the Numba cache (waiting without
@@ -148,6 +149,7 @@ def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = No
     # concluding that rank 0 itself is gone (they would otherwise time out together with it).
     channel = MpiChannel(comm, config.shard_count(comm.Get_size()), config.timeout if rank == 0 else 2 * config.timeout,
                          colocated=config.colocated)
+    channel.waits = choose_waiting(comm, config.wait, threads_per_rank(config.threads))
     if rank == 0:
         log = lambda message: print(message, flush=True)  # noqa: E731
         return run_parameter_server(config, channel, stop, argv, log)
@@ -181,7 +183,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
                           policy_columns=server.policy.record_columns(),
                           data_description=server.data_description, hosts=hosts, argv=argv,
                           resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
-                          settings=server.mixed)
+                          settings=server.mixed, waits=getattr(channel, "waits", None))
     describe_run(config, server, channel.size, log)  # a resumed session's start-up lines too
     if changed:
         log(changed)
@@ -288,11 +290,28 @@ def describe_run(config, server, size: int, log) -> None:
         log(f"links: {network.describe(links)} (mpigrad lab)")
     if config.compute_time is not None and config.net_mode != "off":
         log(f"local work: {local_work_description(config, server)}")
+    waits = getattr(server.channel, "waits", None)
+    if waits:
+        log(f"waits: {waits_description(config.wait, waits)}")
     from .device import codec_path
     where = codec_path(config, {server.codec.codec_id, broadcast_codec(config)[0].codec_id, "fp32"})
     if where:
         log(where)
     log("config: " + config_description(config))
+
+
+def waits_description(mode: str, waits: dict[str, list[int]]) -> str:
+    """The ``waits:`` start-up line: how the ranks wait for messages, and why."""
+    from .environment import format_ranks
+
+    why = {"auto": "auto: ", "spin": "--wait spin: ", "sleep": "--wait sleep: "}[mode]
+    if not waits["sleep"]:
+        return f"polling without sleeping on every rank ({why}{'each rank has a core per thread' if mode == 'auto' else 'asked for'})"
+    if not waits["spin"]:
+        reason = "ranks outnumber the cores of their node" if mode == "auto" else "asked for"
+        return f"sleep-polling with back-off to 0.5 ms on every rank ({why}{reason})"
+    return (f"polling without sleeping on ranks {format_ranks(waits['spin'])}, sleep-polling on ranks "
+            f"{format_ranks(waits['sleep'])} (auto: by the cores of each node)")
 
 
 #: Config keys the ``network:`` line states (in their units), left out of the ``config:`` line.

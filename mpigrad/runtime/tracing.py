@@ -38,7 +38,7 @@ class RunTrace:
     @classmethod
     def open(cls, config, *, layout, workers: int, servers: int, policy_columns, data_description: str,
              hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None,
-             settings: bool = False) -> "RunTrace":
+             settings: bool = False, waits: dict | None = None) -> "RunTrace":
         """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``)."""
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings)
         if resume_at is not None:
@@ -50,6 +50,7 @@ class RunTrace:
             "argv": " ".join(argv),
             "device": config.device,
             "tf32": apply_tf32(config.tf32),  # what torch used (runtime/gpu.py)
+            "waits": waits or {},  # which ranks polled without sleeping (wire/channel.set_waiting)
             "hosts": hosts,
             "ranks": len(hosts),
             "workers": workers,

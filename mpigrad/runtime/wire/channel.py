@@ -13,7 +13,8 @@ Two implementations: :class:`~mpigrad.runtime.wire.mpi.MpiChannel` (nonblocking 
 calls on preallocated arrays, the hot path) and
 :class:`~mpigrad.runtime.wire.loopback.LoopbackNetwork` (every rank an object in one
 process, for protocol unit tests in milliseconds). Every wait has a timeout whose message
-names the silent rank(s); waits sleep-poll with back-off instead of spinning a core.
+names the silent rank(s); waits sleep-poll with back-off instead of spinning a core, unless
+every rank of the node has a core of its own (``--wait``, :func:`set_waiting`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,25 @@ class PeerFailed(RuntimeError):
     """Rank 0 received a peer's error report (message 8): the message names the rank."""
 
 
+#: Whether waits poll without sleeping (``set_waiting``): where every rank of the node has
+#: a core of its own, a sleeping rank only adds its wake-up to every message's latency.
+_spin = False
+
+
+def set_waiting(spin: bool) -> None:
+    """This process's waits from now on: poll without sleeping (``spin``) or sleep-poll with
+    back-off (where ranks outnumber cores: a spinning rank takes the core a computing rank needs)."""
+    global _spin
+    _spin = bool(spin)
+
+
+def waiting_spins() -> bool:
+    return _spin
+
+
 class Backoff:
-    """Sleep between polls, 50 us doubling to 0.5 ms; PeerTimeout past the deadline."""
+    """Between polls: sleep 50 us doubling to 0.5 ms, or nothing when waits spin
+    (:func:`set_waiting`); PeerTimeout past the deadline either way."""
 
     def __init__(self, timeout: float, describe: Callable[[], str]):
         self.deadline = time.monotonic() + timeout
@@ -55,6 +73,8 @@ class Backoff:
     def sleep(self) -> None:
         if time.monotonic() > self.deadline:
             raise PeerTimeout(f"{self.describe()} within {self.timeout:g} s")
+        if _spin:
+            return
         time.sleep(self.delay)
         self.delay = min(self.delay * 2, _MAX_SLEEP)
 

@@ -44,6 +44,24 @@ def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[li
         backoff.sleep()
 
 
+def choose_waiting(comm: MPI.Comm, mode: str, threads: int) -> dict[str, list[int]]:
+    """Collective: set how this rank waits (``mode`` spin, sleep, or auto: spin where every
+    rank of its node has a core per thread, by the ranks' CPU affinity); return every rank's
+    choice, ``{"spin": [ranks], "sleep": [ranks]}``, the same on every rank."""
+    from ..environment import _affinity, cores_for_each
+    from .channel import set_waiting
+
+    rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        spin = mode == "spin" or (mode == "auto" and cores_for_each(node.allgather(_affinity()), threads))
+    finally:
+        node.Free()
+    set_waiting(spin)
+    choices = comm.allgather(spin)
+    return {"spin": [r for r, c in enumerate(choices) if c], "sleep": [r for r, c in enumerate(choices) if not c]}
+
+
 def barrier(comm: MPI.Comm, timeout: float, what: str) -> None:
     """MPI_Barrier, sleep-polled; PeerTimeout ("{what} within {timeout} s") past the timeout."""
     _wait_all([comm.Ibarrier()], [None], timeout, lambda pending: what)
