@@ -138,6 +138,12 @@ def _cuda_replica_matches_the_cpu_one(tolerance: dict[str, float]) -> None:
         replica.model.loss(replica.model(x.to(device)), y.to(device), 5e-4).backward()
         for p in replica.model.parameters():
             storage_offset_in(replica.flat_grad, p.grad)
+    first = gpu.layout.quantized[0]  # a pipelined bucket's copy: its pieces only
+    gpu.grad_host[:] = 0
+    part = gpu.gradient_to_host([first])
+    assert np.array_equal(part[first.offset:first.offset + first.size],
+                          gpu.flat_grad[first.offset:first.offset + first.size].cpu().numpy())
+    assert not part[first.offset + first.size:].any()
     host = gpu.gradient_to_host()
     assert not np.shares_memory(host, cpu.grad_host) and gpu._host_grad.is_pinned()
     np.testing.assert_allclose(host, cpu.gradient_to_host(), **tolerance)

@@ -152,8 +152,8 @@ class PipelinedExchange:
     def _send(self, b: int) -> None:
         w = self.worker
         start = time.process_time()
-        grad = w.replica.codec_gradient()
         parts = [(s, part) for s, part in enumerate(self.buckets[b]) if part is not None]
+        grad = w.replica.codec_gradient([p for _, part in parts for p in part.pieces])  # this bucket's only
         try:
             frames = [(s, w.compressor.encode(grad, w.control_msg.bits, part)) for s, part in parts]
         except CodecError:

@@ -87,10 +87,11 @@ class Replica:
         self.codecs_on_device = True
         self.update_device = self._device_update if self._device_update is not None else self.flat_grad
 
-    def codec_gradient(self):
+    def codec_gradient(self, pieces=None):
         """What the codecs encode: the flat gradient in device memory (the device path), else
-        its host copy (``gradient_to_host``)."""
-        return self.flat_grad if self.codecs_on_device else self.gradient_to_host()
+        its host copy (``gradient_to_host``; with ``pieces``, of those pieces' elements only:
+        a pipelined bucket's)."""
+        return self.flat_grad if self.codecs_on_device else self.gradient_to_host(pieces)
 
     @property
     def codec_update(self):
@@ -106,9 +107,17 @@ class Replica:
         end = self.flat.numel() if size is None else offset + size
         self.flat[offset:end].add_(self.update_device[offset:end], alpha=-lr)
 
-    def gradient_to_host(self) -> np.ndarray:
+    def gradient_to_host(self, pieces=None) -> np.ndarray:
+        """The flat gradient in host memory (the CPU's own buffer, or a pinned copy of a
+        device replica's); with ``pieces`` (objects with ``offset`` and ``size``) only their
+        elements are copied, the rest of the copy is stale."""
         if self._device_update is not None:
-            self._host_grad.copy_(self.flat_grad)
+            if pieces is None:
+                self._host_grad.copy_(self.flat_grad)
+            else:
+                for piece in pieces:
+                    end = piece.offset + piece.size
+                    self._host_grad[piece.offset:end].copy_(self.flat_grad[piece.offset:end])
         return self.grad_host
 
     def apply_update(self, grad: np.ndarray, lr: float, offset: int = 0, size: int | None = None) -> None:
