@@ -17,9 +17,10 @@ import pytest
 from mpigrad.codecs import CodecError, get_codec
 from mpigrad.codecs.device import DEVICE_CODECS, DeviceUnavailable, device_codec, load_cuda
 
-# The simulator runs the kernels' uint64 hashes and casts as NumPy scalars, which warn.
+# The simulator runs the kernels' uint64 hashes and casts as NumPy scalars, which warn (and
+# float ones, on the scratch scales that a refused input leaves unwritten).
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")]
+              pytest.mark.filterwarnings("ignore:invalid value encountered in:RuntimeWarning")]
 
 cuda = load_cuda()
 
@@ -35,6 +36,15 @@ CONFIGS = [
     {"id": "uniform", "bits": 7, "rounding": "stochastic", "seed": 3},
 ]
 SIGN_CONFIGS = [{"id": "sign"}, {"id": "sign", "bucket_size": 300}]
+# Bit-identical: scales from max |g| (QSGD's max norm; TernGrad without its clip).
+QSGD_MAX = {"id": "qsgd", "bits": 4, "seed": 5}  # buckets of 512
+QSGD_LEVELS = {"id": "qsgd", "levels": 5, "bucket_size": 1000}  # s below the 4-bit codes' 7
+TERNGRAD_MAX = {"id": "terngrad", "clip": 0, "bucket_size": 700, "seed": 2}
+# Within float noise: scales from float64 sums (TernGrad's 2.5 sigma clip, QSGD's l2 norm).
+TERNGRAD = {"id": "terngrad", "seed": 9}
+TERNGRAD_BUCKETS = {"id": "terngrad", "bucket_size": 500}
+QSGD_L2 = {"id": "qsgd", "bits": 3, "norm": "l2", "bucket_size": 2000}
+SCALED_CONFIGS = [QSGD_MAX, QSGD_LEVELS, TERNGRAD_MAX, TERNGRAD, TERNGRAD_BUCKETS, QSGD_L2]
 
 
 def gradient(n: int, seed: int) -> np.ndarray:
@@ -42,6 +52,10 @@ def gradient(n: int, seed: int) -> np.ndarray:
     x = (rng.standard_normal(n) * np.exp(rng.uniform(-8, 2, n))).astype(np.float32)
     x[::97] = 0.0  # exact zeros and repeated values: ties at the rounding points
     return x
+
+
+def config_id(config) -> str:
+    return "-".join(str(v) for v in config.values())
 
 
 def device_frame(codec, x: np.ndarray) -> np.ndarray:
@@ -57,7 +71,7 @@ def device_decode(codec, frame: np.ndarray, start: np.ndarray, accumulate: bool)
     return out.copy_to_host()
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 @pytest.mark.parametrize("n", SIZES)
 def test_device_frames_are_the_host_frames_byte_for_byte(config, n):
     x = gradient(n, n)
@@ -67,7 +81,7 @@ def test_device_frames_are_the_host_frames_byte_for_byte(config, n):
     assert dev_codec.state_dict() == host.state_dict()
 
 
-@pytest.mark.parametrize("config", CONFIGS + SIGN_CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("config", CONFIGS + SIGN_CONFIGS + SCALED_CONFIGS, ids=config_id)
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_device_decode_of_a_host_frame_is_the_host_decode(config, accumulate):
     codec = get_codec(config)
@@ -79,7 +93,7 @@ def test_device_decode_of_a_host_frame_is_the_host_decode(config, accumulate):
     assert np.array_equal(device_decode(codec, frame, start, accumulate), want)
 
 
-@pytest.mark.parametrize("config", SIGN_CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("config", SIGN_CONFIGS, ids=config_id)
 @pytest.mark.parametrize("n", SIZES)
 def test_device_sign_agrees_within_float_noise(config, n):
     """Same sign bits; each bucket's scale (mean |g|, summed in another order) within a few
@@ -94,16 +108,55 @@ def test_device_sign_agrees_within_float_noise(config, n):
     np.testing.assert_allclose(codec.decode(ours), codec.decode(theirs), rtol=4e-7)
 
 
-@pytest.mark.parametrize("config", CONFIGS + SIGN_CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("config, n", [
+    (QSGD_MAX, 1), (QSGD_MAX, 37), (QSGD_MAX, 4096), (QSGD_MAX, 9000),
+    (QSGD_LEVELS, 37), (QSGD_LEVELS, 5000), (TERNGRAD_MAX, 1), (TERNGRAD_MAX, 4096),
+], ids=lambda v: str(v) if isinstance(v, int) else config_id(v))
+def test_device_qsgd_and_unclipped_terngrad_frames_are_the_host_frames(config, n):
+    """Scales from max |g| (an integer max of bit patterns) and the host's draws: the same
+    frames byte for byte, over two calls (two streams), and the same call counter."""
+    x = gradient(n, 20 + n)
+    host, dev_codec = get_codec(config), get_codec(config)
+    for _ in range(2):
+        assert np.array_equal(device_frame(dev_codec, x), host.encode(x))
+    assert dev_codec.state_dict() == host.state_dict() == {"calls": 2}
+
+
+@pytest.mark.parametrize("config, n", [(TERNGRAD, 37), (TERNGRAD, 4096), (TERNGRAD_BUCKETS, 2000),
+                                       (QSGD_L2, 1), (QSGD_L2, 9000)],
+                         ids=lambda v: str(v) if isinstance(v, int) else config_id(v))
+def test_device_clipped_terngrad_and_l2_qsgd_agree_within_float_noise(config, n):
+    """Scales from float64 sums taken in another order: the same header and codes (the
+    same draws against the same scales), each scale within a few float32 ulps of the
+    host's, over two calls; the frame decodes on the host."""
+    x = gradient(n, 30 + n)
+    x[:n // 3] += np.float32(0.01)  # a mean for the variance to subtract
+    host, dev_codec = get_codec(config), get_codec(config)
+    nb = -(-n // (config.get("bucket_size") or n))
+    head = 40 + 4 * nb
+    for _ in range(2):
+        ours, theirs = device_frame(dev_codec, x), host.encode(x)
+        assert ours.size == theirs.size
+        assert np.array_equal(ours[:40], theirs[:40]) and np.array_equal(ours[head:], theirs[head:])
+        ours_scales, their_scales = ours[40:head].view(np.float32), theirs[40:head].view(np.float32)
+        assert np.all(np.abs(ours_scales.view(np.int32) - their_scales.view(np.int32)) <= 4)  # ulps
+        np.testing.assert_allclose(host.decode(ours), host.decode(theirs), rtol=5e-7)
+    if config["id"] == "terngrad":  # the clip is on: some scale is below max |g|
+        assert np.any(their_scales < np.abs(x).max())
+    assert dev_codec.state_dict() == host.state_dict() == {"calls": 2}
+
+
+@pytest.mark.parametrize("config", CONFIGS + SIGN_CONFIGS + [QSGD_MAX, TERNGRAD, QSGD_L2], ids=config_id)
 def test_device_encode_refuses_what_the_host_refuses(config):
     x = gradient(5000, 3)
     x[4500] = np.nan
-    codec = get_codec(config)
+    codec, ours = get_codec(config), get_codec(config)
     with pytest.raises(CodecError) as host:
         codec.encode(x)
     with pytest.raises(CodecError) as dev:
-        device_frame(get_codec(config), x)
+        device_frame(ours, x)
     assert str(dev.value) == str(host.value)
+    assert ours.state_dict() == codec.state_dict()  # a refused input draws no stream
 
 
 def test_device_fp16_refuses_values_beyond_its_range():
@@ -118,17 +171,40 @@ def test_device_uniform_refuses_a_span_beyond_float32():
         device_frame(get_codec({"id": "uniform", "bits": 4}), x)
 
 
-@pytest.mark.parametrize("config", [{"id": "uniform", "bits": 4, "bucket_size": 100}, {"id": "sign", "bucket_size": 100}])
-def test_device_accumulate_leaves_out_untouched_on_a_corrupt_scale(config):
+def corrupt_scale(frame: np.ndarray) -> None:
+    frame[40:44] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)  # the first scale
+
+
+def corrupt_terngrad_code(frame: np.ndarray) -> None:
+    frame[-3] |= 0x30  # a code 3 (in the tail's bit stream)
+
+
+def corrupt_qsgd_level(frame: np.ndarray) -> None:
+    frame[-3] |= 0x70  # level 7 > s = 5 (4-bit codes, level in the low three bits)
+
+
+@pytest.mark.parametrize("config, corrupt", [
+    ({"id": "uniform", "bits": 4, "bucket_size": 100}, corrupt_scale),
+    ({"id": "sign", "bucket_size": 100}, corrupt_scale),
+    ({"id": "terngrad", "bucket_size": 100}, corrupt_scale),
+    ({"id": "qsgd", "bits": 4, "bucket_size": 100}, corrupt_scale),
+    ({"id": "terngrad", "bucket_size": 100}, corrupt_terngrad_code),
+    ({"id": "qsgd", "levels": 5, "bucket_size": 100}, corrupt_qsgd_level),
+], ids=lambda v: v.__name__ if callable(v) else config_id(v))
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_device_decode_refuses_a_corrupt_payload_before_writing(config, corrupt, accumulate):
+    """Refused in the host's words, and ``out`` untouched (the host's decode may have
+    written it before it refuses a code; the device checks every code first)."""
     codec = get_codec(config)
     frame = codec.encode(gradient(300, 4)).copy()
-    frame[40:44] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)  # the first scale
+    corrupt(frame)
     start = gradient(300, 5)
-    with pytest.raises(CodecError):
-        codec.decode(frame, start.copy(), accumulate=True)  # the host refuses it too
+    with pytest.raises(CodecError) as host:
+        codec.decode(frame, start.copy(), accumulate=accumulate)
     out = cuda.to_device(start)
-    with pytest.raises(CodecError, match="corrupted payload"):
-        device_codec(codec).decode(frame, out, accumulate=True)
+    with pytest.raises(CodecError) as dev:
+        device_codec(codec).decode(frame, out, accumulate=accumulate)
+    assert "corrupted payload" in str(dev.value) and str(dev.value) == str(host.value)
     assert np.array_equal(out.copy_to_host(), start)
 
 
@@ -145,8 +221,15 @@ def test_device_decode_checks_the_frame_on_the_host_first():
 
 
 def test_device_codecs_refuse_what_they_cannot_do():
-    with pytest.raises(CodecError, match="has no GPU kernels .*fp16, fp32, sign, uniform"):
-        device_codec(get_codec({"id": "qsgd", "bits": 4}))
+    with pytest.raises(CodecError, match="has no GPU kernels .*fp16, fp32, qsgd, sign, terngrad, uniform"):
+        device_codec(get_codec({"id": "mcgq"}))
+    with pytest.raises(CodecError) as exc:
+        device_codec(get_codec({"id": "qsgd", "bits": 4, "coding": "elias"}))
+    assert str(exc.value) == ("qsgd: coding='elias' (variable-length) has no GPU kernels (coding='fixed' has); "
+                              "it runs on the host")
+    elias = get_codec({"id": "qsgd", "bits": 4, "coding": "elias"}).encode(gradient(50, 1))
+    with pytest.raises(CodecError, match="^qsgd: an Elias-coded frame has no GPU decoder; it decodes on the host$"):
+        device_codec(get_codec({"id": "qsgd", "bits": 4})).decode(elias, cuda.to_device(np.zeros(50, np.float32)))
     with pytest.raises(CodecError, match="checksum=True"):
         device_codec(get_codec({"id": "uniform", "checksum": True}))
     dev = device_codec(get_codec({"id": "fp32"}))
@@ -154,17 +237,14 @@ def test_device_codecs_refuse_what_they_cannot_do():
         dev.encode(np.zeros(3, np.float32), cuda.device_array(100, np.uint8))
     with pytest.raises(CodecError, match="holds 50 bytes, encode may need 52"):
         dev.encode(cuda.to_device(np.zeros(3, np.float32)), cuda.device_array(50, np.uint8))
-    assert set(DEVICE_CODECS) == {"fp32", "fp16", "uniform", "sign"}
+    assert set(DEVICE_CODECS) == {"fp32", "fp16", "uniform", "sign", "terngrad", "qsgd"}
 
 
 def test_empty_input_gives_the_host_frame():
-    for config in CONFIGS[:4]:
-        codec = get_codec(config)
-        dev = device_codec(codec)
-        out = cuda.device_array(dev.max_encoded_size(0), np.uint8)
-        n = dev.encode(cuda.to_device(np.zeros(0, np.float32)), out)
-        got = out.copy_to_host()[:n]
-        assert np.array_equal(got, codec.encode(np.zeros(0, np.float32)))
+    for config in CONFIGS[:4] + SIGN_CONFIGS[:1] + [QSGD_L2, TERNGRAD]:
+        codec, ours = get_codec(config), get_codec(config)
+        assert np.array_equal(device_frame(ours, np.zeros(0, np.float32)), codec.encode(np.zeros(0, np.float32)))
+        assert ours.state_dict() == codec.state_dict()
 
 
 def test_a_missing_numba_cuda_is_one_line_naming_the_extra(monkeypatch):

@@ -10,7 +10,15 @@ tensors through ``cuda.as_cuda_array``); only the 40-byte header is written on t
     codec.decode(frame_host[:40], payload_dev, out_dev, accumulate=True)
 
 Which codecs have a device twin, and how close each is to its host codec, is
-``DEVICE_CODECS`` (docs/codecs.rst, "On a GPU"). Importing this package needs nothing
+``DEVICE_CODECS`` (docs/codecs.rst, "On a GPU"): fp32, fp16, uniform, qsgd with
+norm="max" and TernGrad with clip=0 are bit-identical (their scales are ranges or max |g|,
+integer reductions of the float32 bit patterns that any order gets right, and their draws
+are the host's counter-based stream); sign, TernGrad's 2.5 sigma clip and qsgd's l2 norm
+agree within float noise (their scales come from float64 sums, which the host adds in a
+fixed sequential order that no parallel reduction reproduces: the float32 scale can differ
+in its last bit, rarely, and the codes agree wherever the scales do). qsgd's variable-length
+(Elias) coding, mcgq, powersgd and plugins have no twin (:func:`host_only` says why), and
+run on the host. Importing this package needs nothing
 beyond mpigrad; :func:`load_cuda` imports ``numba.cuda`` and refuses in one line, naming the
 extra, where it is missing or broken. Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run
 in Numba's CUDA simulator (how CI tests them, without a GPU).
@@ -23,14 +31,37 @@ from ..base import CodecError
 #: The extra that installs the device codecs' dependency.
 CUDA_EXTRA = 'pip install -e ".[cuda]"'
 
-#: codec id -> how the device twin's frames compare with the host codec's.
+#: codec id -> how the device twin's frames compare with the host codec's. Scales taken
+#: from a bucket's max |g| are exact (an integer max of the float32 bit patterns, in any
+#: order); scales taken from float64 sums are not: the host sums each bucket in a fixed
+#: sequential lane order, which a parallel reduction cannot reproduce, so the device sums
+#: in another order and the float32 scale can differ in its last bit (rarely: the float64
+#: sums differ by ~1e-16 relative). The random draws are the host's (the same counter-based
+#: stream, element by element), so wherever the scales agree the codes do too.
 DEVICE_CODECS = {
     "fp32": "bit-identical",
     "fp16": "bit-identical",
     "uniform": "bit-identical (nearest and stochastic rounding)",
     "sign": "within float noise: the per-bucket mean |g| is summed in another order "
             "(float64, then rounded to float32: equal in nearly every bucket)",
+    "terngrad": "within float noise: the 2.5 sigma clip's std comes from float64 sums of g and "
+                "g^2 in another order (equal scales, hence codes, in nearly every bucket; a "
+                "bucket whose variance cancels to about zero can clip differently); "
+                "bit-identical with clip=0 (scale max |g|)",
+    "qsgd": "bit-identical with norm='max' (fixed coding); within float noise with norm='l2' "
+            "(the sum of g^2 in another order); coding='elias' runs on the host",
 }
+
+
+def host_only(codec) -> str | None:
+    """Why host ``codec`` has no device twin (one line), or None when it has one."""
+    if codec.codec_id not in DEVICE_CODECS:
+        return (f"codec {codec.codec_id!r} has no GPU kernels (those that do: "
+                f"{', '.join(sorted(DEVICE_CODECS))}); it runs on the host")
+    if codec.codec_id == "qsgd" and codec.coding != "fixed":
+        return (f"qsgd: coding={codec.coding!r} (variable-length) has no GPU kernels (coding='fixed' "
+                "has); it runs on the host")
+    return None
 
 
 class DeviceUnavailable(CodecError):
@@ -58,14 +89,15 @@ def load_cuda():
 
 def device_codec(codec, stream=0):
     """The device twin of host ``codec`` (a :class:`~mpigrad.codecs.Codec`), launching on
-    ``stream``; CodecError naming the codecs that have one when it has none."""
-    if codec.codec_id not in DEVICE_CODECS:
-        raise CodecError(f"codec {codec.codec_id!r} has no GPU kernels (those that do: "
-                         f"{', '.join(sorted(DEVICE_CODECS))}); it runs on the host")
+    ``stream``; CodecError naming the codecs that have one when it has none, or saying why
+    this config of a codec that has one runs on the host (:func:`host_only`)."""
+    reason = host_only(codec)
+    if reason:
+        raise CodecError(reason)
     load_cuda()
     from . import codecs
 
     return codecs.DEVICE_CLASSES[codec.codec_id](codec, stream)
 
 
-__all__ = ["CUDA_EXTRA", "DEVICE_CODECS", "DeviceUnavailable", "device_codec", "load_cuda"]
+__all__ = ["CUDA_EXTRA", "DEVICE_CODECS", "DeviceUnavailable", "device_codec", "host_only", "load_cuda"]

@@ -15,7 +15,7 @@ from ..base import HEADER_SIZE, CodecError, Header, header_bytes, non_finite_err
 from ..checks import bucket_layout
 from ..kernels.half import HALF_TO_FLOAT
 from . import kernels as k
-from . import load_cuda
+from . import host_only, load_cuda
 
 _EMPTY = np.zeros(0, np.uint8)
 
@@ -85,8 +85,13 @@ class DeviceCodec:
         if out.size < size:
             raise CodecError(f"out= holds {out.size} bytes, encode may need {size}")
         self._reset_status()
+        calls = self.codec.calls
         header = self.launch_encode(x, out, HEADER_SIZE, self._status)
-        self._raise_status(self._read_status())
+        try:
+            self._raise_status(self._read_status())
+        except CodecError:
+            self.codec.calls = calls  # the host codec draws no stream for an input it refuses
+            raise
         out[:HEADER_SIZE].copy_to_device(header_bytes(header), stream=self.stream)
         return HEADER_SIZE + header.payload_len
 
@@ -158,6 +163,8 @@ class DeviceCodec:
         if status[k.ERR_BAD_SCALE]:
             raise CodecError(f"{self.codec.codec_id}: corrupted payload (a scale is negative, non-finite "
                              "or out of order)")
+        if status[k.ERR_BAD_CODE]:
+            raise CodecError(f"{self.codec.codec_id}: corrupted payload (a code the format cannot contain)")
 
     def _encode_payload(self, x, out, pos: int, status):
         raise NotImplementedError
@@ -198,88 +205,181 @@ class DeviceFloat16(DeviceCodec):
 
 
 class _Bucketed(DeviceCodec):
-    """Codecs with per-bucket scales before fixed-width codes (uniform, sign)."""
+    """Codecs with per-bucket scales before fixed-width codes (uniform, sign, terngrad,
+    qsgd): the payload's scales are ``scale_floats`` float32 per bucket."""
 
     kind: int  # pack_blocks' kind
+    scale_floats = 1
 
-    def _codes(self, x, scales, out, pos, bits, stochastic=False, key=0) -> None:
+    def _codes(self, x, scales, out, pos, bits, levels=1, stochastic=False, key=0) -> None:
         bucket = self._bucket(x.size)
         key = np.uint64(key)
         self._launch(k.pack_blocks, (x.size // k.BLOCK) * k.GROUPS,
-                     self.kind, x, bucket, bits, scales, stochastic, key, out, pos)
+                     self.kind, x, bucket, bits, levels, scales, stochastic, key, out, pos)
         tail = x.size % k.BLOCK
         if tail:
-            self._launch(k.pack_tail, (tail * bits + 7) // 8, self.kind, x, bucket, bits, scales, stochastic,
-                         key, out, pos)
+            self._launch(k.pack_tail, (tail * bits + 7) // 8, self.kind, x, bucket, bits, levels, scales,
+                         stochastic, key, out, pos)
 
-    def _values(self, payload, pos, bits, bucket, scales, out, accumulate) -> None:
-        self._launch(k.unpack_blocks, (out.size // k.BLOCK) * k.GROUPS,
-                     self.kind, payload, pos, bits, bucket, scales, out, accumulate)
-        tail = out.size % k.BLOCK
+    def _unpack(self, header, payload, out, op, status) -> None:
+        """unpack_blocks / unpack_tail over the header's codes (``op``: k.WRITE, ADD, CHECK)."""
+        bucket, nb = bucket_layout(header.param_a, header.n)
+        scales = self._array("scales_in", self.scale_floats * nb, np.float32)
+        n, bits, pos, levels = header.n, header.bits, 4 * self.scale_floats * nb, self._levels(header)
+        self._launch(k.unpack_blocks, (n // k.BLOCK) * k.GROUPS,
+                     self.kind, payload, pos, bits, levels, bucket, scales, out, n, op, status)
+        tail = n % k.BLOCK
         if tail:
-            self._launch(k.unpack_tail, tail, self.kind, payload, pos, bits, bucket, scales, out, accumulate)
+            self._launch(k.unpack_tail, tail, self.kind, payload, pos, bits, levels, bucket, scales, out, n,
+                         op, status)
 
     def _bucket(self, n: int) -> int:
         return bucket_layout(self.codec.bucket_size or 0, n)[0]
 
-    def _chunks(self, n: int) -> tuple[int, int]:
-        """(bucket, blocks per bucket) of the reduction kernels."""
+    def _chunks(self, n: int) -> tuple[int, int, int]:
+        """(bucket, bucket count, blocks per bucket) of the reduction kernels."""
         bucket = self._bucket(n)
-        return bucket, -(-min(bucket, n) // k.CHUNK)
+        return bucket, -(-n // bucket), -(-min(bucket, n) // k.CHUNK)
+
+    def _range_keys(self, x, bucket, nb, chunks):
+        """Each bucket's (min, max) order keys, reduced on the device (integers: exact)."""
+        keys = self._array("keys", 2 * nb, np.int32)
+        self._launch(k.fill_keys, 2 * nb, keys)
+        k.range_keys[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, keys)
+        return keys
+
+    def _sums(self, x, bucket, nb, chunks, absolute, status):
+        """Each chunk's float64 sum of x (|x| with ``absolute``) and of x^2: sum_partials."""
+        partials = self._array("partials", 2 * nb * chunks, np.float64)
+        k.sum_partials[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, absolute, partials, status)
+        return partials
+
+    def _levels(self, header) -> int:
+        return 1
+
+    def _check_scales(self, header, payload, status):
+        nb = bucket_layout(header.param_a, header.n)[1]
+        scales = self._array("scales_in", self.scale_floats * nb, np.float32)
+        self._launch(k.load_pairs if self.scale_floats == 2 else k.load_scales, nb, payload, scales, status)
+        if self._codes_may_be_bad(header):
+            self._unpack(header, payload, scales, k.CHECK, status)
+
+    def _codes_may_be_bad(self, header) -> bool:
+        """Whether the payload's codes can hold values the format forbids (checked, like
+        the scales, before anything is written)."""
+        return False
+
+    def _decode_values(self, header, payload, out, accumulate):
+        self._unpack(header, payload, out, k.ADD if accumulate else k.WRITE, self._status)
 
 
 class DeviceUniform(_Bucketed):
-    kind = 0
+    kind = k.UNIFORM
+    scale_floats = 2
 
     def _encode_payload(self, x, out, pos, status):
         codec, n = self.codec, x.size
-        bucket, chunks = self._chunks(n)
-        nb = -(-n // bucket)
-        keys = self._array("keys", 2 * nb, np.int32)
+        bucket, nb, chunks = self._chunks(n)
+        keys = self._range_keys(x, bucket, nb, chunks)
         lohi = self._array("lohi", 2 * nb, np.float32)
-        self._launch(k.fill_keys, 2 * nb, keys)
-        k.range_keys[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, keys)
         self._launch(k.finish_ranges, nb, keys, lohi, status)
         self._launch(k.store_scales, 2 * nb, lohi, out[pos:pos + 8 * nb])
         seed, counter = codec._next_stream() if codec.stochastic else (0, 0)
-        self._codes(x, lohi, out, pos + 8 * nb, codec.bits, codec.stochastic, k.stream_key(seed, counter))
+        self._codes(x, lohi, out, pos + 8 * nb, codec.bits, (1 << codec.bits) - 1, codec.stochastic,
+                    k.stream_key(seed, counter))
         from ..uniform import FLAG_STOCHASTIC, payload_size
         return (codec.bits, FLAG_STOCHASTIC if codec.stochastic else 0, codec.bucket_size or 0, 0,
                 payload_size(n, codec.bits, codec.bucket_size or 0))
 
-    def _check_scales(self, header, payload, status):
-        nb = bucket_layout(header.param_a, header.n)[1]
-        self._launch(k.load_pairs, nb, payload, self._array("lohi_in", 2 * nb, np.float32), status)
-
-    def _decode_values(self, header, payload, out, accumulate):
-        bucket, nb = bucket_layout(header.param_a, header.n)
-        lohi = self._array("lohi_in", 2 * nb, np.float32)
-        self._values(payload, 8 * nb, header.bits, bucket, lohi, out, accumulate)
+    def _levels(self, header):
+        return (1 << header.bits) - 1
 
 
 class DeviceSign(_Bucketed):
-    kind = 1
+    kind = k.SIGN
 
     def _encode_payload(self, x, out, pos, status):
         codec, n = self.codec, x.size
-        bucket, chunks = self._chunks(n)
-        nb = -(-n // bucket)
-        partials = self._array("partials", nb * chunks, np.float64)
+        bucket, nb, chunks = self._chunks(n)
+        partials = self._sums(x, bucket, nb, chunks, True, status)
         scales = self._array("scales", nb, np.float32)
-        k.abs_partials[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, partials, status)
         self._launch(k.finish_means, nb, partials, chunks, bucket, n, scales)
         self._launch(k.store_scales, nb, scales, out[pos:pos + 4 * nb])
         self._codes(x, scales, out, pos + 4 * nb, 1)
         from ..sign import payload_size
         return 1, 0, codec.bucket_size or 0, 0, payload_size(n, codec.bucket_size or 0)
 
-    def _check_scales(self, header, payload, status):
-        nb = bucket_layout(header.param_a, header.n)[1]
-        self._launch(k.load_scales, nb, payload, self._array("scales_in", nb, np.float32), status)
 
-    def _decode_values(self, header, payload, out, accumulate):
-        bucket, nb = bucket_layout(header.param_a, header.n)
-        self._values(payload, 4 * nb, 1, bucket, self._array("scales_in", nb, np.float32), out, accumulate)
+class _MaxScaled(_Bucketed):
+    """TernGrad and QSGD: scales from each bucket's max |x| (exact, from the range keys),
+    with float64 sums where the host takes them (TernGrad's clip, QSGD's l2 norm)."""
+
+    def _scales(self, x, kind, clip, status):
+        n = x.size
+        bucket, nb, chunks = self._chunks(n)
+        keys = self._range_keys(x, bucket, nb, chunks)
+        partials = (self._sums(x, bucket, nb, chunks, False, status) if kind != k.SCALE_MAX_ABS
+                    else self._array("partials", 2, np.float64))  # not read
+        scales = self._array("scales", nb, np.float32)
+        self._launch(k.finish_scales, nb, kind, keys, partials, chunks, bucket, n, float(clip), scales, status)
+        return scales
+
+    def _scaled_codes(self, x, out, pos, status, kind, clip, bits, levels):
+        """Scales, then the codes drawn from the codec's next stream; the payload's length."""
+        scales = self._scales(x, kind, clip, status)
+        nb = scales.size
+        self._launch(k.store_scales, nb, scales, out[pos:pos + 4 * nb])
+        seed, counter = self.codec._next_stream()
+        self._codes(x, scales, out, pos + 4 * nb, bits, levels, True, k.stream_key(seed, counter))
+        return 4 * nb + (x.size * bits + 7) // 8
 
 
-DEVICE_CLASSES = {"fp32": DeviceFloat32, "fp16": DeviceFloat16, "uniform": DeviceUniform, "sign": DeviceSign}
+class DeviceTernGrad(_MaxScaled):
+    kind = k.TERNGRAD
+
+    def _encode_payload(self, x, out, pos, status):
+        from ..terngrad import BITS
+        codec = self.codec
+        kind = k.SCALE_CLIPPED if codec.clip > 0 else k.SCALE_MAX_ABS
+        size = self._scaled_codes(x, out, pos, status, kind, codec.clip, BITS, 1)
+        return BITS, 0, codec.bucket_size or 0, 0, size
+
+    def _codes_may_be_bad(self, header):
+        return True  # a code 3
+
+
+class DeviceQSGD(_MaxScaled):
+    """QSGD with fixed-width coding; Elias-coded frames and configs stay on the host."""
+
+    kind = k.QSGD
+
+    def __init__(self, codec, stream=0):
+        reason = host_only(codec)
+        if reason:
+            raise CodecError(reason)
+        super().__init__(codec, stream)
+
+    def _encode_payload(self, x, out, pos, status):
+        from ..qsgd import FLAG_L2
+        codec = self.codec
+        l2 = codec.norm == "l2"
+        size = self._scaled_codes(x, out, pos, status, k.SCALE_L2 if l2 else k.SCALE_MAX_ABS, 0.0,
+                                  codec.bits, codec.levels)
+        return codec.bits, FLAG_L2 if l2 else 0, codec.bucket_size or 0, codec.levels, size
+
+    def check(self, frame):
+        from ..qsgd import FLAG_ELIAS
+        header = super().check(frame)
+        if header.flags & FLAG_ELIAS:
+            raise CodecError("qsgd: an Elias-coded frame has no GPU decoder; it decodes on the host")
+        return header
+
+    def _levels(self, header):
+        return header.param_b
+
+    def _codes_may_be_bad(self, header):
+        return header.param_b < (1 << (header.bits - 1)) - 1  # levels above s fit in the codes
+
+
+DEVICE_CLASSES = {"fp32": DeviceFloat32, "fp16": DeviceFloat16, "uniform": DeviceUniform, "sign": DeviceSign,
+                  "terngrad": DeviceTernGrad, "qsgd": DeviceQSGD}

@@ -8,10 +8,17 @@ an MSB-first bit stream (``pack_tail``), one thread per byte to write and one pe
 read. Payload bytes are written one at a time (a frame's pieces start at any byte), scales
 go through an aligned float32 scratch array.
 
+Scales: per-bucket min/max order keys (integer atomics: exact in any order; they give
+uniform's ranges and the max |x| of qsgd and terngrad, and flag NaN/inf) and float64 sums
+of x, |x| and x^2 over chunks (sign's mean, terngrad's std, qsgd's l2 norm: a different
+order from the host's lanes, so within float noise). Decoding checks the codes a format
+cannot hold (TernGrad's 3, QSGD levels above s) in a pass of its own before writing.
+
 Float arithmetic is the host's, operation for operation: products and sums that the host
-rounds separately go through ``fmul_rn``/``fadd_rn`` (CUDA would otherwise fuse ``a * b + c``
-into one rounding), divisions are IEEE (Numba's default, no fastmath). Under the simulator
-(``NUMBA_ENABLE_CUDASIM=1``) the same helpers are plain float32 NumPy operations.
+rounds separately go through ``fmul_rn``/``fadd_rn`` (``dmul_rn``/``dadd_rn`` in float64;
+CUDA would otherwise fuse ``a * b + c`` into one rounding), divisions and square roots are
+IEEE (Numba's default, no fastmath). Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) the
+same helpers are plain NumPy float32 (float64) operations.
 """
 
 import math
@@ -30,12 +37,19 @@ CHUNK = THREADS * 32
 ERR_NONFINITE = 0  # status slots (int32, set to 1 when the condition was met)
 ERR_RANGE = 1
 ERR_BAD_SCALE = 2
-STATUS_SLOTS = 3
+ERR_BAD_CODE = 3
+STATUS_SLOTS = 4
+
+UNIFORM, SIGN, TERNGRAD, QSGD = 0, 1, 2, 3  # the codes' kinds (pack_blocks, unpack_blocks)
+WRITE, ADD, CHECK = 0, 1, 2  # what unpack_blocks does with a code
+SCALE_MAX_ABS, SCALE_L2, SCALE_CLIPPED = 0, 1, 2  # finish_scales' kinds
 
 _I32_MAX = 0x7FFFFFFF
 _I32_MIN = -0x80000000
 _F32_MAX_KEY = 0x7F7FFFFF
 _F32_MIN_KEY = -0x7F800000
+_TINY = 2.0 ** -100
+_UNTINY = 2.0 ** 100
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
@@ -52,6 +66,12 @@ if SIMULATOR:
 
     def _floor(a):
         return np.floor(np.float32(a))
+
+    def _dmul(a, b):
+        return np.float64(a) * np.float64(b)
+
+    def _dadd(a, b):
+        return np.float64(a) + np.float64(b)
 
     def _as_float(bits):
         return np.int32(bits).view(np.float32)
@@ -76,6 +96,14 @@ else:  # pragma: no cover - needs a GPU
     @cuda.jit(device=True)
     def _floor(a):
         return libdevice.floorf(a)
+
+    @cuda.jit(device=True)
+    def _dmul(a, b):
+        return libdevice.dmul_rn(a, b)
+
+    @cuda.jit(device=True)
+    def _dadd(a, b):
+        return libdevice.dadd_rn(a, b)
 
     @cuda.jit(device=True)
     def _as_float(bits):
@@ -201,23 +229,27 @@ def finish_ranges(keys, lohi, status):
 
 
 @cuda.jit
-def abs_partials(x, bucket, chunks, partials, status):
-    """Block j sums |x| in float64 over its chunk (as ``range_keys`` splits buckets) into
-    ``partials[j]``, and flags NaN/inf."""
+def sum_partials(x, bucket, chunks, absolute, partials, status):
+    """Block j sums, in float64 over its chunk (as ``range_keys`` splits buckets), x (|x|
+    with ``absolute``) into ``partials[2j]`` and x^2 into ``partials[2j + 1]``; flags NaN/inf."""
     j = cuda.blockIdx.x
     t = cuda.threadIdx.x
     b = j // chunks
     start = b * bucket + (j - b * chunks) * CHUNK
     stop = min(start + CHUNK, (b + 1) * bucket, x.size)
     s = 0.0
+    q = 0.0
     bad = 0
     for i in range(start + t, stop, THREADS):
-        v = x[i]
+        v = np.float64(x[i])
         if not math.isfinite(v):
             bad = 1
-        s += abs(np.float64(v))
+        s += abs(v) if absolute else v
+        q += v * v  # exact in float64: a fused multiply-add rounds it the same
     sums = cuda.shared.array(THREADS, np.float64)
+    squares = cuda.shared.array(THREADS, np.float64)
     sums[t] = s
+    squares[t] = q
     if bad:
         status[ERR_NONFINITE] = 1
     cuda.syncthreads()
@@ -225,10 +257,21 @@ def abs_partials(x, bucket, chunks, partials, status):
     while step > 0:
         if t < step:
             sums[t] += sums[t + step]
+            squares[t] += squares[t + step]
         cuda.syncthreads()
         step //= 2
     if t == 0:
-        partials[j] = sums[0]
+        partials[2 * j] = sums[0]
+        partials[2 * j + 1] = squares[0]
+
+
+@cuda.jit(device=True)
+def _bucket_sum(partials, b, chunks, which):
+    """Bucket b's sum (``which`` 0) or sum of squares (1), from its chunks' partials in order."""
+    s = 0.0
+    for c in range(chunks):
+        s += partials[2 * (b * chunks + c) + which]
+    return s
 
 
 @cuda.jit
@@ -237,11 +280,41 @@ def finish_means(partials, chunks, bucket, n, scales):
     b = cuda.grid(1)
     if b >= scales.size:
         return
-    s = 0.0
-    for c in range(chunks):
-        s += partials[b * chunks + c]
     count = min(bucket, n - b * bucket)
-    scales[b] = np.float32(s / count)
+    scales[b] = np.float32(_bucket_sum(partials, b, chunks, 0) / count)
+
+
+@cuda.jit
+def finish_scales(kind, keys, partials, chunks, bucket, n, clip, scales, status):
+    """Each bucket's scale from its ``range_keys`` (flagging NaN/inf, as the host's
+    ``max_abs_bits`` does) and, for SCALE_L2 / SCALE_CLIPPED, its ``sum_partials``:
+    max |x| (SCALE_MAX_ABS, bit for bit: the larger magnitude of the bucket's min and max),
+    float32(sqrt(sum x^2)) (SCALE_L2; ERR_RANGE beyond float32), or TernGrad's
+    min(max |x|, float32(clip * std)) with the host's float64 operations (SCALE_CLIPPED)."""
+    b = cuda.grid(1)
+    if b >= scales.size:
+        return
+    lo_key = keys[2 * b]
+    hi_key = keys[2 * b + 1]
+    if lo_key < _F32_MIN_KEY or hi_key > _F32_MAX_KEY:
+        status[ERR_NONFINITE] = 1
+        return
+    top = max(_order_key(lo_key) & int32(_I32_MAX), _order_key(hi_key) & int32(_I32_MAX))
+    scale = _as_float(top)
+    if kind == SCALE_L2:
+        scale = np.float32(math.sqrt(_bucket_sum(partials, b, chunks, 1)))
+        if not math.isfinite(scale):
+            status[ERR_RANGE] = 1
+            return
+    elif kind == SCALE_CLIPPED:
+        count = min(bucket, n - b * bucket)
+        mean = _bucket_sum(partials, b, chunks, 0) / count
+        var = _dadd(_bucket_sum(partials, b, chunks, 1) / count, -_dmul(mean, mean))
+        if var > 0.0:
+            clipped = np.float32(_dmul(clip, math.sqrt(var)))
+            if clipped < scale:
+                scale = clipped
+    scales[b] = scale
 
 
 @cuda.jit
@@ -279,6 +352,15 @@ def load_pairs(payload, lohi, status):
 
 # ---- fixed-width codes ----------------------------------------------------------------------
 @cuda.jit(device=True)
+def _reciprocal(span, levels):
+    """The host's ``scaled_reciprocal``: (pre, inv), ``(v * pre) * inv`` ~ v * levels / span."""
+    if span < np.float32(_TINY):
+        pre = np.float32(_UNTINY)
+        return pre, np.float32(levels) / _fmul(span, pre)
+    return np.float32(1.0), np.float32(levels) / span
+
+
+@cuda.jit(device=True)
 def _uniform_code(x, i, bucket, lohi, levels, stochastic, key):
     b = i // bucket
     lo = lohi[2 * b]
@@ -286,12 +368,7 @@ def _uniform_code(x, i, bucket, lohi, levels, stochastic, key):
     span = hi - lo
     if span == np.float32(0.0):
         return 0
-    if span < np.float32(2.0 ** -100):
-        pre = np.float32(2.0 ** 100)
-        inv = np.float32(levels) / _fmul(span, pre)
-    else:
-        pre = np.float32(1.0)
-        inv = np.float32(levels) / span
+    pre, inv = _reciprocal(span, levels)
     t = _fmul(_fmul(x[i] - lo, pre), inv)
     if stochastic:
         q = _floor(_fadd(t, _uniform01(key, i)))
@@ -301,25 +378,50 @@ def _uniform_code(x, i, bucket, lohi, levels, stochastic, key):
 
 
 @cuda.jit(device=True)
-def _code(kind, x, i, bucket, lohi, levels, stochastic, key):
-    if kind == 0:
-        return _uniform_code(x, i, bucket, lohi, levels, stochastic, key)
-    return int32(1) if x[i] < np.float32(0.0) else int32(0)  # sign: 1 for x < 0
+def _scaled_code(kind, x, i, bucket, scales, levels, bits, key):
+    """TernGrad's code (0, 1: +scale, 2: -scale; kept with probability |x| / scale) or
+    QSGD's (stochastic level of |x| * s / scale, sign bit on top when the level is > 0)."""
+    scale = scales[i // bucket]
+    if scale == np.float32(0.0):
+        return 0
+    pre, inv = _reciprocal(scale, levels)
+    v = x[i]
+    r = _fmul(_fmul(abs(v), pre), inv)
+    u = _uniform01(key, i)
+    if kind == TERNGRAD:
+        if u < r:
+            return 2 if v < np.float32(0.0) else 1
+        return 0
+    low = _floor(r)
+    up = _fadd(low, np.float32(1.0)) if u < _fadd(r, -low) else low
+    q = int32(min(up, np.float32(levels)))
+    if v < np.float32(0.0) and q > 0:
+        q |= int32(1) << int32(bits - 1)
+    return q
+
+
+@cuda.jit(device=True)
+def _code(kind, x, i, bucket, scales, levels, bits, stochastic, key):
+    if kind == UNIFORM:
+        return _uniform_code(x, i, bucket, scales, levels, stochastic, key)
+    if kind == SIGN:
+        return int32(1) if x[i] < np.float32(0.0) else int32(0)  # 1 for x < 0
+    return _scaled_code(kind, x, i, bucket, scales, levels, bits, key)
 
 
 @cuda.jit
-def pack_blocks(kind, x, bucket, bits, lohi, stochastic, key, out, pos):
+def pack_blocks(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos):
     """Thread g builds group word g % GROUPS of full block g // GROUPS and stores its bytes.
-    ``kind`` 0: the uniform quantizer's codes; 1: sign bits."""
+    ``kind``: UNIFORM (``scales`` the (lo, hi) pairs, ``levels`` 2**bits - 1), SIGN,
+    TERNGRAD (bits 2, levels 1) or QSGD (levels s) codes."""
     g = cuda.grid(1)
     if g >= (x.size // BLOCK) * GROUPS:
         return
     k = g // GROUPS
     m = g - k * GROUPS
-    levels = (1 << bits) - 1
     word = uint64(0)
     for j in range(8):
-        c = _code(kind, x, k * BLOCK + j * GROUPS + m, bucket, lohi, levels, stochastic, key)
+        c = _code(kind, x, k * BLOCK + j * GROUPS + m, bucket, scales, levels, bits, stochastic, key)
         word |= uint64(c) << uint64(bits * j)
     base = pos + k * bits * GROUPS + m
     for p in range(bits):
@@ -327,14 +429,13 @@ def pack_blocks(kind, x, bucket, bits, lohi, stochastic, key, out, pos):
 
 
 @cuda.jit
-def pack_tail(kind, x, bucket, bits, lohi, stochastic, key, out, pos):
+def pack_tail(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos):
     """The codes after the last full block, MSB-first: thread t writes byte t."""
     t = cuda.grid(1)
     start = (x.size // BLOCK) * BLOCK
     count = x.size - start
     if t >= (count * bits + 7) // 8:
         return
-    levels = (1 << bits) - 1
     byte = 0
     e_cached = -1
     c = 0
@@ -344,7 +445,7 @@ def pack_tail(kind, x, bucket, bits, lohi, stochastic, key, out, pos):
         if e >= count:
             break
         if e != e_cached:
-            c = _code(kind, x, start + e, bucket, lohi, levels, stochastic, key)
+            c = _code(kind, x, start + e, bucket, scales, levels, bits, stochastic, key)
             e_cached = e
         r = p - e * bits
         byte |= ((c >> (bits - 1 - r)) & 1) << (7 - q)
@@ -352,22 +453,39 @@ def pack_tail(kind, x, bucket, bits, lohi, stochastic, key, out, pos):
 
 
 @cuda.jit(device=True)
-def _value(kind, code, i, bucket, lohi, levels):
-    if kind == 0:
+def _value(kind, code, i, bucket, scales, levels, bits):
+    if kind == UNIFORM:
         b = i // bucket
-        lo = lohi[2 * b]
-        hi = lohi[2 * b + 1]
-        step = (hi - lo) / levels
+        lo = scales[2 * b]
+        hi = scales[2 * b + 1]
+        step = (hi - lo) / np.float32(levels)
         return min(_fadd(lo, _fmul(np.float32(code), step)), hi)
-    scale = lohi[i // bucket]  # sign: the bucket's scale
-    return -scale if code else scale
+    scale = scales[i // bucket]
+    if kind == SIGN:
+        return -scale if code else scale
+    if kind == TERNGRAD:
+        return np.float32(0.0) if code == 0 else (scale if code == 1 else -scale)
+    v = _fmul(np.float32(code & ((1 << (bits - 1)) - 1)), scale / np.float32(levels))  # QSGD
+    return -v if code >> (bits - 1) else v
+
+
+@cuda.jit(device=True)
+def _use(kind, code, i, bucket, scales, levels, bits, out, op, status):
+    """Write (WRITE) or add (ADD) code ``code``'s value at ``out[i]``, or (CHECK) flag
+    ERR_BAD_CODE for a code the format cannot hold (TernGrad's 3, QSGD levels above s)."""
+    if op == CHECK:
+        if (kind == TERNGRAD and code == 3) or (kind == QSGD and code & ((1 << (bits - 1)) - 1) > levels):
+            status[ERR_BAD_CODE] = 1
+    else:
+        _store(out, i, _value(kind, code, i, bucket, scales, levels, bits), op == ADD)
 
 
 @cuda.jit
-def unpack_blocks(kind, src, pos, bits, bucket, lohi, out, accumulate):
-    """Inverse of pack_blocks: decode (or add) the full blocks' values into ``out``."""
+def unpack_blocks(kind, src, pos, bits, levels, bucket, scales, out, n, op, status):
+    """Inverse of pack_blocks over the ``n`` codes' full blocks: ``op`` WRITE or ADD their
+    values to ``out``, or CHECK them (``out`` is not touched: any float32 array will do)."""
     g = cuda.grid(1)
-    if g >= (out.size // BLOCK) * GROUPS:
+    if g >= (n // BLOCK) * GROUPS:
         return
     k = g // GROUPS
     m = g - k * GROUPS
@@ -376,19 +494,17 @@ def unpack_blocks(kind, src, pos, bits, bucket, lohi, out, accumulate):
     for p in range(bits):
         word |= uint64(src[base + p * GROUPS]) << uint64(8 * p)
     mask = uint64((1 << bits) - 1)
-    levels = np.float32((1 << bits) - 1)
     for j in range(8):
-        i = k * BLOCK + j * GROUPS + m
         code = int32((word >> uint64(bits * j)) & mask)
-        _store(out, i, _value(kind, code, i, bucket, lohi, levels), accumulate)
+        _use(kind, code, k * BLOCK + j * GROUPS + m, bucket, scales, levels, bits, out, op, status)
 
 
 @cuda.jit
-def unpack_tail(kind, src, pos, bits, bucket, lohi, out, accumulate):
+def unpack_tail(kind, src, pos, bits, levels, bucket, scales, out, n, op, status):
     """The codes after the last full block: thread e reads code e of the MSB-first stream."""
     e = cuda.grid(1)
-    start = (out.size // BLOCK) * BLOCK
-    if e >= out.size - start:
+    start = (n // BLOCK) * BLOCK
+    if e >= n - start:
         return
     bit = e * bits
     pos += (start // BLOCK) * bits * GROUPS
@@ -396,8 +512,7 @@ def unpack_tail(kind, src, pos, bits, bucket, lohi, out, accumulate):
     for r in range(bits):
         p = bit + r
         code = (code << 1) | ((int32(src[pos + (p >> 3)]) >> (7 - (p & 7))) & 1)
-    levels = np.float32((1 << bits) - 1)
-    _store(out, start + e, _value(kind, code, start + e, bucket, lohi, levels), accumulate)
+    _use(kind, code, start + e, bucket, scales, levels, bits, out, op, status)
 
 
 # ---- float payloads -----------------------------------------------------------------------
