@@ -257,6 +257,23 @@ def test_a_missing_numba_cuda_is_one_line_naming_the_extra(monkeypatch):
     assert 'pip install -e ".[cuda]"' in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_numba_without_numba_cuda_is_refused_not_taken_for_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba_cuda" else real(name, *a))
+    with pytest.raises(DeviceUnavailable, match=r'need numba-cuda, which is not installed: pip install -e "\.\[cuda\]"'):
+        load_cuda()
+
+
+def test_a_codec_with_a_payload_crc_stays_on_the_host():
+    from mpigrad.codecs.device import host_only
+
+    assert host_only(get_codec({"id": "uniform", "checksum": True})) == (
+        "uniform: checksum=True needs the payload on the host for its CRC; it runs on the host")
+    assert host_only(get_codec({"id": "uniform"})) is None
+
+
 @pytest.mark.cuda
 def test_device_codecs_take_torch_cuda_tensors_without_a_copy():
     import torch

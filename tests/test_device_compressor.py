@@ -112,7 +112,7 @@ def test_a_corrupt_frame_is_refused():
 def test_codecs_without_kernels_keep_the_host_path():
     pieces = pieces_of(LAYOUT)
     host = GradientCompressor(pieces, get_codec({"id": "mcgq"}), {p.index: 1 for p in pieces})
-    with pytest.raises(CodecError, match="codec mcgq has no GPU kernels"):
+    with pytest.raises(CodecError, match="codec 'mcgq' has no GPU kernels"):
         DeviceGradientCompressor(host, DEVICE)
     assert not device_path(torch.device("cpu"))  # the simulator path is asked for by name only
 

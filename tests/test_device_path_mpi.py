@@ -8,13 +8,17 @@ kernel, buffer and copy of the path runs, on a model small enough for the simula
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from conftest import run_mpi
 from mpigrad.trace import load
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
+                                 reason="runs the device path in the simulator (MPIGRAD_TEST_GPU=1 turns it off)")]
 
 TINY = ["--model-opt", "fc_sizes=[32,32]", "--model-opt", "conv_channels=4", "--min-quantize-size", "500",
         "--net-mode", "off", "--eval-every", "3", "--progress-every", "1", "--checksum-every", "1",
@@ -55,15 +59,16 @@ def assert_same_run(device, host):
 ])
 def test_the_device_path_trains_as_the_host_path_does(tmp_path, mpi_env, name, extra):
     result, device = run(tmp_path, mpi_env, name, *extra)
-    assert "codecs: in Numba's CUDA simulator (Numba CUDA kernels), only the packed frames cross to the host" \
-        in result.stdout
+    assert "codecs: in Numba's CUDA simulator (Numba CUDA kernels): gradients encoded and updates decoded in " \
+        "device memory, the packed frames staged through pinned host memory" in result.stdout
     _, host = run(tmp_path, mpi_env, name + "-host", *extra, device=False)
     assert device.complete and len(device.steps) == 3
     assert_same_run(device, host)
 
 
 def test_a_codec_without_kernels_keeps_the_host_path_and_says_so(tmp_path, mpi_env):
-    result, trace = run(tmp_path, mpi_env, "qsgd", "--servers", "colocated", "--codec", "qsgd", "--bits", "4")
-    assert "codecs: on the host: qsgd has no GPU kernels (those that do: fp16, fp32, sign, uniform); the whole " \
-           "gradient is copied out every iteration" in result.stdout
+    result, trace = run(tmp_path, mpi_env, "elias", "--servers", "colocated", "--codec", "qsgd", "--bits", "4",
+                        "--codec-opt", "coding=elias")
+    assert "codecs: on the host, the whole gradient copied out every iteration: qsgd: coding='elias' " \
+           "(variable-length) has no GPU kernels (coding='fixed' has); it runs on the host" in result.stdout
     assert trace.complete

@@ -66,7 +66,7 @@ def test_a_run_records_its_device_and_what_tf32_torch_used(tmp_path, mpi_env):
                              "--tf32", setting], mpi_env)
         assert result.returncode == 0, result.stderr
     default, off = (load(traces[s]).attrs for s in ("default", "off"))
-    assert default["device"] == "cpu"
+    assert default["device"] == "cpu" and default["workers_device"] == "cpu"
     # torch's own defaults: TF32 off for matmuls, on for cuDNN convolutions
     assert default["tf32"] == {"setting": "default", "matmul": False, "cudnn_conv": True}
     assert off["tf32"] == {"setting": "off", "matmul": False, "cudnn_conv": False}

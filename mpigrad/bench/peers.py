@@ -442,8 +442,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     powersgd = f"PowerSGD from iteration {start}; " if any(VARIANTS[v].hook == "powersgd" for v in variants) else ""
     backend, sharing = _backend(config, workers)
-    if sharing and args.mpigrad and "--share-gpu" not in args.train_args:
+    mpigrad_sharing = _mpigrad_shares(config, workers)
+    if mpigrad_sharing and args.mpigrad and "--share-gpu" not in args.train_args:
         args.train_args = [*args.train_args, "--share-gpu"]
+        sharing = sharing or mpigrad_sharing
     threads = threads_per_rank(config.threads)
     env = dict(os.environ, **{name: str(threads) for name in THREAD_VARIABLES})
     if args.address == "127.0.0.1":
@@ -685,7 +687,27 @@ def ddp_backend(device_type: str, workers: int, devices: int) -> tuple[str, str 
     if workers <= devices:
         return "nccl", None
     return "gloo", (f"{workers} DDP ranks share {devices} GPU{'s' * (devices != 1)}: DDP runs over gloo on CUDA "
-                    "tensors (NCCL refuses two ranks on one device), mpigrad with --share-gpu")
+                    "tensors (NCCL refuses two ranks on one device)")
+
+
+def mpigrad_gpu_ranks(workers: int, servers, colocated: bool) -> int:
+    """The ranks of mpigrad's run that train or serve on a GPU: the workers, and the S
+    server ranks unless they are colocated (runtime/gpu.gpu_rank)."""
+    return workers if colocated else workers + int(servers)
+
+
+def _mpigrad_shares(config, workers: int) -> str | None:
+    """The line saying mpigrad's run gets --share-gpu, when its GPU ranks outnumber the GPUs."""
+    from ..runtime.gpu import workers_device
+
+    if workers_device(config) != "cuda":
+        return None
+    import torch
+
+    ranks, devices = mpigrad_gpu_ranks(workers, config.servers, config.colocated), torch.cuda.device_count()
+    if ranks <= devices:
+        return None
+    return f"mpigrad's {ranks} GPU ranks share {devices} GPU{'s' * (devices != 1)}: its run gets --share-gpu"
 
 
 def _backend(config, workers: int) -> tuple[str, str | None]:

@@ -22,8 +22,7 @@ import torch
 
 from ..codecs import CodecError, HEADER_SIZE
 from ..codecs.base import header_bytes
-from ..codecs.device import DEVICE_CODECS, device_codec, load_cuda
-from ..codecs.device import kernels as k
+from ..codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
 from ..feedback import ErrorFeedback
 from .compressor import GradientCompressor
 from .layout import Shard
@@ -34,27 +33,42 @@ from .wire.messages import FrameHeader
 ENVIRONMENT = "MPIGRAD_DEVICE_CODECS"
 
 
+def simulated() -> bool:
+    """Whether Numba's CUDA simulator stands in for the GPU (``NUMBA_ENABLE_CUDASIM=1``);
+    asks Numba's configuration, not numba.cuda, which a CPU run never imports."""
+    from numba.core import config as numba_config
+
+    return bool(numba_config.ENABLE_CUDASIM)
+
+
 def device_path(device: torch.device) -> bool:
     """Whether a replica on ``device`` takes the device path."""
     choice = os.environ.get(ENVIRONMENT, "")
     if device.type == "cuda":
         return choice != "host"
-    return choice == "simulator" and k.SIMULATOR
+    return choice == "simulator" and simulated()
 
 
-def missing_kernels(compressor: GradientCompressor) -> list[str]:
-    """The codecs of ``compressor`` that have no GPU kernels (they keep the host path)."""
-    ids = {compressor.base_config["id"], compressor.rest_codec.codec_id,
-           *(codec.codec_id for codec in compressor.piece_codecs.values())}
-    return sorted(i for i in ids if i not in DEVICE_CODECS)
+def host_reasons(codecs) -> list[str]:
+    """Why each of ``codecs`` (host codec objects) keeps the host path, one line each."""
+    return sorted({reason for reason in map(host_only, codecs) if reason})
+
+
+def compressor_codecs(compressor: GradientCompressor) -> list:
+    """The codec objects ``compressor`` encodes and decodes with."""
+    return [compressor.decoder, compressor.rest_codec, *compressor.piece_codecs.values()]
 
 
 def on_device(replica, *compressors) -> list:
     """``compressors`` as the replica's path takes them: on the device path (a replica on a
-    GPU, or the simulator asked for) and when every codec has kernels, their device twins
-    (one per distinct object) with the replica's codec buffers moved to the device; else
-    the host compressors as they are."""
-    if not device_path(replica.device) or any(missing_kernels(c) for c in compressors):
+    GPU, or the simulator asked for), when every codec has kernels and numba-cuda loads,
+    their device twins (one per distinct object) with the replica's codec buffers moved to
+    the device; else the host compressors as they are (rank 0's ``codecs:`` line says why)."""
+    if not device_path(replica.device) or host_reasons([c for comp in compressors for c in compressor_codecs(comp)]):
+        return list(compressors)
+    try:
+        load_cuda()
+    except DeviceUnavailable:
         return list(compressors)
     replica.use_device_codecs()
     twins: dict[int, DeviceGradientCompressor] = {}
@@ -64,21 +78,27 @@ def on_device(replica, *compressors) -> list:
     return [twins[id(c)] for c in compressors]
 
 
-def codec_path(config, codec_ids) -> str | None:
-    """rank 0's start-up line on where the workers run ``codec_ids`` (the run's codecs), for
-    a run on a GPU or on the simulator's device path; None for a CPU run."""
-    device = torch.device("cuda" if config.device == "cuda" or (
-        config.device == "auto" and torch.cuda.is_available()) else "cpu")
+def codec_path(config, codecs) -> str | None:
+    """rank 0's start-up line on where the workers run ``codecs`` (the run's codec objects),
+    for a run on a GPU or on the simulator's device path; None for a CPU run."""
+    from .gpu import workers_device
+
+    device = torch.device(workers_device(config))
     if device.type == "cuda" and os.environ.get(ENVIRONMENT) == "host":
         return f"codecs: on the host ({ENVIRONMENT}=host): the whole gradient is copied out every iteration"
     if not device_path(device):
         return None
-    missing = sorted(set(codec_ids) - set(DEVICE_CODECS))
-    if missing:
-        return (f"codecs: on the host: {', '.join(missing)} has no GPU kernels (those that do: "
-                f"{', '.join(sorted(DEVICE_CODECS))}); the whole gradient is copied out every iteration")
+    reasons = host_reasons(codecs)
+    if not reasons:
+        try:
+            load_cuda()
+        except DeviceUnavailable as exc:
+            reasons = [str(exc)]
+    if reasons:
+        return f"codecs: on the host, the whole gradient copied out every iteration: {'; '.join(reasons)}"
     where = "in Numba's CUDA simulator" if device.type == "cpu" else "on the GPU"
-    return f"codecs: {where} (Numba CUDA kernels), only the packed frames cross to the host"
+    return (f"codecs: {where} (Numba CUDA kernels): gradients encoded and updates decoded in device memory, "
+            "the packed frames staged through pinned host memory")
 
 
 def finite(x) -> bool:
@@ -93,7 +113,7 @@ def device_view(tensor: torch.Tensor):
     the simulator a CPU tensor's."""
     cuda = load_cuda()
     tensor = tensor.detach()
-    if k.SIMULATOR:
+    if simulated():
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         return FakeCUDAArray(tensor.numpy())
@@ -101,10 +121,12 @@ def device_view(tensor: torch.Tensor):
 
 
 def kernel_stream():
-    """The stream the kernels run on: torch's current stream, so that they are ordered
-    with the backward that wrote the gradient and the copies torch makes."""
+    """The stream the kernels run on: torch's current stream when the compressor is built,
+    so that they are ordered with the backward that wrote the gradient and the copies and
+    error-memory operations torch makes on it (the runtime never switches streams: each
+    compressor keeps the one it was built on)."""
     cuda = load_cuda()
-    if k.SIMULATOR:
+    if simulated():
         return 0
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
@@ -160,10 +182,10 @@ class DeviceGradientCompressor:
     frame buffers. ``encode``/``decode`` take device tensors and host frames."""
 
     def __init__(self, host: GradientCompressor, device: torch.device):
-        missing = missing_kernels(host)
-        if missing:
-            raise CodecError(f"codec {', '.join(missing)} has no GPU kernels (those that do: "
-                             f"{', '.join(sorted(DEVICE_CODECS))})")
+        reasons = host_reasons(compressor_codecs(host))
+        if reasons:
+            raise CodecError("; ".join(reasons))
+        from ..codecs.device import kernels as k
         self.host, self.device = host, device
         self.pieces = host.pieces
         self.feedback = DeviceFeedback(host.feedback, device) if host.feedback is not None else None
@@ -173,6 +195,7 @@ class DeviceGradientCompressor:
         self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
         self._zeros = np.zeros(k.STATUS_SLOTS, np.int32)
         self._device_frames: dict = {}
+        self._staging: dict = {}
         self._host_frames: dict = {}
         self._scratch = torch.empty(max([p.size for p in self.pieces if p.quantized], default=0),
                                     dtype=torch.float32, device=device)
@@ -191,12 +214,19 @@ class DeviceGradientCompressor:
         return twin
 
     def _buffers(self, key, capacity: int) -> tuple[torch.Tensor, np.ndarray]:
-        frame = self._device_frames.get(key)
-        if frame is None or frame.numel() < capacity:
-            frame = self._device_frames[key] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-            pinned = self.device.type == "cuda"
-            self._host_frames[key] = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
-        return frame, self._host_frames[key].numpy()
+        """The device frame buffer of ``key`` and its pinned host twin, grown as needed."""
+        frame = self._device_buffer(self._device_frames, key, capacity)
+        host = self._host_frames.get(key)
+        if host is None or host.numel() < capacity:
+            host = self._host_frames[key] = torch.empty(capacity, dtype=torch.uint8,
+                                                        pin_memory=self.device.type == "cuda")
+        return frame, host.numpy()
+
+    def _device_buffer(self, buffers: dict, key, capacity: int) -> torch.Tensor:
+        buffer = buffers.get(key)
+        if buffer is None or buffer.numel() < capacity:
+            buffer = buffers[key] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        return buffer
 
     def _reset_status(self) -> None:
         self._status.copy_to_device(self._zeros, stream=self.stream)
@@ -205,13 +235,18 @@ class DeviceGradientCompressor:
         """Raise what the frame's status says, in the wording of the first codec that flagged
         (every flag of the frame is in one array: the first twin's wording serves them all)."""
         status = self._status.copy_to_host(stream=self.stream)
+        if not simulated():
+            self.stream.synchronize()
         if status.any():
             twins[0].raise_status(status)
 
     # ---- encode / decode ----------------------------------------------------------------
     def encode(self, grad: torch.Tensor, bits: list[int], shard: Shard) -> np.ndarray:
         """The host frame of ``shard``'s pieces of the flat device ``grad``: a view of a
-        pinned buffer reused per shard (and bucket), valid until the next encode of it."""
+        pinned buffer reused per shard (and bucket), valid until the next encode of it.
+        Unlike the host compressor, an encode refused (CodecError: a NaN, a range beyond
+        float32) has advanced the RNG counters and the error memory already: the run ends
+        there anyway (an error frame)."""
         host = self.host
         capacity = host.capacity(shard, bits)
         frame, out = self._buffers((shard.server, shard.bucket), capacity)
@@ -257,7 +292,7 @@ class DeviceGradientCompressor:
                      else self.host.rest_codec)
             twin = self._twin(codec)
             checked.append((piece, twin, twin.check(buf)))
-        staging, _ = self._buffers(("in", shard.server, shard.bucket), frame.size)
+        staging = self._device_buffer(self._staging, (shard.server, shard.bucket), frame.size)
         staging[:frame.size].copy_(torch.from_numpy(frame), non_blocking=False)
         view = device_view(staging)
         pos = FrameHeader.size(len(shard.pieces))

@@ -26,6 +26,19 @@ from ..errors import UsageError
 _MPICH_GPU_CUDA = 0
 
 
+def workers_device(config) -> str:
+    """"cuda" when the run's workers train on GPUs (``--device cuda``, or ``auto`` where
+    torch sees one), else "cpu": the same answer on every rank of a homogeneous job, and
+    not this rank's own device (rank 0's replica stays on the CPU with colocated servers)."""
+    if config.device == "cpu":
+        return "cpu"
+    if config.device == "cuda":
+        return "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def gpu_rank(rank: int, colocated: bool) -> bool:
     """Whether world ``rank`` computes on a GPU in a ``--device cuda`` run: every rank but
     rank 0 with colocated servers (which serves no shard)."""
@@ -71,13 +84,14 @@ def visible_devices() -> tuple[tuple[str, ...], int]:
     return tuple(uuids), count
 
 
-def plan_world(entries, colocated: bool, share: bool) -> dict[int, int | None]:
+def plan_world(entries, colocated: bool, share: bool, require: bool = True) -> dict[int, int | None]:
     """Every rank's device index (None: the CPU) from ``entries``, one per world rank:
     (rank, node, node name, devices key, device count); UsageError where a node's plan is
-    refused (:func:`plan_devices`). The same entries give the same answer on every rank."""
+    refused (:func:`plan_devices`). Without ``require`` (``--device auto``) a rank that sees
+    no device trains on the CPU. The same entries give the same answer on every rank."""
     nodes: dict[Hashable, tuple[str, list]] = {}
     for rank, node, name, key, count in entries:
-        if gpu_rank(rank, colocated):
+        if gpu_rank(rank, colocated) and (require or count):
             nodes.setdefault(node, (name, []))[1].append((rank, key, count))
     plan: dict[int, int | None] = {entry[0]: None for entry in entries}
     for name, ranks in nodes.values():
@@ -85,7 +99,7 @@ def plan_world(entries, colocated: bool, share: bool) -> dict[int, int | None]:
     return plan
 
 
-def bind_devices(comm, colocated: bool, share: bool) -> dict[int, int | None]:
+def bind_devices(comm, colocated: bool, share: bool, require: bool = True) -> dict[int, int | None]:
     """Collective over ``comm``: every rank's device index (None: the CPU), the same dict on
     every rank, or UsageError on every rank alike. Only the ranks that compute on a GPU ask
     CUDA which devices they see (rank 0 with colocated servers never starts CUDA)."""
@@ -99,17 +113,17 @@ def bind_devices(comm, colocated: bool, share: bool) -> dict[int, int | None]:
         node.Free()
     key, count = visible_devices() if gpu_rank(rank, colocated) else ((), 0)
     entries = comm.allgather((rank, node_id, MPI.Get_processor_name(), key, count))
-    return plan_world(entries, colocated, share)
+    return plan_world(entries, colocated, share, require)
 
 
 def bind_rank(config, comm) -> None:
     """Before a run's work: make this rank's device the one :func:`bind_devices` gives it
     (a ``--device cuda`` run; nothing on the CPU) and apply ``--tf32``."""
-    from .build import bind_rank_device, resolve_device
+    from .build import bind_rank_device
 
     apply_tf32(config.tf32)
-    if resolve_device(config.device).type == "cuda":
-        plan = bind_devices(comm, config.colocated, config.share_gpu)
+    if config.device != "cpu":  # every rank takes part, whatever it sees (auto: those that see none, the CPU)
+        plan = bind_devices(comm, config.colocated, config.share_gpu, require=config.device == "cuda")
         bind_rank_device(plan[comm.Get_rank()])
 
 
@@ -155,22 +169,21 @@ def _mpi_library():
             paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line})
     except OSError:
         paths = []
-    for path in paths:
+    fallback = None
+    for path in paths:  # the library that answers one of the queries (not a wrapper such as libmpi_cxx)
         if os.path.basename(path).startswith("libmpi"):
             try:
-                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             except OSError:
                 continue
+            if hasattr(library, "MPIX_Query_cuda_support") or hasattr(library, "MPIX_GPU_query_support"):
+                return library
+            if hasattr(library, "MPI_Init"):
+                fallback = library
+    if fallback is not None:
+        return fallback
     try:
         library = ctypes.CDLL(None)
         return library if hasattr(library, "MPI_Init") else None
     except OSError:
         return None
-
-
-def describe_cuda_aware() -> str:
-    """One line for ``mpigrad doctor``: what the frames travel through, and why."""
-    supported, why = cuda_aware_mpi()
-    if supported:
-        return f"yes ({why}): this MPI takes CUDA device buffers"
-    return f"no ({why}): CUDA device buffers must be staged through host memory"

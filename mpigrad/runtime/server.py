@@ -30,6 +30,7 @@ from .checks import cost_model
 from .clock import Clocks, IterationClock, IterationTraffic, PipelinedTraffic
 from .layout import pipeline_buckets
 from .environment import threads_per_rank
+from .gpu import workers_device
 from .faults import Fault
 from .phaselog import PhaseLog
 from .iteration import FollowerRole, run_iteration
@@ -352,7 +353,9 @@ class ParameterServer:
             self.backward_rows = BackwardReport.buffer(len(self.buckets), self.servers, rows=self.workers)
         self.buffer_sync = BufferSync(self.replica.model, channel)
         link = config.link_model()
-        cpu_clock = threads_per_rank(config.threads) == 1 and self.replica.device.type == "cpu"
+        # Workers' compute in CPU seconds only where they compute on the CPU (rank 0's replica
+        # stays on the CPU with colocated servers even when the workers train on GPUs).
+        cpu_clock = threads_per_rank(config.threads) == 1 and workers_device(config) == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time,
                                     colocated=self.colocated, cost_model=cost_model(config),
                                     local_work=self._local_work())

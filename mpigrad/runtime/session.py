@@ -294,7 +294,7 @@ def describe_run(config, server, size: int, log) -> None:
     if waits:
         log(f"waits: {waits_description(config.wait, waits)}")
     from .device import codec_path
-    where = codec_path(config, {server.codec.codec_id, broadcast_codec(config)[0].codec_id, "fp32"})
+    where = codec_path(config, [server.codec, broadcast_codec(config)[0], get_codec({"id": "fp32"})])
     if where:
         log(where)
     log("config: " + config_description(config))

@@ -7,7 +7,7 @@ import time
 
 from ..config import format_elapsed
 from ..trace import TraceWriter, collect_versions, network, schema, slurm_ids
-from .gpu import apply_tf32
+from .gpu import apply_tf32, workers_device
 from .record import TABLE_COLUMNS, IterationRecord, table_block
 
 
@@ -48,7 +48,8 @@ class RunTrace:
         attrs = {
             network.ATTR: network.current(),  # the lab's, or the hosts' own (trace/network.py)
             "argv": " ".join(argv),
-            "device": config.device,
+            "device": config.device,  # as given (auto stays auto)
+            "workers_device": workers_device(config),  # what the workers trained on
             "tf32": apply_tf32(config.tf32),  # what torch used (runtime/gpu.py)
             "waits": waits or {},  # which ranks polled without sleeping (wire/channel.set_waiting)
             "hosts": hosts,

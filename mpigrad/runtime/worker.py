@@ -117,7 +117,7 @@ class Worker(FollowerRole):
     def losses(self, m: int) -> None:
         loss, cpu, wall = self.computed
         if self.fault:
-            loss = self.fault.before_send(m, loss, self.replica.gradient_to_host())
+            loss = self.fault.before_send(m, loss, self.replica.flat_grad)  # where the codecs read it, CPU or GPU
         checksum = -1.0
         if self.config.checksum_every and m % self.config.checksum_every == 0:
             checksum = float(self.replica.checksum())

@@ -58,6 +58,9 @@ def host_only(codec) -> str | None:
     if codec.codec_id not in DEVICE_CODECS:
         return (f"codec {codec.codec_id!r} has no GPU kernels (those that do: "
                 f"{', '.join(sorted(DEVICE_CODECS))}); it runs on the host")
+    if codec.checksum:
+        return (f"{codec.codec_id}: checksum=True needs the payload on the host for its CRC; "
+                "it runs on the host")
     if codec.codec_id == "qsgd" and codec.coding != "fixed":
         return (f"qsgd: coding={codec.coding!r} (variable-length) has no GPU kernels (coding='fixed' "
                 "has); it runs on the host")
@@ -70,7 +73,13 @@ class DeviceUnavailable(CodecError):
 
 def load_cuda():
     """``numba.cuda``, ready to launch kernels (a GPU, or the simulator under
-    ``NUMBA_ENABLE_CUDASIM=1``); DeviceUnavailable, one line naming the extra, otherwise."""
+    ``NUMBA_ENABLE_CUDASIM=1``); DeviceUnavailable, one line naming the extra, otherwise.
+    numba-cuda itself is required: without it numba answers ``from numba import cuda`` with
+    its own deprecated CUDA target, which these kernels are not written for."""
+    import importlib.util
+
+    if importlib.util.find_spec("numba_cuda") is None:
+        raise DeviceUnavailable(f"the GPU codecs need numba-cuda, which is not installed: {CUDA_EXTRA}")
     try:
         from numba import cuda
     except Exception as exc:  # ImportError, or numba-cuda breaking at import (numpy 2.5)

@@ -143,17 +143,27 @@ def _store(out, i, value, accumulate):
         out[i] = value
 
 
-@cuda.jit(device=True)
-def _mix64(z):
-    z = (z ^ (z >> uint64(30))) * uint64(_MIX1)
-    z = (z ^ (z >> uint64(27))) * uint64(_MIX2)
-    return z ^ (z >> uint64(31))
+if SIMULATOR:
+    _MASK64 = (1 << 64) - 1
 
+    def _uniform01(key, index):
+        """The same draw in Python integers (NumPy's uint64 scalars warn as they wrap)."""
+        z = (int(key) + int(index) * _GOLDEN) & _MASK64
+        z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+        z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+        r = z ^ (z >> 31)
+        return _fmul(np.float32(r >> 40), np.float32(1.0 / (1 << 24)))
+else:  # pragma: no cover - needs a GPU
+    @cuda.jit(device=True)
+    def _mix64(z):
+        z = (z ^ (z >> uint64(30))) * uint64(_MIX1)
+        z = (z ^ (z >> uint64(27))) * uint64(_MIX2)
+        return z ^ (z >> uint64(31))
 
-@cuda.jit(device=True)
-def _uniform01(key, index):
-    r = _mix64(key + uint64(index) * uint64(_GOLDEN))
-    return _fmul(np.float32(r >> uint64(40)), np.float32(1.0 / (1 << 24)))
+    @cuda.jit(device=True)
+    def _uniform01(key, index):
+        r = _mix64(key + uint64(index) * uint64(_GOLDEN))
+        return _fmul(np.float32(r >> uint64(40)), np.float32(1.0 / (1 << 24)))
 
 
 def stream_key(seed: int, counter: int) -> int:
@@ -169,14 +179,14 @@ def stream_key(seed: int, counter: int) -> int:
 
 
 # ---- scales: per-bucket min/max and mean |x| ------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_keys(keys):
     i = cuda.grid(1)
     if i < keys.size:
         keys[i] = int32(_I32_MAX) if i % 2 == 0 else int32(_I32_MIN)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def range_keys(x, bucket, chunks, keys):
     """Block j reduces chunk ``j % chunks`` of bucket ``j // chunks`` to its min and max
     order keys (integers: any order gives the same result) and folds them into ``keys``."""
@@ -208,7 +218,7 @@ def range_keys(x, bucket, chunks, keys):
         cuda.atomic.max(keys, 2 * b + 1, s_hi[0])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def finish_ranges(keys, lohi, status):
     """(lo, hi) floats of each bucket from its keys; flag NaN/inf and spans beyond float32."""
     b = cuda.grid(1)
@@ -228,7 +238,7 @@ def finish_ranges(keys, lohi, status):
     lohi[2 * b + 1] = hi
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sum_partials(x, bucket, chunks, absolute, partials, status):
     """Block j sums, in float64 over its chunk (as ``range_keys`` splits buckets), x (|x|
     with ``absolute``) into ``partials[2j]`` and x^2 into ``partials[2j + 1]``; flags NaN/inf."""
@@ -274,7 +284,7 @@ def _bucket_sum(partials, b, chunks, which):
     return s
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def finish_means(partials, chunks, bucket, n, scales):
     """scale = (sum of the bucket's partials, in chunk order) / its length, as float32."""
     b = cuda.grid(1)
@@ -284,7 +294,7 @@ def finish_means(partials, chunks, bucket, n, scales):
     scales[b] = np.float32(_bucket_sum(partials, b, chunks, 0) / count)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def finish_scales(kind, keys, partials, chunks, bucket, n, clip, scales, status):
     """Each bucket's scale from its ``range_keys`` (flagging NaN/inf, as the host's
     ``max_abs_bits`` does) and, for SCALE_L2 / SCALE_CLIPPED, its ``sum_partials``:
@@ -317,7 +327,7 @@ def finish_scales(kind, keys, partials, chunks, bucket, n, clip, scales, status)
     scales[b] = scale
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def store_scales(scales, payload):
     """Write the float32 ``scales`` as the payload's first 4 * len bytes."""
     i = cuda.grid(1)
@@ -325,7 +335,7 @@ def store_scales(scales, payload):
         _store_f32(payload, 4 * i, scales[i])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def load_scales(payload, scales, status):
     """Read the payload's scales into ``scales``; flag non-finite or negative ones (sign,
     pairs of which are not (lo, hi): the caller checks pairs with ``check_pairs``)."""
@@ -337,7 +347,7 @@ def load_scales(payload, scales, status):
             status[ERR_BAD_SCALE] = 1
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def load_pairs(payload, lohi, status):
     """Read (lo, hi) pairs; flag any that the host's ``check_ranges`` refuses."""
     b = cuda.grid(1)
@@ -409,7 +419,7 @@ def _code(kind, x, i, bucket, scales, levels, bits, stochastic, key):
     return _scaled_code(kind, x, i, bucket, scales, levels, bits, key)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def pack_blocks(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos):
     """Thread g builds group word g % GROUPS of full block g // GROUPS and stores its bytes.
     ``kind``: UNIFORM (``scales`` the (lo, hi) pairs, ``levels`` 2**bits - 1), SIGN,
@@ -428,7 +438,7 @@ def pack_blocks(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos
         out[base + p * GROUPS] = np.uint8((word >> uint64(8 * p)) & uint64(0xFF))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def pack_tail(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos):
     """The codes after the last full block, MSB-first: thread t writes byte t."""
     t = cuda.grid(1)
@@ -459,7 +469,8 @@ def _value(kind, code, i, bucket, scales, levels, bits):
         lo = scales[2 * b]
         hi = scales[2 * b + 1]
         step = (hi - lo) / np.float32(levels)
-        return min(_fadd(lo, _fmul(np.float32(code), step)), hi)
+        v = _fadd(lo, _fmul(np.float32(code), step))
+        return hi if hi < v else v  # the host's min(v, hi), ties to v: CUDA's min.f32 picks -0.0 over +0.0
     scale = scales[i // bucket]
     if kind == SIGN:
         return -scale if code else scale
@@ -480,7 +491,7 @@ def _use(kind, code, i, bucket, scales, levels, bits, out, op, status):
         _store(out, i, _value(kind, code, i, bucket, scales, levels, bits), op == ADD)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def unpack_blocks(kind, src, pos, bits, levels, bucket, scales, out, n, op, status):
     """Inverse of pack_blocks over the ``n`` codes' full blocks: ``op`` WRITE or ADD their
     values to ``out``, or CHECK them (``out`` is not touched: any float32 array will do)."""
@@ -499,7 +510,7 @@ def unpack_blocks(kind, src, pos, bits, levels, bucket, scales, out, n, op, stat
         _use(kind, code, k * BLOCK + j * GROUPS + m, bucket, scales, levels, bits, out, op, status)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def unpack_tail(kind, src, pos, bits, levels, bucket, scales, out, n, op, status):
     """The codes after the last full block: thread e reads code e of the MSB-first stream."""
     e = cuda.grid(1)
@@ -516,7 +527,7 @@ def unpack_tail(kind, src, pos, bits, levels, bucket, scales, out, n, op, status
 
 
 # ---- float payloads -----------------------------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=True)
 def store_float32(x, out, pos, status):
     """out[pos + 4i ..] = the bytes of x[i]; flag NaN/inf."""
     i = cuda.grid(1)
@@ -527,14 +538,14 @@ def store_float32(x, out, pos, status):
         _store_f32(out, pos + 4 * i, v)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def load_float32(src, pos, out, accumulate):
     i = cuda.grid(1)
     if i < out.size:
         _store(out, i, _load_f32(src, pos + 4 * i), accumulate)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def store_float16(x, out, pos, status):
     """The host's ``half.narrow``, bit for bit: round to nearest even; flag values whose
     half is not finite (ERR_RANGE; ERR_NONFINITE too for NaN/inf input)."""
@@ -572,7 +583,7 @@ def store_float16(x, out, pos, status):
     out[pos + 2 * i + 1] = np.uint8(h >> uint32(8))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def load_float16(src, pos, table, out, accumulate):
     """out[i] = (or +=) the float32 of half i, from the host's table of all halves."""
     i = cuda.grid(1)
