@@ -75,6 +75,8 @@ EXCLUDED = [
     (r"^python examples/hard/run\.py", _HARD),
     (r"^python examples/map/run\.py", _MAP),
     (r"^mpigrad trace compare runs/hard/", "reads the teacher task's traces (" + _HARD + ")"),
+    (r"^mpiexec .*--device cuda", "needs a GPU (CI has none: tests/test_device_path_mpi.py runs the device path "
+                                  "in Numba's CUDA simulator, docs/gpu.rst's simulator command too)"),
     (r"^mpigrad bench (codecs|iteration|trace|peers|clock)",
      "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "
      "tests/test_bench_peers.py bench peers, tests/test_bench_clock.py bench clock)"),
@@ -102,6 +104,8 @@ ILLUSTRATIVE_SAMPLES = [
     ("docs/models.rst", r"^mpigrad train: error: ", "errors of broken plugins (tests/test_plugins.py checks them)"),
     ("jobscripts/README.md", r"^mpigrad doctor: error: ", "needs srun's PMI mismatch on a cluster"),
     ("docs/lab.rst", r"^mpigrad lab: error: ", "needs a machine without root (tests/test_lab.py checks the refusals)"),
+    ("docs/lab.rst", r"^mpigrad train: error: --resume: trace lab\.h5 ran on lab ",
+     "a lab run resumed outside it (tests/test_trace_network.py checks the refusal)"),
 ]
 _SAMPLE_LINE = re.compile(r"^(iter \d+/\d+ |mpigrad [a-z]+: error: )")
 
