@@ -114,3 +114,16 @@ def test_train_refuses_bits_a_policy_does_not_take_before_mpi_starts(args):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"--bits does not apply to --policy {args[1]}" in lines[0], done.stderr
+
+
+def test_a_config_files_bits_go_with_its_method_when_the_command_line_replaces_it():
+    """examples/hard/fix2.toml sets bits = 2 for its fixed policy: run with --policy progress
+    (docs/policies.rst's loops, examples/compare/lowrank.py's --codec powersgd), its width goes
+    with the method it was written for; --bits on the command line is still refused."""
+    from mpigrad.config import RunConfig
+    from mpigrad.errors import UsageError
+    from mpigrad.runtime.checks import check_options
+
+    check_options(RunConfig.from_sources("examples/hard/fix2.toml", {"policy": "progress"}))
+    with pytest.raises(UsageError, match="--bits does not apply to --policy progress"):
+        check_options(RunConfig.from_sources("examples/hard/fix2.toml", {"policy": "progress", "bits": 3}))
