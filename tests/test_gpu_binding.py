@@ -77,3 +77,31 @@ def test_a_bad_tf32_setting_is_refused():
 
     with pytest.raises(UsageError, match="tf32 must be one of default, on, off"):
         RunConfig(tf32="maybe", lr=0.1).validate()
+
+
+def test_the_gpu_table_script_runs_configs_train_takes(tmp_path, mpi_env):
+    """examples/gpu/table.sh (issue 34's table on a GPU node): bash parses it, every layout it
+    runs passes train's checks on its config, and the config trains (one small step on the
+    CPU here: the script itself needs a GPU)."""
+    import re
+    import shlex
+    import subprocess
+
+    from conftest import REPO, run_mpi
+    from mpigrad.config import RunConfig
+    from mpigrad.runtime.checks import check_options
+
+    script = REPO / "examples" / "gpu" / "table.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    layouts = re.findall(r'^\s+"(--servers[^"]*)"$', script.read_text(), re.M)
+    assert len(layouts) == 5
+    config = str(REPO / "examples" / "gpu" / "resnet18.toml")
+    for layout in layouts:
+        words = shlex.split(layout)
+        overrides = {"servers": words[1], "pipeline": True if "--pipeline" in words else None,
+                     "codec": words[words.index("--codec") + 1],
+                     "bits": int(words[words.index("--bits") + 1]) if "--bits" in words else None}
+        check_options(RunConfig.from_sources(config, overrides))
+    result = run_mpi(3, ["train", "--config", config, "--iterations", "1", "--batch-size", "2", "--servers", "colocated",
+                         "--trace", str(tmp_path / "t.h5")], mpi_env)
+    assert result.returncode == 0, result.stderr
