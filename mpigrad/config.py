@@ -117,15 +117,16 @@ class RunConfig:
             if value is None:
                 continue
             given.add(key)
-            # A config file's width belongs to the file's method: a policy or codec set on the
-            # command line replaces that method, and the file's bits with it (not refused).
-            if key in ("policy", "codec") and "bits" not in overrides_given(overrides):
-                given.discard("bits")
             value = coerce(key, value)
             if (key.endswith("_opts") or key == "link_bandwidth") and key in values:
                 values[key] = {**values[key], **value}
             else:
                 values[key] = value
+        # A config file's width belongs to the file's method: a policy or codec set on the
+        # command line replaces that method, and the file's bits with it (not refused).
+        command_line = {key for key, value in overrides.items() if value is not None}
+        if "bits" not in command_line and command_line & {"policy", "codec"}:
+            given.discard("bits")
         try:
             config = cls(**values)
         except TypeError as exc:
@@ -580,11 +581,6 @@ def coerce(key: str, value: Any) -> Any:
     if kind is str and not isinstance(value, str):
         raise UsageError(f"{key} must be a string, got {value!r}")
     return value
-
-
-def overrides_given(overrides: dict[str, Any]) -> set[str]:
-    """The options set on the command line (``overrides`` whose value is not None)."""
-    return {key for key, value in overrides.items() if value is not None}
 
 
 def declared_ranks(path: str) -> int | None:

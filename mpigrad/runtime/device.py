@@ -108,10 +108,9 @@ def finite(x) -> bool:
     return bool(np.isfinite(x).all())
 
 
-def device_view(tensor: torch.Tensor):
+def device_view(cuda, tensor: torch.Tensor):
     """A numba device array over ``tensor``'s memory (no copy): a CUDA tensor's, or under
-    the simulator a CPU tensor's."""
-    cuda = load_cuda()
+    the simulator a CPU tensor's; ``cuda`` is the loaded ``numba.cuda`` (:func:`load_cuda`)."""
     tensor = tensor.detach()
     if simulated():
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
@@ -120,12 +119,11 @@ def device_view(tensor: torch.Tensor):
     return cuda.as_cuda_array(tensor)
 
 
-def kernel_stream():
+def kernel_stream(cuda):
     """The stream the kernels run on: torch's current stream when the compressor is built,
     so that they are ordered with the backward that wrote the gradient and the copies and
     error-memory operations torch makes on it (the runtime never switches streams: each
     compressor keeps the one it was built on)."""
-    cuda = load_cuda()
     if simulated():
         return 0
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
@@ -190,7 +188,7 @@ class DeviceGradientCompressor:
         self.pieces = host.pieces
         self.feedback = DeviceFeedback(host.feedback, device) if host.feedback is not None else None
         self.cuda = load_cuda()
-        self.stream = kernel_stream()
+        self.stream = kernel_stream(self.cuda)
         self._twins: dict[int, object] = {}
         self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
         self._zeros = np.zeros(k.STATUS_SLOTS, np.int32)
@@ -228,6 +226,9 @@ class DeviceGradientCompressor:
             buffer = buffers[key] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         return buffer
 
+    def _view(self, tensor: torch.Tensor):
+        return device_view(self.cuda, tensor)
+
     def _reset_status(self) -> None:
         self._status.copy_to_device(self._zeros, stream=self.stream)
 
@@ -250,7 +251,7 @@ class DeviceGradientCompressor:
         host = self.host
         capacity = host.capacity(shard, bits)
         frame, out = self._buffers((shard.server, shard.bucket), capacity)
-        frame_view = device_view(frame)
+        frame_view = self._view(frame)
         pos = FrameHeader.size(len(shard.pieces))
         headers, twins = [], []
         self._reset_status()
@@ -258,18 +259,18 @@ class DeviceGradientCompressor:
             g = grad[piece.offset:piece.offset + piece.size]
             if not piece.quantized:
                 twin = self._twin(host.rest_codec)
-                header = twin.launch_encode(device_view(g), frame_view, pos + HEADER_SIZE, self._status)
+                header = twin.launch_encode(self._view(g), frame_view, pos + HEADER_SIZE, self._status)
             else:
                 codec = host.codec_for(piece, bits[piece.layer])
                 twin = self._twin(codec)
                 p = self.feedback.compensate(piece.index, g) if self.feedback else g
                 codec.calls = host.calls[piece.index]
-                header = twin.launch_encode(device_view(p), frame_view, pos + HEADER_SIZE, self._status)
+                header = twin.launch_encode(self._view(p), frame_view, pos + HEADER_SIZE, self._status)
                 host.calls[piece.index] = codec.calls
                 if self.feedback:
                     decoded = self._scratch[:piece.size]
                     payload = frame_view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
-                    twin.launch_decode(header, payload, device_view(decoded), False, self._status)
+                    twin.launch_decode(header, payload, self._view(decoded), False, self._status)
                     self.feedback.update(piece.index, p, decoded)
             headers.append((pos, header))
             twins.append(twin)
@@ -294,12 +295,12 @@ class DeviceGradientCompressor:
             checked.append((piece, twin, twin.check(buf)))
         staging = self._device_buffer(self._staging, (shard.server, shard.bucket), frame.size)
         staging[:frame.size].copy_(torch.from_numpy(frame), non_blocking=False)
-        view = device_view(staging)
+        view = self._view(staging)
         pos = FrameHeader.size(len(shard.pieces))
         self._reset_status()
         for piece, twin, header in checked:
             payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
-            twin.launch_decode(header, payload, device_view(out[piece.offset:piece.offset + piece.size]),
+            twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
                                accumulate, self._status)
             pos += HEADER_SIZE + header.payload_len
         synchronize(self.device)

@@ -21,7 +21,7 @@ from dataclasses import asdict
 
 from ..errors import UsageError
 from ..machine import mpi_implementation, mpi_library_version
-from .gpu import cuda_aware_mpi, plan_world, visible_devices
+from .gpu import cuda_aware_mpi, node_of, plan_world, visible_devices
 from .environment import (
     THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
     probe_rank, ranks_per_host, threads_per_rank,
@@ -63,10 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         threads, error = 1, str(exc)
     gathered = comm.gather((probe_rank(rank), library_versions(), error), root=0)
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    node_id = node.bcast(rank, root=0)
-    node.Free()
-    devices = comm.gather((rank, node_id, MPI.Get_processor_name(), *visible_devices()), root=0)
+    devices = comm.gather((rank, *node_of(comm), *visible_devices()), root=0)
     outcome = None
     if rank == 0:
         report = _report(MPI, gathered, size, threads,

@@ -18,7 +18,7 @@ from ..errors import UsageError
 __all__ = [
     "THREAD_VARIABLES", "SKIP_NTASKS_CHECK", "RankInfo",
     "check_world_size", "threads_per_rank", "export_thread_variables", "apply_thread_settings",
-    "probe_rank", "ranks_per_host", "oversubscription_warnings", "format_ranks", "cores_for_each",
+    "probe_rank", "ranks_per_host", "oversubscription_warnings", "format_ranks", "cores_for_each", "cpu_affinity",
 ]
 
 #: Variables that thread pools read at start-up; the jobscripts export them all.
@@ -118,7 +118,8 @@ class RankInfo:
     numba_threads: int
 
 
-def _affinity() -> tuple[int, ...]:
+def cpu_affinity() -> tuple[int, ...]:
+    """The CPUs this process may run on (all of them where the OS has no affinity call)."""
     try:
         return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # macOS and Windows have no affinity call
@@ -131,7 +132,7 @@ def probe_rank(rank: int, environ: Mapping[str, str] = os.environ) -> RankInfo:
     import torch
 
     return RankInfo(
-        rank=rank, host=socket.gethostname(), pid=os.getpid(), cpus=_affinity(),
+        rank=rank, host=socket.gethostname(), pid=os.getpid(), cpus=cpu_affinity(),
         thread_env={name: environ[name] for name in THREAD_VARIABLES if name in environ},
         torch_threads=torch.get_num_threads(), numba_threads=numba.get_num_threads())
 

@@ -99,20 +99,26 @@ def plan_world(entries, colocated: bool, share: bool, require: bool = True) -> d
     return plan
 
 
-def bind_devices(comm, colocated: bool, share: bool, require: bool = True) -> dict[int, int | None]:
-    """Collective over ``comm``: every rank's device index (None: the CPU), the same dict on
-    every rank, or UsageError on every rank alike. Only the ranks that compute on a GPU ask
-    CUDA which devices they see (rank 0 with colocated servers never starts CUDA)."""
+def node_of(comm) -> tuple[int, str]:
+    """Collective: (this rank's node, named by its lowest world rank, as MPI's shared-memory
+    split finds it under any launcher; the node's host name, for messages)."""
     from mpi4py import MPI
 
     rank = comm.Get_rank()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
-        node_id = node.bcast(rank, root=0)  # the node's lowest world rank names it
+        return node.bcast(rank, root=0), MPI.Get_processor_name()
     finally:
         node.Free()
+
+
+def bind_devices(comm, colocated: bool, share: bool, require: bool = True) -> dict[int, int | None]:
+    """Collective over ``comm``: every rank's device index (None: the CPU), the same dict on
+    every rank, or UsageError on every rank alike. Only the ranks that compute on a GPU ask
+    CUDA which devices they see (rank 0 with colocated servers never starts CUDA)."""
+    rank = comm.Get_rank()
     key, count = visible_devices() if gpu_rank(rank, colocated) else ((), 0)
-    entries = comm.allgather((rank, node_id, MPI.Get_processor_name(), key, count))
+    entries = comm.allgather((rank, *node_of(comm), key, count))
     return plan_world(entries, colocated, share, require)
 
 

@@ -9,6 +9,8 @@ host codec would have refused.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from ..base import HEADER_SIZE, CodecError, Header, header_bytes, non_finite_error, read_header, wire_owner
@@ -31,7 +33,7 @@ def as_device_array(cuda, array, what: str):
     return cuda.as_cuda_array(array)
 
 
-class DeviceCodec:
+class DeviceCodec(ABC):
     """Hyperparameters: the host codec and the stream the kernels run on (0: the default
     stream). State: the status slots and scratch arrays. The host codec's ``checksum``
     is refused: a payload CRC would need the payload on the host."""
@@ -166,14 +168,17 @@ class DeviceCodec:
         if status[k.ERR_BAD_CODE]:
             raise CodecError(f"{self.codec.codec_id}: corrupted payload (a code the format cannot contain)")
 
+    @abstractmethod
     def _encode_payload(self, x, out, pos: int, status):
-        raise NotImplementedError
+        """Launch the kernels writing ``x``'s payload at ``out[pos:]``; return the header's
+        (bits, flags, param_a, param_b, payload_len)."""
 
     def _check_scales(self, header: Header, payload, status) -> None:
         """Read and check the payload's scales (codecs that have none: nothing)."""
 
+    @abstractmethod
     def _decode_values(self, header: Header, payload, out, accumulate: bool) -> None:
-        raise NotImplementedError
+        """Launch the kernels writing (or adding) the payload's values into ``out``."""
 
 
 class DeviceFloat32(DeviceCodec):

@@ -48,13 +48,13 @@ def choose_waiting(comm: MPI.Comm, mode: str, threads: int) -> dict[str, list[in
     """Collective: set how this rank waits (``mode`` spin, sleep, or auto: spin where every
     rank of its node has a core per thread, by the ranks' CPU affinity); return every rank's
     choice, ``{"spin": [ranks], "sleep": [ranks]}``, the same on every rank."""
-    from ..environment import _affinity, cores_for_each
+    from ..environment import cores_for_each, cpu_affinity
     from .channel import set_waiting
 
     rank = comm.Get_rank()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
-        spin = mode == "spin" or (mode == "auto" and cores_for_each(node.allgather(_affinity()), threads))
+        spin = mode == "spin" or (mode == "auto" and cores_for_each(node.allgather(cpu_affinity()), threads))
     finally:
         node.Free()
     set_waiting(spin)
