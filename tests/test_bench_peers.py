@@ -60,7 +60,7 @@ def peers_run(tmp_path_factory, mpi_env):
     config.write_text(TINY)
     out = root / "out"
     command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(out),
-               "--warmup", "2", "--target-loss", str(TARGET), "--smooth", "2", "--seeds", "1,2"]
+               "--warmup", "2", "--target-loss", str(TARGET), "--smooth", "2", "--seeds", "1,2", "--breakdown"]
     try:
         done = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
@@ -92,6 +92,62 @@ def test_every_variant_trains_and_is_tabled(peers_run):
         assert row["reached"] == 2 and row["iterations_to_target"] >= 1 and row["seconds_to_target"] > 0
     mpigrad = report["rows"][-1]
     assert mpigrad["iteration_vs_mpigrad"] == 1.0 and mpigrad["target_vs_mpigrad"] == 1.0
+
+
+@pytest.mark.mpi
+def test_breakdown_splits_each_iteration_from_the_traces_and_phase_logs(peers_run):
+    """--breakdown: per method the medians of the trace's own columns (DDP's bare compute and
+    hook seconds written there), the rest what they leave of s/it; mpigrad's phases from its
+    ranks' logs (rank 0 gathers the losses while the workers compute)."""
+    from mpigrad.bench.breakdown import PHASE_ORDER
+    from mpigrad.trace import load
+
+    out, stdout = peers_run
+    report = json.loads((out / "peers.json").read_text())
+    rows = report["breakdown"]["rows"]
+    assert [r["method"] for r in rows] == [r["method"] for r in report["rows"]]
+    assert "where an iteration goes" in stdout and "mpigrad's phases" in stdout
+    for row, peer_row in zip(rows, report["rows"]):
+        traces = [load(out / name) for name in peer_row["traces"]]
+        first = [3 if "PowerSGD" in row["method"] else 2] * 2     # PowerSGD's start + 1
+        pick = lambda col: np.concatenate([t.steps[col].to_numpy(float)[f:] for t, f in zip(traces, first)])  # noqa
+        wall = np.concatenate([np.diff(t.steps["wall_time"].to_numpy(float), prepend=0.0)[f:]
+                               for t, f in zip(traces, first)])
+        codec = np.nan_to_num(pick("t_encode")) + np.nan_to_num(pick("t_decode")) + pick("t_policy")
+        assert np.isfinite(pick("t_compute")).all()      # DDP's bare forward + backward, too
+        assert row["s_per_iteration"] == pytest.approx(np.median(wall))
+        assert row["compute"] == pytest.approx(np.median(pick("t_compute"))) and row["compute"] > 0
+        assert row["codec"] == pytest.approx(np.median(codec)) and row["wire"] is None
+        assert row["rest"] == pytest.approx(np.median(wall - pick("t_compute") - codec))
+        assert (row["codec"] == 0) == (row["method"] == "DDP fp32")   # no hook: no codec work
+    phases = {p["phase"]: p for p in report["breakdown"]["phases"]}
+    assert set(phases) <= set(PHASE_ORDER) and {"begin", "losses", "gradients", "end"} <= set(phases)
+    assert phases["begin"]["worker_ms"] > 0 and phases["losses"]["rank0_ms"] > 0
+    assert phases["begin"]["rank0_device_ms"] is None       # no GPU: host times only
+    assert sorted(p.name for p in out.glob("phases-seed*")) == ["phases-seed1", "phases-seed2"]
+
+
+def test_phase_rows_read_device_times_where_a_rank_logged_them(tmp_path):
+    """A rank on a GPU logs "d" (ms per phase on its stream): the phase table shows them
+    beside the host's; a rank without them leaves the device columns empty."""
+    from mpigrad.bench.breakdown import phase_rows
+
+    log = tmp_path / "phases"
+    log.mkdir()
+    for rank, device in ((0, None), (1, {"begin": 4.0, "gradients": 1.5}), (2, {"begin": 6.0, "gradients": 0.5})):
+        lines = []
+        for m in range(3):
+            line = {"m": m, "rank": rank, "t": {"start": 10.0 * m, "begin": 10.0 * m + 0.002 * (rank + 1),
+                                                 "gradients": 10.0 * m + 0.01}}
+            if device:
+                line["d"] = device
+            lines.append(json.dumps(line))
+        (log / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    rows = {r.phase: r for r in phase_rows([log], [1], [1, 2])}
+    assert rows["begin"].rank0_ms == pytest.approx(2.0) and rows["begin"].worker_ms == pytest.approx(6.0)
+    assert rows["gradients"].worker_ms == pytest.approx(10.0 - 4.0)      # the slowest worker's span
+    assert rows["begin"].worker_device_ms == pytest.approx(6.0) and rows["gradients"].worker_device_ms == 1.5
+    assert rows["begin"].rank0_device_ms is None
 
 
 @pytest.mark.mpi
@@ -278,7 +334,7 @@ def test_ddp_and_colocated_mpigrad_run_in_a_network_lab(tmp_path):
     config.write_text(TINY)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(out),
-               "--variants", "fp32", "--iterations", "5", "--warmup", "1", "--lab", "20MB/s",
+               "--variants", "fp32", "--iterations", "5", "--warmup", "1", "--lab", "20MB/s", "--breakdown",
                "--", "--servers", "colocated", "--shard-chunk", "2048"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -291,6 +347,8 @@ def test_ddp_and_colocated_mpigrad_run_in_a_network_lab(tmp_path):
     assert ours_trace.config["servers"] == "colocated"
     np.testing.assert_allclose(load(out / "ddp-fp32-seed1.h5").steps["loss"], ours_trace.steps["loss"], atol=1e-4)
     assert [ns for ns in namespaces() if ns.startswith("mgbp-")] == []
+    for row, peer_row in zip(report["breakdown"]["rows"], report["rows"]):   # the bytes at the link's rate
+        assert row["wire"] == pytest.approx(peer_row["sent_mb_per_node"] * 1e6 / 20e6, rel=0.02)
 
 
 def test_ddp_takes_nccl_only_where_each_rank_has_a_gpu_of_its_own():

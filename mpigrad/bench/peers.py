@@ -35,6 +35,13 @@ Progress on stdout: a line as each run (a variant or mpigrad on one seed) starts
 and one every ``--progress-interval`` seconds while processes run (DDP's rank 0 reports its
 variants through a file, ``_ChildReport``).
 
+With ``--breakdown``, one iteration of each method is split into compute, codec work, bytes on
+the wire at the lab's rate and the rest (waiting and protocol), and mpigrad's into its phases
+(:mod:`mpigrad.bench.breakdown`): the DDP ranks also time the synchronous part of their hook
+and, after the run, their bare forward + backward (written to the DDP trace's ``t_encode`` and
+``t_compute``), and mpigrad's ranks log their phases (``MPIGRAD_PHASE_LOG`` in
+``DIR/phases-seedS``).
+
 Output in ``--out DIR`` (refused, before any run, where an earlier run's files are, unless ``--force``): one mpigrad-format trace per run (``ddp-VARIANT-seedS.h5``, ``mpigrad-seedS.h5``;
 a DDP trace's config is the mpigrad config without its codec and policy keys, plus ``label``
 and ``peer``), so ``mpigrad trace compare DIR/*.h5 --target-loss X`` reads them as groups
@@ -126,6 +133,7 @@ class HookTally:
         self.variant, self.workers = variant, workers
         self.calls = 0
         self.bytes = 0.0
+        self.seconds = 0.0   # in the hook, until it returns its future
 
     def wrap(self, hook):
         def counted(state, bucket):
@@ -138,14 +146,17 @@ class HookTally:
                 self.bytes += powersgd_bytes(self.workers, shapes, state.matrix_approximation_rank,
                                              state.min_compression_rate)
             self.calls += 1
-            return hook(state, bucket)
+            start = time.perf_counter()
+            future = hook(state, bucket)
+            self.seconds += time.perf_counter() - start
+            return future
         return counted
 
-    def take(self) -> tuple[int, float]:
-        """(calls, bytes per node) since the last take."""
-        calls, sent = self.calls, self.bytes
-        self.calls, self.bytes = 0, 0.0
-        return calls, sent
+    def take(self) -> tuple[int, float, float]:
+        """(calls, bytes per node, seconds in the hook) since the last take."""
+        calls, sent, seconds = self.calls, self.bytes, self.seconds
+        self.calls, self.bytes, self.seconds = 0, 0.0, 0.0
+        return calls, sent, seconds
 
 
 # ---- one DDP rank (a child process) --------------------------------------------------------
@@ -159,6 +170,8 @@ class RankRecord:
     wall_times: list[float]       # s since the loop started, at each iteration's end
     bytes_per_node: list[float]
     hook_calls: list[int]         # DDP buckets per iteration (hooked variants; 0 for fp32)
+    hook_seconds: list[float] = dataclasses.field(default_factory=list)  # in the hook, until its future
+    compute_seconds: float | None = None  # bare forward + backward (--breakdown), after the run
     rank_losses: list[list[float]] | None = None
 
 
@@ -233,8 +246,9 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         optimizer.step()
         record.losses.append(loss.item())
         record.wall_times.append(time.perf_counter() - start)
-        calls, sent = tally.take()
+        calls, sent, seconds = tally.take()
         record.hook_calls.append(calls)
+        record.hook_seconds.append(seconds)
         record.bytes_per_node.append(sent if variant.hook != "allreduce" else fp32_bytes)
         if report:
             report.iteration(len(record.losses))
@@ -242,7 +256,29 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         report.done(len(record.losses), record.wall_times[-1] if record.wall_times else 0.0)
     if variant.hook == "powersgd" and any(c != 1 for c in record.hook_calls[2:]):
         raise RuntimeError(f"{variant.label}: DDP used {max(record.hook_calls)} buckets, not one")
+    if spec.get("breakdown"):
+        record.compute_seconds = _bare_compute(ddp, model, dataset, config, device)
     return record
+
+
+def _bare_compute(ddp, model, dataset, config, device, repeats: int = 7) -> float:
+    """The median seconds of forward + backward on one batch under ``no_sync()`` (DDP's
+    all-reduce off), after the run so that the training is untouched; the first pass is not
+    counted."""
+    import torch
+
+    x = torch.from_numpy(dataset.train_x[:config.batch_size]).to(device)
+    y = torch.from_numpy(dataset.train_y[:config.batch_size]).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    with ddp.no_sync():
+        for _ in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            model.loss(ddp(x), y, config.weight_decay).backward()
+            sync()
+            times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
 
 
 class _ChildReport:
@@ -330,6 +366,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress-interval", type=float, default=30.0, metavar="SECONDS",
                         help="while a run goes, a progress line every SECONDS (default 30; 0: only each run's "
                              "start and end)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also split one iteration of each method into compute, codec, wire (at the --lab "
+                             "rate) and the rest, and mpigrad's into its phases (host and GPU ms)")
     parser.add_argument("--no-mpigrad", dest="mpigrad", action="store_false",
                         help="run the DDP variants only")
     parser.add_argument("--address", default="127.0.0.1",
@@ -469,7 +508,8 @@ def run(args: argparse.Namespace) -> int:
             spec = {"config": seeded.to_dict(), "variants": variants, "workers": workers, "threads": threads,
                     "backend": backend,
                     "iterations": config.iterations, "powersgd_start": start, "address": args.address,
-                    "port": _free_port(args.address), "out": str(out), "progress": str(out / "ddp-progress.txt")}
+                    "port": _free_port(args.address), "out": str(out), "progress": str(out / "ddp-progress.txt"),
+                    "breakdown": args.breakdown}
             records = _run_ddp(spec, env, progress, args.lab) if variants else {}
             for name in variants:
                 runs[name].append(_write_peer_trace(_trace_path(out, name, seed), seeded, VARIANTS[name],
@@ -483,10 +523,12 @@ def run(args: argparse.Namespace) -> int:
     if args.mpigrad:
         _ratios(rows, rows[-1])
     _print_table(rows, args.target_loss, args.smooth)
+    breakdown = _breakdown(runs, workers, args, out, seeds, config) if args.breakdown else None
     report = {"bench": "peers", "workers": workers, "seeds": seeds, "address": args.address, "lab": args.lab,
               "powersgd_start": start,
               "target_loss": args.target_loss, "smooth": args.smooth, "warmup": args.warmup,
-              "cpus": os.cpu_count(), "config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows]}
+              "cpus": os.cpu_count(), "config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows],
+              "breakdown": breakdown}
     (out / "peers.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'peers.json'} and the traces; compare them with: mpigrad trace compare {out}/*.h5 "
           f"--target-loss X --smooth {args.smooth}")
@@ -498,9 +540,46 @@ def _trace_path(out: Path, method: str, seed: int) -> Path:
     return out / (f"mpigrad-seed{seed}.h5" if method == "mpigrad" else f"ddp-{method}-seed{seed}.h5")
 
 
+def _phase_dir(out: Path, seed: int) -> Path:
+    """Where mpigrad's ranks log their phases (``--breakdown``)."""
+    return out / f"phases-seed{seed}"
+
+
 def _outputs(out: Path, methods: Sequence[str], seeds: Sequence[int]) -> list[Path]:
-    """Every result file a run writes in ``out``: its traces and peers.json."""
-    return [*(_trace_path(out, method, seed) for seed in seeds for method in methods), out / "peers.json"]
+    """Every result file a run writes in ``out``: its traces, peers.json and phase logs."""
+    return [*(_trace_path(out, method, seed) for seed in seeds for method in methods), out / "peers.json",
+            *(_phase_dir(out, seed) for seed in seeds if "mpigrad" in methods)]
+
+
+def _first_steady(trace, warmup: int) -> int:
+    """The first iteration a row counts: max(warmup, PowerSGD's start + 1) (its first
+    compressed iteration allocates its factors)."""
+    powersgd_start = (trace.config.get("peer") or {}).get("start_powerSGD_iter")
+    return max(warmup, powersgd_start + 1 if powersgd_start is not None else 0)
+
+
+def _breakdown(runs: dict[str, list[Path]], workers: int, args, out: Path, seeds, config) -> dict:
+    """Print and return the ``--breakdown`` tables (:mod:`.breakdown`)."""
+    import shutil
+
+    from ..config import parse_rate
+    from ..trace import load
+    from .breakdown import as_data, breakdown_row, phase_rows, print_breakdown
+
+    rate = parse_rate(args.lab) if args.lab else None
+    rows = []
+    for name, paths in runs.items():
+        traces = [load(path) for path in paths]
+        first = [_first_steady(trace, args.warmup) for trace in traces]
+        rows.append(breakdown_row(traces[0].label, traces, first, workers, rate))
+    phases = []
+    if "mpigrad" in runs:
+        worker_ranks = range(config.non_worker_ranks(), config.non_worker_ranks() + workers)
+        directories = [_phase_dir(out, seed) for seed in seeds]
+        phases = phase_rows(directories, [args.warmup] * len(seeds), list(worker_ranks))
+    reference = next((VARIANTS[name].label for name in ("fp32", *VARIANTS) if name in runs), None)
+    print_breakdown(rows, phases, reference)
+    return as_data(rows, phases)
 
 
 def _check_lab(args: argparse.Namespace) -> None:
@@ -634,6 +713,10 @@ def _run_ddp(spec: dict, env: dict, progress: _Progress, lab: str | None = None)
         first = RankRecord(**per_rank[0][k])
         first.rank_losses = [r[k]["losses"] for r in per_rank]
         first.losses = np.mean(first.rank_losses, axis=0).tolist()
+        # the slowest rank's local work
+        first.hook_seconds = np.max([r[k]["hook_seconds"] for r in per_rank], axis=0).tolist()
+        if first.compute_seconds is not None:
+            first.compute_seconds = max(r[k]["compute_seconds"] for r in per_rank)
         merged[name] = first
     for rank in range(spec["workers"]):
         (out / f"rank{rank}.json").unlink()
@@ -668,7 +751,9 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
             writer.append("steps", {
                 "iteration": m, "wall_time": record.wall_times[m], "sim_time": record.wall_times[m],
                 "loss": record.losses[m], "bits": 16 if variant.hook == "fp16" else 32,
-                "bytes_up": half, "bytes_down": half, "t_compute": math.nan, "t_encode": math.nan,
+                "bytes_up": half, "bytes_down": half,
+                "t_compute": math.nan if record.compute_seconds is None else record.compute_seconds,
+                "t_encode": record.hook_seconds[m] if record.compute_seconds is not None else math.nan,
                 "t_decode": math.nan, "t_comm": math.nan, "t_policy": 0.0})
             writer.append("workers", {"iteration": m, "loss": [losses[m] for losses in record.rank_losses],
                                       "t_compute": [math.nan] * workers,
@@ -722,7 +807,10 @@ def _backend(config, workers: int) -> tuple[str, str | None]:
 
 
 def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Progress) -> Path:
+    import shutil
+
     from ..mpiexec import mpiexec_command
+    from ..runtime.phaselog import ENV as PHASE_ENV
 
     trace = _trace_path(out, "mpigrad", config.seed)
     ranks = workers + config.non_worker_ranks()
@@ -734,6 +822,10 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Pr
     else:
         command = mpiexec_command(ranks, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *train], args.mpiexec)
     log = out / f"mpigrad-seed{config.seed}.log"
+    if args.breakdown:
+        phases = _phase_dir(out, config.seed)
+        shutil.rmtree(phases, ignore_errors=True)  # a phase log appends: start it empty
+        env = {**env, PHASE_ENV: str(phases)}
     progress.started(f"{_method_name('mpigrad', config)}, seed {config.seed}")
     with open(log, "w") as handle:
         proc = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
@@ -759,8 +851,7 @@ def _row(paths: list[Path], workers: int, args) -> PeerRow:
         trace = load(path)
         steps = trace.steps
         peer = trace.config.get("peer")
-        powersgd_start = (peer or {}).get("start_powerSGD_iter")
-        first = max(args.warmup, powersgd_start + 1 if powersgd_start is not None else 0)
+        first = _first_steady(trace, args.warmup)
         steady.append(np.diff(np.concatenate([[0.0], steps["wall_time"].to_numpy(float)]))[first:])
         up = steps["bytes_up"].to_numpy(float)[first:]
         down = steps["bytes_down"].to_numpy(float)[first:]

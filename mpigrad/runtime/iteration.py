@@ -83,6 +83,7 @@ def run_iteration(role, m: int):
         for phase in PHASES:
             getattr(role, phase)(m)
         return role.end(m)
+    log.record("start")
     role.begin(m)
     log.record("begin")
     for phase in PHASES:

@@ -3,10 +3,14 @@
 
 ``MPIGRAD_PHASE_LOG=DIR`` makes rank r append one JSON line per iteration to
 ``DIR/rank-r.jsonl``: ``{"m": iteration, "rank": r, "t": {phase: perf_counter at its end}}``,
-the phases of :mod:`.iteration` (``begin`` ... ``end``); rank 0 adds ``"sim"``, what the
-clock charged each communication phase (seconds). ``time.perf_counter`` is the host's
-monotonic clock, so the ranks' times compare only where they share a host, as in the network
-lab. Unset, it costs one dictionary lookup at start-up.
+the phases of :mod:`.iteration` (``begin`` ... ``end``) and ``start``, when the iteration
+began; rank 0 adds ``"sim"``, what the clock charged each communication phase (seconds).
+``time.perf_counter`` is the host's monotonic clock, so the ranks' times compare only where
+they share a host, as in the network lab. A rank whose model is on a GPU adds ``"d"``: per
+phase, the milliseconds between the CUDA events recorded on the current stream at the end of
+the phase before and at its end (the device's timeline; the line is written after the last
+event completes). Unset, it costs one dictionary lookup at start-up. Read by ``mpigrad bench
+clock`` and ``mpigrad bench peers --breakdown``.
 """
 
 from __future__ import annotations
@@ -22,26 +26,43 @@ ENV = "MPIGRAD_PHASE_LOG"
 class PhaseLog:
     """One rank's log; ``record`` after each phase, ``flush`` after each iteration."""
 
-    def __init__(self, path: Path, rank: int):
+    def __init__(self, path: Path, rank: int, device=None):
         self.rank = rank
         self.file = path.open("a", buffering=1)
         self.times: dict[str, float] = {}
+        #: torch.cuda with a model on a GPU (device-side times), else None.
+        self.cuda = None
+        if device is not None and getattr(device, "type", None) == "cuda":
+            import torch
+            self.cuda = torch.cuda
+        self.events: list[tuple[str, object]] = []
 
     @classmethod
-    def from_environment(cls, rank: int) -> "PhaseLog | None":
+    def from_environment(cls, rank: int, device=None) -> "PhaseLog | None":
+        """The log ``MPIGRAD_PHASE_LOG`` asks for, else None; ``device``: the rank's torch
+        device (a GPU adds device-side times)."""
         directory = os.environ.get(ENV)
         if not directory:
             return None
         Path(directory).mkdir(parents=True, exist_ok=True)
-        return cls(Path(directory) / f"rank-{rank}.jsonl", rank)
+        return cls(Path(directory) / f"rank-{rank}.jsonl", rank, device)
 
     def record(self, phase: str) -> None:
         self.times[phase] = time.perf_counter()
+        if self.cuda is not None:
+            event = self.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append((phase, event))
 
     def flush(self, m: int, sim: dict | None = None) -> None:
         line = {"m": m, "rank": self.rank, "t": self.times}
         if sim is not None:
             line["sim"] = sim
+        if self.events:
+            self.events[-1][1].synchronize()
+            line["d"] = {phase: before.elapsed_time(event)
+                         for (_, before), (phase, event) in zip(self.events, self.events[1:])}
+            self.events = []
         self.file.write(json.dumps(line) + "\n")
         self.times = {}
 

@@ -215,7 +215,7 @@ class ShardServer(FollowerRole):
         self.report = ServerReport.buffer(len(channel.workers), max(self.n_layers, 1))
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
-        self.phase_log = PhaseLog.from_environment(self.rank)  # MPIGRAD_PHASE_LOG (bench clock)
+        self.phase_log = PhaseLog.from_environment(self.rank, replica.device)  # MPIGRAD_PHASE_LOG
 
     def begin(self, m: int) -> None:
         pass
@@ -360,7 +360,7 @@ class ParameterServer:
                                     colocated=self.colocated, cost_model=cost_model(config),
                                     local_work=self._local_work())
         self.saved_clocks = {"wall": 0.0, "sim": 0.0}
-        self.phase_log = PhaseLog.from_environment(0)  # MPIGRAD_PHASE_LOG (bench clock)
+        self.phase_log = PhaseLog.from_environment(0, self.replica.device)  # MPIGRAD_PHASE_LOG
         self.iteration = 0
         # Time kept in hand for the stop itself: gathering worker state and writing it.
         memories = config.error_feedback != "none" or self.codec.two_rounds  # PowerSGD's error memories

@@ -62,7 +62,7 @@ class Worker(FollowerRole):
         self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
-        self.phase_log = PhaseLog.from_environment(self.rank)  # MPIGRAD_PHASE_LOG (bench clock)
+        self.phase_log = PhaseLog.from_environment(self.rank, self.replica.device)  # MPIGRAD_PHASE_LOG
         #: PowerSGD's factors, error memory and Q (two-round codecs), else None.
         self.lowrank = (LowRank(self.replica.model, self.replica.layout, codec, config.seed, worker=True,
                                 shards=self.shards) if codec.two_rounds else None)

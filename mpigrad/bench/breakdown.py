@@ -1,0 +1,173 @@
+"""Where one iteration's time goes, for ``mpigrad bench peers --breakdown``: mpigrad's method
+and torch DDP's variants, from the traces and phase logs of the same bench run.
+
+Per method, medians over the steady iterations of every seed's run (each column's own median,
+so the parts need not add up to ``s/it`` exactly):
+
+- ``compute``: forward + backward. mpigrad: the slowest worker's (trace column ``t_compute``).
+  DDP: the slowest rank's bare forward + backward, timed under ``no_sync()`` (no all-reduce)
+  after the run, on the same model and batch size.
+- ``codec``: mpigrad: the slowest worker's encode plus the slowest server's decode and
+  re-encode (``t_encode + t_decode``, CPU seconds) and rank 0's policy (``t_policy``). DDP: the
+  seconds its comm hook runs before it returns its future (the slowest rank's): the fp16 cast,
+  PowerSGD's uncompressed part and P products; the rest of a hook runs in the all-reduce's
+  callbacks and falls under ``rest``. Zero for DDP fp32 (no hook).
+- ``wire``: the bytes the busiest node sends or receives per iteration at the lab's link rate
+  (``--lab``); ``-`` on loopback, where it is part of ``rest``.
+- ``rest``: ``s/it`` minus the others: waiting for messages and for the slowest rank, the
+  protocol's own steps, and (DDP) what its all-reduce does not overlap with backward.
+
+Then mpigrad's phases (:mod:`mpigrad.runtime.iteration`, from ``MPIGRAD_PHASE_LOG``): per
+phase, the median milliseconds from the end of the phase before to its end on rank 0 and on
+the slowest worker, and, where the model is on a GPU, the same span on the device's timeline
+(CUDA events, :mod:`mpigrad.runtime.phaselog`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+#: The phases of one iteration in the order a phase log records their ends.
+PHASE_ORDER = ("start", "begin", "losses", "control", "gradients", "broadcast", "gradients2", "broadcast2",
+               "reports", "buffers", "end")
+
+
+@dataclass
+class BreakdownRow:
+    """One method's iteration split into parts (seconds; ``wire`` None on loopback)."""
+
+    method: str
+    s_per_iteration: float
+    compute: float
+    codec: float
+    wire: float | None
+    rest: float
+
+
+@dataclass
+class PhaseRow:
+    """One phase of mpigrad's iteration: median ms on rank 0 and on the slowest worker, host
+    (``perf_counter``) and device (CUDA events; None without a GPU)."""
+
+    phase: str
+    rank0_ms: float | None
+    worker_ms: float | None
+    rank0_device_ms: float | None = None
+    worker_device_ms: float | None = None
+
+
+def node_bytes(steps, workers: int, servers: int, symmetric: bool) -> np.ndarray:
+    """Per iteration, the bytes the busiest node sends or receives: with colocated servers
+    and DDP every node sends and receives (up + down) / P; with S separate servers each
+    server's link carries max(up, down) / S."""
+    up = steps["bytes_up"].to_numpy(float)
+    down = steps["bytes_down"].to_numpy(float)
+    if symmetric:
+        return (up + down) / workers
+    return np.maximum(up, down) / max(servers, 1)
+
+
+def breakdown_row(method: str, traces: Sequence, first: Sequence[int], workers: int,
+                  rate: float | None) -> BreakdownRow:
+    """The row of one method's traces (``first[i]``: trace i's first steady iteration);
+    ``rate``: the link's bytes per second, None on loopback."""
+    walls, compute, codec, wire = [], [], [], []
+    for trace, start in zip(traces, first):
+        steps = trace.steps
+        peer = trace.config.get("peer")
+        symmetric = bool(peer) or trace.config.get("servers") == "colocated"
+        servers = int(trace.attrs.get("servers", 1) or 1)
+        walls.append(np.diff(np.concatenate([[0.0], steps["wall_time"].to_numpy(float)]))[start:])
+        compute.append(steps["t_compute"].to_numpy(float)[start:])
+        parts = [steps[name].to_numpy(float)[start:] for name in ("t_encode", "t_decode", "t_policy")]
+        codec.append(sum(np.nan_to_num(part) for part in parts))
+        seconds = node_bytes(steps, workers, servers, symmetric)[start:] / rate if rate else np.zeros_like(walls[-1])
+        wire.append(seconds)
+    wall, comp, cod, wir = (np.concatenate(x) for x in (walls, compute, codec, wire))
+    rest = wall - np.nan_to_num(comp) - cod - wir
+    return BreakdownRow(method, float(np.median(wall)), float(np.nanmedian(comp)) if np.isfinite(comp).any()
+                        else math.nan, float(np.median(cod)), float(np.median(wir)) if rate else None,
+                        float(np.median(rest)))
+
+
+def phase_rows(directories: Sequence[Path], first: Sequence[int], worker_ranks: Sequence[int]) -> list[PhaseRow]:
+    """mpigrad's phases from the phase logs of its runs (one directory per seed), over the
+    iterations from ``first[i]`` on."""
+    from ..runtime.phaselog import read
+
+    host: dict[str, dict[str, list[float]]] = {p: {"rank0": [], "worker": []} for p in PHASE_ORDER[1:]}
+    device: dict[str, dict[str, list[float]]] = {p: {"rank0": [], "worker": []} for p in PHASE_ORDER[1:]}
+    for directory, start in zip(directories, first):
+        for m, ranks in read(directory).items():
+            if m < start:
+                continue
+            spans = {rank: _spans(line["t"]) for rank, line in ranks.items()}
+            for phase in PHASE_ORDER[1:]:
+                if 0 in spans and phase in spans[0]:
+                    host[phase]["rank0"].append(spans[0][phase])
+                    if "d" in ranks[0] and phase in ranks[0]["d"]:
+                        device[phase]["rank0"].append(ranks[0]["d"][phase] / 1e3)
+                values = [spans[r][phase] for r in worker_ranks if r in spans and phase in spans[r]]
+                if values:
+                    host[phase]["worker"].append(max(values))
+                on_device = [ranks[r]["d"][phase] / 1e3 for r in worker_ranks
+                             if r in ranks and phase in ranks[r].get("d", {})]
+                if on_device:
+                    device[phase]["worker"].append(max(on_device))
+
+    def ms(values: list[float]) -> float | None:
+        return float(np.median(values)) * 1e3 if values else None
+
+    return [PhaseRow(phase, ms(host[phase]["rank0"]), ms(host[phase]["worker"]), ms(device[phase]["rank0"]),
+                     ms(device[phase]["worker"]))
+            for phase in PHASE_ORDER[1:] if host[phase]["rank0"] or host[phase]["worker"]]
+
+
+def _spans(times: dict[str, float]) -> dict[str, float]:
+    """Each logged phase's seconds, from the end of the phase logged before it."""
+    spans, before = {}, None
+    for phase in PHASE_ORDER:
+        if phase not in times:
+            continue
+        if before is not None:
+            spans[phase] = times[phase] - before
+        before = times[phase]
+    return spans
+
+
+def _f(value, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def print_breakdown(rows: Sequence[BreakdownRow], phases: Sequence[PhaseRow], reference: str | None) -> None:
+    """The two tables; ``reference``: the method whose ``s/it`` the ratios divide by."""
+    base = next((r.s_per_iteration for r in rows if r.method == reference), None)
+    print(f"\nwhere an iteration goes (ms, medians over the steady iterations){':' if not reference else f'; x = s/it over {reference}:'}")
+    print(f"{'method':<34} {'ms/it':>8} {'compute':>8} {'codec':>8} {'wire':>8} {'rest':>8} {'x':>6}")
+    for r in rows:
+        ratio = r.s_per_iteration / base if base else None
+        print(f"{r.method:<34} {1e3 * r.s_per_iteration:>8.2f} {_f(1e3 * r.compute, '.2f'):>8} "
+              f"{1e3 * r.codec:>8.2f} {_f(None if r.wire is None else 1e3 * r.wire, '.2f'):>8} "
+              f"{1e3 * r.rest:>8.2f} {_f(ratio, '.2f'):>6}")
+    if phases:
+        device = any(p.rank0_device_ms is not None or p.worker_device_ms is not None for p in phases)
+        print("\nmpigrad's phases (ms from the end of the phase before, medians; host clock"
+              + ("; device: CUDA events on the rank's stream)" if device else ")"))
+        print(f"{'phase':<12} {'rank 0':>8} {'worker':>8}" + (f" {'rank 0 dev':>11} {'worker dev':>11}" if device else ""))
+        for p in phases:
+            line = f"{p.phase:<12} {_f(p.rank0_ms, '.2f'):>8} {_f(p.worker_ms, '.2f'):>8}"
+            if device:
+                line += f" {_f(p.rank0_device_ms, '.2f'):>11} {_f(p.worker_device_ms, '.2f'):>11}"
+            print(line)
+    print(flush=True)
+
+
+def as_data(rows: Sequence[BreakdownRow], phases: Sequence[PhaseRow]) -> dict:
+    """The tables as JSON-ready data (``peers.json``'s ``breakdown``)."""
+    return {"rows": [dataclasses.asdict(r) for r in rows], "phases": [dataclasses.asdict(p) for p in phases]}
