@@ -96,7 +96,7 @@ def test_every_variant_trains_and_is_tabled(peers_run):
 
 @pytest.mark.mpi
 def test_breakdown_splits_each_iteration_from_the_traces_and_phase_logs(peers_run):
-    """--breakdown: per method the medians of the trace's own columns (DDP's bare compute and
+    """--breakdown: per method the medians of the trace's own columns (DDP's compute and
     hook seconds written there), the rest what they leave of s/it; mpigrad's phases from its
     ranks' logs (rank 0 gathers the losses while the workers compute)."""
     from mpigrad.bench.breakdown import PHASE_ORDER
@@ -114,7 +114,7 @@ def test_breakdown_splits_each_iteration_from_the_traces_and_phase_logs(peers_ru
         wall = np.concatenate([np.diff(t.steps["wall_time"].to_numpy(float), prepend=0.0)[f:]
                                for t, f in zip(traces, first)])
         codec = np.nan_to_num(pick("t_encode")) + np.nan_to_num(pick("t_decode")) + pick("t_policy")
-        assert np.isfinite(pick("t_compute")).all()      # DDP's bare forward + backward, too
+        assert np.isfinite(pick("t_compute")).all()      # DDP's forward + backward, too
         assert row["s_per_iteration"] == pytest.approx(np.median(wall))
         assert row["compute"] == pytest.approx(np.median(pick("t_compute"))) and row["compute"] > 0
         assert row["codec"] == pytest.approx(np.median(codec)) and row["wire"] is None

@@ -4,9 +4,11 @@ and torch DDP's variants, from the traces and phase logs of the same bench run.
 Per method, medians over the steady iterations of every seed's run (each column's own median,
 so the parts need not add up to ``s/it`` exactly):
 
-- ``compute``: forward + backward. mpigrad: the slowest worker's (trace column ``t_compute``).
-  DDP: the slowest rank's bare forward + backward, timed under ``no_sync()`` (no all-reduce)
-  after the run, on the same model and batch size.
+- ``compute``: forward + backward, the slowest worker's in each iteration (trace column
+  ``t_compute``). mpigrad: as its trace has it (CPU seconds with one thread per rank on the
+  CPU, else wall). DDP: wall seconds from the forward's start to backward's last parameter
+  gradient, less the hook's seconds in between; on a GPU, where the host's clock does not see
+  the kernels, a bare forward + backward under ``no_sync()`` after the run, synchronized.
 - ``codec``: mpigrad: the slowest worker's encode plus the slowest server's decode and
   re-encode (``t_encode + t_decode``, CPU seconds) and rank 0's policy (``t_policy``). DDP: the
   seconds its comm hook runs before it returns its future (the slowest rank's): the fp16 cast,

@@ -38,8 +38,9 @@ variants through a file, ``_ChildReport``).
 With ``--breakdown``, one iteration of each method is split into compute, codec work, bytes on
 the wire at the lab's rate and the rest (waiting and protocol), and mpigrad's into its phases
 (:mod:`mpigrad.bench.breakdown`): the DDP ranks also time the synchronous part of their hook
-and, after the run, their bare forward + backward (written to the DDP trace's ``t_encode`` and
-``t_compute``), and mpigrad's ranks log their phases (``MPIGRAD_PHASE_LOG`` in
+and their forward + backward in each iteration, up to the last gradient, less the hook's
+seconds in it (on a GPU: a bare forward + backward under ``no_sync()`` after the run), written
+to the DDP trace's ``t_encode`` and ``t_compute``, and mpigrad's ranks log their phases (``MPIGRAD_PHASE_LOG`` in
 ``DIR/phases-seedS``).
 
 Output in ``--out DIR`` (refused, before any run, where an earlier run's files are, unless ``--force``): one mpigrad-format trace per run (``ddp-VARIANT-seedS.h5``, ``mpigrad-seedS.h5``;
@@ -171,7 +172,7 @@ class RankRecord:
     bytes_per_node: list[float]
     hook_calls: list[int]         # DDP buckets per iteration (hooked variants; 0 for fp32)
     hook_seconds: list[float] = dataclasses.field(default_factory=list)  # in the hook, until its future
-    compute_seconds: float | None = None  # bare forward + backward (--breakdown), after the run
+    compute: list[float] = dataclasses.field(default_factory=list)  # forward + backward (--breakdown)
     rank_losses: list[list[float]] | None = None
 
 
@@ -234,6 +235,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     record = RankRecord(variant.name, [], [], [], [])
     fp32_bytes = ring_allreduce_bytes(workers, n_params)
     report = _ChildReport(spec, variant.name) if rank == 0 else None
+    clock = _GradientClock(model, tally) if spec.get("breakdown") and device.type == "cpu" else None
     dist.barrier()
     start = time.perf_counter()
     for _ in range(spec["iterations"]):
@@ -241,8 +243,11 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         x = torch.from_numpy(dataset.train_x[idx]).to(device)
         y = torch.from_numpy(dataset.train_y[idx]).to(device)
         optimizer.zero_grad(set_to_none=True)
+        began = time.perf_counter()
         loss = model.loss(ddp(x), y, config.weight_decay)
         loss.backward()
+        if clock is not None:
+            record.compute.append(clock.compute(began))
         optimizer.step()
         record.losses.append(loss.item())
         record.wall_times.append(time.perf_counter() - start)
@@ -256,15 +261,35 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         report.done(len(record.losses), record.wall_times[-1] if record.wall_times else 0.0)
     if variant.hook == "powersgd" and any(c != 1 for c in record.hook_calls[2:]):
         raise RuntimeError(f"{variant.label}: DDP used {max(record.hook_calls)} buckets, not one")
-    if spec.get("breakdown"):
-        record.compute_seconds = _bare_compute(ddp, model, dataset, config, device)
+    if spec.get("breakdown") and clock is None:  # on a GPU: the host's clock does not see the kernels
+        record.compute = [_bare_compute(ddp, model, dataset, config, device)] * len(record.losses)
     return record
+
+
+class _GradientClock:
+    """A DDP rank's compute in its own iteration: from the forward's start to the moment
+    backward accumulates its last parameter gradient (a post-accumulate-grad hook on every
+    parameter), less the seconds DDP's comm hook ran in between (``HookTally``)."""
+
+    def __init__(self, model, tally: HookTally):
+        self.tally = tally
+        self.last = (0.0, 0.0)
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, param) -> None:
+        self.last = (time.perf_counter(), self.tally.seconds)
+
+    def compute(self, began: float) -> float:
+        at, in_hook = self.last
+        return at - began - in_hook
 
 
 def _bare_compute(ddp, model, dataset, config, device, repeats: int = 7) -> float:
     """The median seconds of forward + backward on one batch under ``no_sync()`` (DDP's
-    all-reduce off), after the run so that the training is untouched; the first pass is not
-    counted."""
+    all-reduce off; on a GPU, synchronized), after the run so that the training is untouched;
+    the first pass is not counted."""
     import torch
 
     x = torch.from_numpy(dataset.train_x[:config.batch_size]).to(device)
@@ -715,8 +740,8 @@ def _run_ddp(spec: dict, env: dict, progress: _Progress, lab: str | None = None)
         first.losses = np.mean(first.rank_losses, axis=0).tolist()
         # the slowest rank's local work
         first.hook_seconds = np.max([r[k]["hook_seconds"] for r in per_rank], axis=0).tolist()
-        if first.compute_seconds is not None:
-            first.compute_seconds = max(r[k]["compute_seconds"] for r in per_rank)
+        if first.compute:
+            first.compute = np.max([r[k]["compute"] for r in per_rank], axis=0).tolist()
         merged[name] = first
     for rank in range(spec["workers"]):
         (out / f"rank{rank}.json").unlink()
@@ -752,8 +777,8 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
                 "iteration": m, "wall_time": record.wall_times[m], "sim_time": record.wall_times[m],
                 "loss": record.losses[m], "bits": 16 if variant.hook == "fp16" else 32,
                 "bytes_up": half, "bytes_down": half,
-                "t_compute": math.nan if record.compute_seconds is None else record.compute_seconds,
-                "t_encode": record.hook_seconds[m] if record.compute_seconds is not None else math.nan,
+                "t_compute": record.compute[m] if record.compute else math.nan,
+                "t_encode": record.hook_seconds[m] if record.compute else math.nan,
                 "t_decode": math.nan, "t_comm": math.nan, "t_policy": 0.0})
             writer.append("workers", {"iteration": m, "loss": [losses[m] for losses in record.rank_losses],
                                       "t_compute": [math.nan] * workers,
