@@ -435,8 +435,11 @@ class LinkModel:
         (``comm_start``): its phases, summed in the order the runtime charges them (so that
         the float is the runtime's to the last bit), each from where the previous ended."""
         colocated = traffic.colocated
-        t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers, colocated)
-        t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated, start=start + t_comm)
+        t_comm = 0.0
+        if not traffic.ahead:  # ahead: the Control went during the compute, the losses beside the frames
+            t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers, colocated)
+            t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated,
+                                   start=start + t_comm)
         for frames_in, frames_out in traffic._rounds():  # a two-round codec's rounds one after the other
             t_comm += self.gradients(frames_in, colocated, start=start + t_comm)
             t_comm += self.broadcasts(traffic.workers, frames_out, colocated, start=start + t_comm)
@@ -452,7 +455,8 @@ class LinkModel:
         is free, and comes in from then on once its receiver's incoming side is free (so a
         round's time is the busier side's, as in ``gradients``); messages in order of
         readiness, ties in the order posted. Ready:
-        a loss report at ``start``; the Control when rank 0 has every loss; worker w's frame
+        a loss report at ``start``; the Control when rank 0 has every loss (``ahead``: at
+        ``start``, sent during the forward pass); worker w's frame
         of bucket b when it holds the Control and backward has produced the bucket
         (``traffic.ready[w][b]`` after ``start``), in bucket order, to the other shards in
         turn from its own (w + 1, w + 2, ...); node s's average of bucket b when every frame
@@ -471,7 +475,10 @@ class LinkModel:
             return end
 
         losses_in = max(send(start, traffic.loss_bytes, worker(w), 0) for w in range(P))
-        control = [send(losses_in, traffic.control_bytes, 0, worker(w)) for w in range(P)]
+        if traffic.ahead:
+            control = [start] * P
+        else:
+            control = [send(losses_in, traffic.control_bytes, 0, worker(w)) for w in range(P)]
         buckets = len(traffic.ready[0]) if P else 0
         backward_end = [start + max(traffic.ready[w], default=0.0) for w in range(P)]
         # Each node's messages (ready, order posted, nbytes, receiver, bucket, kind), a heap per
@@ -542,6 +549,8 @@ class IterationTraffic:
     shard w (its frame to it and its broadcast to itself cross no link, rank 0 gets none).
     ``frames_in2``/``frames_out2``: a two-round codec's second round (PowerSGD's Q factors),
     laid out as the first; empty for one round. The byte totals count both rounds.
+    ``ahead``: the Control went before the losses (``control = "ahead"``): neither is
+    charged (their bytes still count).
     """
 
     loss_bytes: int
@@ -551,6 +560,7 @@ class IterationTraffic:
     colocated: bool = False
     frames_in2: tuple[tuple[int, ...], ...] = ()
     frames_out2: tuple[int, ...] = ()
+    ahead: bool = False
 
     def _rounds(self):
         """(frames_in, frames_out) of each round."""
@@ -600,7 +610,7 @@ class IterationTraffic:
 
     @classmethod
     def from_totals(cls, bytes_up: int, bytes_down: int, frames_in: Sequence[Sequence[int]],
-                    frames_out: Sequence[int], colocated: bool = False) -> "IterationTraffic":
+                    frames_out: Sequence[int], colocated: bool = False, ahead: bool = False) -> "IterationTraffic":
         """The traffic whose ``bytes_up`` and ``bytes_down`` these are: the loss report's and
         the Control's sizes solved from them (a trace records the totals and the frames).
         ValueError when no whole sizes give those totals."""
@@ -613,7 +623,7 @@ class IterationTraffic:
         if loss < 0 or control < 0 or loss_left or control_left:
             raise ValueError(f"bytes up {bytes_up} and down {bytes_down} do not add up from the frames "
                              f"({frames_in} in, {frames_out} out)")
-        return cls(loss, control, frames_in, frames_out, colocated)
+        return cls(loss, control, frames_in, frames_out, colocated, ahead=ahead)
 
 
 @dataclass(frozen=True)
@@ -621,13 +631,15 @@ class PipelinedTraffic:
     """The messages of one pipelined iteration (colocated servers) and when backward made
     them ready: ``ready[w][b]`` seconds after backward began, worker w had bucket b;
     ``frames[s][b][w]``: worker w's frame of bucket b to shard s (0: none; its own shard's
-    crosses no link); ``bcast[s][b]``: one copy of shard s's average of bucket b (0: none)."""
+    crosses no link); ``bcast[s][b]``: one copy of shard s's average of bucket b (0: none);
+    ``ahead``: the Control was at the workers when the forward pass ended."""
 
     loss_bytes: int
     control_bytes: int
     ready: tuple[tuple[float, ...], ...]
     frames: tuple[tuple[tuple[int, ...], ...], ...]
     bcast: tuple[tuple[int, ...], ...]
+    ahead: bool = False
 
     @property
     def workers(self) -> int:

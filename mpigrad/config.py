@@ -38,6 +38,10 @@ TF32 = ("default", "on", "off")
 #: How a rank waits for messages: poll without sleeping, sleep-poll with back-off, or auto
 #: (spin where every rank of the node has a core per thread).
 WAITS = ("auto", "spin", "sleep")
+#: When rank 0 sends an iteration's Control: ``ahead`` of the workers' losses where the
+#: policy knows its bits before them (``Policy.bits_ahead``: fixed, schedule, MQGrad between
+#: its steps), else after them; ``paper``: always after them (MQGrad's Alg. 1 round trip).
+CONTROLS = ("ahead", "paper")
 
 
 @dataclass
@@ -64,6 +68,7 @@ class RunConfig:
     #: The pipelined iteration (colocated servers): the loss goes after the forward pass and each
     #: bucket's frames as soon as backward has produced it; False: the paper's sequential order.
     pipeline: bool = False
+    control: str = "ahead"           # CONTROLS
     shard_chunk: int = 0             # cut quantized layers into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
     bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
@@ -262,6 +267,7 @@ class RunConfig:
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
             (self.tf32 in TF32, f"tf32 must be one of {', '.join(TF32)}"),
             (self.wait in WAITS, f"wait must be one of {', '.join(WAITS)}"),
+            (self.control in CONTROLS, f"control must be one of {', '.join(CONTROLS)}"),
             (self.threads is None or self.threads >= 1, "threads must be at least 1"),
             (self.walltime is None or self.walltime > 0, "walltime must be positive"),
             (self.checkpoint_interval is None or self.checkpoint_interval[1] > 0,

@@ -42,8 +42,12 @@ REFERENCE = Path(__file__).resolve().parent / "data" / "reference_traces.json"
 #: local work by a cost model, one of them on a machine not recorded, which cannot be
 #: recorded again; the cost model's charge is tested in tests/test_cost_model.py (its sum,
 #: exact, on top of this clock).
+#: ``--control paper``: the references were recorded with the Control after every
+#: iteration's losses, before ``--control ahead`` took those messages off the clock (its
+#: clock is tested against this one in tests/test_control_ahead.py).
 COMMON = [*SMALL_RUN, "--iterations", "13", "--net-mode", "virtual", "--compute-time", "20ms",
-          "--checksum-every", "4", "--latency", "1ms", "--eval-every", "6", "--cost-model", "none"]
+          "--checksum-every", "4", "--latency", "1ms", "--eval-every", "6", "--cost-model", "none",
+          "--control", "paper"]
 CASES = {
     "uniform-fixed-2": (3, ["--policy", "fixed", "--bits", "2", "--seed", "11"]),
     "mqgrad-3-workers": (4, ["--policy", "mqgrad", "--bits", "2", "--seed", "12"]),

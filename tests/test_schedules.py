@@ -223,9 +223,11 @@ def test_policies_are_not_handed_the_network():
 
 
 # ---- real runs ----------------------------------------------------------------------------
-#: Local work a fixed 20 ms (--cost-model none), so that the clock can be checked by hand.
+#: Local work a fixed 20 ms (--cost-model none), so that the clock can be checked by hand;
+#: the paper's Control round trip, so that every message of an iteration is on its clock.
 FIX2 = [*SMALL_RUN, "--iterations", "8", "--eval-every", "4", "--policy", "fixed", "--bits", "2",
-        "--codec", "uniform", "--seed", "5", "--net-mode", "virtual", "--compute-time", "20ms", "--cost-model", "none"]
+        "--codec", "uniform", "--seed", "5", "--net-mode", "virtual", "--compute-time", "20ms", "--cost-model", "none",
+        "--control", "paper"]
 #: 1 MB/s, then 100 MB/s from 0.5 s: iterations 0 and 1 slow (about 0.26 s each), one
 #: straddling, the rest fast.
 SCHEDULE = "1MB/s@0s,100MB/s@0.5s"

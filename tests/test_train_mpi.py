@@ -47,7 +47,8 @@ def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
 
 def test_network_model_charges_bytes_over_bandwidth(tmp_path, mpi_env):
     result, trace = train(tmp_path, mpi_env, "--iterations", "5", "--policy", "fixed", "--bits", "8",
-                          "--bandwidth", "8Mbps", "--latency", "1ms", "--compute-time", "0", "--cost-model", "none")
+                          "--bandwidth", "8Mbps", "--latency", "1ms", "--compute-time", "0", "--cost-model", "none",
+                          "--control", "paper")  # every message on the clock (ahead: tests/test_control_ahead.py)
     assert result.returncode == 0, result.stderr
     # 8 Mbit/s is 1 MB/s; the start-up lines say so in both units.
     assert "network: 1MB/s (8Mbit/s) per link, latency 1ms per message" in result.stdout, result.stdout

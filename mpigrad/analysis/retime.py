@@ -218,11 +218,13 @@ def _recorded_traffic(path: Path, raw, colocated: bool = False) -> list[Iteratio
     for table, rows in sources.items():
         if not np.array_equal(rows, iterations):
             raise TraceError(f"{path}: the {table} table's iterations are not the steps table's (damaged trace)")
+    ahead = steps.get("control_ahead")  # control = "ahead" (older traces: every Control after the losses)
     traffic = []
     for row in range(len(iterations)):
         try:
             traffic.append(IterationTraffic.from_totals(steps["bytes_up"][row], steps["bytes_down"][row],
-                                                        frames_in[row], servers["bytes_out"][row], colocated))
+                                                        frames_in[row], servers["bytes_out"][row], colocated,
+                                                        ahead=bool(ahead[row]) if ahead is not None else False))
         except ValueError as exc:
             raise TraceError(f"{path}: iteration {int(iterations[row])}: {exc}") from None
     return traffic

@@ -4,9 +4,10 @@ and torch DDP's variants, from the traces and phase logs of the same bench run.
 Per method, medians over the steady iterations of every seed's run (each column's own median,
 so the parts need not add up to ``s/it`` exactly):
 
-- ``compute``: forward + backward, the slowest worker's in each iteration (trace column
-  ``t_compute``). mpigrad: as its trace has it (CPU seconds with one thread per rank on the
-  CPU, else wall). DDP: wall seconds from the forward's start to backward's last parameter
+- ``compute``: forward + backward, the slowest worker's in each iteration, wall seconds.
+  mpigrad: its workers' ``begin`` phase in the phase log (the trace's ``t_compute`` holds CPU
+  seconds where each rank has one thread on the CPU, which leave out the time a rank waits
+  for a core); pipelined, where backward runs in ``gradients``, the trace's ``t_compute``. DDP: wall seconds from the forward's start to backward's last parameter
   gradient, less the hook's seconds in between; on a GPU, where the host's clock does not see
   the kernels, a bare forward + backward under ``no_sync()`` after the run, synchronized.
 - ``codec``: mpigrad: the slowest worker's encode plus the slowest server's decode and
@@ -76,17 +77,19 @@ def node_bytes(steps, workers: int, servers: int, symmetric: bool) -> np.ndarray
 
 
 def breakdown_row(method: str, traces: Sequence, first: Sequence[int], workers: int,
-                  rate: float | None) -> BreakdownRow:
+                  rate: float | None, compute_override: Sequence[np.ndarray | None] | None = None) -> BreakdownRow:
     """The row of one method's traces (``first[i]``: trace i's first steady iteration);
-    ``rate``: the link's bytes per second, None on loopback."""
+    ``rate``: the link's bytes per second, None on loopback; ``compute_override[i]``: trace
+    i's compute per iteration from elsewhere (``worker_compute``), None: its ``t_compute``."""
     walls, compute, codec, wire = [], [], [], []
-    for trace, start in zip(traces, first):
+    for k, (trace, start) in enumerate(zip(traces, first)):
         steps = trace.steps
         peer = trace.config.get("peer")
         symmetric = bool(peer) or trace.config.get("servers") == "colocated"
         servers = int(trace.attrs.get("servers", 1) or 1)
         walls.append(np.diff(np.concatenate([[0.0], steps["wall_time"].to_numpy(float)]))[start:])
-        compute.append(steps["t_compute"].to_numpy(float)[start:])
+        override = compute_override[k] if compute_override is not None else None
+        compute.append((override if override is not None else steps["t_compute"].to_numpy(float))[start:])
         parts = [steps[name].to_numpy(float)[start:] for name in ("t_encode", "t_decode", "t_policy")]
         codec.append(sum(np.nan_to_num(part) for part in parts))
         seconds = node_bytes(steps, workers, servers, symmetric)[start:] / rate if rate else np.zeros_like(walls[-1])
@@ -96,6 +99,23 @@ def breakdown_row(method: str, traces: Sequence, first: Sequence[int], workers: 
     return BreakdownRow(method, float(np.median(wall)), float(np.nanmedian(comp)) if np.isfinite(comp).any()
                         else math.nan, float(np.median(cod)), float(np.median(wir)) if rate else None,
                         float(np.median(rest)))
+
+
+def worker_compute(directory: Path, iterations: int, worker_ranks: Sequence[int]) -> np.ndarray | None:
+    """Per iteration 0..iterations-1, the slowest worker's ``begin`` span (forward + backward,
+    wall seconds) from a phase log; None when the log lacks an iteration."""
+    from ..runtime.phaselog import read
+
+    lines = read(directory)
+    spans = []
+    for m in range(iterations):
+        ranks = lines.get(m, {})
+        values = [ranks[r]["t"]["begin"] - ranks[r]["t"]["start"] for r in worker_ranks
+                  if r in ranks and {"start", "begin"} <= ranks[r]["t"].keys()]
+        if len(values) != len(worker_ranks):
+            return None
+        spans.append(max(values))
+    return np.array(spans)
 
 
 def phase_rows(directories: Sequence[Path], first: Sequence[int], worker_ranks: Sequence[int]) -> list[PhaseRow]:

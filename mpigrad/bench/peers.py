@@ -589,19 +589,22 @@ def _breakdown(runs: dict[str, list[Path]], workers: int, args, out: Path, seeds
 
     from ..config import parse_rate
     from ..trace import load
-    from .breakdown import as_data, breakdown_row, phase_rows, print_breakdown
+    from .breakdown import as_data, breakdown_row, phase_rows, print_breakdown, worker_compute
 
     rate = parse_rate(args.lab) if args.lab else None
+    worker_ranks = list(range(config.non_worker_ranks(), config.non_worker_ranks() + workers))
+    directories = [_phase_dir(out, seed) for seed in seeds]
     rows = []
     for name, paths in runs.items():
         traces = [load(path) for path in paths]
         first = [_first_steady(trace, args.warmup) for trace in traces]
-        rows.append(breakdown_row(traces[0].label, traces, first, workers, rate))
+        override = None
+        if name == "mpigrad" and not traces[0].config.get("pipeline"):  # wall seconds, as DDP's
+            override = [worker_compute(d, len(t.steps), worker_ranks) for d, t in zip(directories, traces)]
+        rows.append(breakdown_row(traces[0].label, traces, first, workers, rate, override))
     phases = []
     if "mpigrad" in runs:
-        worker_ranks = range(config.non_worker_ranks(), config.non_worker_ranks() + workers)
-        directories = [_phase_dir(out, seed) for seed in seeds]
-        phases = phase_rows(directories, [args.warmup] * len(seeds), list(worker_ranks))
+        phases = phase_rows(directories, [args.warmup] * len(seeds), worker_ranks)
     reference = next((VARIANTS[name].label for name in ("fp32", *VARIANTS) if name in runs), None)
     print_breakdown(rows, phases, reference)
     return as_data(rows, phases)

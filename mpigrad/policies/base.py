@@ -321,6 +321,14 @@ class Policy(ABC):
         runtime asks the workers for setting errors only then); by default ``uses_gradients``."""
         return self.uses_gradients
 
+    def bits_ahead(self, iteration: int) -> tuple[int, ...] | None:
+        """What ``decide`` will return for ``iteration`` whatever its observation, when the
+        policy knows it before the iteration's losses; None when the decision may depend on
+        them (the default). Asked just before ``decide`` for the same iteration, with no
+        decision in between; it changes no state. The runtime sends such a decision ahead
+        (``control = "ahead"``) and still calls ``decide`` with the full observation."""
+        return None
+
     def __eq__(self, other: object) -> bool:
         return (type(self) is type(other) and self.get_config() == other.get_config()
                 and (self.n_layers, self.seed) == (other.n_layers, other.seed))

@@ -206,6 +206,13 @@ class MQGradPolicy(Policy):
         self._next_iteration = m + 1
         return self._bits
 
+    def bits_ahead(self, iteration: int) -> tuple[int, ...] | None:
+        """Between two MDP steps the bits stay those of the last step (Alg. 1: the action is
+        taken every T iterations)."""
+        if iteration == self._next_iteration and iteration % self.T != 0:
+            return self._bits
+        return None
+
     def _step(self, t: int, m: int) -> None:
         smoothed = smooth_losses(self._losses, self._last_smoothed, self.alpha)
         self._last_smoothed = float(smoothed[-1])

@@ -71,3 +71,6 @@ class SchedulePolicy(Policy):
 
     def decide(self, obs: Observation) -> tuple[int, ...]:
         return (self.bits_at(obs.iteration),) * self.n_layers
+
+    def bits_ahead(self, iteration: int) -> tuple[int, ...]:
+        return (self.bits_at(iteration),) * self.n_layers

@@ -10,6 +10,7 @@ simulated clock then equals the wall clock and t_comm is the measured wait.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..clockmodel import IterationTraffic, LinkModel, PipelinedTraffic, comm_start, iteration_seconds
@@ -76,10 +77,15 @@ class IterationClock:
 
     # Each phase charged as it ends, in the order of LinkModel.comm_seconds, each from where
     # the previous one ended on the simulated clock (which only a network schedule reads).
-    def losses(self, nbytes: int, t_compute: float = 0.0) -> None:
+    def losses(self, nbytes: int, t_compute: float = 0.0, charged: bool = True) -> None:
         """``t_compute``: the iteration's compute so far (the slowest worker's), which the
-        first message follows; ``compute_time`` replaces it when set."""
+        first message follows; ``compute_time`` replaces it when set. ``charged`` False: the
+        Control went ahead (``control = "ahead"``), so no exchange waits for the losses,
+        which travel beside it (``LinkModel.comm_seconds``)."""
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_compute)
+        if not charged:
+            self.t_comm = self.phases["losses"] = self.phases["control"] = 0.0
+            return
         self.t_comm = self.phases["losses"] = self.link.charge(
             self.link.losses(self.workers, nbytes, self.comm_start, self.servers, self.colocated))
 
@@ -106,9 +112,7 @@ class IterationClock:
         fixed ``compute_time`` backward's time per bucket is unknown: the buckets are charged
         as all ready when it ends (the communication's own pipelining still counts)."""
         if self.compute_time is not None:
-            traffic = PipelinedTraffic(traffic.loss_bytes, traffic.control_bytes,
-                                       tuple((0.0,) * len(ready) for ready in traffic.ready),
-                                       traffic.frames, traffic.bcast)
+            traffic = dataclasses.replace(traffic, ready=tuple((0.0,) * len(ready) for ready in traffic.ready))
             t_backward = 0.0
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_forward)
         span = self.link.pipelined(traffic, self.comm_start)

@@ -58,6 +58,15 @@ taking every shard's average bucket by bucket (applying each bucket's update as 
 complete); ``broadcast`` does nothing and ``reports`` adds message 10 (backward's times).
 Rank 0's phases are the colocated ones; it charges the whole iteration in ``reports``.
 
+The Control ahead (``control = "ahead"``, the default): where the policy knows iteration m's
+bits before its losses (``Policy.bits_ahead``: fixed, schedule, MQGrad between its steps),
+rank 0's ``losses`` broadcasts the Control first (the workers are still computing), then
+gathers the losses and has the policy decide from the whole observation, which must give the
+announced bits; its ``control`` then does nothing. The workers' order is unchanged: their
+Control is in when they ask for it. ``control = "paper"`` keeps the round trip on every
+iteration (MQGrad's Alg. 1). The trace's ``steps/control_ahead`` says which iterations went
+ahead; the clock charges neither the losses nor the Control on those.
+
 Workers and shard servers share :class:`FollowerRole` (their ``buffers`` phase and loop).
 
 After an iteration whose Control says CHECKPOINT_AFTER (``--checkpoint-every``), every rank

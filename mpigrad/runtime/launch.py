@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "pipelined iteration (the loss goes after the forward pass, rank 0 chooses the bits during "
                    "backward, each layer's frames go as soon as backward has produced its gradient, and its "
                    "average as soon as all its frames are in); the same losses as without (docs/runtime.rst)")
+    g.add_argument("--control", choices=["ahead", "paper"], help="when rank 0 sends an iteration's bits: ahead of "
+                   "the workers' losses where the policy knows them in advance (default: fixed, schedule, mqgrad "
+                   "between its steps), or paper: after every iteration's losses (MQGrad's round trip)")
     g.add_argument("--shard-chunk", type=int, metavar="ELEMENTS", help="cut quantized layers larger than this "
                    "into pieces quantized on their own, so that S servers can balance a model with few "
                    "big layers (changes each piece's min/max scaling; default 0: whole layers)")

@@ -396,6 +396,13 @@ class ParameterServer:
         self.it: dict = {}
 
     def losses(self, m: int) -> None:
+        # control = "ahead": a decision the policy knows before the losses goes out first, so
+        # that no worker waits for this gather and the round trip (``control`` then has
+        # nothing left to do); decide() still sees the whole observation, below.
+        ahead = self.config.control == "ahead" and self.policy.bits_ahead(m)
+        self.it["ahead"] = bool(ahead)
+        if ahead:
+            self._send_control(m, check_decision(self.policy, ahead, m))
         self.channel.recv([(row, rank) for row, rank in zip(self.loss_rows, self.worker_ranks)], TAG_LOSS,
                           lambda pending: f"worker rank(s) {', '.join(map(str, pending))} sent no loss "
                                           f"for iteration {m}")
@@ -409,12 +416,28 @@ class ParameterServer:
         self.it["loss"] = float(np.mean([r.loss for r in reports]))
         if self.buckets is None:  # pipelined: the whole iteration is charged in ``reports``
             self.clock.losses(LossReport.NBYTES, max(self.clock.compute_seconds(r.compute_cpu, r.compute_wall)
-                                                     for r in reports))
+                                                     for r in reports), charged=not ahead)
+        if ahead:
+            bits = self._decide(m)
+            if bits != self.it["bits"]:
+                raise PolicyError(f"policy {self.policy.policy_id!r} decided {bits} for iteration {m} after "
+                                  f"announcing {self.it['bits']} ahead of its losses (its bits_ahead is wrong)")
 
-    def control(self, m: int) -> None:
+    def _decide(self, m: int) -> list[int]:
+        """The policy's decision for iteration m from its whole observation (``t_policy``)."""
         start = time.process_time()
         bits = check_decision(self.policy, self.policy.decide(self._observation(m, self.it["loss"])), m)
         self.it["t_policy"] = time.process_time() - start
+        return bits
+
+    def control(self, m: int) -> None:
+        if not self.it["ahead"]:
+            self._send_control(m, self._decide(m))
+
+    def _send_control(self, m: int, bits: list[int]) -> None:
+        """The Control of iteration m: the command (stop, checkpoint), the factor plan
+        (two-round codecs), broadcast to the world."""
+        bits = list(bits)
         last = m + 1 == self.config.iterations
         reserve = self.checkpoint_reserve + close_seconds(m + 1)
         self.it["stop_after"] = not last and self.stop.requested(self._mean_iteration_seconds(m), reserve)
@@ -433,7 +456,7 @@ class ParameterServer:
         self.control_msg.set(self.command, m, bits, measure)
         self.channel.broadcast([(self.control_msg.buf, WORLD)],
                                lambda: f"control broadcast of iteration {m} stalled")
-        if self.buckets is None:
+        if self.buckets is None and not self.it["ahead"]:  # ahead: sent while the workers computed
             self.clock.control(self.control_msg.buf.nbytes)
         self.it["bits"] = bits
 
@@ -570,7 +593,7 @@ class ParameterServer:
             tuple(tuple(seconds(c, w) for c, w in zip(b.ready_cpu, b.ready_wall)) for b in backward),
             tuple(tuple(tuple(backward[w].sent[b * S + s] if w != s else 0 for w in range(self.workers))
                         for b in range(B)) for s in range(S)),
-            tuple(tuple(backward[s].bcast[b] for b in range(B)) for s in range(S)))
+            tuple(tuple(backward[s].bcast[b] for b in range(B)) for s in range(S)), self.it["ahead"])
         self.clock.pipelined(traffic, max(forward), max(seconds(b.cpu, b.wall) for b in backward))
 
     def buffers(self, m: int) -> None:
@@ -602,11 +625,12 @@ class ParameterServer:
             second_down = tuple(FrameLength.NBYTES + n for n in it["frame_bytes2"])
             first_in, second_in = (tuple(tuple(sizes) for sizes in frames) for frames in self._factor_frames_in(servers))
             traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes, first_in,
-                                       tuple(frames_down), self.colocated, second_in, second_down)
+                                       tuple(frames_down), self.colocated, second_in, second_down, it["ahead"])
             frames_down = [a + b for a, b in zip(frames_down, second_down)]
         else:
             traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
-                                       tuple(tuple(s.sizes) for s in servers), tuple(frames_down), self.colocated)
+                                       tuple(tuple(s.sizes) for s in servers), tuple(frames_down), self.colocated,
+                                       ahead=it["ahead"])
         bits = it["bits"] if self.codec.takes_policy_bits else [self.codec.fixed_bits] * len(it["bits"])
         settings = None
         if self.lowrank is not None and not self.lowrank.active(m):  # before ``start``: the codec's own float32
@@ -625,7 +649,8 @@ class ParameterServer:
             server_frame_bytes=[list(s.sizes) for s in servers],
             server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
             norm_ratio=self._norm_ratio(servers),
-            checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings)
+            checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings,
+            control_ahead=it["ahead"] if self.config.control == "ahead" else None)
         self.bytes_total += record.bytes_up + record.bytes_down
         self.last_comm_ms, self.last_bytes = 1e3 * t_comm, record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]

@@ -40,7 +40,8 @@ class RunTrace:
              hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None,
              settings: bool = False, waits: dict | None = None) -> "RunTrace":
         """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``)."""
-        tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings)
+        tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings,
+                            ahead=config.control == "ahead")
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
                                                flush_every=config.trace_flush,
@@ -72,11 +73,17 @@ class RunTrace:
                                force=config.force, flush_every=config.trace_flush))
 
     @staticmethod
-    def tables(layers: int, workers: int, servers: int, policy_columns, settings: bool = False) -> dict[str, dict]:
+    def tables(layers: int, workers: int, servers: int, policy_columns, settings: bool = False,
+               ahead: bool = False) -> dict[str, dict]:
         """The trace's tables for a run of ``workers`` workers and ``servers`` servers
-        (``settings``: with ``steps/setting_layers``, PowerSGD's per-layer settings)."""
+        (``settings``: with ``steps/setting_layers``, PowerSGD's per-layer settings;
+        ``ahead``: with ``steps/control_ahead``, whether each iteration's Control went ahead of
+        its losses, ``control = "ahead"``)."""
+        extra = schema.layer_step_columns(layers, settings)
+        if ahead:
+            extra["control_ahead"] = ("i1", ())
         return {
-            "steps": schema.step_columns(schema.layer_step_columns(layers, settings)),
+            "steps": schema.step_columns(extra),
             "workers": schema.workers_columns(workers),
             "servers": schema.servers_columns(servers, workers),
             "eval": dict(schema.EVAL_COLUMNS),
