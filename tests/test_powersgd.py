@@ -140,8 +140,9 @@ def test_two_rounds_train_and_carry_the_bytes_of_p_and_q(tmp_path):
 
 
 def test_the_clock_charges_both_rounds(tmp_path):
-    """Each round is a gather into rank 0 and a star broadcast: 2 P messages more than one round."""
-    options = dict(POWERSGD, bandwidth=1e6, latency=0.001, compute_time=0.01, cost_model="none")
+    """Each round is a gather into rank 0 and a star broadcast: 2 P messages more than one round
+    (the paper's Control round trip charged too)."""
+    options = dict(POWERSGD, bandwidth=1e6, latency=0.001, compute_time=0.01, cost_model="none", control="paper")
     code, errors, config = run(tmp_path, iterations=3, **options)
     assert code == 0 and not errors, errors
     tr = load(config.trace)

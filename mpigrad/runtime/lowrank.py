@@ -34,7 +34,8 @@ the other layers' float32 piece, round 2's the Q factors; with S servers (or col
 ones) each server's factor shard (``rounds[r][s]``) holds the factors of the layers of its
 layout shard, and the float32 piece where that shard holds the small layers. The servers'
 ``ShardAggregator`` and ``GradientCompressor`` handle them as they handle gradients. All
-matrix products are float32 torch on the CPU, computed alike on every rank.
+matrix products are float32 torch on the CPU, computed alike on every rank (with the thin
+factor on the left: ``times_factor``, ``outer_products``).
 
 Per-layer settings (``--codec-opt ranks=1,2,4 widths=2,4,8`` and a policy that chooses them,
 ``lgreco``): the Control's per-layer integers are setting codes (``PowerSGD.check_settings``
@@ -117,6 +118,33 @@ def orthogonalize(matrix: torch.Tensor) -> None:
         if i + 1 < rank:
             rest = matrix[:, i + 1:]
             rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
+
+
+# The products of thin factors, in the forms that torch's CPU BLAS (MKL) computes fast. With
+# r of 1 or 2, M Q and M^T P as written took 1.5 and 10 ms on a 2048 x 1024 layer (one
+# thread), against 0.2 ms for the same products with the thin operand on the left; P Q^T
+# took 1.3 ms, against 0.2 for its r outer products summed (docs/runtime.rst, "Two-round
+# codecs"). Float noise apart, the same numbers; every rank computes them alike.
+OUTER_SUM_RANKS = 8  # above it one matrix product beats r passes over the layer
+
+
+def times_factor(matrix: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (k x r) = ``matrix``^T (k x n) @ ``factor`` (n x r) when given ``matrix`` n x k:
+    computed as (factor^T matrix)^T, the thin operand on the left."""
+    out.copy_(torch.matmul(factor.t().contiguous(), matrix).t())
+
+
+def outer_products(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (n x m) = ``p`` (n x r) @ ``q``^T (q: m x r): the sum of r outer products, for
+    small r; one matrix product beyond ``OUTER_SUM_RANKS``."""
+    r = p.shape[1]
+    if r > OUTER_SUM_RANKS:
+        torch.matmul(p, q.t(), out=out)
+        return
+    rows = q.t().contiguous()
+    torch.mul(p[:, 0:1], rows[0:1], out=out)
+    for k in range(1, r):
+        out.addcmul_(p[:, k:k + 1], rows[k:k + 1])
 
 
 class FactorPlan:
@@ -284,7 +312,7 @@ class LowRank:
         p_buf = self.p_buf
         for lay in self.layers:
             if lay.r:
-                torch.matmul(self._mat(self.matrix, lay), self._start_q(lay.layer, lay.r), out=self._p(p_buf, lay))
+                times_factor(self._mat(self.matrix, lay).t(), self._start_q(lay.layer, lay.r), self._p(p_buf, lay))
             else:
                 p_buf[lay.p_offset:lay.p_offset + lay.p_size] = self.matrix[lay.offset:lay.offset + lay.p_size]
         rest = self.p_size - self.rest.size
@@ -296,7 +324,7 @@ class LowRank:
         """Round 2's vector: Q_i = M_i^T P^ per rank layer (P^ decoded into ``p_buf``)."""
         for lay in self.layers:
             if lay.r:
-                torch.matmul(self._mat(self.matrix, lay).t(), self._p(self.p_buf, lay), out=self._q(self.q_buf, lay))
+                times_factor(self._mat(self.matrix, lay), self._p(self.p_buf, lay), self._q(self.q_buf, lay))
         return self.q_buf
 
     # ---- the server's part --------------------------------------------------------------
@@ -344,9 +372,13 @@ class LowRank:
             for k, code in enumerate(menu):
                 kind, value = setting_of(code)
                 if kind == "rank":
-                    p = torch.matmul(matrix, self._start_q(layer, min(n, m, value), copy=True))
+                    q_start = self._start_q(layer, min(n, m, value), copy=True)
+                    p = torch.empty(n, q_start.shape[1])
+                    times_factor(matrix.t(), q_start, p)
                     orthogonalize(p)
-                    q = torch.matmul(matrix.t(), p).double()
+                    q = torch.empty(m, p.shape[1])
+                    times_factor(matrix, p, q)
+                    q = q.double()
                     errors[layer, k] = max(energy - float(torch.sum(q * q)), 0.0)
                 else:
                     width = codec.width_codec(value)
@@ -362,7 +394,7 @@ class LowRank:
         p_buf, q_buf = self.p_buf, self.q_buf
         for lay in self.layers:
             if lay.r:
-                torch.matmul(self._p(p_buf, lay), self._q(q_buf, lay).t(), out=self._mat(update, lay))
+                outer_products(self._p(p_buf, lay), self._q(q_buf, lay), self._mat(update, lay))
             else:
                 update[lay.offset:lay.offset + lay.p_size] = p_buf[lay.p_offset:lay.p_offset + lay.p_size]
         rest = self.p_size - self.rest.size
