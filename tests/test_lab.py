@@ -20,6 +20,7 @@ import pytest
 
 from conftest import SMALL_RUN, assert_same_trace, mpiexec, run_mpi
 from mpigrad.errors import UsageError
+from mpigrad.runtime.environment import cores_for_each
 from mpigrad.lab import host
 from mpigrad.lab.host import LabError, unavailable_reason
 from mpigrad.lab.netns import Lab, Topology, namespaces
@@ -349,6 +350,10 @@ def test_a_lab_run_records_its_network_and_readers_tell_two_rates_apart(tmp_path
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"links: lab {rate} (mpigrad lab)" in result.stdout, result.stdout
         assert load(trace).attrs["network"] == {"kind": "lab", "nodes": 3, "rate": rate}
+        # the lab's nodes are one machine's cores: --wait auto counts its 3 ranks on them
+        cpus = sorted(os.sched_getaffinity(0))
+        together = {"spin": [0, 1, 2], "sleep": []} if cores_for_each([cpus] * 3, 1) else {"spin": [], "sleep": [0, 1, 2]}
+        assert load(trace).attrs["waits"] == together
         traces.append(trace)
     assert main(["trace", "summary", *map(str, traces), "--format", "csv"]) == 0
     out = capsys.readouterr().out

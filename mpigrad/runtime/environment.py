@@ -12,6 +12,7 @@ import socket
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import UsageError
 
@@ -124,6 +125,17 @@ def cpu_affinity() -> tuple[int, ...]:
         return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # macOS and Windows have no affinity call
         return tuple(range(os.cpu_count() or 1))
+
+
+def machine_id() -> str:
+    """Which machine's cores this process shares: its host name and the kernel's boot id.
+    Processes in different network namespaces of one kernel (``mpigrad lab``'s nodes) share
+    it, where MPI's shared-memory split puts each on a node of its own."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # no procfs (macOS): the host name alone
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def probe_rank(rank: int, environ: Mapping[str, str] = os.environ) -> RankInfo:

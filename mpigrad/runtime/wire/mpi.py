@@ -46,17 +46,17 @@ def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[li
 
 def choose_waiting(comm: MPI.Comm, mode: str, threads: int) -> dict[str, list[int]]:
     """Collective: set how this rank waits (``mode`` spin, sleep, or auto: spin where every
-    rank of its node has a core per thread, by the ranks' CPU affinity); return every rank's
-    choice, ``{"spin": [ranks], "sleep": [ranks]}``, the same on every rank."""
-    from ..environment import cores_for_each, cpu_affinity
+    rank of its machine has a core per thread, by the ranks' CPU affinity); return every
+    rank's choice, ``{"spin": [ranks], "sleep": [ranks]}``, the same on every rank. A machine
+    is ``environment.machine_id``'s, not MPI's shared-memory node: the network lab's
+    namespaces are nodes to MPI and share one machine's cores."""
+    from ..environment import cores_for_each, cpu_affinity, machine_id
     from .channel import set_waiting
 
-    rank = comm.Get_rank()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    try:
-        spin = mode == "spin" or (mode == "auto" and cores_for_each(node.allgather(cpu_affinity()), threads))
-    finally:
-        node.Free()
+    ranks = comm.allgather((machine_id(), cpu_affinity()))
+    mine = ranks[comm.Get_rank()][0]
+    spin = mode == "spin" or (mode == "auto" and cores_for_each([cpus for machine, cpus in ranks if machine == mine],
+                                                                 threads))
     set_waiting(spin)
     choices = comm.allgather(spin)
     return {"spin": [r for r, c in enumerate(choices) if c], "sleep": [r for r, c in enumerate(choices) if not c]}
