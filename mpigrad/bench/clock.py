@@ -212,16 +212,23 @@ def _phases(directory: Path, workers: int, layout, warmup: int, two_rounds: bool
         receivers = worker_ranks if colocated else [0, *worker_ranks]
         broadcast = max(t(rank, "broadcast") for rank in receivers)
         after = max(t(w, "end") for w in worker_ranks)
+        # Each phase ends no earlier than the one before on this chain: with the Control ahead
+        # (``--control ahead``) the workers hold it before rank 0 has gathered the losses, and
+        # its span is 0.
+        losses = max(losses, compute)
+        control = max(control, losses)
+        gradients = max(gradients, control)
+        broadcast = max(broadcast, gradients)
         spans = {"compute": compute - started, "losses": losses - compute, "control": control - losses,
                  "gradients": gradients - control, "broadcast": broadcast - gradients}
         if two_rounds:
-            gradients2 = max(t(s, "gradients2") for s in server_ranks)
+            gradients2 = max(broadcast, *(t(s, "gradients2") for s in server_ranks))
             # the workers' (rank 0's decode and update of its replica is off their path)
-            broadcast2 = max(t(rank, "broadcast2") for rank in worker_ranks)
+            broadcast2 = max(gradients2, *(t(rank, "broadcast2") for rank in worker_ranks))
             spans["gradients"] += gradients2 - broadcast
             spans["broadcast"] += broadcast2 - gradients2
             broadcast = broadcast2
-        spans["after"] = after - broadcast
+        spans["after"] = max(after, broadcast) - broadcast
         for phase, span in spans.items():
             real[phase].append(span)
         charged = ranks[0].get("sim", {})
