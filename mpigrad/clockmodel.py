@@ -378,6 +378,13 @@ class LinkModel:
             return self.bcast(control_bytes, receivers)
         return self.bcast(control_bytes, receivers, start, 0, range(1, 1 + receivers))
 
+    def control_ahead(self, workers: int, servers: int, control_bytes: int, colocated: bool, sent: float,
+                      start: float) -> float:
+        """A Control sent ahead at ``sent`` (the iteration's start) whose exchange begins at
+        ``start`` (the compute's end): the seconds the exchange still waits for it, 0 where it
+        arrived during the compute."""
+        return max(0.0, sent + self.control(workers, servers, control_bytes, colocated, start=sent) - start)
+
     def gradients(self, frames_in: Sequence[Sequence[int]], colocated: bool = False, start: float = 0.0) -> float:
         """Each server gathers its shard's frames (``frames_in[s]``, in worker order); the
         slowest server ends the round. Colocated: the slowest link direction of any node."""
@@ -430,13 +437,18 @@ class LinkModel:
                       for s in range(workers))
         return max(outbound, inbound)
 
-    def comm_seconds(self, traffic: "IterationTraffic", start: float = 0.0) -> float:
+    def comm_seconds(self, traffic: "IterationTraffic", start: float = 0.0, sent: float | None = None) -> float:
         """One iteration's modelled communication from simulated time ``start``
         (``comm_start``): its phases, summed in the order the runtime charges them (so that
-        the float is the runtime's to the last bit), each from where the previous ended."""
+        the float is the runtime's to the last bit), each from where the previous ended.
+        ``traffic.ahead``: the Control left at ``sent`` (the iteration's start; default
+        ``start``) and only what of its way outlasts the compute is charged; the losses
+        travel beside the frames."""
         colocated = traffic.colocated
-        t_comm = 0.0
-        if not traffic.ahead:  # ahead: the Control went during the compute, the losses beside the frames
+        if traffic.ahead:
+            t_comm = self.control_ahead(traffic.workers, traffic.servers, traffic.control_bytes, colocated,
+                                        start if sent is None else sent, start)
+        else:
             t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers, colocated)
             t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated,
                                    start=start + t_comm)
@@ -445,7 +457,7 @@ class LinkModel:
             t_comm += self.broadcasts(traffic.workers, frames_out, colocated, start=start + t_comm)
         return t_comm
 
-    def pipelined(self, traffic: "PipelinedTraffic", start: float = 0.0) -> float:
+    def pipelined(self, traffic: "PipelinedTraffic", start: float = 0.0, sent: float | None = None) -> float:
         """The pipelined iteration's communication (colocated servers), from the end of the
         forward pass at ``start``: simulated seconds until the last worker holds every
         shard's average. It covers the backward pass, which it overlaps.
@@ -455,8 +467,8 @@ class LinkModel:
         is free, and comes in from then on once its receiver's incoming side is free (so a
         round's time is the busier side's, as in ``gradients``); messages in order of
         readiness, ties in the order posted. Ready:
-        a loss report at ``start``; the Control when rank 0 has every loss (``ahead``: at
-        ``start``, sent during the forward pass); worker w's frame
+        a loss report at ``start``; the Control when rank 0 has every loss (``ahead``: when
+        it arrives from ``sent``, the iteration's start, or at ``start`` if sooner); worker w's frame
         of bucket b when it holds the Control and backward has produced the bucket
         (``traffic.ready[w][b]`` after ``start``), in bucket order, to the other shards in
         turn from its own (w + 1, w + 2, ...); node s's average of bucket b when every frame
@@ -476,7 +488,8 @@ class LinkModel:
 
         losses_in = max(send(start, traffic.loss_bytes, worker(w), 0) for w in range(P))
         if traffic.ahead:
-            control = [start] * P
+            at = start if sent is None else sent
+            control = [start + self.control_ahead(P, 1, traffic.control_bytes, True, at, start)] * P
         else:
             control = [send(losses_in, traffic.control_bytes, 0, worker(w)) for w in range(P)]
         buckets = len(traffic.ready[0]) if P else 0

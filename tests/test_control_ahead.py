@@ -57,7 +57,8 @@ def test_the_clock_charges_neither_losses_nor_control_when_the_control_went_ahea
     ahead = IterationTraffic(40, 64, frames_in, frames_out, ahead=True)
     assert (ahead.bytes_up, ahead.bytes_down) == (paper.bytes_up, paper.bytes_down)  # the bytes still cross
     exchange = link.gradients(frames_in, False) + link.broadcasts(2, frames_out, False)
-    assert link.comm_seconds(ahead) == pytest.approx(exchange)
+    # sent at the iteration's start, 50 ms of compute before the exchange: there long before
+    assert link.comm_seconds(ahead, start=0.05, sent=0.0) == pytest.approx(exchange)
     assert link.comm_seconds(paper) == pytest.approx(exchange + link.losses(2, 40) + link.control(2, 1, 64))
     again = IterationTraffic.from_totals(ahead.bytes_up, ahead.bytes_down, frames_in, frames_out, ahead=True)
     assert again == ahead
@@ -65,7 +66,8 @@ def test_the_clock_charges_neither_losses_nor_control_when_the_control_went_ahea
     piped = dict(loss_bytes=40, control_bytes=64, ready=((0.0,), (0.0,)),
                  frames=(((0, 500),), ((500, 0),)), bcast=((504,), (504,)))
     slow = LinkModel(bandwidth=1e6, latency=5e-3)
-    assert slow.pipelined(PipelinedTraffic(**piped, ahead=True)) < slow.pipelined(PipelinedTraffic(**piped)) - 5e-3
+    ahead_span = slow.pipelined(PipelinedTraffic(**piped, ahead=True), start=0.05, sent=0.0)
+    assert ahead_span < slow.pipelined(PipelinedTraffic(**piped), start=0.05) - 5e-3
 
 
 @pytest.mark.parametrize("options", [
@@ -150,3 +152,25 @@ def test_ahead_under_mpiexec_is_the_papers_run_less_the_round_trip_on_its_clock(
     assert main(["trace", "retime", str(traces["ahead"]), "--bandwidth", "10MB/s", "--latency", "1ms",
                  "-o", str(out)]) == 0
     np.testing.assert_allclose(load(out).steps["sim_time"], b.steps["sim_time"], rtol=1e-12)
+
+
+def test_a_control_slower_than_the_compute_holds_the_exchange_for_the_rest_of_its_way():
+    """Sent at the iteration's start, the Control is charged only for what of its way
+    outlasts the compute: nothing after 20 ms of compute, 5 ms after 1 ms of it."""
+    link = LinkModel(bandwidth=1e9, latency=3e-3)   # a star broadcast to 2 workers: 6 ms
+    frames_in, frames_out = ((1000, 1000),), (2008,)
+    ahead = IterationTraffic(40, 64, frames_in, frames_out, ahead=True)
+    exchange = link.gradients(frames_in, False) + link.broadcasts(2, frames_out, False)
+    transit = link.control(2, 1, 64)
+    assert link.comm_seconds(ahead, start=0.020, sent=0.0) == pytest.approx(exchange)
+    assert link.comm_seconds(ahead, start=0.001, sent=0.0) == pytest.approx(transit - 0.001 + exchange)
+    assert link.control_ahead(2, 1, 64, False, 0.0, 0.001) == pytest.approx(transit - 0.001)
+
+
+def test_a_checkpoint_from_before_control_is_resumed_by_a_paper_run():
+    from mpigrad.runtime import checkpoint
+
+    config = RunConfig(control="paper").to_dict()
+    before = {k: v for k, v in config.items() if k != "control"}   # written before the option
+    assert checkpoint.identity(config, 3) == checkpoint.identity(before, 3)
+    assert checkpoint.identity({**config, "control": "ahead"}, 3) != checkpoint.identity(before, 3)

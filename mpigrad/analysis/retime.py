@@ -87,7 +87,8 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     sim_time = np.empty(len(traffic))
     sim = 0.0
     for row, iteration_traffic in enumerate(traffic):
-        t_comm[row] = link.comm_seconds(iteration_traffic, comm_start(sim, compute_time, steps["t_compute"][row]))
+        t_comm[row] = link.comm_seconds(iteration_traffic, comm_start(sim, compute_time, steps["t_compute"][row]),
+                                        sent=sim)
         t_local = 0.0
         if local:
             bits = tuple(int(b) for b in steps["bits_layers"][row])

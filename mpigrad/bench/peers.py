@@ -585,8 +585,6 @@ def _first_steady(trace, warmup: int) -> int:
 
 def _breakdown(runs: dict[str, list[Path]], workers: int, args, out: Path, seeds, config) -> dict:
     """Print and return the ``--breakdown`` tables (:mod:`.breakdown`)."""
-    import shutil
-
     from ..config import parse_rate
     from ..trace import load
     from .breakdown import as_data, breakdown_row, phase_rows, print_breakdown, worker_compute
@@ -601,6 +599,10 @@ def _breakdown(runs: dict[str, list[Path]], workers: int, args, out: Path, seeds
         override = None
         if name == "mpigrad" and not traces[0].config.get("pipeline"):  # wall seconds, as DDP's
             override = [worker_compute(d, len(t.steps), worker_ranks) for d, t in zip(directories, traces)]
+            for seed, spans in zip(seeds, override):
+                if spans is None:
+                    print(f"mpigrad bench peers: the phase log of seed {seed} lacks iterations: its compute is "
+                          "the trace's t_compute (CPU seconds where each rank has one thread)", flush=True)
         rows.append(breakdown_row(traces[0].label, traces, first, workers, rate, override))
     phases = []
     if "mpigrad" in runs:

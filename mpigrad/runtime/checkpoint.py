@@ -41,8 +41,9 @@ class DamagedCheckpoint(ValueError):
 #: Options added since checkpoints were first written, left out of the identity at these
 #: values (their default, the behaviour before they existed): a checkpoint written before an
 #: option existed is resumed by a run that leaves it unset.
-#: (cost_model "none" is the clock of the configs written before --cost-model existed.)
-ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none"}
+#: (cost_model "none" is the clock of the configs written before --cost-model existed, control
+#: "paper" the protocol of those written before --control.)
+ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none", "control": "paper"}
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:

@@ -77,14 +77,17 @@ class IterationClock:
 
     # Each phase charged as it ends, in the order of LinkModel.comm_seconds, each from where
     # the previous one ended on the simulated clock (which only a network schedule reads).
-    def losses(self, nbytes: int, t_compute: float = 0.0, charged: bool = True) -> None:
+    def losses(self, nbytes: int, t_compute: float = 0.0, ahead: int | None = None) -> None:
         """``t_compute``: the iteration's compute so far (the slowest worker's), which the
-        first message follows; ``compute_time`` replaces it when set. ``charged`` False: the
-        Control went ahead (``control = "ahead"``), so no exchange waits for the losses,
-        which travel beside it (``LinkModel.comm_seconds``)."""
+        first message follows; ``compute_time`` replaces it when set. ``ahead``: the bytes
+        of a Control sent ahead at the iteration's start (``control = "ahead"``): the losses
+        travel beside the frames, and only what of the Control's way outlasts the compute is
+        charged (``LinkModel.comm_seconds``)."""
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_compute)
-        if not charged:
-            self.t_comm = self.phases["losses"] = self.phases["control"] = 0.0
+        if ahead is not None:
+            self.phases["losses"] = 0.0
+            self.t_comm = self.phases["control"] = self.link.charge(self.link.control_ahead(
+                self.workers, self.servers, ahead, self.colocated, self.clocks.sim, self.comm_start))
             return
         self.t_comm = self.phases["losses"] = self.link.charge(
             self.link.losses(self.workers, nbytes, self.comm_start, self.servers, self.colocated))
@@ -115,7 +118,7 @@ class IterationClock:
             traffic = dataclasses.replace(traffic, ready=tuple((0.0,) * len(ready) for ready in traffic.ready))
             t_backward = 0.0
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_forward)
-        span = self.link.pipelined(traffic, self.comm_start)
+        span = self.link.pipelined(traffic, self.comm_start, sent=self.clocks.sim)
         self.t_comm = self.phases["pipelined"] = self.link.charge(max(0.0, span - t_backward))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:

@@ -416,7 +416,8 @@ class ParameterServer:
         self.it["loss"] = float(np.mean([r.loss for r in reports]))
         if self.buckets is None:  # pipelined: the whole iteration is charged in ``reports``
             self.clock.losses(LossReport.NBYTES, max(self.clock.compute_seconds(r.compute_cpu, r.compute_wall)
-                                                     for r in reports), charged=not ahead)
+                                                     for r in reports),
+                              ahead=self.control_msg.buf.nbytes if ahead else None)
         if ahead:
             bits = self._decide(m)
             if bits != self.it["bits"]:
