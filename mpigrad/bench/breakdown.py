@@ -36,9 +36,10 @@ from typing import Sequence
 
 import numpy as np
 
+from ..runtime.iteration import PHASES
+
 #: The phases of one iteration in the order a phase log records their ends.
-PHASE_ORDER = ("start", "begin", "losses", "control", "gradients", "broadcast", "gradients2", "broadcast2",
-               "reports", "buffers", "end")
+PHASE_ORDER = ("start", "begin", *PHASES, "end")
 
 
 @dataclass

@@ -442,7 +442,6 @@ class ParameterServer:
     def _send_control(self, m: int, bits: list[int]) -> None:
         """The Control of iteration m: the command (stop, checkpoint), the factor plan
         (two-round codecs), broadcast to the world."""
-        bits = list(bits)
         last = m + 1 == self.config.iterations
         reserve = self.checkpoint_reserve + close_seconds(m + 1)
         self.it["stop_after"] = not last and self.stop.requested(self._mean_iteration_seconds(m), reserve)
