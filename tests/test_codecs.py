@@ -482,6 +482,38 @@ def test_uniform_and_qsgd_fixed_sizes(bits):
     assert get_codec({"id": "sign"}).encode(x).size == HEADER_SIZE + 4 + -(-n // 8)
 
 
+EXACT = {"fp32", "fp16", "uniform", "sign", "terngrad"}  # and qsgd with fixed codes
+
+
+@pytest.mark.parametrize("config", ACC_CONFIGS + [{"id": "mcgq"}], ids=ACC_IDS + ["mcgq"])
+def test_exact_size_codecs_fill_their_max_encoded_size_on_any_data(config):
+    """``exact_size`` lets every rank size a broadcast frame from the element count alone:
+    it must hold on every input (zeros, constants, sparse, huge range), and only where declared."""
+    codec = get_codec(config)
+    exact = config["id"] in EXACT or (config["id"] == "qsgd" and config.get("coding", "fixed") == "fixed")
+    assert codec.exact_size is exact
+    rng = np.random.default_rng(4)
+    sizes = set()
+    for n in (1, 7, 4097):
+        sparse = np.zeros(n, np.float32)
+        sparse[::97] = rng.standard_normal(sparse[::97].size)
+        for x in (np.zeros(n, np.float32), np.full(n, -2.5, np.float32), sparse,
+                  (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 4, n)).astype(np.float32)):
+            size = codec.encode(x).size
+            sizes.add(size == codec.max_encoded_size(n))
+            if exact:
+                assert size == codec.max_encoded_size(n), (n, size)
+    if not exact:
+        assert False in sizes  # the data sets the size: a length has to travel
+
+
+def test_a_codec_that_declares_exact_size_and_writes_less_is_caught():
+    elias = get_codec({"id": "qsgd", "coding": "elias"})
+    codec = type("Liar", (type(elias),), {"exact_size": True})(coding="elias")  # a wrong declaration
+    with pytest.raises(AssertionError, match="declares exact_size"):
+        codec.encode(np.zeros(100, np.float32))
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_config_round_trip_and_determinism(config):
     codec = get_codec(config)

@@ -279,6 +279,10 @@ class Codec(ABC):
     stochastic: ClassVar[bool] = False
     #: True for a codec whose layers the runtime exchanges in two rounds (``powersgd``).
     two_rounds: ClassVar[bool] = False
+    #: True when every ``encode`` of n elements is exactly ``max_encoded_size(n)`` bytes, so a
+    #: receiver can size a frame from the element count alone (the runtime then broadcasts it
+    #: in one message, not a length first); a codec whose size depends on the data says False.
+    exact_size: ClassVar[bool] = False
 
     def __init__(self, *, checksum: bool = False, seed: int = 0):
         self.seed = options.check_int("seed", seed, 0, 2**63 - 1, error=CodecError)
@@ -376,6 +380,9 @@ class Codec(ABC):
             header = Header(self.wire_id, *fields[:4], x.size, fields[4])
             if header.payload_len > payload.size:
                 raise AssertionError(f"{self.codec_id} wrote past its max_payload_size")
+            if self.exact_size and header.payload_len != payload.size:
+                raise AssertionError(f"{self.codec_id} declares exact_size but wrote {header.payload_len} "
+                                     f"payload bytes of {payload.size}")
         except CodecError:
             raise
         except Exception as exc:

@@ -10,6 +10,7 @@ from .kernels import fp as fp_kernels, half
 
 class _FloatCodec(Codec):
     dtype: np.dtype
+    exact_size = True
 
     def __init__(self, *, checksum: bool = False):
         super().__init__(checksum=checksum)

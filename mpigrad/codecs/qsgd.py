@@ -61,6 +61,10 @@ class QSGD(Codec):
             self.bits = code_bits(self.levels)
             self._given = "levels"
 
+    @property
+    def exact_size(self) -> bool:  # fixed-width codes; Elias's stream depends on the data
+        return self.coding == "fixed"
+
     def _config(self) -> dict[str, Any]:
         size = {"bits": self.bits} if self._given == "bits" else {"levels": self.levels}
         return {**size, "bucket_size": self.bucket_size, "norm": self.norm, "coding": self.coding}

@@ -24,6 +24,7 @@ class Sign(FusedCodec):
     """
 
     codec_id = "sign"
+    exact_size = True
     nominal_bits = 1
     wire_id = 6
 

@@ -29,6 +29,7 @@ class TernGrad(FusedCodec):
     """
 
     codec_id = "terngrad"
+    exact_size = True
     nominal_bits = 2
     wire_id = 5
     stochastic = True

@@ -31,6 +31,7 @@ class Uniform(FusedCodec):
     """
 
     codec_id = "uniform"
+    exact_size = True
     wire_id = 3
     accepts_bits = True
 

@@ -62,6 +62,13 @@ class GradientCompressor:
         return FrameHeader.capacity([self.codec_for(p, bits[p.layer]).max_encoded_size(p.size)
                                      for p in shard.pieces])
 
+    def exact_capacity(self, shard: Shard, bits: list[int]) -> int | None:
+        """The size of every frame ``encode`` makes of ``shard`` at ``bits`` when its codecs fix
+        it (``Codec.exact_size``), else None: what a receiver may size its buffer by."""
+        if all(self.codec_for(p, bits[p.layer]).exact_size for p in shard.pieces):
+            return self.capacity(shard, bits)
+        return None
+
     # ---- encode / decode ----------------------------------------------------------------
     def encode(self, grad: np.ndarray, bits: list[int], shard: Shard) -> np.ndarray:
         """The frame of ``shard``'s pieces of flat ``grad`` (bits per quantized layer): a view

@@ -205,6 +205,9 @@ class DeviceGradientCompressor:
     def capacity(self, shard: Shard, bits: list[int]) -> int:
         return self.host.capacity(shard, bits)
 
+    def exact_capacity(self, shard: Shard, bits: list[int]) -> int | None:
+        return self.host.exact_capacity(shard, bits)
+
     def _twin(self, codec):
         twin = self._twins.get(id(codec))
         if twin is None or twin.codec is not codec:

@@ -27,6 +27,7 @@ from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_
                     build_replica, build_shards, load_data, release_data)
 from .buffers import BufferSync, ParameterSync, sync_due
 from .checks import cost_model
+from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .clock import Clocks, IterationClock, IterationTraffic, PipelinedTraffic
 from .layout import pipeline_buckets
 from .environment import threads_per_rank
@@ -127,16 +128,21 @@ class ShardAggregator:
                 np.multiply(part, scale, out=part)
         if transform is not None:
             transform(self.grad_sum)
-        self.frame = self.compressor.encode(self.grad_sum, self._broadcast_bits(bits), shard)
+        self.frame = self.compressor.encode(self.grad_sum, self.broadcast_widths(bits), shard)
         self.frame_len[0] = self.frame.size
         return time.process_time() - start
 
-    def _broadcast_bits(self, bits: list[int]) -> list[int]:
-        return bits if self.broadcast_bits is None else [self.broadcast_bits] * len(bits)
+    def broadcast_widths(self, bits: list[int]) -> list[int]:
+        """The widths the broadcast re-encodes at, the iteration's ``bits`` given."""
+        return broadcast_widths(bits, self.broadcast_bits)
 
     def broadcast_capacity(self, bits: list[int], shard) -> int:
         """The largest frame ``encode`` can make of ``shard`` (or a part of it) at ``bits``."""
-        return self.compressor.capacity(shard, self._broadcast_bits(bits))
+        return self.compressor.capacity(shard, self.broadcast_widths(bits))
+
+    def broadcast_size(self, bits: list[int]) -> int | None:
+        """The size of this shard's frame at ``bits`` where its codecs fix it, else None."""
+        return self.compressor.exact_capacity(self.shard, self.broadcast_widths(bits))
 
     def energies(self, n_layers: int) -> list[float]:
         """||g||^2 of this shard's part of each quantized layer, g the average (after ``encode``)."""
@@ -242,8 +248,9 @@ class ShardServer(FollowerRole):
 
     def _broadcast(self, m: int, agg: ShardAggregator, transform=None) -> float:
         t_encode = agg.encode(self.bits, transform)
-        self.channel.broadcast([(agg.frame_len, self.rank)], _stalled(m))
-        self.channel.broadcast([(agg.frame, self.rank)], _stalled(m))
+        sizes = {self.rank: agg.broadcast_size(self.bits)}
+        broadcast_frames(self.channel, [self.rank], sizes, {self.rank: agg.frame_len}, {}, (self.rank, agg.frame),
+                         _stalled(m))
         self.bytes_out += agg.frame.size + FrameLength.NBYTES
         return t_encode
 
@@ -481,33 +488,35 @@ class ParameterServer:
             lowrank = self.lowrank
             t_encode, t_decode, frame_bytes = self._broadcast_round(
                 m, self.factor_aggregators[0], lowrank.orthogonalizer(lowrank.rounds[0][0]),
+                frame_sizes(lowrank.compressor1, lowrank.rounds[0], self.it["bits"]),
                 lambda s, frame: lowrank.compressor1.decode(frame, lowrank.rounds[0][s], lowrank.p_buf))
         else:
             t_encode, t_decode, frame_bytes = self._broadcast_round(
-                m, self.aggregator, None, lambda s, frame: self.compressor.decode(frame, self.shards[s], self.update))
+                m, self.aggregator, None,
+                frame_sizes(self.compressor, self.shards, self.aggregator.broadcast_widths(self.it["bits"])),
+                lambda s, frame: self.compressor.decode(frame, self.shards[s], self.update))
         self.it["t_encode"] = t_encode
         self.it["t_decode"] += t_decode
         self.it["frame_bytes"] = frame_bytes
 
-    def _broadcast_round(self, m: int, agg: ShardAggregator, transform, decode) -> tuple[float, float, list[int]]:
-        """Average and re-encode ``agg``'s shard, broadcast it with the other servers' shards,
+    def _broadcast_round(self, m: int, agg: ShardAggregator, transform, sizes: list[int | None],
+                         decode) -> tuple[float, float, list[int]]:
+        """Average and re-encode ``agg``'s shard, broadcast it with the other servers' shards
+        (``sizes``: each frame's where every rank computes it, ``broadcast.broadcast_frames``),
         and ``decode(s, frame)`` every shard's; return (encode s, decode s, each frame's bytes)."""
         t_encode = agg.encode(self.it["bits"], transform)
-        others = range(1, self.servers)
-        self.channel.broadcast([(agg.frame_len, 0)] + [(self.lengths[s], s) for s in others], _stalled(m))
-        for s in others:
-            if self.frames[s].size < int(self.lengths[s][0]):
-                self.frames[s] = np.empty(int(self.lengths[s][0]), np.uint8)
-        received = {s: self.frames[s][:int(self.lengths[s][0])] for s in others}
-        self.channel.broadcast([(agg.frame, 0)] + [(received[s], s) for s in others],
-                               lambda: self._broadcast_stalled(m))
+        try:
+            frames = broadcast_frames(self.channel, list(range(self.servers)), sizes, {0: agg.frame_len, **self.lengths},
+                                      self.frames, (0, agg.frame), lambda: self._broadcast_stalled(m))
+        except FrameError as exc:
+            raise TrainingError(f"bad broadcast at iteration {m}: {exc}") from None
         start = time.process_time()
-        for s, frame in [(0, agg.frame), *received.items()]:
+        for s, frame in frames.items():
             try:
                 decode(s, frame)
             except (CodecError, FrameError) as exc:
                 raise TrainingError(f"bad broadcast frame from server rank {s} at iteration {m}: {exc}") from None
-        return t_encode, time.process_time() - start, [agg.frame.size] + [received[s].size for s in others]
+        return t_encode, time.process_time() - start, [frame.size for frame in frames.values()]
 
     def gradients2(self, m: int) -> None:
         if self._two_rounds(m):  # round 2: the workers' Q_i, summed in rank order
@@ -519,7 +528,7 @@ class ParameterServer:
             return
         lowrank = self.lowrank
         t_encode, t_decode, frame_bytes = self._broadcast_round(
-            m, self.factor_aggregators[1], None,
+            m, self.factor_aggregators[1], None, frame_sizes(lowrank.compressor2, lowrank.rounds[1], self.it["bits"]),
             lambda s, frame: lowrank.compressor2.decode(frame, lowrank.rounds[1][s], lowrank.q_buf))
         start = time.process_time()
         lowrank.apply(self.update)  # P^ Q^T into rank 0's update, as every worker does

@@ -15,6 +15,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
 from ..policies import policy_class
+from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_replica, build_shards, load_data, release_data)
@@ -59,7 +60,8 @@ class Worker(FollowerRole):
         self.loss_buf = LossReport.buffer()
         self.control_msg = Control(len(self.replica.layout.quantized))
         self.lengths = [FrameLength.buffer() for _ in range(self.servers)]
-        self.frames = [np.empty(0, np.uint8) for _ in range(self.servers)]
+        self.frames = {s: np.empty(0, np.uint8) for s in range(self.servers)}
+        self.broadcast_bits = broadcast_codec(config)[1]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
         self.phase_log = PhaseLog.from_environment(self.rank, self.replica.device)  # MPIGRAD_PHASE_LOG
@@ -231,27 +233,24 @@ class Worker(FollowerRole):
                 m, self.aggregator, None, lambda s, frame: self.broadcast_decoder.decode(frame, self.shards[s], update))
             self.bytes_out = self.aggregator.frame.size + FrameLength.NBYTES
             return
-        views = self._receive_broadcast(describe)
         if self._two_rounds(m):  # round 1: P^ and the other layers' average
             lowrank = self.lowrank
+            views = self._receive_broadcast(describe, lowrank.compressor1, lowrank.rounds[0], self.control_msg.bits)
             for shard, view in zip(lowrank.rounds[0], views):
                 lowrank.compressor1.decode(view, shard, lowrank.p_buf)
             return
+        views = self._receive_broadcast(describe, self.broadcast_decoder, self.shards,
+                                        broadcast_widths(self.control_msg.bits, self.broadcast_bits))
         update = self.replica.codec_update
         for shard, view in zip(self.shards, views):
             self.broadcast_decoder.decode(view, shard, update)
 
-    def _receive_broadcast(self, describe) -> list[np.ndarray]:
-        """Every server's broadcast frame (its length first), as views of reused buffers."""
-        self.channel.broadcast([(self.lengths[s], s) for s in range(self.servers)], describe)
-        views = []
-        for s in range(self.servers):
-            size = int(self.lengths[s][0])
-            if self.frames[s].size < size:
-                self.frames[s] = np.empty(size, np.uint8)
-            views.append(self.frames[s][:size])
-        self.channel.broadcast([(view, s) for s, view in enumerate(views)], describe)
-        return views
+    def _receive_broadcast(self, describe, compressor, shards, bits: list[int]) -> list[np.ndarray]:
+        """Every server's broadcast frame of ``shards`` (encoded by ``compressor``'s codecs at
+        ``bits``), as views of reused buffers (``broadcast.broadcast_frames``)."""
+        frames = broadcast_frames(self.channel, list(range(self.servers)), frame_sizes(compressor, shards, bits),
+                                  dict(enumerate(self.lengths)), self.frames, None, describe)
+        return [frames[s] for s in range(self.servers)]
 
     def gradients2(self, m: int) -> None:
         if self._two_rounds(m):  # round 2: Q_i = M_i^T P^
@@ -270,7 +269,8 @@ class Worker(FollowerRole):
                 lambda s, frame: lowrank.compressor2.decode(frame, lowrank.rounds[1][s], lowrank.q_buf))
             self.bytes_out += self.factor_aggregators[1].frame.size + FrameLength.NBYTES
         else:  # the averaged Q from every server
-            views = self._receive_broadcast(lambda: f"the servers sent no second-round factors for iteration {m}")
+            views = self._receive_broadcast(lambda: f"the servers sent no second-round factors for iteration {m}",
+                                            lowrank.compressor2, lowrank.rounds[1], self.control_msg.bits)
             for shard, view in zip(lowrank.rounds[1], views):
                 lowrank.compressor2.decode(view, shard, lowrank.q_buf)
         start = time.process_time()

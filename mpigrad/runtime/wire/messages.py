@@ -16,7 +16,10 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     buffer per piece of shard s (see :mod:`mpigrad.runtime.layout`).
                     A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
 4. ``FrameLength``  server s -> its broadcast group (rank 0 and the workers), int64[1],
-   then the frame  the averaged, re-encoded gradient of shard s, same layout as 3.
+   and the frame   the averaged, re-encoded gradient of shard s, same layout as 3: one
+                    message of both where every rank computes the frame's size from the
+                    shard and the bits (``Codec.exact_size``), else the length first
+                    (``runtime/broadcast.py``).
                     Colocated servers: the frame alone, sent to each other worker, tag
                     BCAST (its size comes with the message).
 3b/4b. second round  ``--codec powersgd`` from its ``start`` iteration on (``runtime/lowrank.py``):
@@ -258,7 +261,8 @@ class ErrorReport:
 
 
 class FrameLength:
-    """Message 4a: int64[1], the byte length of the broadcast frame that follows."""
+    """Message 4a: int64[1], the byte length of the broadcast frame it announces (sent with
+    the frame in one message where the size is known to every rank, else before it)."""
 
     NBYTES = 8
 
