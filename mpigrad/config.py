@@ -90,6 +90,9 @@ class RunConfig:
     eval_samples: int | None = None
     progress_every: int = 10
     checksum_every: int = 50
+    #: Record norm_ratio every N iterations (0: never); the energies behind it are computed
+    #: only then (``norm_due``), other rows are NaN.
+    norm_every: int = 1
     timeout: float = 300.0
     device: str = "cpu"
     #: GPU ranks of a node may share its devices (round-robin); without it more GPU ranks
@@ -109,6 +112,10 @@ class RunConfig:
     #: from_sources; not an option, not in to_dict): ``check_options`` refuses one the run
     #: would not use (``--bits`` to a policy or codec without a width to set).
     given: ClassVar[frozenset[str]] = frozenset()
+
+    def norm_due(self, m: int) -> bool:
+        """Whether iteration m records ``norm_ratio`` (and computes the energies behind it)."""
+        return self.norm_every > 0 and m % self.norm_every == 0
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -263,6 +270,7 @@ class RunConfig:
             (self.eval_samples is None or self.eval_samples >= 1, "eval_samples must be >= 1"),
             (self.progress_every >= 0, "progress_every must be >= 0"),
             (self.checksum_every >= 0, "checksum_every must be >= 0"),
+            (self.norm_every >= 0, "norm_every must be >= 0 (0: never)"),
             (self.timeout > 0, "timeout must be positive"),
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
             (self.tf32 in TF32, f"tf32 must be one of {', '.join(TF32)}"),

@@ -283,3 +283,35 @@ def test_stop_and_resume_carry_the_batchnorm_statistics(tmp_path):
     a, b = straight_and_resumed(tmp_path, 1, **options)
     np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
     np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])
+
+
+@pytest.mark.parametrize("servers", [1, 2, "colocated"])
+def test_norm_every_computes_the_energies_only_on_its_iterations_and_changes_nothing_else(tmp_path, monkeypatch,
+                                                                                         servers):
+    from mpigrad.runtime.server import ShardAggregator
+
+    calls = []
+    for name in ("energies", "update_energies"):
+        original = getattr(ShardAggregator, name)
+        monkeypatch.setattr(ShardAggregator, name,
+                            lambda self, *a, _original=original, _name=name: calls.append(_name) or _original(self, *a))
+    code, errors, every = run(tmp_path, servers=servers, name="every.h5", policy="fixed", bits=3)
+    assert code == 0 and not errors, errors
+    assert calls
+    calls.clear()
+    code, errors, third = run(tmp_path, servers=servers, name="third.h5", policy="fixed", bits=3, norm_every=3)
+    assert code == 0 and not errors, errors
+    with_calls = len(calls)
+    calls.clear()
+    code, errors, never = run(tmp_path, servers=servers, name="never.h5", policy="fixed", bits=3, norm_every=0)
+    assert code == 0 and not errors, errors
+    assert calls == [] and with_calls > 0
+    every, third, never = load(every.trace), load(third.trace), load(never.trace)
+    ratios = third.steps.filter(like="norm_ratio").to_numpy()
+    due = third.steps["iteration"].to_numpy() % 3 == 0
+    np.testing.assert_array_equal(ratios[due], every.steps.filter(like="norm_ratio").to_numpy()[due])
+    assert ratios.shape[1] == 3 and np.isfinite(ratios[due]).all() and np.isnan(ratios[~due]).all()
+    assert np.isnan(never.steps.filter(like="norm_ratio").to_numpy()).all()
+    for other in (third, never):
+        for column in ("loss", "bits", "bytes_up", "bytes_down", "sim_time"):
+            np.testing.assert_array_equal(other.steps[column], every.steps[column])

@@ -21,7 +21,7 @@ __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_la
 
 #: Keys that say how a run was run or written, not what was trained: never a difference.
 BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
-                         "timeout", "walltime", "threads", "device", "checksum_every", "label",
+                         "timeout", "walltime", "threads", "device", "checksum_every", "norm_every", "label",
                          "eval_every", "eval_samples", "modelled"})
 #: Keys the method label already expresses (or that only come with a method).
 _METHOD_PREFIXES = ("codec", "policy", "bits", "peer")

@@ -30,7 +30,7 @@ _MAGIC = b"MPIGRADC"
 _HEAD = struct.Struct("<8sHQI")  # magic, format, payload length, payload CRC-32
 # Options that may differ between the run that wrote a checkpoint and the one resuming it.
 MAY_CHANGE = {"iterations", "trace_flush", "eval_every", "eval_samples", "progress_every",
-              "checksum_every", "timeout", "walltime", "resume", "force", "threads", "device",
+              "checksum_every", "norm_every", "timeout", "walltime", "resume", "force", "threads", "device",
               "checkpoint", "checkpoint_every", "trace", "data_dir"}
 
 

@@ -127,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-flush", type=int, help=f"flush the trace every N iterations (default {d.trace_flush})")
     g.add_argument("--progress-every", type=int, help=f"progress line every N iterations, 0 = never (default {d.progress_every})")
     g.add_argument("--checksum-every", type=int, help=f"compare parameter checksums every N iterations (default {d.checksum_every})")
+    g.add_argument("--norm-every", type=int,
+                   help="record the trace's norm_ratio every N iterations, 0 = never; the passes over the gradient "
+                        f"behind it run only then, the other rows are NaN (default {d.norm_every})")
     g = parser.add_argument_group("robustness")
     g.add_argument("--timeout", help=f"seconds to wait for a rank before aborting (default {d.timeout:g})")
     g.add_argument("--walltime", help="stop, checkpoint and exit 75 before this much time has passed, e.g. 2h")

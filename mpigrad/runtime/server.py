@@ -278,7 +278,7 @@ class ShardServer(FollowerRole):
             self.fault.before_send(m, 0.0, None)
         agg = self.aggregator
         layers = max(self.n_layers, 1)
-        energies = agg.energies(layers) if self.one_round else [0.0] * layers
+        energies = agg.energies(layers) if self.one_round and self.config.norm_due(m) else [0.0] * layers
         ServerReport(self.bytes_out, self.t_decode, self.t_encode, self.worker_encode,
                      self.sizes, energies, [0.0] * layers).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT,
@@ -548,8 +548,9 @@ class ParameterServer:
                                         [a + b for a, b in zip(self.it["sizes"], sizes2)], [0.0] * layers,
                                         [0.0] * layers))
         elif self.aggregator is not None:
+            energies = self.aggregator.energies(layers) if self.config.norm_due(m) else [0.0] * layers
             reports.append(ServerReport(0, self.it["t_decode"], self.it["t_encode"], self.it["worker_encode"],
-                                        self.it["sizes"], self.aggregator.energies(layers), [0.0] * layers))
+                                        self.it["sizes"], energies, [0.0] * layers))
         if self.remote_shards:
             ranks = [self.server_of[s] for s in self.remote_shards]
             self.channel.recv(list(zip(self.report_rows, ranks)), TAG_REPORT,
@@ -661,7 +662,7 @@ class ParameterServer:
             server_bytes_out=frames_down,
             server_frame_bytes=[list(s.sizes) for s in servers],
             server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
-            norm_ratio=self._norm_ratio(servers),
+            norm_ratio=self._norm_ratio(servers) if self.config.norm_due(m) else [math.nan] * max(self.n_layers, 1),
             checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings,
             control_ahead=it["ahead"] if self.config.control == "ahead" else None)
         self.bytes_total += record.bytes_up + record.bytes_down

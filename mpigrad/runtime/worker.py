@@ -310,7 +310,7 @@ class Worker(FollowerRole):
     def _server_reports(self, m: int) -> None:
         """Serving a shard (colocated): its ServerReport, backward report and average to rank 0."""
         agg, layers = self.aggregator, max(self.n_layers, 1)
-        if self._two_rounds(m):  # no ||g|| on a server of factors: norm_ratio NaN
+        if self._two_rounds(m) or not self.config.norm_due(m):  # no ||g|| on a server of factors: norm_ratio NaN
             energies = update_energies = [0.0] * layers
         else:
             energies, update_energies = agg.energies(layers), agg.update_energies(self.replica.codec_update, layers)

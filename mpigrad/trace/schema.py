@@ -82,7 +82,8 @@ def step_columns(extra: Columns | None = None) -> dict[str, tuple[str, tuple[int
 def layer_step_columns(layers: int, settings: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The run's per-layer steps columns (index i: quantized layer i): the bits each layer
     was quantized with and ``norm_ratio``, ||Q(g)|| / ||g|| of the broadcast update (g the
-    workers' average, Q(g) the decoded broadcast; NaN where g = 0). ``settings`` (PowerSGD
+    workers' average, Q(g) the decoded broadcast; NaN where g = 0, and on the iterations
+    ``--norm-every`` skips). ``settings`` (PowerSGD
     with ``ranks``/``widths``; traces before it have no such column): ``setting_layers``,
     each low-rank layer's setting code (r > 0 rank r, -b the whole layer at b bits;
     ``mpigrad.codecs.powersgd.setting_of``); ``bits_layers`` then holds the width its
