@@ -1,18 +1,14 @@
-"""The servers' broadcast (runtime/broadcast.py): one message per frame where every rank knows
-its size, the length first where the data sets it; the MPI channel's messages of several
-arrays under a real mpiexec. The bytes and results are those of the two-message protocol:
-tests/test_reference_traces.py replays runs recorded before, bit for bit."""
+"""The servers' broadcast (runtime/broadcast.py): one message per frame (its length, then the
+frame, in one buffer) where every rank knows its size, the length first where the data sets
+it. The bytes and results are those of the two-message protocol: tests/test_reference_traces.py
+replays runs recorded before bit for bit, under mpiexec, as do the two-server tests of
+tests/test_train_mpi.py and (MPICH and Open MPI) tests/test_checkpoint_mpi.py."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import mpiexec
 from mpigrad.runtime.broadcast import broadcast_frames
 from mpigrad.runtime.wire import FrameError, FrameLength
 from mpigrad.runtime.wire.loopback import LoopbackChannel
@@ -21,15 +17,22 @@ from test_runtime_loopback import run
 
 
 def _record_broadcasts(monkeypatch) -> dict[int, list]:
-    """Every rank's broadcast calls, each as the kinds of its items ("parts", "length", "frame")."""
+    """Every rank's broadcast calls, each as the kinds of its items: "length" (int64[1]),
+    "message" (a length and the frame it announces, in one buffer), "frame" (uint8)."""
     calls: dict[int, list] = {}
     original = LoopbackChannel.broadcast
 
+    def kind(buf):
+        if buf.dtype == np.int64 and buf.size == 1:
+            return "length"
+        if buf.dtype != np.uint8:
+            return "other"
+        return "message" if buf.size > 8 and buf[:8].view(np.int64)[0] == buf.size - 8 else "frame"
+
     def broadcast(self, items, describe):
-        kinds = ["parts" if isinstance(buf, tuple) else "length" if buf.dtype == np.int64 and buf.size == 1
-                 else "frame" if buf.dtype == np.uint8 else "other" for buf, _ in items]
-        calls.setdefault(self.rank, []).append(kinds)
-        return original(self, items, describe)
+        result = original(self, items, describe)
+        calls.setdefault(self.rank, []).append([kind(buf) for buf, _ in items])  # as received
+        return result
 
     monkeypatch.setattr(LoopbackChannel, "broadcast", broadcast)
     return calls
@@ -37,8 +40,8 @@ def _record_broadcasts(monkeypatch) -> dict[int, list]:
 
 @pytest.mark.parametrize("codec, options, per_iteration", [
     # Fixed-width codes: each server's length and frame in one message, one call per iteration.
-    ("uniform", {"policy": "fixed", "bits": 3}, [["parts", "parts"]]),
-    ("fp32", {"policy": "fixed"}, [["parts", "parts"]]),
+    ("uniform", {"policy": "fixed", "bits": 3}, [["message", "message"]]),
+    ("fp32", {"policy": "fixed"}, [["message", "message"]]),
     # Elias's stream: the lengths first, then the frames.
     ("qsgd", {"policy": "fixed", "bits": 4, "codec_opts": {"coding": "elias"}}, [["length", "length"], ["frame", "frame"]]),
 ])
@@ -60,44 +63,36 @@ def test_a_powersgd_worker_takes_each_round_in_one_message(tmp_path, monkeypatch
                                codec_opts={"rank": 2, "start": 2})
     assert code == 0 and not errors, errors
     worker = [kinds for kinds in calls[2] if kinds != ["other"]]
-    assert worker == [["parts", "parts"]] * (2 + 2 * (config.iterations - 2))  # fp32 rounds, then P and Q
+    assert worker == [["message", "message"]] * (2 + 2 * (config.iterations - 2))  # fp32 rounds, then P and Q
 
 
 class _Wire:
     """A channel stand-in that delivers ``lengths`` into the length part of each message."""
 
-    def __init__(self, lengths):
-        self.lengths, self.calls = lengths, []
+    def __init__(self, lengths, known=()):
+        self.lengths, self.known, self.calls = lengths, set(known), []
 
     def broadcast(self, items, describe):
         self.calls.append(items)
         for buf, s in items:
-            if isinstance(buf, tuple):
-                buf[0][0] = self.lengths[s]
-            elif buf.dtype == np.int64:
+            if buf.dtype == np.int64:
                 buf[0] = self.lengths[s]
+            elif buf.size == 8 + self.lengths[s] or s in self.known:  # a message: its length first
+                buf[:8].view(np.int64)[0] = self.lengths[s]
 
 
 def test_a_length_that_differs_from_the_computed_size_is_a_frame_error():
     lengths = {0: FrameLength.buffer(), 1: FrameLength.buffer()}
     buffers = {0: np.empty(0, np.uint8), 1: np.empty(0, np.uint8)}
-    frames = broadcast_frames(_Wire({0: 100, 1: 60}), [0, 1], [100, None], lengths, buffers, None, lambda: "")
+    frames = broadcast_frames(_Wire({0: 100, 1: 60}, known=[0]), [0, 1], [100, None], lengths, buffers, None,
+                              lambda: "")
     assert [f.size for f in frames.values()] == [100, 60]  # server 1's size came first
     with pytest.raises(FrameError, match="server 0 announced a broadcast frame of 99 bytes where its codecs fix 100"):
-        broadcast_frames(_Wire({0: 99, 1: 60}), [0, 1], [100, None], lengths, buffers, None, lambda: "")
+        broadcast_frames(_Wire({0: 99, 1: 60}, known=[0]), [0, 1], [100, None], lengths, buffers, None, lambda: "")
 
 
 def test_a_server_whose_frame_is_not_the_size_its_codecs_fix_stops_before_sending():
     wire = _Wire({})
     with pytest.raises(FrameError, match="server 1 encoded a frame of 10 bytes where its codecs fix 12"):
-        broadcast_frames(wire, [1], {1: 12}, {1: FrameLength.buffer()}, {}, (1, np.zeros(10, np.uint8)), lambda: "")
+        broadcast_frames(wire, [1], {1: 12}, {1: FrameLength.buffer()}, {}, (1, np.zeros(8 + 10, np.uint8)), lambda: "")
     assert wire.calls == []
-
-
-@pytest.mark.each_mpi
-def test_mpi_broadcasts_a_message_of_several_arrays_in_place(mpi_env):
-    script = os.path.join(os.path.dirname(__file__), "broadcast_parts.py")
-    result = subprocess.run(mpiexec(4, [sys.executable, script]), env=mpi_env, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert sorted(result.stdout.split("\n"))[1:] == [f"rank {r}: OK" for r in range(4)], result.stdout

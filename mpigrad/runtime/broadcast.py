@@ -2,11 +2,12 @@
 as the frames' sizes allow.
 
 A frame whose size every rank computes from the shard and the bits alone (its codecs'
-``Codec.exact_size``) goes as one message: its ``FrameLength`` and the frame, two buffers
-sent and received in place. The length still travels, so the bytes on the wire are those of
-the two-message protocol, and every receiver checks it against the size it computed. A frame
-whose size depends on the data (Elias, MCGQ) is announced first: all such lengths in one
-round of broadcasts, then every frame in the next.
+``Codec.exact_size``) goes as one message: its ``FrameLength`` and the frame, back to back
+in one buffer (the server encodes the frame after 8 bytes of room: no copy). The length
+still travels, so the bytes on the wire are those of the two-message protocol, and every
+receiver checks it against the size it computed. A frame whose size depends on the data
+(Elias, MCGQ) is announced first: all such lengths in one round of broadcasts, then every
+frame in the next.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .wire import Channel, FrameError
+from .wire import Channel, FrameError, FrameLength
 
 
 def broadcast_widths(bits: list[int], fixed: int | None) -> list[int]:
@@ -29,34 +30,38 @@ def frame_sizes(compressor, shards, bits: list[int]) -> list[int | None]:
     return [compressor.exact_capacity(shard, bits) for shard in shards]
 
 
-def broadcast_frames(channel: Channel, groups: list[int], sizes: list[int | None],
-                     lengths: dict[int, np.ndarray], buffers: dict[int, np.ndarray],
-                     own: tuple[int, np.ndarray] | None, describe: Callable[[], str]) -> dict[int, np.ndarray]:
+def broadcast_frames(channel: Channel, groups: list[int], sizes, lengths: dict[int, np.ndarray],
+                     buffers: dict[int, np.ndarray], own: tuple[int, np.ndarray] | None,
+                     describe: Callable[[], str]) -> dict[int, np.ndarray]:
     """Take part in the broadcast of server s's frame for each s in ``groups`` (group s, its
     root server s); return every frame by s, received ones as views of ``buffers[s]`` (grown
-    as needed). ``own``: (s, frame) where this rank is server s, its ``lengths[s]`` holding
-    the frame's size. ``sizes[s]``: the size every rank computed, or None (sent first).
+    as needed). ``own``: (s, message) where this rank is server s, the message its
+    ``FrameLength`` then its frame, ``lengths[s]`` holding the frame's size too.
+    ``sizes[s]``: the frame size every rank computed, or None (its length is sent first).
     FrameError where a length that came differs from the computed one."""
-    if own is not None and sizes[own[0]] is not None and own[1].size != sizes[own[0]]:
-        raise FrameError(f"server {own[0]} encoded a frame of {own[1].size} bytes where its codecs fix "
+    head = FrameLength.NBYTES
+    if own is not None and sizes[own[0]] is not None and own[1].size != head + sizes[own[0]]:
+        raise FrameError(f"server {own[0]} encoded a frame of {own[1].size - head} bytes where its codecs fix "
                          f"{sizes[own[0]]}")
     announced = [s for s in groups if sizes[s] is None]
     if announced:
         channel.broadcast([(lengths[s], s) for s in announced], describe)
-    frames, items = {}, []
+    messages, items = {}, []
     for s in groups:
         if own is not None and s == own[0]:
-            frame = own[1]
+            message = own[1]
         else:
-            size = int(lengths[s][0]) if sizes[s] is None else sizes[s]
+            size = head + (int(lengths[s][0]) if sizes[s] is None else sizes[s])
             if buffers[s].size < size:
                 buffers[s] = np.empty(size, np.uint8)
-            frame = buffers[s][:size]
-        frames[s] = frame
-        items.append(((frame,) if sizes[s] is None else (lengths[s], frame), s))
-    channel.broadcast([(parts[0] if len(parts) == 1 else parts, s) for parts, s in items], describe)
+            message = buffers[s][:size]
+        messages[s] = message
+        items.append((message if sizes[s] is not None else message[head:], s))
+    channel.broadcast(items, describe)
     for s in groups:
-        if sizes[s] is not None and int(lengths[s][0]) != sizes[s]:
-            raise FrameError(f"server {s} announced a broadcast frame of {int(lengths[s][0])} bytes where "
-                             f"its codecs fix {sizes[s]}")
-    return frames
+        if sizes[s] is None:
+            continue
+        length = int(messages[s][:head].view(np.int64)[0])
+        if length != sizes[s]:
+            raise FrameError(f"server {s} announced a broadcast frame of {length} bytes where its codecs fix {sizes[s]}")
+    return {s: message[head:] for s, message in messages.items()}

@@ -70,14 +70,20 @@ class GradientCompressor:
         return None
 
     # ---- encode / decode ----------------------------------------------------------------
-    def encode(self, grad: np.ndarray, bits: list[int], shard: Shard) -> np.ndarray:
+    def encode(self, grad: np.ndarray, bits: list[int], shard: Shard, out: np.ndarray | None = None) -> np.ndarray:
         """The frame of ``shard``'s pieces of flat ``grad`` (bits per quantized layer): a view
-        into a buffer reused per shard (and bucket), valid until the next encode of that shard."""
+        into a buffer reused per shard (and bucket), valid until the next encode of that shard;
+        or into ``out`` (uint8, at least ``capacity`` bytes) when given."""
         capacity = self.capacity(shard, bits)
-        key = (shard.server, shard.bucket)  # a bucket's frame stays valid while the next is encoded
-        frame = self._frames.get(key)
-        if frame is None or frame.size < capacity:
-            frame = self._frames[key] = np.empty(capacity, np.uint8)
+        if out is not None:
+            if out.size < capacity:
+                raise ValueError(f"out= holds {out.size} bytes, the frame may need {capacity}")
+            frame = out
+        else:
+            key = (shard.server, shard.bucket)  # a bucket's frame stays valid while the next is encoded
+            frame = self._frames.get(key)
+            if frame is None or frame.size < capacity:
+                frame = self._frames[key] = np.empty(capacity, np.uint8)
         pos = FrameHeader.size(len(shard.pieces))
         lengths = []
         for piece in shard.pieces:

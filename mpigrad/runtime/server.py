@@ -70,6 +70,10 @@ class ShardAggregator:
         self.average = np.empty(sum(piece.size for piece in self.quantized), np.float32)
         self.recv_buffers = {rank: np.empty(0, np.uint8) for rank in self.workers}
         self.frame_len = FrameLength.buffer()
+        #: After a whole-shard ``encode``: the broadcast's message, ``FrameLength`` then the
+        #: frame (``self.frame`` is its tail), in one buffer reused per iteration.
+        self._message = np.empty(0, np.uint8)
+        self.message = self._message
         self.frame: np.ndarray | None = None
 
     def aggregate(self, m: int, local: tuple[int, np.ndarray] | None = None,
@@ -118,7 +122,8 @@ class ShardAggregator:
         (PowerSGD's orthogonalisation of P). ``shard``: a part of this shard (a pipelined
         bucket's) to average and encode alone; by default the whole shard."""
         start = time.process_time()
-        shard = self.shard if shard is None else shard
+        whole = shard is None
+        shard = self.shard if whole else shard
         scale = np.float32(1.0 / len(self.workers))
         for piece in shard.pieces:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
@@ -128,7 +133,16 @@ class ShardAggregator:
                 np.multiply(part, scale, out=part)
         if transform is not None:
             transform(self.grad_sum)
-        self.frame = self.compressor.encode(self.grad_sum, self.broadcast_widths(bits), shard)
+        widths = self.broadcast_widths(bits)
+        if whole:  # into the broadcast's message: FrameLength, then the frame
+            capacity = FrameLength.NBYTES + self.compressor.capacity(shard, widths)
+            if self._message.size < capacity:
+                self._message = np.empty(capacity, np.uint8)
+            self.frame = self.compressor.encode(self.grad_sum, widths, shard, out=self._message[FrameLength.NBYTES:])
+            self.message = self._message[:FrameLength.NBYTES + self.frame.size]
+            self.message[:FrameLength.NBYTES].view(np.int64)[0] = self.frame.size
+        else:  # a pipelined bucket's, in the compressor's buffer of that bucket
+            self.frame = self.compressor.encode(self.grad_sum, widths, shard)
         self.frame_len[0] = self.frame.size
         return time.process_time() - start
 
@@ -249,7 +263,7 @@ class ShardServer(FollowerRole):
     def _broadcast(self, m: int, agg: ShardAggregator, transform=None) -> float:
         t_encode = agg.encode(self.bits, transform)
         sizes = {self.rank: agg.broadcast_size(self.bits)}
-        broadcast_frames(self.channel, [self.rank], sizes, {self.rank: agg.frame_len}, {}, (self.rank, agg.frame),
+        broadcast_frames(self.channel, [self.rank], sizes, {self.rank: agg.frame_len}, {}, (self.rank, agg.message),
                          _stalled(m))
         self.bytes_out += agg.frame.size + FrameLength.NBYTES
         return t_encode
@@ -507,7 +521,7 @@ class ParameterServer:
         t_encode = agg.encode(self.it["bits"], transform)
         try:
             frames = broadcast_frames(self.channel, list(range(self.servers)), sizes, {0: agg.frame_len, **self.lengths},
-                                      self.frames, (0, agg.frame), lambda: self._broadcast_stalled(m))
+                                      self.frames, (0, agg.message), lambda: self._broadcast_stalled(m))
         except FrameError as exc:
             raise TrainingError(f"bad broadcast at iteration {m}: {exc}") from None
         start = time.process_time()

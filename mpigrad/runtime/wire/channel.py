@@ -177,9 +177,7 @@ class Channel(ABC):
     @abstractmethod
     def broadcast(self, items: list[tuple[np.ndarray, Any]], describe: Callable[[], str]) -> None:
         """Take part in the broadcast of each ``(buffer, group)`` (all posted, then all
-        awaited): the group's root sends its buffer, members receive into theirs. A buffer
-        may be a tuple of arrays: one message of their bytes back to back, sent and received
-        in place (a length and the frame it announces, say)."""
+        awaited): the group's root sends its buffer, members receive into theirs."""
 
     @abstractmethod
     def has_message(self, source: int, tag: int) -> bool:

@@ -124,23 +124,12 @@ class LoopbackChannel(Channel):
         for buf, group in items:
             members = self.members(group)
             if members[0] == self.rank:
-                message = np.concatenate([part.view(np.uint8).ravel() for part in buf]) if isinstance(buf, tuple) \
-                    else np.array(buf, copy=True)
                 for member in members[1:]:
-                    self.net.boxes[member].put((self.rank, ("bcast", group)), message)
+                    self.net.boxes[member].put((self.rank, ("bcast", group)), np.array(buf, copy=True))
         for buf, group in items:
             root = self.members(group)[0]
-            if root == self.rank:
-                continue
-            if not isinstance(buf, tuple):
+            if root != self.rank:
                 self._recv_into(buf, root, ("bcast", group), describe)
-                continue
-            message = np.empty(sum(part.nbytes for part in buf), np.uint8)
-            self._recv_into(message, root, ("bcast", group), describe)
-            offset = 0
-            for part in buf:
-                part.view(np.uint8).ravel()[...] = message[offset:offset + part.nbytes]
-                offset += part.nbytes
 
     def gather_object(self, obj, what="set-up data"):
         if self.rank:

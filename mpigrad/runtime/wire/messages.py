@@ -17,9 +17,9 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
 4. ``FrameLength``  server s -> its broadcast group (rank 0 and the workers), int64[1],
    and the frame   the averaged, re-encoded gradient of shard s, same layout as 3: one
-                    message of both where every rank computes the frame's size from the
-                    shard and the bits (``Codec.exact_size``), else the length first
-                    (``runtime/broadcast.py``).
+                    message of both, back to back in one buffer, where every rank computes
+                    the frame's size from the shard and the bits (``Codec.exact_size``),
+                    else the length first (``runtime/broadcast.py``).
                     Colocated servers: the frame alone, sent to each other worker, tag
                     BCAST (its size comes with the message).
 3b/4b. second round  ``--codec powersgd`` from its ``start`` iteration on (``runtime/lowrank.py``):

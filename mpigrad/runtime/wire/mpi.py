@@ -181,20 +181,9 @@ class MpiChannel(Channel):
         return bool(self.comm.Iprobe(source=source, tag=tag))
 
     def broadcast(self, items, describe) -> None:
-        types = []
-        requests = []
-        for buf, group in items:
-            if isinstance(buf, tuple):  # one message of several arrays, in place: a struct of bytes
-                types.append(MPI.BYTE.Create_struct([part.nbytes for part in buf], [MPI.Get_address(part) for part in buf],
-                                                    [MPI.BYTE] * len(buf)).Commit())
-                buf = [MPI.BOTTOM, 1, types[-1]]
-            requests.append(self._groups[group].Ibcast(buf, root=0))
-        try:
-            self.wait_cpu_seconds += _wait_all(requests, [group for _, group in items], self.timeout,
-                                               lambda pending: describe(), self._poll)
-        finally:
-            for datatype in types:
-                datatype.Free()
+        requests = [self._groups[group].Ibcast(buf, root=0) for buf, group in items]
+        self.wait_cpu_seconds += _wait_all(requests, [group for _, group in items], self.timeout,
+                                           lambda pending: describe(), self._poll)
 
     # The set-up and checkpoint plane: pickled objects as point-to-point byte messages (tag
     # OBJECT), so that every wait sleep-polls, times out and names the ranks it still waits
