@@ -70,8 +70,10 @@ class ShardAggregator:
         self.average = np.empty(sum(piece.size for piece in self.quantized), np.float32)
         self.recv_buffers = {rank: np.empty(0, np.uint8) for rank in self.workers}
         self.frame_len = FrameLength.buffer()
-        #: After a whole-shard ``encode``: the broadcast's message, ``FrameLength`` then the
-        #: frame (``self.frame`` is its tail), in one buffer reused per iteration.
+        #: A server that broadcasts to its group (rank 0, ``ShardServer``; colocated workers
+        #: send point to point): after a whole-shard ``encode``, the broadcast's message,
+        #: ``FrameLength`` then the frame (``self.frame`` is its tail), one buffer reused.
+        self.broadcasts = not channel.colocated
         self._message = np.empty(0, np.uint8)
         self.message = self._message
         self.frame: np.ndarray | None = None
@@ -122,8 +124,8 @@ class ShardAggregator:
         (PowerSGD's orthogonalisation of P). ``shard``: a part of this shard (a pipelined
         bucket's) to average and encode alone; by default the whole shard."""
         start = time.process_time()
-        whole = shard is None
-        shard = self.shard if whole else shard
+        into_message = shard is None and self.broadcasts
+        shard = self.shard if shard is None else shard
         scale = np.float32(1.0 / len(self.workers))
         for piece in shard.pieces:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
@@ -134,14 +136,14 @@ class ShardAggregator:
         if transform is not None:
             transform(self.grad_sum)
         widths = self.broadcast_widths(bits)
-        if whole:  # into the broadcast's message: FrameLength, then the frame
+        if into_message:  # FrameLength, then the frame
             capacity = FrameLength.NBYTES + self.compressor.capacity(shard, widths)
             if self._message.size < capacity:
                 self._message = np.empty(capacity, np.uint8)
             self.frame = self.compressor.encode(self.grad_sum, widths, shard, out=self._message[FrameLength.NBYTES:])
             self.message = self._message[:FrameLength.NBYTES + self.frame.size]
             self.message[:FrameLength.NBYTES].view(np.int64)[0] = self.frame.size
-        else:  # a pipelined bucket's, in the compressor's buffer of that bucket
+        else:  # in the compressor's buffer of this shard (or pipelined bucket)
             self.frame = self.compressor.encode(self.grad_sum, widths, shard)
         self.frame_len[0] = self.frame.size
         return time.process_time() - start
