@@ -558,7 +558,7 @@ class IterationTraffic:
 
     ``loss_bytes``: one worker's loss report; ``control_bytes``: one copy of the Control;
     ``frames_in[s][w]``: worker w's gradient frame to server s; ``frames_out[s]``: one copy
-    of server s's broadcast, its length message included; ``colocated``: worker w serves
+    of server s's broadcast, its 8-byte length included; ``colocated``: worker w serves
     shard w (its frame to it and its broadcast to itself cross no link, rank 0 gets none).
     ``frames_in2``/``frames_out2``: a two-round codec's second round (PowerSGD's Q factors),
     laid out as the first; empty for one round. The byte totals count both rounds.

@@ -38,7 +38,9 @@ def broadcast_frames(channel: Channel, groups: list[int], sizes, lengths: dict[i
     as needed). ``own``: (s, message) where this rank is server s, the message its
     ``FrameLength`` then its frame, ``lengths[s]`` holding the frame's size too.
     ``sizes[s]``: the frame size every rank computed, or None (its length is sent first).
-    FrameError where a length that came differs from the computed one."""
+    FrameError where this server's frame is not the size its codecs fix (before anything is
+    sent: the check that matters, since under MPI a receiver whose size differs fails in the
+    broadcast itself), or where a length that came differs from the computed one."""
     head = FrameLength.NBYTES
     if own is not None and sizes[own[0]] is not None and own[1].size != head + sizes[own[0]]:
         raise FrameError(f"server {own[0]} encoded a frame of {own[1].size - head} bytes where its codecs fix "

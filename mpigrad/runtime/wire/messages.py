@@ -28,8 +28,8 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     average P^ down, then the other layers' float32 piece. Then round 2:
                     worker -> server s, tag FACTORS, a gradient frame of one float32 buffer
                     per low-rank layer of shard s, Q_i = M_i^T P^ (m x r); server s -> its
-                    broadcast group, ``FrameLength`` then the frame of the averaged Q (same
-                    layout); colocated servers: to each other worker, tag BCAST, as 4. A
+                    broadcast group, ``FrameLength`` and the frame of the averaged Q, one
+                    message as 4 (same layout); colocated servers: to each other worker, tag BCAST, as 4. A
                     ``ServerReport``'s frame bytes and bytes broadcast are then both rounds' sums.
 5. ``ServerReport`` server s (not rank 0) -> rank 0, tag REPORT, float64[4 + P + 2L]
                     (bytes broadcast, decode CPU s, encode CPU s, the slowest worker's encode
