@@ -127,3 +127,29 @@ def test_checkpoint_state_round_trips():
     g = torch.from_numpy(gradient(4)).to(DEVICE)
     for shard in shards:
         assert np.array_equal(other.encode(g, [3, 3], shard).copy(), device.encode(g, [3, 3], shard))
+
+
+def test_a_gpu_run_without_a_working_numba_cuda_is_refused_not_run_on_the_host(monkeypatch):
+    """Every codec has kernels but numba-cuda fails: one line naming the extra and the way
+    to the host path, not a silent fall-back many times slower; a codec without kernels
+    keeps the host path without asking numba-cuda at all."""
+    from types import SimpleNamespace
+
+    import mpigrad.runtime.device as device_module
+    from mpigrad.codecs.device import DeviceUnavailable
+
+    def broken():
+        raise DeviceUnavailable('the GPU codecs need numba-cuda (pip install -e ".[cuda]"); importing it failed: '
+                                "AttributeError: module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setenv("MPIGRAD_DEVICE_CODECS", "simulator")
+    monkeypatch.setattr(device_module, "load_cuda", broken)
+    replica = SimpleNamespace(device=torch.device("cpu"))
+    pieces = pieces_of(LAYOUT)
+    uniform = GradientCompressor(pieces, get_codec({"id": "uniform", "bits": 4}), {p.index: 1 for p in pieces})
+    with pytest.raises(DeviceUnavailable) as exc:
+        device_module.on_device(replica, uniform)
+    text = str(exc.value)
+    assert 'pip install -e ".[cuda]"' in text and "MPIGRAD_DEVICE_CODECS=host" in text and "\n" not in text
+    mcgq = GradientCompressor(pieces, get_codec({"id": "mcgq"}), {p.index: 1 for p in pieces})
+    assert device_module.on_device(replica, mcgq) == [mcgq]

@@ -246,3 +246,25 @@ def test_mpiexec_flavour_and_the_flags_it_needs(tmp_path, version, flavour, flag
     assert launch_flags(flavour, root=True) == flags
     assert launch_flags(flavour, root=False) == flags[:1]
     assert mpiexec_command(2, ["x"], str(fake))[-3:] == ["-n", "2", "x"]
+
+
+def test_gpu_lines_say_the_map_a_refusal_and_what_a_cuda_aware_mpi_is_used_for(monkeypatch):
+    """The doctor's ``gpus`` lines from made-up device entries (rank, node, name, devices
+    key, count): a four-GPU node under mpiexec -n 5 with colocated servers, the same launch
+    with one server (refused), and a CUDA-aware MPI, whose "yes" does not claim that
+    device buffers go to MPI (mpigrad stages them through host memory either way)."""
+    from mpigrad.runtime import doctor
+
+    monkeypatch.setattr(doctor, "cuda_aware_mpi", lambda: (True, "MPIX_Query_cuda_support() returned 1"))
+    four = ("uuid-a", "uuid-b", "uuid-c", "uuid-d")
+    devices = [(rank, 0, "gpu07", four, 4) for rank in range(5)]
+    lines = doctor._format_gpus(doctor._gpus(devices, colocated=True, share=False))
+    assert lines[1] == ("  CUDA-aware MPI   yes: MPIX_Query_cuda_support() returned 1 (it could take device "
+                        "buffers; mpigrad stages them through pinned host memory all the same)")
+    assert lines[2:] == ["  rank 0 -> CPU (takes no GPU) (sees 4)"] + [
+        f"  rank {rank} -> cuda:{rank - 1} (sees 4)" for rank in range(1, 5)]
+    refused = doctor._format_gpus(doctor._gpus(devices, colocated=False, share=False))
+    assert len(refused) == 3 and refused[2].startswith("  a --device cuda run would be refused: 5 ranks train on a GPU "
+                                                       "on gpu07")
+    nothing = doctor._format_gpus(doctor._gpus([(rank, 0, "cpu01", (), 0) for rank in range(3)], True, False))
+    assert nothing[2] == "  no rank sees a CUDA device: a --device cuda run would be refused"

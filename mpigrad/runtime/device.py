@@ -63,13 +63,18 @@ def on_device(replica, *compressors) -> list:
     """``compressors`` as the replica's path takes them: on the device path (a replica on a
     GPU, or the simulator asked for), when every codec has kernels and numba-cuda loads,
     their device twins (one per distinct object) with the replica's codec buffers moved to
-    the device; else the host compressors as they are (rank 0's ``codecs:`` line says why)."""
+    the device; the host compressors as they are where a codec has no kernels (rank 0's
+    ``codecs:`` line says why). DeviceUnavailable (one line naming the extra, and
+    ``MPIGRAD_DEVICE_CODECS=host``) where every codec has kernels but numba-cuda is
+    missing, broken or sees no device: a run the user expects on the GPU is refused rather
+    than silently run many times slower on the host."""
     if not device_path(replica.device) or host_reasons([c for comp in compressors for c in compressor_codecs(comp)]):
         return list(compressors)
     try:
         load_cuda()
-    except DeviceUnavailable:
-        return list(compressors)
+    except DeviceUnavailable as exc:
+        raise DeviceUnavailable(f"{exc} (or {ENVIRONMENT}=host: the codecs on the host, the whole gradient "
+                                "copied out every iteration)") from None
     replica.use_device_codecs()
     twins: dict[int, DeviceGradientCompressor] = {}
     for c in compressors:
@@ -88,12 +93,7 @@ def codec_path(config, codecs) -> str | None:
         return f"codecs: on the host ({ENVIRONMENT}=host): the whole gradient is copied out every iteration"
     if not device_path(device):
         return None
-    reasons = host_reasons(codecs)
-    if not reasons:
-        try:
-            load_cuda()
-        except DeviceUnavailable as exc:
-            reasons = [str(exc)]
+    reasons = host_reasons(codecs)  # numba-cuda itself: the workers refused to start without it (on_device)
     if reasons:
         return f"codecs: on the host, the whole gradient copied out every iteration: {'; '.join(reasons)}"
     where = "in Numba's CUDA simulator" if device.type == "cpu" else "on the GPU"

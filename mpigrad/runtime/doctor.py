@@ -186,7 +186,8 @@ def _format_gpus(gpus: dict | None) -> list[str]:
     if gpus is None:
         return []
     aware = "yes" if gpus["cuda_aware_mpi"] else "no"
-    staging = "device buffers go to MPI" if gpus["cuda_aware_mpi"] else "device buffers need host staging"
+    staging = ("it could take device buffers; mpigrad stages them through pinned host memory all the same"
+               if gpus["cuda_aware_mpi"] else "device buffers need host staging")
     lines = ["gpus", f"  CUDA-aware MPI   {aware}: {gpus['cuda_aware_why']} ({staging})"]
     if not any(gpus["devices_seen"].values()):
         lines.append("  no rank sees a CUDA device: a --device cuda run would be refused")
