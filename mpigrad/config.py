@@ -69,7 +69,7 @@ class RunConfig:
     #: bucket's frames as soon as backward has produced it; False: the paper's sequential order.
     pipeline: bool = False
     control: str = "ahead"           # CONTROLS
-    shard_chunk: int = 0             # cut quantized layers into pieces of at most this many elements (0: never)
+    shard_chunk: int = 0             # cut layers (quantized, and the small layers' piece) into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
     bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
     latency: float | str = 0.0       # s, or a schedule as written

@@ -365,3 +365,36 @@ def test_ddp_takes_nccl_only_where_each_rank_has_a_gpu_of_its_own():
     from mpigrad.bench.peers import mpigrad_gpu_ranks
 
     assert mpigrad_gpu_ranks(2, "colocated", True) == 2 and mpigrad_gpu_ranks(2, 1, False) == 3
+
+
+def _bytes_trace(config: dict, up, down, bytes_in=None, bytes_out=None, sent=None):
+    """A loaded trace's shape for ``node_bytes``: steps, and where given the per-server and
+    per-worker byte columns (one iteration)."""
+    import pandas as pd
+
+    from mpigrad.trace import Trace
+
+    arrays = {"steps": {"bytes_up": np.array([up]), "bytes_down": np.array([down])}}
+    if bytes_in is not None:
+        arrays["servers"] = {"bytes_in": np.array([bytes_in]), "bytes_out": np.array([bytes_out])}
+        arrays["workers"] = {"bytes_sent": np.array([sent])}
+    return Trace(path=None, schema_version=1, config=config, attrs={},
+                 tables={"steps": pd.DataFrame({"bytes_up": [up], "bytes_down": [down]})}, arrays=arrays)
+
+
+def test_wire_counts_the_busiest_node_where_shards_are_unequal():
+    """Colocated shards of 900, 60 and 40 bytes per frame (a layer too large to share): node
+    0 receives two 900-byte frames and sends its average twice, 1900 bytes each way, where an
+    even split would give every node 1333; with two separate servers, server 0 sends its
+    510-byte broadcast to 3 workers. A DDP trace (a ring, even) keeps (up + down) / P."""
+    from mpigrad.bench.breakdown import node_bytes
+
+    frames, out = np.array([900, 60, 40]), np.array([900, 60, 40])
+    colocated = _bytes_trace({"servers": "colocated"}, 2000, 2000, bytes_in=2 * frames, bytes_out=out,
+                             sent=frames.sum() - frames)
+    assert node_bytes(colocated, 3, 3, True).tolist() == [1900.0]
+    servers = _bytes_trace({"servers": 2}, 1800, 1860, bytes_in=[1500, 300], bytes_out=[510, 110],
+                           sent=[600, 600, 600])
+    assert node_bytes(servers, 3, 2, False).tolist() == [1530.0]
+    ddp = _bytes_trace({"peer": "ddp"}, 2000, 2000)
+    assert node_bytes(ddp, 2, 1, True).tolist() == [2000.0]

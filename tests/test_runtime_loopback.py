@@ -259,6 +259,34 @@ def test_shards_are_layer_aligned_and_balanced_by_bytes():
     assert sorted(s.elements for s in chunked) == [350, 400, 500]
 
 
+def test_shard_chunk_cuts_the_small_layers_too_so_that_they_balance():
+    """At 2 bits a float32 piece of small layers outweighs the quantized layers: whole, it
+    loads one server with most of the bytes; cut, the servers share it."""
+    layout = Layout((Segment("a", 0, 1600), Segment("b", 1600, 1600)), Segment("small layers", 3200, 600), 3800)
+    pieces = pieces_of(layout, 250)
+    assert [(p.layer, p.size) for p in pieces[-3:]] == [(-1, 250), (-1, 250), (-1, 100)]
+    assert [p.index for p in pieces] == list(range(len(pieces)))
+    assert sum(p.size for p in pieces if not p.quantized) == 600
+    two_bits = lambda p: p.size * 4 if p.layer < 0 else p.size // 4  # noqa: E731 - float32 small layers, 2-bit codes
+    loads = sorted(sum(two_bits(p) for p in s.pieces) for s in plan_shards(layout, 4, two_bits, chunk=100))
+    assert loads[-1] <= 1.1 * sum(loads) / 4, loads
+    whole = sorted(sum(two_bits(p) for p in s.pieces) for s in plan_shards(layout, 4, two_bits))
+    assert whole[-1] == 2400  # the uncut float32 piece alone, against 800 for the rest together
+
+
+def test_cutting_the_small_layers_changes_no_number(tmp_path):
+    """float32 everywhere: colocated servers with the small layers (2506 elements) cut into
+    500-element pieces give the one-server run's losses and parameters bit for bit."""
+    options = dict(codec="fp32", policy="fixed", eval_every=3)
+    code1, errors1, one = run(tmp_path, servers=1, workers=3, name="one.h5", **options)
+    code2, errors2, cut = run(tmp_path, servers="colocated", workers=3, name="cut.h5", shard_chunk=500, **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(one.trace), load(cut.trace)
+    np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])
+
+
 def test_batchnorm_statistics_reach_rank_0_with_one_server_and_with_two(tmp_path):
     """The buffers phase: rank 0 evaluates with the workers' averaged BatchNorm statistics,
     the same bit for bit with S = 2 (shard servers take part in the world broadcast)."""

@@ -16,7 +16,9 @@ so the parts need not add up to ``s/it`` exactly):
   PowerSGD's uncompressed part and P products; the rest of a hook runs in the all-reduce's
   callbacks and falls under ``rest``. Zero for DDP fp32 (no hook).
 - ``wire``: the bytes the busiest node sends or receives per iteration at the lab's link rate
-  (``--lab``); ``-`` on loopback, where it is part of ``rest``.
+  (``--lab``), node by node from the trace's per-server and per-worker bytes
+  (:func:`node_bytes`: unequal shards load one node more); ``-`` on loopback, where it is
+  part of ``rest``.
 - ``rest``: ``s/it`` minus the others: waiting for messages and for the slowest rank, the
   protocol's own steps, and (DDP) what its all-reduce does not overlap with backward.
 
@@ -37,6 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from ..runtime.iteration import PHASES
+from ..trace import TraceError
 
 #: The phases of one iteration in the order a phase log records their ends.
 PHASE_ORDER = ("start", "begin", *PHASES, "end")
@@ -66,15 +69,55 @@ class PhaseRow:
     worker_device_ms: float | None = None
 
 
-def node_bytes(steps, workers: int, servers: int, symmetric: bool) -> np.ndarray:
-    """Per iteration, the bytes the busiest node sends or receives: with colocated servers
-    and DDP every node sends and receives (up + down) / P; with S separate servers each
-    server's link carries max(up, down) / S."""
+def node_bytes(trace, workers: int, servers: int, symmetric: bool) -> np.ndarray:
+    """Per iteration, the bytes the busiest node sends or receives, from the trace's per-server
+    and per-worker columns where it has them (mpigrad), node by node:
+
+    - colocated servers, node k serving shard k: it sends its frames to the other shards
+      (``bytes_sent[k]``) and P - 1 copies of its average (``bytes_out[k]``), and receives the
+      other workers' frames of its shard (``bytes_in[k]``) and every other shard's average;
+    - S separate servers: server s receives ``bytes_in[s]`` and sends its broadcast to each of
+      the P workers (a star, as the clock charges it); worker k sends ``bytes_sent[k]`` and
+      receives every broadcast.
+
+    Shards of unequal size (a layer too large to share, without ``--shard-chunk``) load one
+    node more than the others, and this is what the links see. Without those columns (DDP,
+    whose ring is balanced): every node sends and receives (up + down) / P, or with S
+    separate servers each server's link max(up, down) / S."""
+    steps = trace.steps
     up = steps["bytes_up"].to_numpy(float)
     down = steps["bytes_down"].to_numpy(float)
+    per_node = None if trace.config.get("peer") else _per_node_bytes(trace, workers, servers, symmetric)
+    if per_node is not None:
+        return per_node
     if symmetric:
         return (up + down) / workers
     return np.maximum(up, down) / max(servers, 1)
+
+
+def _per_node_bytes(trace, workers: int, servers: int, colocated: bool) -> np.ndarray | None:
+    """:func:`node_bytes` from ``/servers`` and ``/workers``; None where a trace lacks them or
+    their rows are not the steps' (a DDP trace, a run cut short)."""
+    try:
+        bytes_in = trace.array("servers", "bytes_in").astype(float)
+        bytes_out = trace.array("servers", "bytes_out").astype(float)
+        sent = trace.array("workers", "bytes_sent").astype(float)
+    except TraceError:  # a trace without those tables
+        return None
+    rows = len(trace.steps)
+    if not (bytes_in.shape[0] == bytes_out.shape[0] == sent.shape[0] == rows) or rows == 0:
+        return None
+    if bytes_in.shape[1:] != (servers,) or sent.shape[1:] != (workers,):
+        return None
+    if colocated:
+        if servers != workers:
+            return None
+        sends = sent + (workers - 1) * bytes_out
+        receives = bytes_in + bytes_out.sum(axis=1, keepdims=True) - bytes_out
+        return np.maximum(sends, receives).max(axis=1)
+    server_link = np.maximum(bytes_in, workers * bytes_out).max(axis=1)
+    worker_link = np.maximum(sent, bytes_out.sum(axis=1, keepdims=True)).max(axis=1)
+    return np.maximum(server_link, worker_link)
 
 
 def breakdown_row(method: str, traces: Sequence, first: Sequence[int], workers: int,
@@ -93,7 +136,7 @@ def breakdown_row(method: str, traces: Sequence, first: Sequence[int], workers: 
         compute.append((override if override is not None else steps["t_compute"].to_numpy(float))[start:])
         parts = [steps[name].to_numpy(float)[start:] for name in ("t_encode", "t_decode", "t_policy")]
         codec.append(sum(np.nan_to_num(part) for part in parts))
-        seconds = node_bytes(steps, workers, servers, symmetric)[start:] / rate if rate else np.zeros_like(walls[-1])
+        seconds = node_bytes(trace, workers, servers, symmetric)[start:] / rate if rate else np.zeros_like(walls[-1])
         wire.append(seconds)
     wall, comp, cod, wir = (np.concatenate(x) for x in (walls, compute, codec, wire))
     rest = wall - np.nan_to_num(comp) - cod - wir

@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "the workers' losses where the policy knows them in advance (default: fixed, schedule, mqgrad "
                    "between its steps), or paper: after every iteration's losses (MQGrad's round trip)")
     g.add_argument("--shard-chunk", type=int, metavar="ELEMENTS", help="cut quantized layers larger than this "
-                   "into pieces quantized on their own, so that S servers can balance a model with few "
-                   "big layers (changes each piece's min/max scaling; default 0: whole layers)")
+                   "into pieces quantized on their own, and the small layers' float32 piece likewise, so that S "
+                   "servers can balance a model with few big layers (changes each quantized piece's min/max "
+                   "scaling; default 0: whole layers)")
     g = parser.add_argument_group("network model")
     g.add_argument("--bandwidth", metavar="RATE|SCHEDULE",
                    help="link bandwidth with its unit: bytes 10MB/s, 125MiB/s; bits 100Mbps, 1Gbit/s, 10Gb/s "

@@ -1,8 +1,8 @@
 """Where each communicated piece of the gradient sits, and which server owns it.
 
 The flat parameter buffer is laid out as [quantized layers in model order, then every small
-layer]. A *piece* is one codec buffer on the wire: a quantized layer (or, with
-``shard_chunk``, a chunk of one), or the small layers together as float32. A *shard* is the
+layer]. A *piece* is one codec buffer on the wire: a quantized layer, or the small layers
+together as float32 (with ``shard_chunk``, a chunk of either). A *shard* is the
 set of pieces one server aggregates; shards are balanced by bytes with whole pieces
 (layer-aligned unless ``shard_chunk`` cuts large layers, which changes the codec's min/max
 scaling because each chunk is quantized on its own).
@@ -65,15 +65,18 @@ class Shard:
 
 
 def pieces_of(layout: Layout, chunk: int = 0) -> list[Piece]:
-    """The layout's pieces: each quantized layer (cut into ``chunk``-element pieces when
-    ``chunk`` > 0 and the layer is larger), then the small layers as one float32 piece."""
+    """The layout's pieces: each quantized layer, then the small layers as float32, each cut
+    into ``chunk``-element pieces when ``chunk`` > 0 and it is larger. Cutting the small
+    layers changes no number (float32 adds element by element, in rank order, wherever the
+    elements sit) but lets the servers share them: at 2 bits the small layers' float32 bytes
+    outweigh a quantized shard's several times over."""
     pieces: list[Piece] = []
-    for layer, segment in enumerate(layout.quantized):
+    for layer, segment in [*enumerate(layout.quantized), (-1, layout.rest)]:
+        if not segment.size:
+            continue
         step = chunk if chunk and segment.size > chunk else segment.size
         for start in range(0, segment.size, step):
             pieces.append(Piece(len(pieces), layer, segment.offset + start, min(step, segment.size - start)))
-    if layout.rest.size:
-        pieces.append(Piece(len(pieces), -1, layout.rest.offset, layout.rest.size))
     return pieces
 
 
