@@ -386,15 +386,20 @@ def test_wire_counts_the_busiest_node_where_shards_are_unequal():
     """Colocated shards of 900, 60 and 40 bytes per frame (a layer too large to share): node
     0 receives two 900-byte frames and sends its average twice, 1900 bytes each way, where an
     even split would give every node 1333; with two separate servers, server 0 sends its
-    510-byte broadcast to 3 workers. A DDP trace (a ring, even) keeps (up + down) / P."""
+    510-byte broadcast to 3 workers and receives 1500 bytes of frames and server 1's 110-byte
+    broadcast; with the big shard on server 1, it sends 4 copies (rank 0 takes one). A DDP
+    trace (a ring, even) keeps (up + down) / P."""
     from mpigrad.bench.breakdown import node_bytes
 
     frames, out = np.array([900, 60, 40]), np.array([900, 60, 40])
     colocated = _bytes_trace({"servers": "colocated"}, 2000, 2000, bytes_in=2 * frames, bytes_out=out,
                              sent=frames.sum() - frames)
     assert node_bytes(colocated, 3, 3, True).tolist() == [1900.0]
-    servers = _bytes_trace({"servers": 2}, 1800, 1860, bytes_in=[1500, 300], bytes_out=[510, 110],
+    servers = _bytes_trace({"servers": 2}, 1800, 1970, bytes_in=[1500, 300], bytes_out=[510, 110],
                            sent=[600, 600, 600])
-    assert node_bytes(servers, 3, 2, False).tolist() == [1530.0]
+    assert node_bytes(servers, 3, 2, False).tolist() == [1610.0]
+    swapped = _bytes_trace({"servers": 2}, 1800, 2190, bytes_in=[300, 1500], bytes_out=[110, 510],
+                           sent=[600, 600, 600])
+    assert node_bytes(swapped, 3, 2, False).tolist() == [2040.0]
     ddp = _bytes_trace({"peer": "ddp"}, 2000, 2000)
     assert node_bytes(ddp, 2, 1, True).tolist() == [2000.0]

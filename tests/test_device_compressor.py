@@ -144,7 +144,7 @@ def test_a_gpu_run_without_a_working_numba_cuda_is_refused_not_run_on_the_host(m
 
     monkeypatch.setenv("MPIGRAD_DEVICE_CODECS", "simulator")
     monkeypatch.setattr(device_module, "load_cuda", broken)
-    replica = SimpleNamespace(device=torch.device("cpu"))
+    replica = SimpleNamespace(device=DEVICE)  # the simulator asked for on the CPU; on a GPU its own path
     pieces = pieces_of(LAYOUT)
     uniform = GradientCompressor(pieces, get_codec({"id": "uniform", "bits": 4}), {p.index: 1 for p in pieces})
     with pytest.raises(DeviceUnavailable) as exc:

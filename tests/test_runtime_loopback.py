@@ -8,6 +8,7 @@ of work beyond the first Numba load.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
@@ -343,3 +344,28 @@ def test_norm_every_computes_the_energies_only_on_its_iterations_and_changes_not
     for other in (third, never):
         for column in ("loss", "bits", "bytes_up", "bytes_down", "sim_time"):
             np.testing.assert_array_equal(other.steps[column], every.steps[column])
+
+
+def test_a_checkpoint_whose_shards_differ_is_refused_on_resume(tmp_path):
+    """Servers hold their pieces' codec counters and error memory apart, so a resume must
+    find the shards the checkpoint was written with. A checkpoint of an mpigrad whose
+    --shard-chunk kept the small layers whole (it saved no plan) is refused in one line
+    where this one cuts them; so is one whose saved plan differs."""
+    from mpigrad.errors import UsageError
+    from mpigrad.runtime import checkpoint
+
+    options = dict(codec="fp32", policy="fixed", shard_chunk=500)
+    code, errors, stopped = run(tmp_path, servers="colocated", workers=3, name="old.h5", stop=StopAfter(2), **options)
+    assert code == EXIT_REQUEUE and not errors, errors
+    whole = checkpoint.read(stopped.checkpoint_path)
+    plan = whole["server"]["shard_plan"]
+    assert sum(size for shard in plan for _, size in shard) == 113098 and len(plan) == 3
+    for edit, message in ((lambda server: server.pop("shard_plan"), "kept the small layers (2506 elements) whole"),
+                          (lambda server: server["shard_plan"].reverse(), "the checkpoint's shards are not this run's")):
+        state = copy.deepcopy(whole)
+        edit(state["server"])
+        checkpoint.save(stopped.checkpoint_path, state["identity"], state["server"], state["workers"], state["servers"])
+        code, errors, _ = run(tmp_path, servers="colocated", workers=3, name="old.h5", resume=True, timeout=2,
+                              **options)
+        assert isinstance(errors.get(0), UsageError) and message in str(errors[0]), errors
+        assert "\n" not in str(errors[0])

@@ -77,8 +77,9 @@ def node_bytes(trace, workers: int, servers: int, symmetric: bool) -> np.ndarray
       (``bytes_sent[k]``) and P - 1 copies of its average (``bytes_out[k]``), and receives the
       other workers' frames of its shard (``bytes_in[k]``) and every other shard's average;
     - S separate servers: server s receives ``bytes_in[s]`` and sends its broadcast to each of
-      the P workers (a star, as the clock charges it); worker k sends ``bytes_sent[k]`` and
-      receives every broadcast.
+      the P workers, and to rank 0 (server 0), which decodes every shard and so also receives
+      the other servers' broadcasts (a star, as the clock charges it); worker k sends
+      ``bytes_sent[k]`` and receives every broadcast.
 
     Shards of unequal size (a layer too large to share, without ``--shard-chunk``) load one
     node more than the others, and this is what the links see. Without those columns (DDP,
@@ -115,7 +116,12 @@ def _per_node_bytes(trace, workers: int, servers: int, colocated: bool) -> np.nd
         sends = sent + (workers - 1) * bytes_out
         receives = bytes_in + bytes_out.sum(axis=1, keepdims=True) - bytes_out
         return np.maximum(sends, receives).max(axis=1)
-    server_link = np.maximum(bytes_in, workers * bytes_out).max(axis=1)
+    # Rank 0 (server 0) is in every shard's broadcast group: the other servers send P + 1
+    # copies, and rank 0 receives their broadcasts besides its own shard's frames.
+    copies = workers + (np.arange(servers) > 0)
+    received = bytes_in.copy()
+    received[:, 0] += bytes_out[:, 1:].sum(axis=1)
+    server_link = np.maximum(received, copies * bytes_out).max(axis=1)
     worker_link = np.maximum(sent, bytes_out.sum(axis=1, keepdims=True)).max(axis=1)
     return np.maximum(server_link, worker_link)
 

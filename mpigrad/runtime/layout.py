@@ -67,9 +67,10 @@ class Shard:
 def pieces_of(layout: Layout, chunk: int = 0) -> list[Piece]:
     """The layout's pieces: each quantized layer, then the small layers as float32, each cut
     into ``chunk``-element pieces when ``chunk`` > 0 and it is larger. Cutting the small
-    layers changes no number (float32 adds element by element, in rank order, wherever the
-    elements sit) but lets the servers share them: at 2 bits the small layers' float32 bytes
-    outweigh a quantized shard's several times over."""
+    layers changes no loss or parameter (float32 adds element by element, in rank order,
+    wherever the elements sit; only a header per piece is added) but lets the servers share
+    them: at 2 bits the small layers' float32 bytes outweigh a quantized shard's several
+    times over."""
     pieces: list[Piece] = []
     for layer, segment in [*enumerate(layout.quantized), (-1, layout.rest)]:
         if not segment.size:

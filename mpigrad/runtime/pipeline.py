@@ -2,7 +2,7 @@
 frames and its shard's averages, bucket by bucket.
 
 A *bucket* is a run of one quantized layer's pieces on one shard (up to
-``layout.BUCKET_ELEMENTS``), or the small layers; buckets go in the order backward produces
+``layout.BUCKET_ELEMENTS``), or the small layers' pieces on one shard; buckets go in the order backward produces
 them, last layer first (:func:`~.layout.pipeline_buckets`). The worker sends its loss after the forward pass and
 runs backward with a post-accumulate-grad hook on every parameter; when a bucket's last
 gradient is in (and every earlier bucket has gone), it takes the Control (rank 0 chose the

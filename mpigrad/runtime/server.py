@@ -20,6 +20,7 @@ import torch
 
 from ..codecs import CodecError
 from ..config import RunConfig, format_elapsed
+from ..errors import UsageError
 from ..costmodel import CostModel, LocalWork
 from ..policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
 from . import checkpoint
@@ -859,9 +860,32 @@ class ParameterServer:
                 "last_comm_ms": self.last_comm_ms, "last_bytes": self.last_bytes,
                 "bytes_total": self.bytes_total, "last_eval": self.last_eval,
                 "cost_model": self.cost_attrs()["cost_model"],
-                "previous_average": torch.from_numpy(self.average.copy()) if keep_update else None}
+                "previous_average": torch.from_numpy(self.average.copy()) if keep_update else None,
+                "shard_plan": self.shard_plan()}
+
+    def shard_plan(self) -> list[list[tuple[int, int]]]:
+        """Each shard's pieces as (offset, size): which server holds which piece's codec
+        counters and error memory, so that a checkpoint is resumed onto the same plan."""
+        return [[(piece.offset, piece.size) for piece in shard.pieces] for shard in self.shards]
+
+    def check_shard_plan(self, state: dict) -> None:
+        """UsageError (one line) where the checkpoint's shards are not this run's. A checkpoint
+        from before the plan was saved was written while --shard-chunk cut only the quantized
+        layers: refused where the small layers are cut now and servers hold state apart."""
+        saved = state.get("shard_plan")
+        if saved is None:
+            chunk, rest = self.config.shard_chunk, self.replica.layout.rest.size
+            if chunk and rest > chunk and self.servers > 1:
+                raise UsageError(f"--resume: this checkpoint was written by an mpigrad whose --shard-chunk {chunk} "
+                                 f"kept the small layers ({rest} elements) whole, and this one cuts them, so the "
+                                 "servers' shards differ: resume it with the mpigrad that wrote it")
+            return
+        if [[tuple(piece) for piece in shard] for shard in saved] != self.shard_plan():
+            raise UsageError("--resume: the checkpoint's shards are not this run's (another mpigrad's layout "
+                             "rule): resume it with the mpigrad that wrote it")
 
     def load_state_dict(self, state: dict) -> None:
+        self.check_shard_plan(state)
         self.iteration = int(state["iteration"])
         self.replica.load_state_dict(state["replica"])
         self.policy.load_state_dict(state["policy"])
