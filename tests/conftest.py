@@ -1,11 +1,14 @@
-"""Shared test helpers: launching real mpiexec runs with timeouts and a shared Numba cache."""
+"""Shared test helpers: launching real mpiexec runs with timeouts and a shared Numba cache;
+how the suite runs in parallel (pytest-xdist) and its quick tier."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 # ``cuda`` marker's tests run too). Numba reads this when it is first imported: here, first.
 if os.environ.get("MPIGRAD_TEST_GPU") != "1":
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+# Text tables fit COLUMNS where it is set: a test that wants a width sets it itself, so that
+# neither the user's shell nor pytest-xdist's workers (which set COLUMNS=80) decide one.
+for _variable in ("COLUMNS", "LINES"):
+    os.environ.pop(_variable, None)
 
 
 def load_script(path: Path, name: str):
@@ -54,12 +62,22 @@ def mpiexec(ranks: int, argv: list[str]) -> list[str]:
         pytest.fail(str(exc))
 
 
+def _run_directory(tmp_path_factory) -> Path:
+    """A directory of this test run's, the same for every xdist worker of it (their base
+    temporary directories are siblings) and this session's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def mpi_env(tmp_path_factory) -> dict[str, str]:
-    """Environment for subprocess runs: one thread per rank, one Numba cache for the session."""
+    """Environment for subprocess runs: one thread per rank, one Numba cache for the test run
+    (shared by the xdist workers: Numba writes its cache files atomically)."""
+    cache = _run_directory(tmp_path_factory) / "numba-cache"
+    cache.mkdir(exist_ok=True)
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               NUMBA_CACHE_DIR=str(tmp_path_factory.mktemp("numba-cache")),
+               NUMBA_CACHE_DIR=str(cache),
                PYTHONUNBUFFERED="1", HDF5_USE_FILE_LOCKING="FALSE")
     for key in ("SLURM_NTASKS", "SLURM_JOB_ID", "MPIGRAD_INJECT_FAULT"):
         env.pop(key, None)
@@ -116,11 +134,88 @@ def assert_same_trace(expected, actual) -> None:
                                               err_msg=f"{table}.{column}")
 
 
+#: Markers of tests that need the whole machine: under ``-n`` (pytest-xdist) such a test runs
+#: while no other test does (labs measure link rates, Slurm and the timing-sensitive waits
+#: have deadlines, benchmarks time themselves); every other test shares the machine.
+WHOLE_MACHINE = ("lab", "slurm", "serial")
+
+#: Markers of the tests the quick tier (``-m quick``) leaves out: real runs and minutes-long
+#: ones. It keeps every module's other tests and the real mpiexec runs marked ``quick``.
+NOT_QUICK = ("mpi", "slow", "lab", "slurm", "cuda")
+
+
+def _costly(item) -> bool:
+    return any(item.get_closest_marker(name) for name in NOT_QUICK)
+
+
+def pytest_configure(config):
+    """Under ``-n N`` (pytest-xdist), schedule by this file's groups (a module per worker, the
+    heaviest first: ``pytest_collection_modifyitems``) unless ``--dist`` names another way."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """``cuda`` tests need a real device: skipped (saying why) unless MPIGRAD_TEST_GPU=1."""
-    if os.environ.get("MPIGRAD_TEST_GPU") == "1":
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device: run with MPIGRAD_TEST_GPU=1 on a GPU machine")
+    """Mark the quick tier; skip ``cuda`` tests without a device; under xdist, keep each
+    module on one worker (its module fixtures run once) and send the modules with the most
+    real runs first, so that the last to finish is a short one."""
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if not _costly(item):
+            item.add_marker(pytest.mark.quick)
+    if os.environ.get("MPIGRAD_TEST_GPU") != "1":
+        skip = pytest.mark.skip(reason="needs a CUDA device: run with MPIGRAD_TEST_GPU=1 on a GPU machine")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    heavy_first = sorted(modules.values(), key=lambda tests: -sum(map(_costly, tests)))
+    items[:] = [item for tests in heavy_first for item in tests]
+    for tests in heavy_first:
+        for item in tests:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+class _MachineLock:
+    """A readers-writer lock over the machine for the xdist workers of one test run: a test
+    shares the machine, or takes it whole once the tests in flight have ended (a gate file
+    held by a waiting taker stops new sharers, so takers are not starved)."""
+
+    def __init__(self, directory: Path):
+        self._gate = open(directory / "machine.gate", "a")
+        self._machine = open(directory / "machine.lock", "a")
+
+    @contextmanager
+    def held(self, whole: bool):
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._machine, fcntl.LOCK_EX if whole else fcntl.LOCK_SH)
+        finally:
+            if not whole:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._machine, fcntl.LOCK_UN)
+            if whole:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, a test marked ``lab``, ``slurm`` or ``serial`` runs alone (its set-up and
+    tear-down, module fixtures included, inside the lock)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    config = item.config
+    if not hasattr(config, "_mpigrad_machine_lock"):
+        config._mpigrad_machine_lock = _MachineLock(_run_directory(config._tmp_path_factory))
+    whole = any(item.get_closest_marker(name) for name in WHOLE_MACHINE)
+    with config._mpigrad_machine_lock.held(whole):
+        yield

@@ -582,6 +582,7 @@ def test_signal_during_set_up_skips_the_step_and_requeues(cluster):
     assert "SIGUSR1 arrived before the step started: not starting it" in log
 
 
+@pytest.mark.serial  # a wall-clock bound
 def test_signal_between_fork_and_pid_is_passed_on(cluster, tmp_path):
     script = tmp_path / "window.sh"
     script.write_text(f"""

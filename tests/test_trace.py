@@ -437,6 +437,7 @@ def test_sigkill_leaves_every_flushed_row_readable(tmp_path, mode):
 
 
 # ---- cost, metadata helpers, labels ---------------------------------------------------------------
+@pytest.mark.serial  # a timed ratio
 def test_buffered_tracing_costs_a_small_fraction_of_row_by_row_writes(tmp_path):
     """One steps row + one workers row per iteration, flushed every 100 iterations against
     every iteration, timed in the same run (a ratio, so that a slower or busier machine does

@@ -20,6 +20,7 @@ def train(tmp_path, env, *extra, ranks=3, name="run.h5", timeout=180):
     return result, trace
 
 
+@pytest.mark.quick  # the quick tier's real mpiexec run
 @pytest.mark.each_mpi
 def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
     result, trace = train(tmp_path, mpi_env, "--iterations", "150", "--policy", "fixed", "--bits", "4",
