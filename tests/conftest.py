@@ -158,9 +158,11 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier; skip ``cuda`` tests without a device; under xdist, keep each
-    module on one worker (its module fixtures run once) and send the modules with the most
-    real runs first, so that the last to finish is a short one."""
+    """Mark the quick tier; skip ``cuda`` tests without a device; under xdist, send the modules
+    with the most real runs first (so that the last test to finish is a short one), and keep
+    on one worker the tests of a module that share a fixture of the module's own wider than a
+    test (it runs once: a module's real runs, the Slurm cluster); the other tests go wherever
+    a worker is free."""
     for item in items:
         if not _costly(item):
             item.add_marker(pytest.mark.quick)
@@ -176,9 +178,18 @@ def pytest_collection_modifyitems(config, items):
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     heavy_first = sorted(modules.values(), key=lambda tests: -sum(map(_costly, tests)))
     items[:] = [item for tests in heavy_first for item in tests]
-    for tests in heavy_first:
-        for item in tests:
+    for item in items:
+        if _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` takes a fixture of wider than function scope that its own module
+    defines (conftest's session fixtures are cheap, once per worker)."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = item.nodeid.split("::")[0]
+    return info is not None and any(definition.scope != "function" and definition.baseid == module
+                                    for definitions in info.name2fixturedefs.values() for definition in definitions)
 
 
 class _MachineLock:

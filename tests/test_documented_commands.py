@@ -303,7 +303,7 @@ def _run(command: str, folder: Path, env: dict[str, str], timeout: float) -> sub
         return subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", f"timed out after {timeout} s")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def user_env(mpi_env) -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
     env = dict(mpi_env, PATH=os.pathsep.join([bin_dir, mpi_env.get("PATH", "")]))

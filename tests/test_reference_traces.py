@@ -194,11 +194,23 @@ def compare_with_references(name: str, got: dict) -> list[str]:
 EACH_MPI = {"uniform-fixed-2", "mqgrad-3-workers"}
 
 
+@pytest.fixture(scope="module")
+def case_trace(tmp_path_factory, mpi_env):
+    """The trace of a case of CASES, run once for this module's tests."""
+    folder, traces = tmp_path_factory.mktemp("cases"), {}
+
+    def trace(name: str) -> Path:
+        if name not in traces:
+            traces[name] = run_case(folder, mpi_env, name, *CASES[name])
+        return traces[name]
+    return trace
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.each_mpi] if name in EACH_MPI else [])
                                   for name in CASES])
-def test_trace_matches_the_references(tmp_path, mpi_env, name):
-    compare_with_references(name, summarise(run_case(tmp_path, mpi_env, name, *CASES[name])))
+def test_trace_matches_the_references(case_trace, name):
+    compare_with_references(name, summarise(case_trace(name)))
 
 
 @pytest.mark.mpi
@@ -213,15 +225,14 @@ def test_a_stopped_and_resumed_run_equals_the_straight_run_and_the_references(tm
 
 
 @pytest.mark.mpi
-def test_same_seed_twice_gives_the_same_trace_bit_for_bit(tmp_path, mpi_env):
+def test_same_seed_twice_gives_the_same_trace_bit_for_bit(tmp_path, mpi_env, case_trace):
     """The promise resume and replay rely on, on the machine running the tests: 3 workers, so
     the server's sum must not depend on the order in which frames arrive."""
     from mpigrad.trace import load
 
     ranks, args = CASES["mqgrad-3-workers"]
-    first = run_case(tmp_path, mpi_env, "first", ranks, args)
     second = run_case(tmp_path, mpi_env, "second", ranks, args)
-    assert_same_trace(load(first), load(second))
+    assert_same_trace(load(case_trace("mqgrad-3-workers")), load(second))
 
 
 def test_portable_comparison_catches_a_behaviour_change():
