@@ -243,7 +243,7 @@ class RunConfig:
         checks = [
             (self.iterations >= 1, "iterations must be at least 1"),
             (self.batch_size >= 1, "batch_size must be at least 1"),
-            (self.lr is not None and self.lr > 0 and math.isfinite(self.lr), "lr must be a positive number"),
+            (self.lr is not None and self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr}"),
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
             (self.min_quantize_size is None or self.min_quantize_size >= 1,

@@ -4,6 +4,7 @@ plots, CSV export, the error cases, and analysis without MPI."""
 from __future__ import annotations
 
 import io
+import re
 import json
 import os
 import shutil
@@ -189,9 +190,32 @@ def test_info(runs, capsys):
     assert fields["duration"] == "18000.0 s simulated, 1000.0 s wall clock"
     assert fields["argv"] == "mpigrad train --bits 2" and fields["seed"] == "3"
     assert fields["tables"] == "steps 10 rows, workers 10 rows, eval 2 rows"
-    assert '"policy": {' in out and '"bits": 2' in out
+    assert re.search(r'^config +codec=\{"bits": 2, "id": "uniform"\}  policy=\{"bits": 2, "id": "fixed"\}', out, re.M), out
+    code, full, _ = cli(capsys, "info", runs["fix2"], "--full")
+    assert code == 0 and '"policy": {' in full and '"bits": 2' in full
     code, out, _ = cli(capsys, "info", runs["empty"])  # an empty run is described, not refused
     assert code == 0 and "0 (no rows were flushed)" in out and "Adaptive" in out
+
+
+def test_info_is_a_screenful_and_full_prints_every_value_whole(runs, tmp_path, capsys):
+    """A long attribute (a cost model's JSON), a value of several lines (an MPI library's
+    banner) and a long config value are summarised, saying so; ``--full`` prints them."""
+    import h5py
+
+    long = tmp_path / "long.h5"
+    shutil.copyfile(runs["fix2"], long)
+    model = {f"codec{k}": {"seconds_per_element": [1e-9 * k] * 40} for k in range(60)}
+    banner = "MPICH Version: 5.0.2\n" + "\n".join(f"MPICH line {k}" for k in range(10))
+    with h5py.File(long, "r+") as f:
+        f.attrs["cost_model"] = json.dumps(model)
+        f.attrs["mpi_library"] = banner
+    code, out, _ = cli(capsys, "info", long)
+    assert code == 0 and max(len(line) for line in out.splitlines()) <= 29 + 110, out
+    assert len(out.splitlines()) < 60
+    assert re.search(r"^cost_model +\{codec0, codec1, .*\}: 60 keys, \d+ characters \(--full prints them\)$", out, re.M)
+    assert re.search(r"^mpi_library +MPICH Version: 5.0.2 \(and 10 more lines: --full\)$", out, re.M)
+    code, full, _ = cli(capsys, "info", long, "--full")
+    assert code == 0 and json.dumps(model) in full and "MPICH line 9" in full
 
 
 def test_export_csv(runs, tmp_path, capsys):

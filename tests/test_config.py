@@ -89,6 +89,7 @@ def test_toml_then_command_line_precedence(tmp_path):
     ("net_mode = 'warp'", "net_mode must be one of virtual, sleep, off"),
     ("iterations = [", "is not valid TOML"),
     ("codec_opts = 3", "codec_opts must be a table"),
+    ("lr = -0.1", "lr must be a positive number, got -0.1"),
 ])
 def test_bad_config_files(tmp_path, content, message):
     path = tmp_path / "bad.toml"

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     info = actions.add_parser("info", help="config, versions, length and status of one run")
     info.add_argument("file")
+    info.add_argument("--full", action="store_true",
+                      help="print every attribute and the config whole (without it, long values are summarised)")
 
     summary = actions.add_parser("summary", help="one row per run: losses, accuracy, traffic, overhead")
     summary.add_argument("files", nargs="+", metavar="FILE")
@@ -173,7 +175,7 @@ def _load_runs(paths: list[str], skipped: _Skipped | None = None) -> tuple[list[
 def _info(args: argparse.Namespace) -> int:
     from .summary import describe
 
-    lines = describe(load(args.file))
+    lines = describe(load(args.file), full=args.full)
     width = max(len(key) for key, _ in lines)
     for key, text in lines:
         indented = text.replace("\n", "\n" + " " * (width + 2))

@@ -124,8 +124,14 @@ def summary_columns(*, target_loss: float | None = None, clock: str = "sim") -> 
     return columns + [Column("overhead", f"quant_%_{clock}", ".2f")]
 
 
-def describe(trace: Trace) -> list[tuple[str, str]]:
-    """(key, text) lines for `mpigrad trace info`."""
+#: Characters of a value that ``trace info`` shows whole without ``--full``.
+INFO_WIDTH = 100
+
+
+def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
+    """(key, text) lines for `mpigrad trace info`: every attribute and the config; without
+    ``full``, a screenful, with values longer than INFO_WIDTH or of several lines summarised
+    (saying so) and the config as ``key=value`` pairs."""
     attrs, steps = trace.attrs, trace.steps
     status = {"complete": "complete (ended cleanly)", "stopped": "stopped (checkpointed, can be resumed)",
               "failed": "failed",
@@ -164,7 +170,43 @@ def describe(trace: Trace) -> list[tuple[str, str]]:
     shown = {"format", "schema_version", "mpigrad_version", "start_time", "end_time", "complete",
              "status", "error", "last_iteration", "config", "resumes", "network", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
     lines += [(key, _compact(value)) for key, value in attrs.items() if key not in shown]
-    lines.append(("config", json.dumps(trace.config, indent=2, sort_keys=True)))
+    if full:
+        lines.append(("config", json.dumps(trace.config, indent=2, sort_keys=True)))
+        return lines
+    lines = [(key, text if key in ("file", "argv") else _summarised(text, attrs.get(key)))
+             for key, text in lines]
+    pairs = [f"{key}={_summarised(_compact(value), value, INFO_WIDTH // 2)}"
+             for key, value in sorted(trace.config.items())]
+    return lines + [("config", "\n".join(_wrapped(pairs, INFO_WIDTH)))]
+
+
+def _summarised(text: str, value: Any = None, width: int = INFO_WIDTH) -> str:
+    """``text`` if it is one line of at most ``width`` characters, else a shorter line that
+    says what was left out (``trace info --full`` prints it)."""
+    if len(text) <= width and "\n" not in text:
+        return text
+    if isinstance(value, str) and value.startswith("{"):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if isinstance(value, dict):
+        keys = ", ".join(map(str, value))
+        head = "{" + (keys if len(keys) <= width // 2 else keys[:width // 2].rsplit(", ", 1)[0] + ", ...") + "}"
+        return f"{head}: {len(value)} keys, {len(text)} characters (--full prints them)"
+    if "\n" in text:
+        first, rest = text.split("\n", 1)
+        return f"{_summarised(first, width=width)} (and {rest.count(chr(10)) + 1} more lines: --full)"
+    return f"{text[:width // 2]}... ({len(text)} characters: --full)"
+
+
+def _wrapped(words: list[str], width: int) -> list[str]:
+    lines: list[str] = []
+    for word in words:
+        if lines and len(lines[-1]) + 2 + len(word) <= width:
+            lines[-1] += "  " + word
+        else:
+            lines.append(word)
     return lines
 
 
