@@ -90,6 +90,7 @@ SHORTEN = [
     (r"(mpigrad train\b[^\n;]*)", r"\1 --iterations 3"),
     (r"(-m mpigrad\.policies\.simenv\b.*?)--seeds \d+", r"\1--seeds 2"),
     (r"\bfor (\w+) in ([^;\n]+?); do", lambda m: f"for {m.group(1)} in {m.group(2).split()[0]}; do"),
+    (r"(mpigrad bench calibrate -o \S+)", r"\1 --sizes 1024,16384 --repeat 1"),
 ]
 
 #: (regex searched in a $-command, reason): outputs shown for it that are not compared.
@@ -368,3 +369,5 @@ def test_shortening_rules():
                                "--config examples/quick/$m.toml --iterations 3\ndone")
     assert _loop_configs(loop) == ["examples/quick/fix2.toml", "examples/quick/fix4.toml"]
     assert shlex.split(shortened("python -m mpigrad.policies.simenv --seeds 40 --policy x"))[4] == "2"
+    assert shortened("mpigrad bench calibrate -o costs.json     # a note") == \
+        "mpigrad bench calibrate -o costs.json --sizes 1024,16384 --repeat 1     # a note"
