@@ -149,20 +149,21 @@ def _costly(item) -> bool:
 
 
 def pytest_configure(config):
-    """Under ``-n N`` (pytest-xdist), schedule by this file's groups (a module per worker, the
-    heaviest first: ``pytest_collection_modifyitems``) unless ``--dist`` names another way."""
+    """Under ``-n N`` (pytest-xdist), send each module's tests to one worker (its module
+    fixtures run once), in collection order (``pytest_collection_modifyitems``: the heaviest
+    modules first), unless ``--dist`` names another way."""
+    if any(arg == "--dist" or arg.startswith("--dist=") for arg in map(str, config.invocation_params.args)):
+        return
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
+        config.option.dist = "loadscope"
         config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier; skip ``cuda`` tests without a device; under xdist, send the modules
-    with the most real runs first (so that the last test to finish is a short one), and keep
-    on one worker the tests of a module that share a fixture of the module's own wider than a
-    test (it runs once: a module's real runs, the Slurm cluster); the other tests go wherever
-    a worker is free."""
+    """Mark the quick tier; skip ``cuda`` tests without a device; under xdist (whose workers
+    collect), put the modules with the most real runs first, so that the last module to
+    finish is a short one."""
     for item in items:
         if not _costly(item):
             item.add_marker(pytest.mark.quick)
@@ -171,25 +172,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
-    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
-        return
-    modules: dict[str, list] = {}
-    for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    heavy_first = sorted(modules.values(), key=lambda tests: -sum(map(_costly, tests)))
-    items[:] = [item for tests in heavy_first for item in tests]
-    for item in items:
-        if _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
-def _shares_a_module_fixture(item) -> bool:
-    """Whether ``item`` takes a fixture of wider than function scope that its own module
-    defines (conftest's session fixtures are cheap, once per worker)."""
-    info = getattr(item, "_fixtureinfo", None)
-    module = item.nodeid.split("::")[0]
-    return info is not None and any(definition.scope != "function" and definition.baseid == module
-                                    for definitions in info.name2fixturedefs.values() for definition in definitions)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        modules: dict[str, list] = {}
+        for item in items:
+            modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+        items[:] = [item for tests in sorted(modules.values(), key=lambda tests: -sum(map(_costly, tests)))
+                    for item in tests]
 
 
 class _MachineLock:
