@@ -92,6 +92,7 @@ def test_every_variant_trains_and_is_tabled(peers_run):
         assert row["reached"] == 2 and row["iterations_to_target"] >= 1 and row["seconds_to_target"] > 0
     mpigrad = report["rows"][-1]
     assert mpigrad["iteration_vs_mpigrad"] == 1.0 and mpigrad["target_vs_mpigrad"] == 1.0
+    assert f"compare them with: mpigrad trace compare {out}/*.h5 --target-loss {TARGET:g} --smooth 2" in stdout
 
 
 @pytest.mark.mpi
@@ -302,6 +303,7 @@ def test_earlier_results_are_kept_unless_forced(tmp_path, capsys):
     assert cli_main(command) == 2 and "peers.json exists" in capsys.readouterr().err
     assert cli_main([*command, "--force"]) == 0
     assert json.loads((out / "peers.json").read_text())["seeds"] == [1, 2]
+    assert "--target-loss LOSS --smooth" in capsys.readouterr().out  # no target given: a placeholder
 
 
 def test_progress_lines_while_runs_go_and_no_powersgd_without_it(tmp_path):

@@ -555,8 +555,9 @@ def run(args: argparse.Namespace) -> int:
               "cpus": os.cpu_count(), "config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows],
               "breakdown": breakdown}
     (out / "peers.json").write_text(json.dumps(report, indent=1))
+    target = "LOSS" if args.target_loss is None else f"{args.target_loss:g}"
     print(f"wrote {out / 'peers.json'} and the traces; compare them with: mpigrad trace compare {out}/*.h5 "
-          f"--target-loss X --smooth {args.smooth}")
+          f"--target-loss {target} --smooth {args.smooth}")
     return 0
 
 
