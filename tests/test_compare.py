@@ -127,6 +127,10 @@ def test_compare_of_mixed_runs_fits_a_terminal_and_its_plot_shows_everything(tmp
     figure, = figures
     renderer = figure.canvas.get_renderer()
     loss, accuracy = figure.axes
+    target, = [line for line in loss.get_lines() if line.get_label() == "target loss 1"]
+    assert set(target.get_ydata()) == {1.0}      # --target-loss drawn across the loss panel
+    curves = [line for line in loss.get_lines() if line is not target]
+    assert len({str(line._unscaled_dash_pattern) for line in curves}) == min(len(curves), 4)  # equal curves show
     for text in (figure.legends[0], loss.yaxis.label):
         box = text.get_window_extent(renderer)
         assert 0 <= box.x0 and box.x1 <= figure.bbox.width and 0 <= box.y0 and box.y1 <= figure.bbox.height

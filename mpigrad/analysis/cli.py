@@ -253,7 +253,7 @@ def _compare(args: argparse.Namespace) -> int:
         if args.format != "csv":
             print(partial_note(rows), end="")
     if args.plot:
-        print(f"wrote {plot_compare(groups, args.plot, smooth=args.smooth)}")
+        print(f"wrote {plot_compare(groups, args.plot, smooth=args.smooth, target_loss=args.target_loss)}")
     return skipped.exit_code(0)
 
 

@@ -261,11 +261,17 @@ def partial_note(rows: Sequence[dict[str, Any]]) -> str:
     return notes
 
 
-def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: int = 200, title: str | None = None):
+#: Line styles of the groups' curves, in turn with the colours: a curve equal to another's
+#: still shows its colour between the other's dashes.
+GROUP_LINESTYLES = ("-", (0, (5, 3)), (0, (1, 2)), (0, (6, 2, 1, 2)))
+
+
+def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: int = 200, title: str | None = None,
+                 target_loss: float | None = None):
     """Mean smoothed training loss (and test accuracy) against simulated time per group,
     with a 95 % confidence band, on a grid up to the shortest run of each group; the test
     accuracy also as dots at the group's evaluations where they are few (a run evaluated
-    once, at its end, is one dot)."""
+    once, at its end, is one dot); a dotted grey line at ``target_loss`` where given."""
     from .plots import _MAX_MARKERS, _time_unit, check_output, finish, legend_below, loss_axis_label
 
     output = check_output(output)
@@ -287,17 +293,20 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
         grid = np.linspace(0.0, end, points)
         curves = np.array([np.interp(grid, t.steps["sim_time"].to_numpy(float), smoothed_loss(t, smooth))
                            for t in group.runs])
-        _band(axes[0], grid / scale, curves, color, f"{group.label} (n={len(group.runs)})")
+        style = GROUP_LINESTYLES[k % len(GROUP_LINESTYLES)]
+        _band(axes[0], grid / scale, curves, color, f"{group.label} (n={len(group.runs)})", style)
         if with_accuracy:
             evaluated = [t for t in group.runs if len(t.eval)]
             if evaluated:
                 acc = np.array([np.interp(grid, t.eval["sim_time"].to_numpy(float),
                                           100 * t.eval["test_accuracy"].to_numpy(float),
                                           left=np.nan) for t in evaluated])
-                _band(axes[1], grid / scale, acc, color, group.label)
+                _band(axes[1], grid / scale, acc, color, group.label, style)
                 iterations, times, accuracies = _mean_evaluations(evaluated)
                 if len(iterations) <= _MAX_MARKERS:
                     axes[1].plot(times / scale, accuracies, "o", color=color, ms=4)
+    if target_loss is not None:
+        axes[0].axhline(target_loss, color="0.45", lw=0.9, ls=":", label=f"target loss {target_loss:g}")
     axes[0].set_ylabel(loss_axis_label(smooth))
     legend_below(figure, axes[0])
     if with_accuracy:
@@ -315,7 +324,7 @@ def _mean_evaluations(runs: Sequence[Trace]) -> tuple[np.ndarray, np.ndarray, np
     return iterations, means[:, 0], 100 * means[:, 1]
 
 
-def _band(ax, xs, curves, color, label):
+def _band(ax, xs, curves, color, label, linestyle="-"):
     """Mean of ``curves`` (runs x points; NaN before a run's first evaluation) and its 95 % band."""
     import warnings
 
@@ -325,6 +334,6 @@ def _band(ax, xs, curves, color, label):
         half = None
         if len(curves) > 1:
             half = student_t95(len(curves) - 1) * np.nanstd(curves, axis=0, ddof=1) / math.sqrt(len(curves))
-    ax.plot(xs, mean, color=color, lw=1.4, label=label)
+    ax.plot(xs, mean, color=color, lw=1.4, ls=linestyle, label=label)
     if half is not None:
         ax.fill_between(xs, mean - half, mean + half, color=color, alpha=0.2, lw=0)
