@@ -176,7 +176,7 @@ def test_runs_with_different_configs_get_different_labels_everywhere(tmp_path, c
     assert pd.read_csv(io.StringIO(out))["method"].tolist() == [
         "Fix (2-bit) lr=0.01", "Fix (2-bit) lr=0.05 seed=1", "Fix (2-bit) lr=0.05 seed=2"]
     code, out, _ = cli(capsys, "table", a, b, "--at", "50s")
-    assert [line.split("  ")[0] for line in out.splitlines()[1:]] == ["Fix (2-bit) lr=0.01", "Fix (2-bit) lr=0.05"]
+    assert [line.split("  ")[0] for line in out.splitlines()[1:-1]] == ["Fix (2-bit) lr=0.01", "Fix (2-bit) lr=0.05"]
     # Method options show only where the labels would clash.
     configs = [{"policy": "mqgrad", "policy_opts": {"epsilon": e}} for e in (0.1, 0.2)]
     assert group_labels(configs) == ["MQGrad policy_opts.epsilon=0.1", "MQGrad policy_opts.epsilon=0.2"]

@@ -16,7 +16,8 @@ from typing import Callable
 from ..config import BROADCASTS, parse_bandwidth, parse_latency, parse_link_bandwidth
 from ..errors import UsageError
 from ..trace import Trace, TraceError, load
-from .tables import CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, fit_width, parse_points, render, wrap
+from .tables import (CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, fit_width, parse_points, render,
+                     table_key, wrap)
 
 _FORMATS = ("text", "csv", "markdown")
 
@@ -208,6 +209,8 @@ def _table(args: argparse.Namespace) -> int:
     traces, labels = _marked_runs(args.files, skipped)
     rows, columns = accuracy_table(traces, labels, points, clock=args.clock, metric=args.metric)
     print(render(rows, columns, args.format), end="")
+    if args.format == "text":
+        print(table_key(rows, clock=args.clock, metric=args.metric, iterations=points[0].is_iteration))
     return skipped.exit_code(0)
 
 

@@ -187,6 +187,18 @@ def accuracy_table(traces: Sequence[Trace], labels: Sequence[str], points: Seque
     return rows, columns
 
 
+def table_key(rows: Sequence[dict], *, clock: str = "sim", metric: str = "accuracy", iterations: bool = False) -> str:
+    """The line under a text ``trace table`` that says what its cells are, and what "-" and
+    "N/A" mean where they appear."""
+    what = "test accuracy (%)" if metric == "accuracy" else "test loss"
+    where = ("within each point's iterations" if iterations
+             else f"at or before each point on the {'simulated' if clock == 'sim' else 'wall'} clock")
+    cells = {value for row in rows for key, value in row.items() if key != "method"}
+    marks = [text for mark, text in ((NOT_YET, f"{NOT_YET}: not evaluated yet"),
+                                     (NOT_AVAILABLE, f"{NOT_AVAILABLE}: the run had ended")) if mark in cells]
+    return "; ".join([f"cells: the {what} of the last evaluation {where}", *marks])
+
+
 def export_csv(trace: Trace, directory: str | Path, *, force: bool = False) -> list[Path]:
     """Write every table as ``DIR/<table>.csv`` and the root attributes as ``DIR/attrs.json``.
 
