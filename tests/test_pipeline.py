@@ -78,6 +78,25 @@ def test_bad_combinations_are_one_line_errors():
         check_options(RunConfig(pipeline=True, servers="colocated", codec="powersgd", policy="fixed", lr=0.01))
 
 
+def test_a_pipelined_gpu_run_needs_an_mpi_with_threads():
+    """The hooks of a GPU's backward run on autograd's device thread and call MPI: below
+    MPI_THREAD_SERIALIZED that is refused in one line; CPU runs and sequential runs pass."""
+    from mpi4py import MPI
+
+    from mpigrad.runtime.session import check_thread_level
+
+    pipelined = RunConfig(servers="colocated", pipeline=True, device="cuda")
+    for level in (MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED):
+        with pytest.raises(UsageError, match="needs MPI_THREAD_SERIALIZED or more, and this MPI gave MPI_THREAD_") as info:
+            check_thread_level(pipelined, level)
+        assert "\n" not in str(info.value) and "drop --pipeline" in str(info.value)
+    check_thread_level(pipelined, MPI.THREAD_SERIALIZED)
+    check_thread_level(pipelined, MPI.THREAD_MULTIPLE)
+    check_thread_level(RunConfig(servers="colocated", pipeline=True, device="cpu"), MPI.THREAD_SINGLE)
+    check_thread_level(RunConfig(servers="colocated", device="cuda"), MPI.THREAD_SINGLE)
+    assert MPI.Query_thread() >= MPI.THREAD_SERIALIZED  # what the test suite's MPI gives
+
+
 def test_the_backward_report_round_trips_and_refuses_a_wrong_size():
     report = BackwardReport(0.5, 0.6, [0.1, 0.4], [0.2, 0.5], [1, 2, 3, 4, 5, 6], [7, 0])
     buf = BackwardReport.buffer(2, 3)

@@ -38,6 +38,24 @@ def check_launch(config, comm: MPI.Comm) -> None:
         raise UsageError(message)
 
 
+#: MPI's thread levels by value, for messages.
+THREAD_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                 MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED", MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+
+
+def check_thread_level(config, provided: int) -> None:
+    """UsageError where a pipelined run on a GPU (``--device cuda`` or ``auto``) would call MPI
+    from autograd's device thread, which the main thread did not start, and this MPI gave
+    less than MPI_THREAD_SERIALIZED (``provided``, MPI_Query_thread): the calls would race or
+    corrupt MPI's state. A CPU run's backward calls the hooks on the main thread."""
+    if not config.pipeline or config.device == "cpu" or provided >= MPI.THREAD_SERIALIZED:
+        return
+    raise UsageError(f"--pipeline --device {config.device}: the gradients' frames go from autograd's device "
+                     f"thread, which needs MPI_THREAD_SERIALIZED or more, and this MPI gave "
+                     f"{THREAD_LEVELS.get(provided, provided)} (mpi4py asks for mpi4py.rc.thread_level, 'multiple' "
+                     f"by default; the MPI may be built without thread support): drop --pipeline, or use such an MPI")
+
+
 def _launch_problem(config, size: int) -> str | None:
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
@@ -48,6 +66,7 @@ def _launch_problem(config, size: int) -> str | None:
             path, ranks = config.declared_ranks
             raise UsageError(f"{path} is written for {ranks} ranks (its '# ranks: {ranks}' line) but this run "
                              f"has {size}: launch with mpiexec -n {ranks}, or edit that line in a copy")
+        check_thread_level(config, MPI.Query_thread())
         if size < config.non_worker_ranks() + 1:
             raise UsageError(f"--servers {config.servers} needs at least {config.non_worker_ranks() + 1} MPI ranks "
                              f"(S servers and at least one worker), this run has {size}")
