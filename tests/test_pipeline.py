@@ -94,6 +94,10 @@ def test_a_pipelined_gpu_run_needs_an_mpi_with_threads():
     check_thread_level(pipelined, MPI.THREAD_MULTIPLE)
     check_thread_level(RunConfig(servers="colocated", pipeline=True, device="cpu"), MPI.THREAD_SINGLE)
     check_thread_level(RunConfig(servers="colocated", device="cuda"), MPI.THREAD_SINGLE)
+    import torch
+
+    if not torch.cuda.is_available():  # auto takes the CPU where there is no GPU
+        check_thread_level(RunConfig(servers="colocated", pipeline=True, device="auto"), MPI.THREAD_SINGLE)
     assert MPI.Query_thread() >= MPI.THREAD_SERIALIZED  # what the test suite's MPI gives
 
 
