@@ -149,13 +149,13 @@ def _costly(item) -> bool:
 
 
 def pytest_configure(config):
-    """Under ``-n N`` (pytest-xdist), send each module's tests to one worker (its module
-    fixtures run once), in collection order (``pytest_collection_modifyitems``: the heaviest
+    """Under ``-n N`` (pytest-xdist), send each module's tests to one worker (``loadfile``: its
+    module fixtures run once), in collection order (``pytest_collection_modifyitems``: the heaviest
     modules first), unless ``--dist`` names another way."""
     if any(arg == "--dist" or arg.startswith("--dist=") for arg in map(str, config.invocation_params.args)):
         return
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadscope"
+        config.option.dist = "loadfile"
         config.option.loadscopereorder = False
 
 
@@ -194,9 +194,11 @@ class _MachineLock:
         fcntl.flock(self._gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._machine, fcntl.LOCK_EX if whole else fcntl.LOCK_SH)
-        finally:
-            if not whole:
-                fcntl.flock(self._gate, fcntl.LOCK_UN)
+        except BaseException:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+            raise
+        if not whole:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
         try:
             yield
         finally:

@@ -140,7 +140,7 @@ method       1h    5h    8h  12h
 Fix (2-bit)   -  60.0   N/A  N/A
 MQGrad        -  55.0  65.0  N/A
 cells: the test accuracy (%) of the last evaluation at or before each point on the simulated clock; \
--: not evaluated yet; N/A: the run had ended
+-: not evaluated yet; N/A: past the run's end
 """
 
 
@@ -209,11 +209,14 @@ def test_info_is_a_screenful_and_full_prints_every_value_whole(runs, tmp_path, c
     shutil.copyfile(runs["fix2"], long)
     model = {f"codec{k}": {"seconds_per_element": [1e-9 * k] * 40} for k in range(60)}
     banner = "MPICH Version: 5.0.2\n" + "\n".join(f"MPICH line {k}" for k in range(10))
+    error = "rank 2 failed at iteration 13: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)"
     with h5py.File(long, "r+") as f:
         f.attrs["cost_model"] = json.dumps(model)
         f.attrs["mpi_library"] = banner
+        f.attrs["status"], f.attrs["error"] = "failed", error
     code, out, _ = cli(capsys, "info", long)
-    assert code == 0 and max(len(line) for line in out.splitlines()) <= 29 + 110, out
+    assert f"failed: {error}" in out  # what the run died of is never cut
+    assert max(len(line) for line in out.splitlines() if not line.startswith("status")) <= 29 + 110, out
     assert len(out.splitlines()) < 60
     assert re.search(r"^cost_model +\{codec0, codec1, .*\}: 60 keys, \d+ characters \(--full prints them\)$", out, re.M)
     assert re.search(r"^mpi_library +MPICH Version: 5.0.2 \(and 10 more lines: --full\)$", out, re.M)

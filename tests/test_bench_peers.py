@@ -283,6 +283,7 @@ def test_lab_and_variant_refusals_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "has no unit" in err
 
 
+@pytest.mark.mpi
 def test_earlier_results_are_kept_unless_forced(tmp_path, capsys):
     """An existing trace or peers.json in --out: one line, exit 2, nothing written, before any
     run; --force runs and replaces it."""
@@ -306,6 +307,7 @@ def test_earlier_results_are_kept_unless_forced(tmp_path, capsys):
     assert "--target-loss LOSS --smooth" in capsys.readouterr().out  # no target given: a placeholder
 
 
+@pytest.mark.mpi
 def test_progress_lines_while_runs_go_and_no_powersgd_without_it(tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)

@@ -79,6 +79,7 @@ def test_a_bad_tf32_setting_is_refused():
         RunConfig(tf32="maybe", lr=0.1).validate()
 
 
+@pytest.mark.mpi
 def test_the_gpu_table_script_runs_configs_train_takes(tmp_path, mpi_env):
     """examples/gpu/table.sh (issue 34's table on a GPU node): bash parses it, every layout it
     runs passes train's checks on its config, and the config trains (one small step on the

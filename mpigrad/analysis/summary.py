@@ -130,8 +130,9 @@ INFO_WIDTH = 100
 
 def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
     """(key, text) lines for `mpigrad trace info`: every attribute and the config; without
-    ``full``, a screenful, with values longer than INFO_WIDTH or of several lines summarised
-    (saying so) and the config as ``key=value`` pairs."""
+    ``full``, a screenful: the attributes it does not describe itself (a cost model, the MPI
+    library's banner...) summarised where longer than INFO_WIDTH or of several lines (saying
+    so), and the config as ``key=value`` pairs."""
     attrs, steps = trace.attrs, trace.steps
     status = {"complete": "complete (ended cleanly)", "stopped": "stopped (checkpointed, can be resumed)",
               "failed": "failed",
@@ -169,12 +170,10 @@ def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
                                             for k, v in versions.items())))
     shown = {"format", "schema_version", "mpigrad_version", "start_time", "end_time", "complete",
              "status", "error", "last_iteration", "config", "resumes", "network", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
-    lines += [(key, _compact(value)) for key, value in attrs.items() if key not in shown]
+    others = [(key, _compact(value)) for key, value in attrs.items() if key not in shown]
     if full:
-        lines.append(("config", json.dumps(trace.config, indent=2, sort_keys=True)))
-        return lines
-    lines = [(key, text if key in ("file", "argv") else _summarised(text, attrs.get(key)))
-             for key, text in lines]
+        return lines + others + [("config", json.dumps(trace.config, indent=2, sort_keys=True))]
+    lines += [(key, _summarised(text, attrs[key])) for key, text in others]
     pairs = [f"{key}={_summarised(_compact(value), value, INFO_WIDTH // 2)}"
              for key, value in sorted(trace.config.items())]
     return lines + [("config", "\n".join(_wrapped(pairs, INFO_WIDTH)))]
@@ -193,7 +192,7 @@ def _summarised(text: str, value: Any = None, width: int = INFO_WIDTH) -> str:
     if isinstance(value, dict):
         keys = ", ".join(map(str, value))
         head = "{" + (keys if len(keys) <= width // 2 else keys[:width // 2].rsplit(", ", 1)[0] + ", ...") + "}"
-        return f"{head}: {len(value)} keys, {len(text)} characters (--full prints them)"
+        return f"{head}: {len(value)} key{'s' * (len(value) != 1)}, {len(text)} characters (--full prints them)"
     if "\n" in text:
         first, rest = text.split("\n", 1)
         return f"{_summarised(first, width=width)} (and {rest.count(chr(10)) + 1} more lines: --full)"

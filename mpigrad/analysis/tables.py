@@ -195,7 +195,7 @@ def table_key(rows: Sequence[dict], *, clock: str = "sim", metric: str = "accura
              else f"at or before each point on the {'simulated' if clock == 'sim' else 'wall'} clock")
     cells = {value for row in rows for key, value in row.items() if key != "method"}
     marks = [text for mark, text in ((NOT_YET, f"{NOT_YET}: not evaluated yet"),
-                                     (NOT_AVAILABLE, f"{NOT_AVAILABLE}: the run had ended")) if mark in cells]
+                                     (NOT_AVAILABLE, f"{NOT_AVAILABLE}: past the run's end")) if mark in cells]
     return "; ".join([f"cells: the {what} of the last evaluation {where}", *marks])
 
 

@@ -48,13 +48,10 @@ def check_thread_level(config, provided: int) -> None:
     from autograd's device thread, which the main thread did not start, and this MPI gave
     less than MPI_THREAD_SERIALIZED (``provided``, MPI_Query_thread): the calls would race or
     corrupt MPI's state. A CPU run's backward calls the hooks on the main thread."""
-    if not config.pipeline or config.device == "cpu" or provided >= MPI.THREAD_SERIALIZED:
-        return
-    if config.device == "auto":
-        import torch
+    from .gpu import workers_device
 
-        if not torch.cuda.is_available():  # auto resolves to the CPU here
-            return
+    if not config.pipeline or provided >= MPI.THREAD_SERIALIZED or workers_device(config) == "cpu":
+        return
     raise UsageError(f"--pipeline --device {config.device}: the gradients' frames go from autograd's device "
                      f"thread, which needs MPI_THREAD_SERIALIZED or more, and this MPI gave "
                      f"{THREAD_LEVELS.get(provided, provided)} (mpi4py asks for mpi4py.rc.thread_level, 'multiple' "
