@@ -106,6 +106,9 @@ def run_mpi(ranks: int, args: list[str], env: dict[str, str], timeout: float = 1
         pytest.fail(f"mpiexec run did not finish within {timeout} s: {' '.join(args)}\n"
                     f"stdout: {exc.stdout}\nstderr: {exc.stderr}")
     result.stderr = without_launcher_notice(result.stderr)
+    # Every real run checks the warm-up: a kernel first called inside the run is named here.
+    late = [line for line in result.stderr.splitlines() if "Numba kernel(s) during the run" in line]
+    assert not late, "\n".join(late)
     return result
 
 

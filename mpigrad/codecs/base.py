@@ -324,6 +324,14 @@ class Codec(ABC):
         config["bits"] = int(bits)
         return get_codec(config)
 
+    def wire_codecs(self, widths=()) -> list["Codec"]:
+        """The codecs whose buffers a run of this codec puts on the wire, for the warm-up to
+        compile before the first iteration: this one at each of ``widths`` (the bits a policy
+        may choose; this one alone when none are given or the codec takes no bits)."""
+        if widths and self.takes_policy_bits:
+            return [self.with_bits(bits) for bits in widths]
+        return [self]
+
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.get_config() == other.get_config()
 

@@ -180,6 +180,12 @@ class PowerSGD(_FloatCodec):
             return get_codec({"id": FLOAT_WIDTHS[width], "checksum": self.checksum})
         return get_codec({"id": "uniform", "bits": width, "checksum": self.checksum})
 
+    def wire_codecs(self, widths=()) -> list[Codec]:
+        """This codec (float32 factors and warm-up iterations), its factor and rest codecs,
+        and the codec of each width in the menu (``widths``: a policy's are ignored, the
+        menu is this codec's own)."""
+        return [self, self.factor_codec(), self.rest_codec(), *(self._width_codec(b) for b in self.widths)]
+
     def factor_codec(self) -> Codec:
         """The codec of one factor on the wire: this one (float32, wire id 8) at 32 bits,
         else ``fp16`` or ``uniform`` at ``factor_bits``, its bits fixed (no policy moves them)."""

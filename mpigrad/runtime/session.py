@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, broadcast_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
+from .warmup import KernelWatch, run_codecs, warm_up
 from .wire import PeerTimeout
 
 if TYPE_CHECKING:
@@ -144,27 +146,35 @@ def trace_status(path: Path) -> str | None:
     return status.decode() if isinstance(status, bytes) else status
 
 
-def warm_up(config) -> None:
-    """Compile the Numba kernels (into the cache) by one encode/decode of a small array."""
-    codec = base_codec(config)
-    x = np.linspace(-1.0, 1.0, 4096, dtype=np.float32)
-    for c in (codec, get_codec({"id": "fp32"})):
-        c.decode(c.encode(x))
-
-
 def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = None) -> int:
     """Run this rank's part; ``started`` (time.monotonic) is when the process began, for --walltime."""
-    from .environment import threads_per_rank
-    from .wire.mpi import MpiChannel, barrier, choose_waiting
+    from .wire.mpi import barrier
 
     rank = comm.Get_rank()
     # Rank 0 compiles first, so the others load from the Numba cache (waiting without
     # spinning: on a shared node a spinning rank slows the compile it waits for).
+    codecs = run_codecs(config)
     if rank == 0:
-        warm_up(config)
+        compiled_s = warm_up(config, codecs)
     barrier(comm, config.timeout, "rank 0 did not finish compiling the Numba kernels")
     if rank != 0:
-        warm_up(config)
+        compiled_s = warm_up(config, codecs)
+    watch = KernelWatch()
+    try:
+        return _run_role(config, comm, argv, started, compiled_s)
+    finally:
+        late = watch.compiled()
+        if late:
+            print(f"mpigrad: rank {rank} compiled {len(late)} Numba kernel(s) during the run, their time inside "
+                  f"its iterations' t_encode/t_decode (the warm-up missed them): {', '.join(late)}",
+                  file=sys.stderr, flush=True)
+
+
+def _run_role(config, comm: MPI.Comm, argv: list[str], started: float | None, compiled_s: float) -> int:
+    from .environment import threads_per_rank
+    from .wire.mpi import MpiChannel, choose_waiting
+
+    rank = comm.Get_rank()
     stop = StopFlag(config.walltime, started).install()
     # Rank 0 detects and names a silent rank; the others give it twice as long before
     # concluding that rank 0 itself is gone (they would otherwise time out together with it).
@@ -173,12 +183,13 @@ def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = No
     channel.waits = choose_waiting(comm, config.wait, threads_per_rank(config.threads))
     if rank == 0:
         log = lambda message: print(message, flush=True)  # noqa: E731
-        return run_parameter_server(config, channel, stop, argv, log)
+        return run_parameter_server(config, channel, stop, argv, log, warm_up_s=compiled_s)
     return run_other_rank(config, channel)
 
 
-def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) -> int:
-    """Rank 0's session: resume, trace, iterate, then checkpoint (exit 75) or finish (0)."""
+def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, warm_up_s: float | None = None) -> int:
+    """Rank 0's session: resume, trace, iterate, then checkpoint (exit 75) or finish (0).
+    ``warm_up_s``: the seconds rank 0's warm-up took, for the start-up lines."""
     from .server import ParameterServer
     from .tracing import RunTrace
 
@@ -205,7 +216,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log) 
                           data_description=server.data_description, hosts=hosts, argv=argv,
                           resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
                           settings=server.mixed, waits=getattr(channel, "waits", None))
-    describe_run(config, server, channel.size, log)  # a resumed session's start-up lines too
+    describe_run(config, server, channel.size, log, warm_up_s)  # a resumed session's start-up lines too
     if changed:
         log(changed)
 
@@ -290,7 +301,7 @@ def run_other_rank(config, channel) -> int:
         raise RankFailure(exc, channel, role.iteration if role is not None else -1) from exc
 
 
-def describe_run(config, server, size: int, log) -> None:
+def describe_run(config, server, size: int, log, warm_up_s: float | None = None) -> None:
     layout = server.replica.layout
     quantized = sum(s.size for s in layout.quantized)
     if server.colocated:
@@ -318,6 +329,9 @@ def describe_run(config, server, size: int, log) -> None:
     where = codec_path(config, [server.codec, broadcast_codec(config)[0], get_codec({"id": "fp32"})])
     if where:
         log(where)
+    if warm_up_s is not None:
+        log(f"warm-up: every codec this run can use compiled or loaded from Numba's cache before iteration 0, "
+            f"in {warm_up_s:.1f} s on rank 0")
     log("config: " + config_description(config))
 
 
