@@ -52,6 +52,14 @@ class RunConfig:
     batch_size: int = 32
     lr: float | None = None          # None: the dataset's default (DEFAULT_LR)
     weight_decay: float = 0.004
+    #: The update rule (mpigrad/optim.py): "sgd" without options is the paper's plain SGD;
+    #: any other torch.optim optimizer by name, or package.module:factory, with its options.
+    optimizer: str = "sgd"
+    optimizer_opts: dict[str, Any] = field(default_factory=dict)
+    lr_schedule: str | None = None   # a torch.optim.lr_scheduler class by name, stepped per iteration
+    lr_schedule_opts: dict[str, Any] = field(default_factory=dict)
+    lr_warmup: int = 0               # iterations of linear warm-up to the (scheduled) rate
+    lr_scaling: str = "none"         # "linear": the base rate times the number of workers
     model: str = "paper-cnn"
     model_opts: dict[str, Any] = field(default_factory=dict)
     data: str = "digits"
@@ -245,6 +253,8 @@ class RunConfig:
             (self.batch_size >= 1, "batch_size must be at least 1"),
             (self.lr is not None and self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr}"),
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.lr_warmup >= 0, f"lr_warmup must be >= 0 iterations, got {self.lr_warmup}"),
+            (self.lr_scaling in ("none", "linear"), f"lr_scaling must be none or linear, got {self.lr_scaling!r}"),
             (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
             (self.min_quantize_size is None or self.min_quantize_size >= 1,
              "min_quantize_size must be at least 1"),
@@ -529,7 +539,7 @@ def parse_assignments(items: list[str] | None, what: str) -> dict[str, Any] | No
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 _OPTIONAL_TYPES = {"threads": int, "eval_samples": int, "data_dir": str, "checkpoint": str, "lr": float,
-                   "min_quantize_size": int}
+                   "min_quantize_size": int, "lr_schedule": str}
 
 
 def parse_interval(text: Any) -> int | str:

@@ -211,6 +211,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     from torch.nn.parallel import DistributedDataParallel
 
     from ..data import ShardSampler
+    from ..optim import LearningRate, build_torch_optimizer
     from ..runtime.build import build_config_model
 
     workers = spec["workers"]
@@ -231,14 +232,20 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
                                             use_error_feedback=True, warm_start=True, random_seed=config.seed)
         ddp.register_comm_hook(state, tally.wrap(powerSGD_hook.powerSGD_hook))
     sampler = ShardSampler(len(dataset.train_y), rank, workers, config.batch_size, config.seed)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr)  # w <- w - lr * mean gradient, as mpigrad
+    # The run's optimizer and schedule, as mpigrad's replicas apply them (plain SGD by default:
+    # w <- w - lr * mean gradient); the rate is set before each step, as on mpigrad's ranks.
+    optimizer = build_torch_optimizer(config.optimizer, ddp.parameters(), config.lr, config.optimizer_opts)
+    rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup, config.lr_scaling,
+                        workers)
     record = RankRecord(variant.name, [], [], [], [])
     fp32_bytes = ring_allreduce_bytes(workers, n_params)
     report = _ChildReport(spec, variant.name) if rank == 0 else None
     clock = _GradientClock(model, tally) if spec.get("breakdown") and device.type == "cpu" else None
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(spec["iterations"]):
+    for m in range(spec["iterations"]):
+        for group in optimizer.param_groups:
+            group["lr"] = rate.at(m)
         idx = sampler.next_batch()
         x = torch.from_numpy(dataset.train_x[idx]).to(device)
         y = torch.from_numpy(dataset.train_y[idx]).to(device)
@@ -473,6 +480,7 @@ def _free_port(address: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import declared_ranks
+    from ..optim import recipe_description
     from ..runtime.environment import THREAD_VARIABLES, threads_per_rank
 
     variants = _variants(args.variants)
@@ -515,7 +523,8 @@ def run(args: argparse.Namespace) -> int:
     if args.address == "127.0.0.1":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"mpigrad bench peers: {config.model} on {config.data}, P = {workers} workers, batch {config.batch_size}"
-          f"/worker, lr {config.lr:g}, weight decay {config.weight_decay:g}, {config.iterations} iterations, "
+          f"/worker, {recipe_description(config)}, weight decay {config.weight_decay:g}, {config.iterations} "
+          "iterations, "
           f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; "
           f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; "
           f"{powersgd}{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)

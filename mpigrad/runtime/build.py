@@ -13,6 +13,7 @@ from ..config import RunConfig
 from ..data import Dataset, load_dataset
 from ..feedback import ErrorFeedback
 from ..models import build_model
+from ..optim import LearningRate, UpdateRule
 from .checks import base_codec, broadcast_codec, check_device
 from .compressor import GradientCompressor
 from .layout import Layout, Shard, pieces_of, plan_shards
@@ -85,9 +86,18 @@ def build_config_model(config: RunConfig, dataset: Dataset) -> torch.nn.Module:
                            seed=config.seed, **config.model_opts)
 
 
-def build_replica(config: RunConfig, dataset: Dataset) -> Replica:
-    return Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device),
-                   base_codec(config))
+def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = None) -> Replica:
+    """The run's replica; with ``workers`` (a rank that applies updates) its update rule:
+    the run's optimizer over the layout's pieces, at the schedule's rates."""
+    replica = Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device),
+                      base_codec(config))
+    if workers is not None:
+        pieces = [(piece.offset, piece.size) for piece in pieces_of(replica.layout, config.shard_chunk)]
+        rule = UpdateRule(config.optimizer, config.optimizer_opts, pieces, replica.flat, config.lr)
+        rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup,
+                            config.lr_scaling, workers)
+        replica.use_update_rule(rule, rate)
+    return replica
 
 
 def build_shards(config: RunConfig, layout: Layout, codec: Codec, shards: int) -> tuple[Shard, ...]:

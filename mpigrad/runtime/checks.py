@@ -134,8 +134,28 @@ def check_given_options(config: RunConfig, codec: Codec) -> None:
             raise UsageError(f"--{option.replace('_', '-')} does not apply to {why}")
 
 
+def check_recipe(config: RunConfig) -> None:
+    """UsageError (one line) for an optimizer or schedule that cannot be built, or a plugin
+    optimizer where ``--shard-chunk`` cuts layers (it may need whole layers)."""
+    from ..optim import OptimizerError, check_recipe as check, is_plain
+    from ..plugins import is_plugin
+
+    try:
+        check(config.optimizer, config.optimizer_opts, config.lr_schedule, config.lr_schedule_opts,
+              config.lr_warmup, config.lr_scaling)
+    except OptimizerError as exc:
+        raise UsageError(str(exc)) from None
+    if config.lr_schedule_opts and not config.lr_schedule:
+        raise UsageError("--lr-schedule-opt without --lr-schedule: name the schedule")
+    if is_plugin(config.optimizer) and config.shard_chunk and not is_plain(config.optimizer, config.optimizer_opts):
+        raise UsageError(f"--optimizer {config.optimizer}: a plugin optimizer gets each piece of the layout, and "
+                         "--shard-chunk cuts layers into pieces, which an optimizer that needs whole layers "
+                         "cannot take: drop --shard-chunk")
+
+
 def check_options(config: RunConfig) -> None:
     """UsageError (one line) for options that cannot work together, whatever the launch."""
+    check_recipe(config)
     try:
         if "bits" in config.codec_opts:
             raise UsageError("set the bits with --bits (bits = N at the top of a config file), "

@@ -36,6 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, help=f"per-worker batch size (default {d.batch_size})")
     g.add_argument("--lr", type=float, help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic and teacher)")
     g.add_argument("--weight-decay", type=float, help=f"l2 coefficient (paper-cnn: its big FC weights; other models: conv and linear weights) (default {d.weight_decay})")
+    g.add_argument("--optimizer", help="the update's optimizer: sgd (default; without options the paper's plain "
+                   "w <- w - lr g) | adam | adamw | rmsprop | adagrad | adamax | nadam | radam | asgd | rprop "
+                   "(torch.optim's) | package.module:factory (docs/training.rst)")
+    g.add_argument("--optimizer-opt", action="append", metavar="KEY=VALUE",
+                   help="optimizer option, e.g. momentum=0.9, nesterov=true, betas=[0.9,0.999], weight_decay=5e-4 "
+                        "(the optimizer's own decay, beside --weight-decay's l2 term in the loss)")
+    g.add_argument("--lr-schedule", metavar="NAME", help="a torch.optim.lr_scheduler class, stepped once per "
+                   "iteration, e.g. CosineAnnealingLR, MultiStepLR, StepLR (default: a constant rate)")
+    g.add_argument("--lr-schedule-opt", action="append", metavar="KEY=VALUE",
+                   help="schedule option, e.g. T_max=300, milestones=[150,225], gamma=0.1")
+    g.add_argument("--lr-warmup", type=int, metavar="N", help="linear warm-up: iteration m < N runs at (m+1)/N of the "
+                   "scheduled rate (default 0)")
+    g.add_argument("--lr-scaling", choices=["none", "linear"], help="linear: the base --lr times the number of "
+                   "workers (Goyal et al.; default none)")
     g.add_argument("--seed", type=int, help="seeds data order, model init, codecs and policy (default 0)")
     g.add_argument("--device", choices=["cpu", "cuda", "auto"], help="torch device (default cpu; auto: cuda where available). "
                    "With cuda each GPU rank takes the device of its position on its node (docs/gpu.rst)")
@@ -158,8 +172,8 @@ class RegistryHelpFormatter(argparse.HelpFormatter):
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = {key: value for key, value in vars(args).items()
                  if key not in ("config",) and not key.endswith("_opt")}
-    for name in ("model", "data", "codec", "policy"):
-        overrides[f"{name}_opts"] = parse_assignments(getattr(args, f"{name}_opt"), f"--{name}-opt")
+    for name in ("model", "data", "codec", "policy", "optimizer", "lr_schedule"):
+        overrides[f"{name}_opts"] = parse_assignments(getattr(args, f"{name}_opt"), f"--{name.replace('_', '-')}-opt")
     return RunConfig.from_sources(args.config, overrides)
 
 

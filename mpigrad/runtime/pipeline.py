@@ -264,7 +264,7 @@ class PipelinedExchange:
     def _apply_if_complete(self, b: int, parts_left: list[int], update: np.ndarray) -> None:
         if parts_left[b]:
             return
-        replica, lr = self.worker.replica, self.worker.config.lr
+        replica, lr = self.worker.replica, self.worker.lr
         for part in self.buckets[b]:
             if part is not None:
                 for piece in part.pieces:

@@ -40,6 +40,7 @@ class IterationRecord:
     policy_rows: list[dict] = field(default_factory=list)
     settings: list[int] | None = None           # PowerSGD with menus: each layer's setting code
     control_ahead: bool | None = None           # control = "ahead": whether this Control went before the losses
+    lr: float | None = None                     # the iteration's learning rate, where a schedule or warm-up moves it
 
 
 _get = operator.attrgetter
@@ -50,7 +51,7 @@ TABLE_COLUMNS: dict[str, dict[str, Callable[[IterationRecord], object]]] = {
               "norm_ratio": _get("norm_ratio"), "bytes_up": _get("bytes_up"), "bytes_down": _get("bytes_down"),
               "t_compute": _get("t_compute"), "t_encode": _get("t_encode"), "t_decode": _get("t_decode"),
               "t_comm": _get("t_comm"), "t_policy": _get("t_policy"), "setting_layers": _get("settings"),
-              "control_ahead": lambda r: int(r.control_ahead)},
+              "control_ahead": lambda r: int(r.control_ahead), "lr": _get("lr")},
     "workers": {"iteration": _get("iteration"), "loss": _get("worker_losses"),
                 "t_compute": _get("worker_compute"), "bytes_sent": _get("worker_bytes")},
     "servers": {"iteration": _get("iteration"), "bytes_in": _get("server_bytes_in"),
@@ -64,6 +65,7 @@ def table_block(table: str, records: list[IterationRecord]) -> dict[str, list]:
     """The rows of ``records`` for one table, column by column (no dict per row: a trace
     flush gathers 100 records, and per-row dicts were most of its Python time). ``setting_layers``
     and ``control_ahead`` only for records that carry them (a run's records all do, or none)."""
-    absent = {"setting_layers": records[0].settings is None, "control_ahead": records[0].control_ahead is None}
+    absent = {"setting_layers": records[0].settings is None, "control_ahead": records[0].control_ahead is None,
+              "lr": records[0].lr is None}
     return {column: [value(r) for r in records] for column, value in TABLE_COLUMNS[table].items()
             if not absent.get(column, False)}

@@ -13,6 +13,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..optim import LearningRate, UpdateRule
 from .layout import Layout, Segment
 
 
@@ -76,6 +77,9 @@ class Replica:
             self.grad_host = self._host_grad.numpy()
             self.update_host = self._host_update.numpy()
 
+        #: The optimizer and the schedule (use_update_rule); None: plain SGD at the rate given.
+        self.rule: UpdateRule | None = None
+        self.rate: LearningRate | None = None
         #: Whether the codecs read the gradient and write the update in device memory (the
         #: device path, runtime/device.py): set by :meth:`use_device_codecs`.
         self.codecs_on_device = False
@@ -98,14 +102,42 @@ class Replica:
         """Where the codecs decode the update: ``update_device`` or ``update_host``."""
         return self.update_device if self.codecs_on_device else self.update_host
 
+    def use_update_rule(self, rule: UpdateRule, rate: LearningRate) -> None:
+        """Apply updates with ``rule`` (the optimizer, one per piece) at ``rate``'s rates
+        (:meth:`lr`) instead of plain SGD at the rate each call passes."""
+        self.rule, self.rate = rule, rate
+
+    def lr(self, m: int, default: float) -> float:
+        """Iteration ``m``'s learning rate: the schedule's, or ``default`` without one."""
+        return default if self.rate is None else self.rate.at(m)
+
+    def update_state_dict(self) -> dict | None:
+        """The update rule's and the schedule's state (None for plain SGD at a constant rate)."""
+        if self.rule is None or (self.rule.plain and self.rate.constant):
+            return None
+        return {"rule": self.rule.state_dict(), "rate": self.rate.state_dict()}
+
+    def load_update_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        self.rule.load_state_dict(state["rule"])
+        self.rate.load_state_dict(state["rate"])
+
     def step(self, lr: float, offset: int = 0, size: int | None = None) -> None:
-        """w <- w - lr * (the decoded update), on ``size`` elements from ``offset`` (all by
-        default), from wherever the codecs decoded it."""
+        """Apply the decoded update at rate ``lr`` (plain SGD: w <- w - lr * update; else the
+        update rule's optimizer), on ``size`` elements from ``offset`` (all by default; else
+        whole pieces), from wherever the codecs decoded it."""
         if not self.codecs_on_device:
             self.apply_update(self.update_host, lr, offset, size)
             return
         end = self.flat.numel() if size is None else offset + size
-        self.flat[offset:end].add_(self.update_device[offset:end], alpha=-lr)
+        self._apply(self.update_device, lr, offset, end)
+
+    def _apply(self, update: torch.Tensor, lr: float, offset: int, end: int) -> None:
+        if self.rule is None:
+            self.flat[offset:end].add_(update[offset:end], alpha=-lr)
+        else:
+            self.rule.apply(self.flat, update, lr, offset, end)
 
     def gradient_to_host(self, pieces=None) -> np.ndarray:
         """The flat gradient in host memory (the CPU's own buffer, or a pinned copy of a
@@ -121,13 +153,15 @@ class Replica:
         return self.grad_host
 
     def apply_update(self, grad: np.ndarray, lr: float, offset: int = 0, size: int | None = None) -> None:
-        """w <- w - lr * grad, for ``grad`` a host array in the flat layout; with ``offset``
-        and ``size``, on those elements only (the pipelined iteration, a bucket at a time)."""
+        """Apply ``grad``, a host array in the flat layout, as :meth:`step` applies the decoded
+        update; with ``offset`` and ``size``, on those elements only (the pipelined iteration,
+        a bucket at a time)."""
         end = self.flat.numel() if size is None else offset + size
-        update = torch.from_numpy(grad[offset:end])
         if self._device_update is not None:
-            update = self._device_update[offset:end].copy_(update)
-        self.flat[offset:end].add_(update, alpha=-lr)
+            self._device_update[offset:end].copy_(torch.from_numpy(grad[offset:end]))
+            self._apply(self._device_update, lr, offset, end)
+        else:
+            self._apply(torch.from_numpy(grad), lr, offset, end)
 
     def checksum(self) -> int:
         """CRC-32 of the parameters' bytes: replicas must agree bit for bit."""

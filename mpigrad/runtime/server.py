@@ -325,7 +325,7 @@ class ParameterServer:
         self.workers = len(self.worker_ranks)
         dataset = load_data(config)
         self.data_description = dataset.describe()
-        self.replica = build_replica(config, dataset)
+        self.replica = build_replica(config, dataset, self.workers)
         # Rank 0 evaluates on the test split only: let the training split go (in-process
         # ranks build their own parts before rank 0 does).
         self.dataset = copy.copy(dataset)
@@ -418,6 +418,7 @@ class ParameterServer:
     def begin(self, m: int) -> None:
         self.clock.start()
         self.it: dict = {}
+        self.lr = self.replica.lr(m, self.config.lr)
 
     def losses(self, m: int) -> None:
         # control = "ahead": a decision the policy knows before the losses goes out first, so
@@ -637,7 +638,7 @@ class ParameterServer:
     def end(self, m: int) -> IterationRecord:
         it, P = self.it, self.workers
         if not self.colocated:
-            self.replica.apply_update(self.update, self.config.lr)
+            self.replica.apply_update(self.update, self.lr)
         elif sync_due(self.config, m, self.command):  # the parameters, where rank 0 reads them
             self.clock.clocks.pause()
             self.parameter_sync.run(m)
@@ -681,7 +682,8 @@ class ParameterServer:
             server_t_decode=[s.t_decode for s in servers], server_t_encode=[s.t_encode for s in servers],
             norm_ratio=self._norm_ratio(servers) if self.config.norm_due(m) else [math.nan] * max(self.n_layers, 1),
             checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings,
-            control_ahead=it["ahead"] if self.config.control == "ahead" else None)
+            control_ahead=it["ahead"] if self.config.control == "ahead" else None,
+            lr=None if self.replica.rate.constant else self.lr)
         self.bytes_total += record.bytes_up + record.bytes_down
         self.last_comm_ms, self.last_bytes = 1e3 * t_comm, record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]
@@ -842,6 +844,7 @@ class ParameterServer:
         acc = f"  acc {self.last_eval[2]:.3f} @{self.last_eval[0] + 1}" if self.last_eval else ""
         # bits 0: a codec without a width (a plugin's top-k, mcgq's sampling): nothing to show
         bits = f"bits {record.bits[0]}  " if record.bits[0] else ""
+        bits += f"lr {record.lr:.3g}  " if record.lr is not None else ""
         return (f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss+l2 {record.loss:.4f}  "
                 f"{bits}sent {self.bytes_total / 1e6:.1f} MB  sim {format_elapsed(record.sim_time)}  "
                 f"wall {format_elapsed(self.clock.clocks.now_wall())}  ETA {format_elapsed(eta)}{acc}")
@@ -861,7 +864,7 @@ class ParameterServer:
                 "bytes_total": self.bytes_total, "last_eval": self.last_eval,
                 "cost_model": self.cost_attrs()["cost_model"],
                 "previous_average": torch.from_numpy(self.average.copy()) if keep_update else None,
-                "shard_plan": self.shard_plan()}
+                "shard_plan": self.shard_plan(), "update": self.replica.update_state_dict()}
 
     def shard_plan(self) -> list[list[tuple[int, int]]]:
         """Each shard's pieces as (offset, size): which server holds which piece's codec
@@ -888,6 +891,8 @@ class ParameterServer:
         self.check_shard_plan(state)
         self.iteration = int(state["iteration"])
         self.replica.load_state_dict(state["replica"])
+        if not self.colocated:  # colocated, the workers keep the optimizer (rank 0 applies no update)
+            self.replica.load_update_state_dict(state.get("update"))
         self.policy.load_state_dict(state["policy"])
         errors = state.get("setting_errors")
         self.setting_errors = errors.numpy().astype(np.float64) if errors is not None else None

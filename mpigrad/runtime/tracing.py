@@ -40,8 +40,10 @@ class RunTrace:
              hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None,
              settings: bool = False, waits: dict | None = None) -> "RunTrace":
         """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``)."""
+        from ..optim import rate_moves
+
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings,
-                            ahead=config.control == "ahead")
+                            ahead=config.control == "ahead", lr=rate_moves(config.lr_schedule, config.lr_warmup))
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
                                                flush_every=config.trace_flush,
@@ -74,14 +76,17 @@ class RunTrace:
 
     @staticmethod
     def tables(layers: int, workers: int, servers: int, policy_columns, settings: bool = False,
-               ahead: bool = False) -> dict[str, dict]:
+               ahead: bool = False, lr: bool = False) -> dict[str, dict]:
         """The trace's tables for a run of ``workers`` workers and ``servers`` servers
         (``settings``: with ``steps/setting_layers``, PowerSGD's per-layer settings;
         ``ahead``: with ``steps/control_ahead``, whether each iteration's Control went ahead of
-        its losses, ``control = "ahead"``)."""
+        its losses, ``control = "ahead"``; ``lr``: with ``steps/lr``, each iteration's rate,
+        where a schedule or warm-up moves it)."""
         extra = schema.layer_step_columns(layers, settings)
         if ahead:
             extra["control_ahead"] = ("i1", ())
+        if lr:
+            extra["lr"] = ("f8", ())
         return {
             "steps": schema.step_columns(extra),
             "workers": schema.workers_columns(workers),

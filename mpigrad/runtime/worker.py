@@ -46,7 +46,7 @@ class Worker(FollowerRole):
         self.shard = self.sampler.shard
         self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
         self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
-        self.replica = build_replica(config, dataset)
+        self.replica = build_replica(config, dataset, workers)
         release_data()  # the shard is a copy: let the full dataset go
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec, self.servers)
@@ -115,6 +115,8 @@ class Worker(FollowerRole):
 
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------
     def begin(self, m: int) -> None:
+        #: This iteration's learning rate (the pipelined iteration applies buckets at it).
+        self.lr = self.replica.lr(m, self.config.lr)
         self.computed = self._compute()
 
     def losses(self, m: int) -> None:
@@ -327,7 +329,7 @@ class Worker(FollowerRole):
 
     def end(self, m: int) -> bool:
         if self.pipeline is None:  # pipelined: applied bucket by bucket
-            self.replica.step(self.config.lr)
+            self.replica.step(self.lr)
         if self.fault:
             self.fault.after_update(m, self.replica.flat)
         if self.parameter_sync is not None and sync_due(self.config, m, self.control_msg.command):
@@ -341,6 +343,9 @@ class Worker(FollowerRole):
             state["server_compressor"] = self.server_compressor.state_dict()
         if self.lowrank is not None:
             state["lowrank"] = self.lowrank.state_dict()
+        update = self.replica.update_state_dict()
+        if update is not None:
+            state["update"] = update
         return state
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
@@ -351,3 +356,4 @@ class Worker(FollowerRole):
         if self.lowrank is not None:
             self.lowrank.load_state_dict(state["lowrank"])
         self.replica.load_state_dict(replica_state)
+        self.replica.load_update_state_dict(state.get("update"))

@@ -1,0 +1,165 @@
+"""The update rule (mpigrad/optim.py): torch optimizers over the layout's flat pieces, the
+learning-rate schedule, and the refusals of a recipe that cannot be built."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mpigrad.config import RunConfig
+from mpigrad.errors import UsageError
+from mpigrad.optim import LearningRate, OptimizerError, UpdateRule, build_torch_optimizer, recipe_description
+from mpigrad.runtime.checks import check_options
+
+#: Three pieces of a 23-element flat buffer, as a layout cuts it.
+PIECES = [(0, 10), (10, 8), (18, 5)]
+
+
+def updates(steps: int, n: int = 23) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randn(n, generator=generator) for _ in range(steps)]
+
+
+def run_rule(name: str, options: dict, *, piece_by_piece: bool, lr: float = 0.05) -> torch.Tensor:
+    flat = torch.linspace(-1, 1, 23)
+    rule = UpdateRule(name, options, PIECES, flat, lr)
+    for update in updates(5):
+        if piece_by_piece:
+            for offset, size in PIECES:
+                rule.apply(flat, update, lr, offset, offset + size)
+        else:
+            rule.apply(flat, update, lr, 0, 23)
+    return flat
+
+
+def run_torch(name: str, options: dict, lr: float = 0.05) -> torch.Tensor:
+    """The same optimizer over the buffer's three pieces as three parameters of one model."""
+    flat = torch.linspace(-1, 1, 23)
+    params = [flat[offset:offset + size].clone() for offset, size in PIECES]
+    optimizer = build_torch_optimizer(name, params, lr, options)
+    for update in updates(5):
+        for param, (offset, size) in zip(params, PIECES):
+            param.grad = update[offset:offset + size].clone()
+        optimizer.step()
+    return torch.cat(params)
+
+
+def test_plain_sgd_is_the_papers_update_bit_for_bit():
+    flat, expected = torch.linspace(-1, 1, 23), torch.linspace(-1, 1, 23)
+    rule = UpdateRule("sgd", {}, PIECES, flat, 0.05)
+    assert rule.plain and rule.optimizers == []
+    for update in updates(3):
+        rule.apply(flat, update, 0.05, 0, 23)
+        expected.add_(update, alpha=-0.05)
+    assert torch.equal(flat, expected)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("sgd", {"momentum": 0.9, "nesterov": True}),
+    ("sgd", {"momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-3}),
+    ("adam", {}), ("AdamW", {"weight_decay": 0.01}), ("rmsprop", {"momentum": 0.5}),
+])
+def test_an_optimizer_over_flat_pieces_is_torchs_over_layers_bit_for_bit(name, options):
+    whole = run_rule(name, options, piece_by_piece=False)
+    assert torch.equal(whole, run_torch(name, options))
+    assert torch.equal(run_rule(name, options, piece_by_piece=True), whole)  # the pipelined order
+
+
+def test_the_rule_state_round_trips_and_continues_identically():
+    flat = torch.linspace(-1, 1, 23)
+    rule = UpdateRule("sgd", {"momentum": 0.9}, PIECES, flat, 0.1)
+    steps = updates(4)
+    for update in steps[:2]:
+        rule.apply(flat, update, 0.1, 0, 23)
+    saved, saved_flat = rule.state_dict(), flat.clone()
+    for update in steps[2:]:
+        rule.apply(flat, update, 0.1, 0, 23)
+    again = saved_flat.clone()
+    other = UpdateRule("sgd", {"momentum": 0.9}, PIECES, again, 0.1)
+    other.load_state_dict(saved)
+    for update in steps[2:]:
+        other.apply(again, update, 0.1, 0, 23)
+    assert torch.equal(again, flat)
+    with pytest.raises(ValueError, match="another layout"):
+        UpdateRule("sgd", {"momentum": 0.9}, [(0, 23)], flat, 0.1).load_state_dict(saved)
+
+
+def test_an_update_that_does_not_start_a_piece_is_refused():
+    flat = torch.zeros(23)
+    with pytest.raises(ValueError, match="does not start a piece"):
+        UpdateRule("adam", {}, PIECES, flat, 0.1).apply(flat, torch.ones(23), 0.1, 3, 10)
+
+
+def test_the_rate_warms_up_then_follows_the_schedule():
+    rate = LearningRate(0.1, "MultiStepLR", {"milestones": [6, 8], "gamma": 0.1}, warmup=4)
+    rates = [rate.at(m) for m in range(10)]
+    assert rates[:4] == pytest.approx([0.025, 0.05, 0.075, 0.1])
+    assert rates[4:] == pytest.approx([0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+    assert LearningRate(0.1, scaling="linear", workers=4).at(0) == pytest.approx(0.4)
+    assert LearningRate(0.1).constant and not LearningRate(0.1, warmup=2).constant
+
+
+def test_the_rate_resumes_where_it_stopped():
+    first = LearningRate(0.2, "CosineAnnealingLR", {"T_max": 10}, warmup=2)
+    straight = [first.at(m) for m in range(10)]
+    stopped = LearningRate(0.2, "CosineAnnealingLR", {"T_max": 10}, warmup=2)
+    _ = [stopped.at(m) for m in range(4)]
+    resumed = LearningRate(0.2, "CosineAnnealingLR", {"T_max": 10}, warmup=2)
+    resumed.load_state_dict(stopped.state_dict())
+    assert [resumed.at(m) for m in range(4, 10)] == straight[4:]
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"optimizer": "adamx"}, "unknown optimizer 'adamx'; choose from sgd, adam, adamw"),
+    ({"optimizer": "lbfgs"}, "optimizer 'lbfgs' is refused: it needs a closure"),
+    ({"optimizer": "sgd", "optimizer_opts": {"momentun": 0.9}},
+     "optimizer 'sgd': unknown option(s) momentun; valid: momentum, dampening, weight_decay, nesterov"),
+    ({"optimizer": "sgd", "optimizer_opts": {"momentum": -1}}, "optimizer 'sgd': Invalid momentum value: -1"),
+    ({"lr_schedule": "cosine"}, "unknown lr schedule 'cosine'; choose from "),
+    ({"lr_schedule": "StepLR"}, "lr schedule 'StepLR': "),
+    ({"lr_schedule": "StepLR", "lr_schedule_opts": {"step": 3}}, "unknown option(s) step; valid: step_size, gamma"),
+    ({"lr_schedule_opts": {"T_max": 3}}, "--lr-schedule-opt without --lr-schedule"),
+    ({"optimizer": "no_such_module:factory"}, "cannot import 'no_such_module'"),
+])
+def test_a_recipe_that_cannot_be_built_is_one_line(options, words):
+    with pytest.raises(UsageError) as caught:
+        check_options(RunConfig(**options))
+    message = str(caught.value)
+    assert words in message and "\n" not in message
+
+
+def test_a_plugin_optimizer_gets_the_pieces(tmp_path, monkeypatch):
+    (tmp_path / "my_optim.py").write_text(
+        "import torch\n"
+        "def heavy_ball(params, lr, beta=0.5):\n"
+        "    return torch.optim.SGD(params, lr=lr, momentum=beta)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_options(RunConfig(optimizer="my_optim:heavy_ball", optimizer_opts={"beta": 0.8}))
+    assert torch.equal(run_rule("my_optim:heavy_ball", {"beta": 0.8}, piece_by_piece=False),
+                       run_torch("sgd", {"momentum": 0.8}))
+    with pytest.raises(UsageError, match="--shard-chunk cuts layers"):
+        check_options(RunConfig(optimizer="my_optim:heavy_ball", shard_chunk=1000))
+    with pytest.raises(OptimizerError, match="cannot take gamma"):
+        build_torch_optimizer("my_optim:heavy_ball", [torch.zeros(2)], 0.1, {"gamma": 1})
+
+
+def test_the_recipe_in_a_few_words():
+    assert recipe_description(RunConfig(lr=0.01)) == "lr 0.01"
+    config = RunConfig(lr=0.1, optimizer="sgd", optimizer_opts={"momentum": 0.9, "nesterov": True},
+                       lr_schedule="CosineAnnealingLR", lr_schedule_opts={"T_max": 300}, lr_warmup=5,
+                       lr_scaling="linear")
+    assert recipe_description(config) == ("sgd(momentum=0.9, nesterov=True) lr 0.1 x workers "
+                                          "CosineAnnealingLR(T_max=300) warm-up 5 it")
+
+
+def test_train_refuses_a_bad_optimizer_before_mpi_starts(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--optimizer", "sgd", "--optimizer-opt",
+                           "nesterov=true", "--trace", str(tmp_path / "t.h5")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "mpigrad train: error: optimizer 'sgd': Nesterov momentum requires a momentum and zero dampening"]
+    assert not (tmp_path / "t.h5").exists()

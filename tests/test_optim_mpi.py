@@ -1,0 +1,75 @@
+"""Training as CNN users train, under a real mpiexec: torch optimizers on every replica, a
+learning-rate schedule with a warm-up, and a stop, requeue and resume with their state."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import SMALL_RUN, assert_same_trace, run_mpi
+from mpigrad.optim import LearningRate
+from mpigrad.runtime import EXIT_REQUEUE
+from mpigrad.trace import load
+from test_checkpoint_mpi import finish, start, wait_for_line
+
+pytestmark = pytest.mark.mpi
+
+#: Nesterov momentum, a cosine schedule after a linear warm-up, on the colocated pipelined
+#: iteration (the workers apply the optimizer piece by piece; rank 0 applies none), with
+#: the replicas' checksums compared every other iteration.
+RECIPE = ["--optimizer", "sgd", "--optimizer-opt", "momentum=0.9", "--optimizer-opt", "nesterov=true",
+          "--lr", "0.02", "--lr-schedule", "CosineAnnealingLR", "--lr-schedule-opt", "T_max=60", "--lr-warmup", "5",
+          "--servers", "colocated", "--pipeline", "--checksum-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, mpi_env):
+    path = tmp_path_factory.mktemp("recipe") / "straight.h5"
+    from test_checkpoint_mpi import RUN
+    result = run_mpi(3, ["train", "--trace", str(path), *RUN, *RECIPE], mpi_env)
+    assert result.returncode == 0, result.stderr
+    return path, result
+
+
+def test_momentum_and_a_schedule_keep_the_replicas_identical_and_trace_the_rate(straight):
+    path, result = straight
+    tr = load(path)
+    assert tr.complete and len(tr.steps) == 120
+    assert len(tr.checksums) == 60  # every other iteration, every rank equal (else the run fails)
+    expected = LearningRate(0.02, "CosineAnnealingLR", {"T_max": 60}, warmup=5)
+    np.testing.assert_allclose(tr.steps["lr"].to_numpy(), [expected.at(m) for m in range(120)], rtol=1e-12)
+    assert tr.steps["lr"].iloc[0] == pytest.approx(0.004) and tr.steps["lr"].iloc[4] == pytest.approx(0.02 * np.cos(
+        np.pi * 4 / 60) / 2 + 0.01)
+    assert f"lr {expected.at(4):.3g}  " in result.stdout  # the progress line of iteration 5
+    config = tr.config
+    assert config["optimizer_opts"] == {"momentum": 0.9, "nesterov": True}
+    assert config["lr_schedule"] == "CosineAnnealingLR" and config["lr_warmup"] == 5
+
+
+def test_a_stopped_run_with_momentum_and_a_schedule_resumes_to_the_straight_trace(tmp_path, mpi_env, straight):
+    from test_checkpoint_mpi import RUN
+    stopped = tmp_path / "stopped.h5"
+    process = start(stopped, mpi_env, *RECIPE)
+    wait_for_line(process, "iter  20/120")
+    os.killpg(process.pid, signal.SIGUSR1)
+    code, out, err = finish(process)
+    assert code == EXIT_REQUEUE, err + out[-2000:]
+    partial = load(stopped)
+    assert 20 <= len(partial.steps) < 120
+    resumed = run_mpi(3, ["train", "--trace", str(stopped), *RUN, *RECIPE, "--resume"], mpi_env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at iteration {len(partial.steps)}" in resumed.stdout
+    assert_same_trace(load(straight[0]), load(stopped))
+
+
+def test_adam_on_one_server_learns_and_its_replicas_agree(tmp_path, mpi_env):
+    trace = tmp_path / "adam.h5"
+    result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "60", "--policy", "fixed",
+                         "--bits", "8", "--optimizer", "adam", "--lr", "0.002", "--checksum-every", "3"], mpi_env)
+    assert result.returncode == 0, result.stderr
+    tr = load(trace)
+    assert len(tr.checksums) == 20 and "lr" not in tr.steps  # a constant rate: no column
+    assert tr.steps["loss"].iloc[-10:].mean() < 0.8 * tr.steps["loss"].iloc[:5].mean()
