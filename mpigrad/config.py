@@ -322,6 +322,32 @@ _RATE_UNITS = _rate_units()
 _AMBIGUOUS_RATE_UNITS = {unit.lower() for unit in _RATE_UNITS}
 
 
+#: The config keys of the update rule besides ``lr`` (mpigrad/optim.py), which
+#: ``describe_recipe`` puts in a few words.
+RECIPE_KEYS = ("optimizer", "optimizer_opts", "lr_schedule", "lr_schedule_opts", "lr_warmup", "lr_scaling")
+
+
+def describe_recipe(values: dict[str, Any]) -> str:
+    """The update rule of a config (a dict of RunConfig keys, the missing ones at their
+    defaults) in a few words, ``lr`` aside: ``sgd`` for the paper's plain SGD at a constant
+    rate, else e.g. ``sgd(momentum=0.9, nesterov=True) CosineAnnealingLR(T_max=300) warm-up 5``."""
+    def get(key: str) -> Any:
+        return values.get(key, {} if key.endswith("_opts") else _FIELDS[key].default)
+
+    def options(opts: dict[str, Any]) -> str:
+        return ", ".join(f"{key}={value}" for key, value in (opts or {}).items())
+
+    opts = get("optimizer_opts")
+    parts = [f"{get('optimizer')}({options(opts)})" if opts else str(get("optimizer"))]
+    if get("lr_scaling") == "linear":
+        parts.append("lr x workers")
+    if get("lr_schedule"):
+        parts.append(f"{get('lr_schedule')}({options(get('lr_schedule_opts'))})")
+    if get("lr_warmup"):
+        parts.append(f"warm-up {get('lr_warmup')}")
+    return " ".join(parts)
+
+
 def parse_rate(text: Any) -> float:
     """A bandwidth in bytes per second: '10MB/s' -> 1e7, '100Mbps' -> 1.25e7, '1Gbit/s' and
     '1Gb/s' -> 1.25e8, '125MiB/s' -> 125 * 2**20. A number needs its unit (a bare '10' or a

@@ -216,19 +216,12 @@ class UpdateRule:
 
 
 def recipe_description(config) -> str:
-    """The update rule of ``config`` in a few words: ``lr 0.01`` for the paper's plain SGD at a
-    constant rate, else the optimizer with its options, the schedule and the warm-up."""
-    def options(opts: dict[str, Any]) -> str:
-        return ", ".join(f"{k}={v}" for k, v in opts.items())
+    """The update rule of ``config`` (a RunConfig) in a few words: ``lr 0.01`` for the paper's
+    plain SGD at a constant rate, else ``lr 0.1, sgd(momentum=0.9) MultiStepLR(...) warm-up 5``."""
+    from .config import describe_recipe
 
-    parts = [] if is_plain(config.optimizer, config.optimizer_opts) else [
-        f"{config.optimizer}({options(config.optimizer_opts)})"]
-    parts.append(f"lr {config.lr:g}" + (" x workers" if config.lr_scaling == "linear" else ""))
-    if config.lr_schedule:
-        parts.append(f"{config.lr_schedule}({options(config.lr_schedule_opts)})")
-    if config.lr_warmup:
-        parts.append(f"warm-up {config.lr_warmup} it")
-    return " ".join(parts)
+    recipe = describe_recipe(config.to_dict())
+    return f"lr {config.lr:g}" + ("" if recipe == "sgd" else f", {recipe}")
 
 
 def check_recipe(optimizer: str, options: dict[str, Any], schedule: str | None, schedule_opts: dict[str, Any],

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from mpigrad.config import RunConfig
+from mpigrad.config import RunConfig, describe_recipe
 from mpigrad.errors import UsageError
 from mpigrad.optim import LearningRate, OptimizerError, UpdateRule, build_torch_optimizer, recipe_description
 from mpigrad.runtime.checks import check_options
@@ -151,8 +151,9 @@ def test_the_recipe_in_a_few_words():
     config = RunConfig(lr=0.1, optimizer="sgd", optimizer_opts={"momentum": 0.9, "nesterov": True},
                        lr_schedule="CosineAnnealingLR", lr_schedule_opts={"T_max": 300}, lr_warmup=5,
                        lr_scaling="linear")
-    assert recipe_description(config) == ("sgd(momentum=0.9, nesterov=True) lr 0.1 x workers "
-                                          "CosineAnnealingLR(T_max=300) warm-up 5 it")
+    assert recipe_description(config) == ("lr 0.1, sgd(momentum=0.9, nesterov=True) lr x workers "
+                                          "CosineAnnealingLR(T_max=300) warm-up 5")
+    assert describe_recipe({"optimizer": "adam"}) == "adam" and describe_recipe({}) == "sgd"
 
 
 def test_train_refuses_a_bad_optimizer_before_mpi_starts(tmp_path):
@@ -163,3 +164,21 @@ def test_train_refuses_a_bad_optimizer_before_mpi_starts(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "mpigrad train: error: optimizer 'sgd': Nesterov momentum requires a momentum and zero dampening"]
     assert not (tmp_path / "t.h5").exists()
+
+
+@pytest.mark.parametrize("name", ["digits-momentum", "resnet20-cifar10"])
+def test_the_shipped_recipes_load_and_pass_the_checks(name):
+    """docs/training.rst runs the digits recipe; the CIFAR-10 one needs the data set."""
+    from conftest import REPO
+    from mpigrad.config import declared_ranks
+
+    path = REPO / "examples" / "recipes" / f"{name}.toml"
+    config = RunConfig.from_sources(str(path), {})
+    check_options(config)
+    assert config.optimizer_opts["momentum"] == 0.9 and config.lr_schedule
+    rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup)
+    if name == "resnet20-cifar10":  # He et al.: 0.1, divided by 10 at 32k and 48k
+        assert declared_ranks(str(path)) == 5 and config.batch_size * 4 == 128
+        assert [rate.at(m) for m in (0, 31999, 32000, 48000)] == pytest.approx([0.1, 0.1, 0.01, 0.001])
+    else:
+        assert rate.at(0) == pytest.approx(0.004 / 20) and rate.at(399) < 1e-6

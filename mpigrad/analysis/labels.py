@@ -13,7 +13,7 @@ import functools
 import json
 from typing import Any, Sequence
 
-from ..config import format_duration, format_rate
+from ..config import RECIPE_KEYS, describe_recipe, format_duration, format_rate
 from ..trace import Trace, method_label
 
 __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value",
@@ -34,11 +34,22 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     a key the trace lacks (written before the key existed) takes today's default, which keeps
     the old behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new
     traces of one config form one group, and a re-timed trace (``retimed = true``) a group of
-    its own. Other configs (the TraceWriter API) are taken as written."""
+    its own. Other configs (the TraceWriter API) are taken as written.
+
+    A training config's update rule (``config.RECIPE_KEYS``: optimizer, schedule, warm-up) is
+    one key, ``recipe``, in a few words (``config.describe_recipe``; ``sgd`` for the paper's
+    plain SGD, also in traces written before optimizers existed, and in DDP's)."""
     defaults = {**_defaults(), RETIMED_KEY: False}
     if config and set(config) <= set(defaults) | _NESTED_KEYS | {NETWORK_KEY}:
         config = {**defaults, **config}
+    if config and "lr" in config:
+        config = {key: value for key, value in config.items() if key not in RECIPE_KEYS} | {
+            RECIPE_KEY: describe_recipe(config)}
     return _flatten(config)
+
+
+#: The key of a training config's update rule in labels and groups (``flat_config``).
+RECIPE_KEY = "recipe"
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +63,8 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-_NESTED_KEYS = frozenset({"model_opts", "data_opts", "codec_opts", "policy_opts", "link_bandwidth"})
+_NESTED_KEYS = frozenset({"model_opts", "data_opts", "codec_opts", "policy_opts", "link_bandwidth", "optimizer_opts",
+                          "lr_schedule_opts"})
 
 
 @functools.cache
