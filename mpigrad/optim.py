@@ -134,19 +134,29 @@ class LearningRate:
                 except (TypeError, ValueError, KeyError) as exc:
                     raise OptimizerError(f"lr schedule {schedule!r}: {exc}") from None
         self.iteration = 0
+        self._recent: dict[int, float] = {}
 
     @property
     def constant(self) -> bool:
         return not rate_moves(self.schedule_name, self.warmup)
 
     def at(self, m: int) -> float:
-        """The rate of iteration ``m`` (the scheduler stepped to m: iterations in order)."""
+        """The rate of iteration ``m``: the scheduler is stepped forward to m; the rates of the
+        last few iterations before it are kept (the Control ahead of the losses asks for the
+        next iteration's rate before this one's update); older ones are an error."""
         while self.iteration < m:
+            self._recent[self.iteration] = self._stand_in.param_groups[0]["lr"]
+            self._recent.pop(self.iteration - 4, None)
             if self.scheduler is not None:
                 self._stand_in.step()  # no gradient, nothing moves: torch wants a step before the scheduler's
                 self.scheduler.step()
             self.iteration += 1
-        rate = self._stand_in.param_groups[0]["lr"]
+        if m == self.iteration:
+            rate = self._stand_in.param_groups[0]["lr"]
+        elif m in self._recent:
+            rate = self._recent[m]
+        else:
+            raise ValueError(f"the rate of iteration {m} is gone: the schedule is at iteration {self.iteration}")
         if m < self.warmup:
             rate *= (m + 1) / self.warmup
         return float(rate)
@@ -154,13 +164,14 @@ class LearningRate:
     def state_dict(self) -> dict:
         return {"iteration": self.iteration,
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
-                "lr": self._stand_in.param_groups[0]["lr"]}
+                "lr": self._stand_in.param_groups[0]["lr"], "recent": dict(self._recent)}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self._stand_in.param_groups[0]["lr"] = state["lr"]
+        self._recent = {int(m): rate for m, rate in state.get("recent", {}).items()}
 
 
 class UpdateRule:

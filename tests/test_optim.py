@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from mpigrad.config import RunConfig, describe_recipe
 from mpigrad.errors import UsageError
 from mpigrad.optim import LearningRate, OptimizerError, UpdateRule, build_torch_optimizer, recipe_description
+from mpigrad.policies import Policy
 from mpigrad.runtime.checks import check_options
 
 #: Three pieces of a 23-element flat buffer, as a layout cuts it.
@@ -182,3 +184,54 @@ def test_the_shipped_recipes_load_and_pass_the_checks(name):
         assert [rate.at(m) for m in (0, 31999, 32000, 48000)] == pytest.approx([0.1, 0.1, 0.01, 0.001])
     else:
         assert rate.at(0) == pytest.approx(0.004 / 20) and rate.at(399) < 1e-6
+
+
+def test_the_rate_of_a_recent_iteration_stays_at_hand():
+    """The Control ahead of the losses asks for iteration m + 1's rate (the policy's
+    observation) before iteration m's update asks for m's."""
+    rate = LearningRate(1.0, "StepLR", {"step_size": 1, "gamma": 0.5})
+    assert rate.at(3) == 0.125 and rate.at(2) == 0.25 and rate.at(3) == 0.125
+    _ = rate.at(10)
+    with pytest.raises(ValueError, match="the rate of iteration 2 is gone"):
+        rate.at(2)
+
+
+class RecordingPolicy(Policy):
+    """A fixed 4-bit policy that keeps the rate each observation brought (a plugin)."""
+
+    policy_id = "recording"
+    seen: list[tuple[int, float]] = []
+
+    def _config(self):
+        return {}
+
+    def bits_range(self):
+        return 4, 4
+
+    def decide(self, obs):
+        RecordingPolicy.seen.append((obs.iteration, obs.lr))
+        return (4,) * self.n_layers
+
+
+@pytest.mark.parametrize("control", ["ahead", "after"])
+def test_the_policy_observes_each_iterations_rate(tmp_path, control):
+    from test_runtime_loopback import run
+
+    RecordingPolicy.seen.clear()
+    code, errors, _ = run(tmp_path, policy="test_optim:RecordingPolicy", bits=4, control=control,
+                          lr_schedule="StepLR", lr_schedule_opts={"step_size": 2, "gamma": 0.5}, lr_warmup=2)
+    assert code == 0 and not errors, errors
+    expected = LearningRate(0.01, "StepLR", {"step_size": 2, "gamma": 0.5}, warmup=2)
+    assert RecordingPolicy.seen == [(m, pytest.approx(expected.at(m))) for m in range(6)]
+
+
+@pytest.mark.parametrize("servers", [1, "colocated"])
+def test_a_stopped_run_with_adam_and_a_schedule_resumes_bit_for_bit_in_process(tmp_path, servers):
+    from test_runtime_loopback import straight_and_resumed
+
+    straight, resumed = straight_and_resumed(tmp_path, 2, servers=servers, optimizer="adam", lr=0.002,
+                                             lr_schedule="CosineAnnealingLR", lr_schedule_opts={"T_max": 6})
+    assert len(resumed.steps) == 6
+    np.testing.assert_array_equal(straight.steps["loss"].to_numpy(), resumed.steps["loss"].to_numpy())
+    np.testing.assert_array_equal(straight.steps["lr"].to_numpy(), resumed.steps["lr"].to_numpy())
+    np.testing.assert_array_equal(straight.checksums.to_numpy(), resumed.checksums.to_numpy())

@@ -4,12 +4,17 @@
     python examples/compare/run.py --out runs/compare --smoke    # 2 methods x 2 seeds x 12 iterations
     python examples/compare/run.py --out runs/compare --list     # the planned runs, one a line
     python examples/compare/run.py --out runs/compare --report   # only the tables and figures
+    python examples/compare/run.py --out runs/compare-momentum --lrs 0.002,0.004,0.008 --shared-lr 0.004 \
+        --optimizer sgd --optimizer-opt momentum=0.9 --optimizer-opt nesterov=true \
+        --lr-schedule CosineAnnealingLR --lr-schedule-opt T_max=400 --lr-warmup 20   # under a recipe
 
 Runs go one after another (mpiexec -n 3: 1 server + 2 workers), each writing
 OUT/<method>-lr<lr>-s<seed>.h5. A trace whose status is "complete" is skipped, so an
 interrupted comparison continues where it stopped; an incomplete one is run again from the
-start (--force). Every method runs at the shared learning rate (the configs' ``lr``); the
-methods in LR_GRID_METHODS also run at every rate of LR_GRID. Then the report, from the
+start (--force). Every method runs at the shared learning rate (the configs' ``lr``, or
+--shared-lr); the methods in LR_GRID_METHODS also run at every rate of LR_GRID (or --lrs).
+Options run.py does not know go to every ``mpigrad train`` (a recipe: ``--optimizer``,
+``--lr-schedule``, ...). Then the report, from the
 traces only (``mpigrad trace compare``):
 
 - OUT/shared-lr.{txt,md,csv,png}: every method at the shared learning rate;
@@ -59,10 +64,10 @@ class Run:
         return HERE / f"{self.method}.toml"
 
 
-def plan(out: Path, methods=METHODS, seeds=SEEDS, lrs=LR_GRID) -> list[Run]:
+def plan(out: Path, methods=METHODS, seeds=SEEDS, lrs=LR_GRID, shared_lr: float = SHARED_LR) -> list[Run]:
     runs = []
     for method in methods:
-        rates = sorted(set(lrs) | {SHARED_LR}) if method in LR_GRID_METHODS else [SHARED_LR]
+        rates = sorted(set(lrs) | {shared_lr}) if method in LR_GRID_METHODS else [shared_lr]
         for lr in rates:
             for seed in seeds:
                 runs.append(Run(method, lr, seed, out / f"{method}-lr{lr:g}-s{seed}.h5"))
@@ -130,7 +135,7 @@ def best_rates(groups, rows, smooth: int) -> dict[str, str]:
 
 
 def report(out: Path, runs: list[Run], target_loss: float, smooth: int, at: str, log=print,
-           peers: Path | None = None) -> None:
+           peers: Path | None = None, shared_lr: float = SHARED_LR) -> None:
     from mpigrad.analysis import parse_points, render
     from mpigrad.analysis.compare import (compare_columns, compare_rows, group_runs, partial_note,
                                           plot_compare)
@@ -161,8 +166,8 @@ def report(out: Path, runs: list[Run], target_loss: float, smooth: int, at: str,
         log(f"\n{title} (target loss {target_loss:g}, smoothed over {smooth} iterations)")
         log(render(rows, columns, "text") + partial_note(rows))
 
-    shared = [t for t in traces if abs(float(t.config.get("lr", 0)) - SHARED_LR) < 1e-12]
-    write("shared-lr", group_runs(shared), f"Every method at lr {SHARED_LR:g}", True)
+    shared = [t for t in traces if abs(float(t.config.get("lr", 0)) - shared_lr) < 1e-12]
+    write("shared-lr", group_runs(shared), f"Every method at lr {shared_lr:g}", True)
     grid_groups = group_runs(traces)
     grid_rows = compare_rows(grid_groups, target_loss, points, smooth=smooth)
     write("lr-grid", grid_groups, "Every method at every learning rate", False)
@@ -185,13 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=Path, metavar="DIR",
                         help="a `mpigrad bench peers` result (peers.json or its folder): its DDP runs join the "
                              "report, modelled on the runs' network (mpigrad/analysis/peers.py), and vs_best_ddp")
+    parser.add_argument("--lrs", help=f"the learning-rate grid, comma-separated (default "
+                        f"{','.join(f'{lr:g}' for lr in LR_GRID)})")
+    parser.add_argument("--shared-lr", type=float, default=SHARED_LR,
+                        help=f"the rate every method runs at (default {SHARED_LR:g}, the configs')")
     args, extra = parser.parse_known_args(argv)
-    settings = dict(methods=METHODS, seeds=SEEDS, lrs=LR_GRID, target_loss=TARGET_LOSS, smooth=SMOOTH, at=AT)
+    lrs = tuple(float(lr) for lr in args.lrs.split(",")) if args.lrs else LR_GRID
+    settings = dict(methods=METHODS, seeds=SEEDS, lrs=lrs, target_loss=TARGET_LOSS, smooth=SMOOTH, at=AT)
     if args.smoke:
         settings.update(SMOKE)
         extra = ["--iterations", str(SMOKE["iterations"]), "--eval-every", "6", *extra]
     target = args.target_loss if args.target_loss is not None else settings["target_loss"]
-    runs = plan(args.out, settings["methods"], settings["seeds"], settings["lrs"])
+    runs = plan(args.out, settings["methods"], settings["seeds"], settings["lrs"], args.shared_lr)
     if args.list:
         for k, run in enumerate(runs):
             print(k, run.config, run.seed, f"{run.lr:g}", run.trace)
@@ -209,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         print(f"{len(runs)} runs into {args.out} (complete traces are skipped)", flush=True)
         failed = run_all(runs, extra, log=lambda line: print(line, flush=True))
-    report(args.out, runs, target, settings["smooth"], settings["at"], peers=args.peers)
+    report(args.out, runs, target, settings["smooth"], settings["at"], peers=args.peers, shared_lr=args.shared_lr)
     return 1 if failed else 0
 
 

@@ -79,6 +79,7 @@ class Observation:
     last_comm_ms: float = 0.0               # communication time of iteration m-1 on the run's clock (0.0 at m=0)
     last_bytes: int = 0                     # bytes iteration m-1 put on the network, both directions (0 at m=0)
     settings: SettingCosts | None = None    # a low-rank codec's menu, measured in m-1 (chooses_settings)
+    lr: float | None = None                 # the learning rate iteration m runs at (None: not given)
 
     def __post_init__(self):
         options.check_int("observation iteration", self.iteration, 0, error=PolicyError)

@@ -8,7 +8,7 @@ Checks that need the world size, the data or the model are in ``session.check_la
 from __future__ import annotations
 
 from ..codecs import Codec, CodecError, get_codec
-from ..config import RunConfig
+from ..config import RunConfig, describe_recipe
 from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
 from ..policies import PolicyError, bits_option, get_policy, policy_class, policy_options
@@ -136,8 +136,13 @@ def check_given_options(config: RunConfig, codec: Codec) -> None:
 
 def check_recipe(config: RunConfig) -> None:
     """UsageError (one line) for an optimizer or schedule that cannot be built, or a plugin
-    optimizer where ``--shard-chunk`` cuts layers (it may need whole layers)."""
-    from ..optim import OptimizerError, check_recipe as check, is_plain
+    optimizer where ``--shard-chunk`` cuts layers (it may need whole layers). The paper's
+    plain SGD at a constant rate is checked without importing torch (a refusal stays fast)."""
+    if config.lr_schedule_opts and not config.lr_schedule:
+        raise UsageError("--lr-schedule-opt without --lr-schedule: name the schedule")
+    if describe_recipe(config.to_dict()) == "sgd":
+        return
+    from ..optim import OptimizerError, check_recipe as check
     from ..plugins import is_plugin
 
     try:
@@ -145,9 +150,7 @@ def check_recipe(config: RunConfig) -> None:
               config.lr_warmup, config.lr_scaling)
     except OptimizerError as exc:
         raise UsageError(str(exc)) from None
-    if config.lr_schedule_opts and not config.lr_schedule:
-        raise UsageError("--lr-schedule-opt without --lr-schedule: name the schedule")
-    if is_plugin(config.optimizer) and config.shard_chunk and not is_plain(config.optimizer, config.optimizer_opts):
+    if is_plugin(config.optimizer) and config.shard_chunk:
         raise UsageError(f"--optimizer {config.optimizer}: a plugin optimizer gets each piece of the layout, and "
                          "--shard-chunk cuts layers into pieces, which an optimizer that needs whole layers "
                          "cannot take: drop --shard-chunk")
@@ -155,7 +158,12 @@ def check_recipe(config: RunConfig) -> None:
 
 def check_options(config: RunConfig) -> None:
     """UsageError (one line) for options that cannot work together, whatever the launch."""
+    _check_method(config)
     check_recipe(config)
+
+
+def _check_method(config: RunConfig) -> None:
+    """The codec, policy, bits and device options (check_options)."""
     try:
         if "bits" in config.codec_opts:
             raise UsageError("set the bits with --bits (bits = N at the top of a config file), "

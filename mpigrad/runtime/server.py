@@ -790,7 +790,8 @@ class ParameterServer:
                 self.setting_errors = None
         return Observation(iteration=m, loss=loss, last_iteration_ms=self.last_iteration_ms,
                            gradients=grads, codec=self.codec if self.codec.accepts_bits or self.mixed else None,
-                           last_comm_ms=self.last_comm_ms, last_bytes=self.last_bytes, settings=settings)
+                           last_comm_ms=self.last_comm_ms, last_bytes=self.last_bytes, settings=settings,
+                           lr=self.replica.lr(m, self.config.lr))
 
     def _mean_iteration_seconds(self, m: int) -> float:
         """Mean wall seconds per iteration in this session (0 before the first one ends)."""
