@@ -96,7 +96,12 @@ def build_torch_optimizer(name: str, params, lr: float, options: dict[str, Any])
             raise OptimizerError(f"optimizer factory {name} returned a {type(optimizer).__name__}, "
                                  "not a torch.optim.Optimizer")
         return optimizer
-    check_keys(f"optimizer {name!r}", options, keyword_names(cls, exclude=_OWN), error=OptimizerError)
+    valid = keyword_names(cls, exclude=_OWN)
+    check_keys(f"optimizer {name!r}", options, valid, error=OptimizerError)
+    if valid and "fused" in valid and not {"fused", "foreach"} & set(options):
+        # One fused pass per step: torch's CPU default runs Adam's update as a dozen passes,
+        # 43 against 4 ms for 8.8M parameters on one thread (docs/training.rst).
+        options = {**options, "fused": True}
     try:
         return cls(params, lr=lr, **options)
     except (TypeError, ValueError, RuntimeError) as exc:

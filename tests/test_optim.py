@@ -141,11 +141,19 @@ def test_a_plugin_optimizer_gets_the_pieces(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     check_options(RunConfig(optimizer="my_optim:heavy_ball", optimizer_opts={"beta": 0.8}))
     assert torch.equal(run_rule("my_optim:heavy_ball", {"beta": 0.8}, piece_by_piece=False),
-                       run_torch("sgd", {"momentum": 0.8}))
+                       run_torch("sgd", {"momentum": 0.8, "fused": False}))  # the factory's own choice
     with pytest.raises(UsageError, match="--shard-chunk cuts layers"):
         check_options(RunConfig(optimizer="my_optim:heavy_ball", shard_chunk=1000))
     with pytest.raises(OptimizerError, match="cannot take gamma"):
         build_torch_optimizer("my_optim:heavy_ball", [torch.zeros(2)], 0.1, {"gamma": 1})
+
+
+def test_an_optimizer_that_can_fuse_its_pass_does_unless_told():
+    param = [torch.zeros(3)]
+    assert build_torch_optimizer("adam", param, 0.1, {}).defaults["fused"] is True
+    assert build_torch_optimizer("adam", param, 0.1, {"foreach": True}).defaults["fused"] is None
+    assert build_torch_optimizer("sgd", param, 0.1, {"fused": False}).defaults["fused"] is False
+    assert "fused" not in build_torch_optimizer("rmsprop", param, 0.1, {}).defaults  # it has none
 
 
 def test_the_recipe_in_a_few_words():
