@@ -12,7 +12,7 @@ import torch
 
 from mpigrad.config import RunConfig, describe_recipe
 from mpigrad.errors import UsageError
-from mpigrad.optim import LearningRate, OptimizerError, UpdateRule, build_torch_optimizer, recipe_description
+from mpigrad.optim import OPTIMIZERS, LearningRate, OptimizerError, UpdateRule, build_torch_optimizer, recipe_description
 from mpigrad.policies import Policy
 from mpigrad.runtime.checks import check_options
 
@@ -146,6 +146,12 @@ def test_a_plugin_optimizer_gets_the_pieces(tmp_path, monkeypatch):
         check_options(RunConfig(optimizer="my_optim:heavy_ball", shard_chunk=1000))
     with pytest.raises(OptimizerError, match="cannot take gamma"):
         build_torch_optimizer("my_optim:heavy_ball", [torch.zeros(2)], 0.1, {"gamma": 1})
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_listed_optimizer_steps_over_flat_pieces(name):
+    moved = run_rule(name, {}, piece_by_piece=True)
+    assert torch.isfinite(moved).all() and not torch.equal(moved, torch.linspace(-1, 1, 23))
 
 
 def test_an_optimizer_that_can_fuse_its_pass_does_unless_told():
