@@ -22,8 +22,8 @@ from .checks import base_codec, broadcast_codec
 
 __all__ = ["warm_up", "run_codecs", "KernelWatch", "kernel_signatures"]
 
-#: Sizes the warm-up encodes: one below and one above every codec's block and bucket sizes,
-#: so that both the tail and the whole-block paths of each kernel are compiled.
+#: Sizes the warm-up encodes: a short tail and more than one 4096-element block, so that the
+#: Python paths to both kernels' shapes run (Numba compiles per signature, not per size).
 _SIZES = (37, 4096 + 37)
 
 
