@@ -245,4 +245,8 @@ def check_recipe(optimizer: str, options: dict[str, Any], schedule: str | None, 
     """OptimizerError (one line) for a recipe that cannot be built: built once on a stand-in
     parameter, before any rank starts."""
     build_torch_optimizer(optimizer, [torch.zeros(2)], 0.1, options)
-    LearningRate(0.1, schedule, schedule_opts, warmup, scaling)
+    rate = LearningRate(0.1, schedule, schedule_opts, warmup, scaling)
+    try:
+        rate.at(2)  # some schedules check their options only when stepped
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
+        raise OptimizerError(f"lr schedule {schedule!r}: {exc}") from None

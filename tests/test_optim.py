@@ -124,6 +124,7 @@ def test_the_rate_resumes_where_it_stopped():
     ({"lr_schedule": "StepLR"}, "lr schedule 'StepLR': "),
     ({"lr_schedule": "StepLR", "lr_schedule_opts": {"step": 3}}, "unknown option(s) step; valid: step_size, gamma"),
     ({"lr_schedule_opts": {"T_max": 3}}, "--lr-schedule-opt without --lr-schedule"),
+    ({"lr_schedule": "StepLR", "lr_schedule_opts": {"step_size": "x"}}, "lr schedule 'StepLR': "),
     ({"optimizer": "no_such_module:factory"}, "cannot import 'no_such_module'"),
 ])
 def test_a_recipe_that_cannot_be_built_is_one_line(options, words):
