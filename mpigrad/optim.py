@@ -124,7 +124,9 @@ class LearningRate:
         self.base = lr * (workers if scaling == "linear" else 1)
         self.warmup = int(warmup)
         self.schedule_name = schedule
-        self._stand_in = torch.optim.SGD([torch.zeros(1)], lr=self.base)
+        # Without a schedule no torch optimizer is built: its first construction imports
+        # torch._dynamo, 1.7 s of every rank's start-up.
+        self._stand_in = torch.optim.SGD([torch.zeros(1)], lr=self.base) if schedule else None
         self.scheduler = None
         if schedule:
             cls = schedule_class(schedule)
@@ -145,19 +147,23 @@ class LearningRate:
     def constant(self) -> bool:
         return not rate_moves(self.schedule_name, self.warmup)
 
+    def _scheduled(self) -> float:
+        """The schedule's current rate, before warm-up."""
+        return self._stand_in.param_groups[0]["lr"] if self._stand_in is not None else self.base
+
     def at(self, m: int) -> float:
         """The rate of iteration ``m``: the scheduler is stepped forward to m; the rates of the
         last few iterations before it are kept (the Control ahead of the losses asks for the
         next iteration's rate before this one's update); older ones are an error."""
         while self.iteration < m:
-            self._recent[self.iteration] = self._stand_in.param_groups[0]["lr"]
+            self._recent[self.iteration] = self._scheduled()
             self._recent.pop(self.iteration - 4, None)
             if self.scheduler is not None:
                 self._stand_in.step()  # no gradient, nothing moves: torch wants a step before the scheduler's
                 self.scheduler.step()
             self.iteration += 1
         if m == self.iteration:
-            rate = self._stand_in.param_groups[0]["lr"]
+            rate = self._scheduled()
         elif m in self._recent:
             rate = self._recent[m]
         else:
@@ -169,13 +175,14 @@ class LearningRate:
     def state_dict(self) -> dict:
         return {"iteration": self.iteration,
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
-                "lr": self._stand_in.param_groups[0]["lr"], "recent": dict(self._recent)}
+                "lr": self._scheduled(), "recent": dict(self._recent)}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self._stand_in.param_groups[0]["lr"] = state["lr"]
+        if self._stand_in is not None:
+            self._stand_in.param_groups[0]["lr"] = state["lr"]
         self._recent = {int(m): rate for m, rate in state.get("recent", {}).items()}
 
 

@@ -104,6 +104,22 @@ def test_the_rate_warms_up_then_follows_the_schedule():
     assert LearningRate(0.1).constant and not LearningRate(0.1, warmup=2).constant
 
 
+def test_a_plain_recipe_builds_no_torch_optimizer():
+    """Building any torch optimizer imports torch._dynamo, 1.7 s of every rank's start-up: the
+    default recipe (plain SGD at a constant rate) builds none (a fresh interpreter checks)."""
+    probe = ("import sys\n"
+             "from mpigrad.config import RunConfig\n"
+             "from mpigrad.runtime.build import build_replica, load_data\n"
+             "config = RunConfig.from_sources(None, {})\n"
+             "replica = build_replica(config, load_data(config), workers=2)\n"
+             "print(replica.lr(0, None), 'torch._dynamo' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(RunConfig.from_sources(None, {}).lr), "False"]
+    schedule = LearningRate(0.1, "StepLR", {"step_size": 2})
+    assert schedule._stand_in is not None and LearningRate(0.1, warmup=3)._stand_in is None
+
+
 def test_the_rate_resumes_where_it_stopped():
     first = LearningRate(0.2, "CosineAnnealingLR", {"T_max": 10}, warmup=2)
     straight = [first.at(m) for m in range(10)]

@@ -180,7 +180,7 @@ def _run_role(config, comm: MPI.Comm, argv: list[str], started: float | None, co
     # concluding that rank 0 itself is gone (they would otherwise time out together with it).
     channel = MpiChannel(comm, config.shard_count(comm.Get_size()), config.timeout if rank == 0 else 2 * config.timeout,
                          colocated=config.colocated)
-    channel.waits = choose_waiting(comm, config.wait, threads_per_rank(config.threads))
+    channel.waits = choose_waiting(comm, config.wait, threads_per_rank(config.threads), channel.timeout)
     if rank == 0:
         log = lambda message: print(message, flush=True)  # noqa: E731
         return run_parameter_server(config, channel, stop, argv, log, warm_up_s=compiled_s)

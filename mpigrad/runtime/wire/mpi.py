@@ -44,15 +44,17 @@ def _wait_all(requests: list, keys: list, timeout: float, describe: Callable[[li
         backoff.sleep()
 
 
-def choose_waiting(comm: MPI.Comm, mode: str, threads: int) -> dict[str, list[int]]:
+def choose_waiting(comm: MPI.Comm, mode: str, threads: int, timeout: float) -> dict[str, list[int]]:
     """Collective: set how this rank waits (``mode`` spin, sleep, or auto: spin where every
     rank of its machine has a core per thread, by the ranks' CPU affinity); return every
     rank's choice, ``{"spin": [ranks], "sleep": [ranks]}``, the same on every rank. A machine
     is ``environment.machine_id``'s, not MPI's shared-memory node: the network lab's
-    namespaces are nodes to MPI and share one machine's cores."""
+    namespaces are nodes to MPI and share one machine's cores. The first rank here waits for
+    the last one's warm-up asleep (``barrier``), not spinning in the allgather."""
     from ..environment import cores_for_each, cpu_affinity, machine_id
     from .channel import set_waiting
 
+    barrier(comm, timeout, "a rank did not finish its warm-up")
     ranks = comm.allgather((machine_id(), cpu_affinity()))
     mine = ranks[comm.Get_rank()][0]
     spin = mode == "spin" or (mode == "auto" and cores_for_each([cpus for machine, cpus in ranks if machine == mine],
