@@ -65,6 +65,8 @@ class RunConfig:
     data: str = "digits"
     data_dir: str | None = None
     data_opts: dict[str, Any] = field(default_factory=dict)
+    augment: str = "none"            # "crop-flip": random crops with padding and flips (mpigrad/data/augment.py)
+    augment_opts: dict[str, Any] = field(default_factory=dict)
     codec: str = "uniform"
     codec_opts: dict[str, Any] = field(default_factory=dict)
     bits: int = 2
@@ -322,15 +324,17 @@ _RATE_UNITS = _rate_units()
 _AMBIGUOUS_RATE_UNITS = {unit.lower() for unit in _RATE_UNITS}
 
 
-#: The config keys of the update rule besides ``lr`` (mpigrad/optim.py), which
-#: ``describe_recipe`` puts in a few words.
-RECIPE_KEYS = ("optimizer", "optimizer_opts", "lr_schedule", "lr_schedule_opts", "lr_warmup", "lr_scaling")
+#: The config keys of the recipe besides ``lr``: the update rule (mpigrad/optim.py) and the
+#: augmentation (mpigrad/data/augment.py), which ``describe_recipe`` puts in a few words.
+RECIPE_KEYS = ("optimizer", "optimizer_opts", "lr_schedule", "lr_schedule_opts", "lr_warmup", "lr_scaling",
+               "augment", "augment_opts")
 
 
 def describe_recipe(values: dict[str, Any]) -> str:
-    """The update rule of a config (a dict of RunConfig keys, the missing ones at their
-    defaults) in a few words, ``lr`` aside: ``sgd`` for the paper's plain SGD at a constant
-    rate, else e.g. ``sgd(momentum=0.9, nesterov=True) CosineAnnealingLR(T_max=300) warm-up 5``."""
+    """The recipe of a config (a dict of RunConfig keys, the missing ones at their defaults)
+    in a few words, ``lr`` aside: ``sgd`` for the paper's plain SGD at a constant rate without
+    augmentation, else e.g. ``sgd(momentum=0.9, nesterov=True) CosineAnnealingLR(T_max=300)
+    warm-up 5 crop-flip``."""
     def get(key: str) -> Any:
         return values.get(key, {} if key.endswith("_opts") else _FIELDS[key].default)
 
@@ -345,6 +349,9 @@ def describe_recipe(values: dict[str, Any]) -> str:
         parts.append(f"{get('lr_schedule')}({options(get('lr_schedule_opts'))})")
     if get("lr_warmup"):
         parts.append(f"warm-up {get('lr_warmup')}")
+    if get("augment") != "none":
+        opts = get("augment_opts")
+        parts.append(f"{get('augment')}({options(opts)})" if opts else str(get("augment")))
     return " ".join(parts)
 
 

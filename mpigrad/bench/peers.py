@@ -211,6 +211,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     from torch.nn.parallel import DistributedDataParallel
 
     from ..data import ShardSampler
+    from ..data.augment import build_augmentation
     from ..optim import LearningRate, build_torch_optimizer
     from ..runtime.build import build_config_model
 
@@ -232,6 +233,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
                                             use_error_feedback=True, warm_start=True, random_seed=config.seed)
         ddp.register_comm_hook(state, tally.wrap(powerSGD_hook.powerSGD_hook))
     sampler = ShardSampler(len(dataset.train_y), rank, workers, config.batch_size, config.seed)
+    augmentation = build_augmentation(config.augment, config.augment_opts, dataset)
     # The run's optimizer and schedule, as mpigrad's replicas apply them (plain SGD by default:
     # w <- w - lr * mean gradient); the rate is set before each step, as on mpigrad's ranks.
     optimizer = build_torch_optimizer(config.optimizer, ddp.parameters(), config.lr, config.optimizer_opts)
@@ -247,7 +249,10 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         for group in optimizer.param_groups:
             group["lr"] = rate.at(m)
         idx = sampler.next_batch()
-        x = torch.from_numpy(dataset.train_x[idx]).to(device)
+        batch = dataset.train_x[idx]
+        if augmentation is not None:  # the draws of mpigrad's worker rank + 1 at this iteration
+            batch = augmentation(batch, config.seed, rank, m)
+        x = torch.from_numpy(batch).to(device)
         y = torch.from_numpy(dataset.train_y[idx]).to(device)
         optimizer.zero_grad(set_to_none=True)
         began = time.perf_counter()
@@ -461,12 +466,14 @@ def _config(args: argparse.Namespace):
 def _check_task(config, workers: int) -> None:
     """UsageError now for data or model options that would fail inside every rank."""
     from ..data import DataError, ShardSampler
+    from ..data.augment import build_augmentation
     from ..models import ModelError
     from ..runtime.build import build_config_model, load_data
 
     try:
         dataset = load_data(config)
         ShardSampler(len(dataset.train_y), workers - 1, workers, config.batch_size, config.seed)
+        build_augmentation(config.augment, config.augment_opts, dataset)
         build_config_model(config, dataset)
     except (DataError, ModelError) as exc:
         raise UsageError(str(exc)) from None

@@ -48,7 +48,7 @@ def load_cifar10(*, data_dir=None, seed: int = 0) -> Dataset:
     mean, std = _channel_moments(train_raw)
     return Dataset("cifar10", _standardise(train_raw, mean, std), train_y,
                    _standardise(test_raw, mean, std), test_y,
-                   num_classes=NUM_CLASSES, input_shape=IMAGE_SHAPE)
+                   num_classes=NUM_CLASSES, input_shape=IMAGE_SHAPE, augmentable=True)
 
 
 def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:

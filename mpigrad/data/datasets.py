@@ -31,6 +31,9 @@ class Dataset:
     test_y: np.ndarray
     num_classes: int
     input_shape: tuple[int, int, int]
+    #: Its images survive random crops and horizontal flips (``--augment crop-flip``):
+    #: natural images such as CIFAR-10's, not digits (a mirrored digit is another symbol).
+    augmentable: bool = False
 
     def __post_init__(self) -> None:
         self.input_shape = tuple(int(d) for d in self.input_shape)

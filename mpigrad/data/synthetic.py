@@ -24,8 +24,10 @@ _CHUNK = 256
 
 
 def make_synthetic(*, data_dir=None, seed: int = 0, shape=(3, 32, 32), classes: int = 10,
-                   train_size: int = 4096, test_size: int = 1024, signal: float = 0.25) -> Dataset:
-    """``train_size`` + ``test_size`` images of ``shape`` (C, H, W) in ``classes`` classes."""
+                   train_size: int = 4096, test_size: int = 1024, signal: float = 0.25,
+                   augmentable: bool = False) -> Dataset:
+    """``train_size`` + ``test_size`` images of ``shape`` (C, H, W) in ``classes`` classes;
+    ``augmentable``: let ``--augment`` crop and flip them (a stand-in for natural images)."""
     check_no_data_dir("synthetic", data_dir)
     seed = check_seed(seed)
     shape = parse_shape(shape)
@@ -50,7 +52,9 @@ def make_synthetic(*, data_dir=None, seed: int = 0, shape=(3, 32, 32), classes: 
             images[part] += means[labels[part]]
             images[part] *= scale
         splits += [images, labels]
-    return Dataset("synthetic", *splits, num_classes=classes, input_shape=shape)
+    if not isinstance(augmentable, (bool, np.bool_)):
+        raise DataError(f"augmentable must be true or false, got {augmentable!r}")
+    return Dataset("synthetic", *splits, num_classes=classes, input_shape=shape, augmentable=bool(augmentable))
 
 
 def parse_shape(shape) -> tuple[int, int, int]:

@@ -8,7 +8,7 @@ Checks that need the world size, the data or the model are in ``session.check_la
 from __future__ import annotations
 
 from ..codecs import Codec, CodecError, get_codec
-from ..config import RunConfig, describe_recipe
+from ..config import RunConfig
 from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
 from ..policies import PolicyError, bits_option, get_policy, policy_class, policy_options
@@ -137,10 +137,18 @@ def check_given_options(config: RunConfig, codec: Codec) -> None:
 def check_recipe(config: RunConfig) -> None:
     """UsageError (one line) for an optimizer or schedule that cannot be built, or a plugin
     optimizer where ``--shard-chunk`` cuts layers (it may need whole layers). The paper's
-    plain SGD at a constant rate is checked without importing torch (a refusal stays fast)."""
+    plain SGD (warm-up and scaling are the config's checks) is checked without importing torch
+    (a refusal stays fast); so is the augmentation (its data set's fit: the launch check)."""
+    from ..data import DataError
+    from ..data.augment import check_augmentation
+
+    try:
+        check_augmentation(config.augment, config.augment_opts)
+    except DataError as exc:
+        raise UsageError(str(exc)) from None
     if config.lr_schedule_opts and not config.lr_schedule:
         raise UsageError("--lr-schedule-opt without --lr-schedule: name the schedule")
-    if describe_recipe(config.to_dict()) == "sgd":
+    if config.optimizer == "sgd" and not config.optimizer_opts and not config.lr_schedule:
         return
     from ..optim import OptimizerError, check_recipe as check
     from ..plugins import is_plugin

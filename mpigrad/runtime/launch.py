@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data", help="digits (embedded, default) | cifar10 | synthetic | teacher | package.module:factory")
     g.add_argument("--data-dir", help="directory of the CIFAR-10 python batches")
     g.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="dataset option, e.g. shape=[3,32,32]")
+    g.add_argument("--augment", choices=["none", "crop-flip"], help="training-batch augmentation: crop-flip, He et "
+                   "al.'s random crop after 4-pixel padding and horizontal flip, for data sets whose images allow it "
+                   "(cifar10; docs/training.rst) (default none)")
+    g.add_argument("--augment-opt", action="append", metavar="KEY=VALUE", help="augmentation option: padding=4, "
+                   "flip=false")
     g.add_argument("--eval-every", type=int, help=f"evaluate on the test split every N iterations, 0 = never (default {d.eval_every})")
     g.add_argument("--eval-samples", type=int, help="evaluate on the first N test examples (default all)")
     g = parser.add_argument_group("quantization")
@@ -172,7 +177,7 @@ class RegistryHelpFormatter(argparse.HelpFormatter):
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = {key: value for key, value in vars(args).items()
                  if key not in ("config",) and not key.endswith("_opt")}
-    for name in ("model", "data", "codec", "policy", "optimizer", "lr_schedule"):
+    for name in ("model", "data", "augment", "codec", "policy", "optimizer", "lr_schedule"):
         overrides[f"{name}_opts"] = parse_assignments(getattr(args, f"{name}_opt"), f"--{name.replace('_', '-')}-opt")
     return RunConfig.from_sources(args.config, overrides)
 

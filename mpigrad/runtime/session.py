@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from ..codecs import get_codec
 from ..config import format_duration, format_network_value, format_rate
+from ..data.augment import build_augmentation
 from ..errors import UsageError
 from ..machine import mpi_library_version
 from ..models import check_model
@@ -79,6 +80,7 @@ def _launch_problem(config, size: int) -> str | None:
             raise UsageError(f"--link-bandwidth names rank(s) {', '.join(map(str, beyond))}, but this run has ranks "
                              f"0..{size - 1}")
         dataset = load_data(config)
+        build_augmentation(config.augment, config.augment_opts, dataset)  # does this data set take it?
         model = check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
                             seed=config.seed, **config.model_opts)
         check_quantizes_something(config, model)

@@ -14,6 +14,7 @@ import torch
 from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
+from ..data.augment import build_augmentation
 from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .buffers import BufferSync, ParameterSync, sync_due
@@ -46,6 +47,7 @@ class Worker(FollowerRole):
         self.shard = self.sampler.shard
         self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
         self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
+        self.augmentation = build_augmentation(config.augment, config.augment_opts, dataset)
         self.replica = build_replica(config, dataset, workers)
         release_data()  # the shard is a copy: let the full dataset go
         codec = base_codec(config)
@@ -96,13 +98,17 @@ class Worker(FollowerRole):
             self.pipeline_buffers: dict = {}
             self.backward_report = BackwardReport.buffer(len(self.pipeline.buckets), self.servers)
 
-    def _compute(self) -> tuple[float, float, float]:
-        """Forward and backward on the next batch (pipelined: forward only, the loss tensor
-        kept for backward in ``gradients``); return (loss, CPU s, wall s)."""
+    def _compute(self, m: int) -> tuple[float, float, float]:
+        """Forward and backward on iteration ``m``'s batch, augmented if the run asks
+        (pipelined: forward only, the loss tensor kept for backward in ``gradients``);
+        return (loss, CPU s, wall s)."""
         cpu, wall = time.process_time(), time.perf_counter()
         idx = np.searchsorted(self.shard, self.sampler.next_batch())
         device = self.replica.device
-        x = torch.from_numpy(self.train_x[idx]).to(device)
+        batch = self.train_x[idx]
+        if self.augmentation is not None:
+            batch = self.augmentation(batch, self.config.seed, self.number - 1, m)
+        x = torch.from_numpy(batch).to(device)
         y = torch.from_numpy(self.train_y[idx]).to(device)
         model = self.replica.model
         self.replica.flat_grad.zero_()
@@ -117,7 +123,7 @@ class Worker(FollowerRole):
     def begin(self, m: int) -> None:
         #: This iteration's learning rate (the pipelined iteration applies buckets at it).
         self.lr = self.replica.lr(m, self.config.lr)
-        self.computed = self._compute()
+        self.computed = self._compute(m)
 
     def losses(self, m: int) -> None:
         loss, cpu, wall = self.computed
