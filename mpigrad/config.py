@@ -52,6 +52,10 @@ class RunConfig:
     batch_size: int = 32
     lr: float | None = None          # None: the dataset's default (DEFAULT_LR)
     weight_decay: float = 0.004
+    #: Where ``weight_decay`` acts: "loss", the paper's l2 term (on the model's chosen layers,
+    #: through the codec with the gradient), or "optimizer", its ``weight_decay`` option (on
+    #: the decoded update, every parameter, on every replica; decoupled for adamw).
+    weight_decay_in: str = "loss"
     #: The update rule (mpigrad/optim.py): "sgd" without options is the paper's plain SGD;
     #: any other torch.optim optimizer by name, or package.module:factory, with its options.
     optimizer: str = "sgd"
@@ -241,6 +245,16 @@ class RunConfig:
         return 1 if self.colocated else int(self.servers)
 
     @property
+    def loss_weight_decay(self) -> float:
+        """The coefficient of the loss's l2 term: ``weight_decay``, or 0 where the optimizer decays."""
+        return self.weight_decay if self.weight_decay_in == "loss" else 0.0
+
+    @property
+    def update_options(self) -> dict[str, Any]:
+        """The optimizer's options, ``weight_decay`` among them where the optimizer decays."""
+        return update_options(self.to_dict())
+
+    @property
     def checkpoint_interval(self) -> tuple[str, float] | None:
         """``("iterations", N)`` or ``("seconds", S)`` from ``checkpoint_every``; None when unset."""
         if self.checkpoint_every is None:
@@ -257,6 +271,11 @@ class RunConfig:
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (self.lr_warmup >= 0, f"lr_warmup must be >= 0 iterations, got {self.lr_warmup}"),
             (self.lr_scaling in ("none", "linear"), f"lr_scaling must be none or linear, got {self.lr_scaling!r}"),
+            (self.weight_decay_in in WEIGHT_DECAY_IN,
+             f"weight_decay_in must be {' or '.join(WEIGHT_DECAY_IN)}, got {self.weight_decay_in!r}"),
+            (not (self.optimizer_opts.get("weight_decay") and (self.weight_decay_in == "optimizer" or self.weight_decay)),
+             "weight decay given twice (--weight-decay and --optimizer-opt weight_decay): give it once, as "
+             "--weight-decay X --weight-decay-in loss|optimizer"),
             (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
             (self.min_quantize_size is None or self.min_quantize_size >= 1,
              "min_quantize_size must be at least 1"),
@@ -326,8 +345,21 @@ _AMBIGUOUS_RATE_UNITS = {unit.lower() for unit in _RATE_UNITS}
 
 #: The config keys of the recipe besides ``lr``: the update rule (mpigrad/optim.py) and the
 #: augmentation (mpigrad/data/augment.py), which ``describe_recipe`` puts in a few words.
-RECIPE_KEYS = ("optimizer", "optimizer_opts", "lr_schedule", "lr_schedule_opts", "lr_warmup", "lr_scaling",
-               "augment", "augment_opts")
+RECIPE_KEYS = ("optimizer", "optimizer_opts", "weight_decay_in", "lr_schedule", "lr_schedule_opts", "lr_warmup",
+               "lr_scaling", "augment", "augment_opts")
+
+#: ``weight_decay_in`` choices.
+WEIGHT_DECAY_IN = ("loss", "optimizer")
+
+
+def update_options(values: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's options of a config (a dict of RunConfig keys, the missing ones at their
+    defaults), with ``weight_decay`` where ``weight_decay_in`` is "optimizer"."""
+    options = dict(values.get("optimizer_opts") or {})
+    decay = values.get("weight_decay", _FIELDS["weight_decay"].default)
+    if values.get("weight_decay_in", "loss") == "optimizer" and decay:
+        options["weight_decay"] = decay
+    return options
 
 
 def describe_recipe(values: dict[str, Any]) -> str:
@@ -341,7 +373,7 @@ def describe_recipe(values: dict[str, Any]) -> str:
     def options(opts: dict[str, Any]) -> str:
         return ", ".join(f"{key}={value}" for key, value in (opts or {}).items())
 
-    opts = get("optimizer_opts")
+    opts = update_options(values)
     parts = [f"{get('optimizer')}({options(opts)})" if opts else str(get("optimizer"))]
     if get("lr_scaling") == "linear":
         parts.append("lr x workers")

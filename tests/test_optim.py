@@ -266,3 +266,35 @@ def test_a_stopped_run_with_adam_and_a_schedule_resumes_bit_for_bit_in_process(t
     np.testing.assert_array_equal(straight.steps["loss"].to_numpy(), resumed.steps["loss"].to_numpy())
     np.testing.assert_array_equal(straight.steps["lr"].to_numpy(), resumed.steps["lr"].to_numpy())
     np.testing.assert_array_equal(straight.checksums.to_numpy(), resumed.checksums.to_numpy())
+
+
+def test_the_weight_decay_acts_in_the_loss_or_in_the_optimizer_once():
+    loss = RunConfig.from_sources(None, {"weight_decay": 1e-3})
+    assert loss.loss_weight_decay == 1e-3 and loss.update_options == {}
+    moved = RunConfig.from_sources(None, {"weight_decay": 1e-3, "weight_decay_in": "optimizer",
+                                          "optimizer_opts": {"momentum": 0.9}})
+    assert moved.loss_weight_decay == 0.0 and moved.update_options == {"momentum": 0.9, "weight_decay": 1e-3}
+    assert describe_recipe(moved.to_dict()) == "sgd(momentum=0.9, weight_decay=0.001)"
+    assert describe_recipe({"weight_decay": 0, "weight_decay_in": "optimizer"}) == "sgd"  # no decay at all
+    for twice in ({"weight_decay": 1e-3, "optimizer_opts": {"weight_decay": 1e-4}},
+                  {"weight_decay": 0, "weight_decay_in": "optimizer", "optimizer_opts": {"weight_decay": 1e-4}}):
+        with pytest.raises(UsageError, match=r"weight decay given twice .*: give it once, as --weight-decay X "):
+            RunConfig.from_sources(None, twice).validate()
+    with pytest.raises(UsageError, match="weight_decay_in must be loss or optimizer, got 'model'"):
+        RunConfig.from_sources(None, {"weight_decay_in": "model"}).validate()
+
+
+def test_the_optimizers_decay_is_torchs_on_the_decoded_update():
+    """--weight-decay-in optimizer: the replica's rule is torch's SGD with weight_decay, over
+    the flat pieces, bit for bit; the loss's l2 term is gone (its coefficient is 0)."""
+    config = RunConfig.from_sources(None, {"weight_decay": 0.01, "weight_decay_in": "optimizer"})
+    flat = torch.linspace(-1, 1, 23)
+    rule = UpdateRule(config.optimizer, config.update_options, PIECES, flat, 0.05)
+    assert not rule.plain
+    expected = flat.clone().requires_grad_(True)
+    reference = torch.optim.SGD([expected], lr=0.05, weight_decay=0.01)
+    for update in updates(3):
+        rule.apply(flat, update, 0.05, 0, 23)
+        expected.grad = update.clone()
+        reference.step()
+    torch.testing.assert_close(flat, expected.detach(), rtol=0, atol=0)

@@ -17,7 +17,7 @@ from test_checkpoint_mpi import finish, start, wait_for_line
 
 pytestmark = pytest.mark.mpi
 
-#: Nesterov momentum, a cosine schedule after a linear warm-up and random crops and flips
+#: Nesterov momentum with its own weight decay, a cosine schedule after a linear warm-up and random crops and flips
 #: (of small synthetic images that allow them), on the colocated pipelined iteration (the
 #: workers apply the optimizer piece by piece; rank 0 applies none), with the replicas'
 #: checksums compared every other iteration.
@@ -25,7 +25,8 @@ RECIPE = ["--optimizer", "sgd", "--optimizer-opt", "momentum=0.9", "--optimizer-
           "--lr", "0.02", "--lr-schedule", "CosineAnnealingLR", "--lr-schedule-opt", "T_max=60", "--lr-warmup", "5",
           "--servers", "colocated", "--pipeline", "--checksum-every", "2",
           "--data", "synthetic", "--data-opt", "shape=[3,12,12]", "--data-opt", "augmentable=true",
-          "--data-opt", "train_size=1024", "--data-opt", "test_size=128", "--augment", "crop-flip"]
+          "--data-opt", "train_size=1024", "--data-opt", "test_size=128", "--augment", "crop-flip",
+          "--weight-decay", "1e-3", "--weight-decay-in", "optimizer"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def test_momentum_and_a_schedule_keep_the_replicas_identical_and_trace_the_rate(
     assert config["optimizer_opts"] == {"momentum": 0.9, "nesterov": True}
     assert config["lr_schedule"] == "CosineAnnealingLR" and config["lr_warmup"] == 5
     assert config["augment"] == "crop-flip" and config["data_opts"]["augmentable"] is True
+    assert config["weight_decay_in"] == "optimizer" and config["weight_decay"] == 1e-3
 
 
 def test_a_stopped_run_with_momentum_and_a_schedule_resumes_to_the_straight_trace(tmp_path, mpi_env, straight):

@@ -236,7 +236,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     augmentation = build_augmentation(config.augment, config.augment_opts, dataset)
     # The run's optimizer and schedule, as mpigrad's replicas apply them (plain SGD by default:
     # w <- w - lr * mean gradient); the rate is set before each step, as on mpigrad's ranks.
-    optimizer = build_torch_optimizer(config.optimizer, ddp.parameters(), config.lr, config.optimizer_opts)
+    optimizer = build_torch_optimizer(config.optimizer, ddp.parameters(), config.lr, config.update_options)
     rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup, config.lr_scaling,
                         workers)
     record = RankRecord(variant.name, [], [], [], [])
@@ -256,7 +256,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         y = torch.from_numpy(dataset.train_y[idx]).to(device)
         optimizer.zero_grad(set_to_none=True)
         began = time.perf_counter()
-        loss = model.loss(ddp(x), y, config.weight_decay)
+        loss = model.loss(ddp(x), y, config.loss_weight_decay)
         loss.backward()
         if clock is not None:
             record.compute.append(clock.compute(began))
@@ -312,7 +312,7 @@ def _bare_compute(ddp, model, dataset, config, device, repeats: int = 7) -> floa
         for _ in range(repeats + 1):
             sync()
             start = time.perf_counter()
-            model.loss(ddp(x), y, config.weight_decay).backward()
+            model.loss(ddp(x), y, config.loss_weight_decay).backward()
             sync()
             times.append(time.perf_counter() - start)
     return float(np.median(times[1:]))
@@ -530,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
     if args.address == "127.0.0.1":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     print(f"mpigrad bench peers: {config.model} on {config.data}, P = {workers} workers, batch {config.batch_size}"
-          f"/worker, {recipe_description(config)}, weight decay {config.weight_decay:g}, {config.iterations} "
+          f"/worker, {recipe_description(config)}, l2 in the loss {config.loss_weight_decay:g}, {config.iterations} "
           "iterations, "
           f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; "
           f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; "

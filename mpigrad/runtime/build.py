@@ -93,7 +93,7 @@ def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = Non
                       base_codec(config))
     if workers is not None:
         pieces = [(piece.offset, piece.size) for piece in pieces_of(replica.layout, config.shard_chunk)]
-        rule = UpdateRule(config.optimizer, config.optimizer_opts, pieces, replica.flat, config.lr)
+        rule = UpdateRule(config.optimizer, config.update_options, pieces, replica.flat, config.lr)
         rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup,
                             config.lr_scaling, workers)
         replica.use_update_rule(rule, rate)

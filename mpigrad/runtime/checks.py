@@ -148,13 +148,13 @@ def check_recipe(config: RunConfig) -> None:
         raise UsageError(str(exc)) from None
     if config.lr_schedule_opts and not config.lr_schedule:
         raise UsageError("--lr-schedule-opt without --lr-schedule: name the schedule")
-    if config.optimizer == "sgd" and not config.optimizer_opts and not config.lr_schedule:
+    if config.optimizer == "sgd" and not config.update_options and not config.lr_schedule:
         return
     from ..optim import OptimizerError, check_recipe as check
     from ..plugins import is_plugin
 
     try:
-        check(config.optimizer, config.optimizer_opts, config.lr_schedule, config.lr_schedule_opts,
+        check(config.optimizer, config.update_options, config.lr_schedule, config.lr_schedule_opts,
               config.lr_warmup, config.lr_scaling)
     except OptimizerError as exc:
         raise UsageError(str(exc)) from None

@@ -35,13 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--iterations", type=int, help=f"SGD iterations (default {d.iterations})")
     g.add_argument("--batch-size", type=int, help=f"per-worker batch size (default {d.batch_size})")
     g.add_argument("--lr", type=float, help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic and teacher)")
-    g.add_argument("--weight-decay", type=float, help=f"l2 coefficient (paper-cnn: its big FC weights; other models: conv and linear weights) (default {d.weight_decay})")
+    g.add_argument("--weight-decay", type=float, help=f"weight decay coefficient (default {d.weight_decay}); where it "
+                   "acts: --weight-decay-in")
+    g.add_argument("--weight-decay-in", choices=["loss", "optimizer"], help="loss (default): the paper's l2 term in "
+                   "the loss (paper-cnn: its big FC weights; other models: conv and linear weights), which goes through "
+                   "the codec with the gradient; optimizer: the optimizer's weight_decay option, on the decoded update "
+                   "on every replica, every parameter (decoupled for adamw)")
     g.add_argument("--optimizer", help="the update's optimizer: sgd (default; without options the paper's plain "
                    "w <- w - lr g) | adam | adamw | rmsprop | adagrad | adamax | nadam | radam | asgd | rprop "
                    "(torch.optim's) | package.module:factory (docs/training.rst)")
     g.add_argument("--optimizer-opt", action="append", metavar="KEY=VALUE",
-                   help="optimizer option, e.g. momentum=0.9, nesterov=true, betas=[0.9,0.999], weight_decay=5e-4 "
-                        "(the optimizer's own decay, beside --weight-decay's l2 term in the loss)")
+                   help="optimizer option, e.g. momentum=0.9, nesterov=true, betas=[0.9,0.999]")
     g.add_argument("--lr-schedule", metavar="NAME", help="a torch.optim.lr_scheduler class, stepped once per "
                    "iteration, e.g. CosineAnnealingLR, MultiStepLR, StepLR (default: a constant rate)")
     g.add_argument("--lr-schedule-opt", action="append", metavar="KEY=VALUE",

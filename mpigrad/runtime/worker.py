@@ -112,7 +112,7 @@ class Worker(FollowerRole):
         y = torch.from_numpy(self.train_y[idx]).to(device)
         model = self.replica.model
         self.replica.flat_grad.zero_()
-        loss = model.loss(model(x), y, self.config.weight_decay)
+        loss = model.loss(model(x), y, self.config.loss_weight_decay)
         if self.pipeline is not None:
             self.loss_tensor = loss
         else:
