@@ -70,6 +70,9 @@ class RunConfig:
     data_dir: str | None = None
     data_opts: dict[str, Any] = field(default_factory=dict)
     augment: str = "none"            # "crop-flip": random crops with padding and flips (mpigrad/data/augment.py)
+    #: "bf16": forward and loss under torch.autocast in bfloat16 (parameters, gradients and
+    #: codecs stay float32); "none": float32 throughout.
+    autocast: str = "none"
     augment_opts: dict[str, Any] = field(default_factory=dict)
     codec: str = "uniform"
     codec_opts: dict[str, Any] = field(default_factory=dict)
@@ -271,6 +274,9 @@ class RunConfig:
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (self.lr_warmup >= 0, f"lr_warmup must be >= 0 iterations, got {self.lr_warmup}"),
             (self.lr_scaling in ("none", "linear"), f"lr_scaling must be none or linear, got {self.lr_scaling!r}"),
+            (self.autocast in AUTOCAST, f"autocast must be {' or '.join(AUTOCAST)}, got {self.autocast!r}"
+             + ("; fp16 needs a loss scale whose overflow every replica skips alike, which mpigrad does not "
+                "have: use bf16" if self.autocast == "fp16" else "")),
             (self.weight_decay_in in WEIGHT_DECAY_IN,
              f"weight_decay_in must be {' or '.join(WEIGHT_DECAY_IN)}, got {self.weight_decay_in!r}"),
             (not (self.optimizer_opts.get("weight_decay") and (self.weight_decay_in == "optimizer" or self.weight_decay)),
@@ -346,7 +352,10 @@ _AMBIGUOUS_RATE_UNITS = {unit.lower() for unit in _RATE_UNITS}
 #: The config keys of the recipe besides ``lr``: the update rule (mpigrad/optim.py) and the
 #: augmentation (mpigrad/data/augment.py), which ``describe_recipe`` puts in a few words.
 RECIPE_KEYS = ("optimizer", "optimizer_opts", "weight_decay_in", "lr_schedule", "lr_schedule_opts", "lr_warmup",
-               "lr_scaling", "augment", "augment_opts")
+               "lr_scaling", "augment", "augment_opts", "autocast")
+
+#: ``autocast`` choices.
+AUTOCAST = ("none", "bf16")
 
 #: ``weight_decay_in`` choices.
 WEIGHT_DECAY_IN = ("loss", "optimizer")
@@ -366,7 +375,7 @@ def describe_recipe(values: dict[str, Any]) -> str:
     """The recipe of a config (a dict of RunConfig keys, the missing ones at their defaults)
     in a few words, ``lr`` aside: ``sgd`` for the paper's plain SGD at a constant rate without
     augmentation, else e.g. ``sgd(momentum=0.9, nesterov=True) CosineAnnealingLR(T_max=300)
-    warm-up 5 crop-flip``."""
+    warm-up 5 crop-flip autocast bf16``."""
     def get(key: str) -> Any:
         return values.get(key, {} if key.endswith("_opts") else _FIELDS[key].default)
 
@@ -384,6 +393,8 @@ def describe_recipe(values: dict[str, Any]) -> str:
     if get("augment") != "none":
         opts = get("augment_opts")
         parts.append(f"{get('augment')}({options(opts)})" if opts else str(get("augment")))
+    if get("autocast") != "none":
+        parts.append(f"autocast {get('autocast')}")
     return " ".join(parts)
 
 

@@ -411,10 +411,12 @@ def test_wire_counts_the_busiest_node_where_shards_are_unequal():
 
 #: TINY under a CNN user's recipe: SGD with Nesterov momentum and its own weight decay, a
 #: cosine schedule after a linear warm-up, random crops and flips (issue 44) of small
-#: synthetic images that allow them; the config file gives both sides the same recipe.
+#: synthetic images that allow them, bf16 autocast; the config file gives both sides the
+#: same recipe.
 RECIPE_TOML = TINY.replace("iterations = 8", "iterations = 12").replace('data = "digits"', """data = "synthetic"
 augment = "crop-flip"
 weight_decay_in = "optimizer"
+autocast = "bf16"
 optimizer = "sgd"
 lr_schedule = "CosineAnnealingLR"
 lr_warmup = 3""").replace("[model_opts]", """[data_opts]
@@ -435,7 +437,7 @@ T_max = 12
 
 @pytest.mark.mpi
 def test_ddp_and_mpigrad_give_the_same_losses_under_momentum_and_a_schedule(tmp_path, mpi_env):
-    """fp32 at P = 2: DDP's optimizer (its weight decay), schedule and augmentation, built from the same config,
+    """fp32 at P = 2: DDP's optimizer (its weight decay), schedule, augmentation and autocast, built from the same config,
     are mpigrad's (over its flat pieces; the same crops and flips per rank and iteration); the
     losses agree to the last bit (as for plain SGD here)."""
     from mpigrad.trace import load
@@ -448,7 +450,7 @@ def test_ddp_and_mpigrad_give_the_same_losses_under_momentum_and_a_schedule(tmp_
     done = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert ("lr 0.05, sgd(momentum=0.9, nesterov=True, weight_decay=0.004) CosineAnnealingLR(T_max=12) warm-up 3 "
-            "crop-flip(padding=2), l2 in the loss 0," in done.stdout), done.stdout
+            "crop-flip(padding=2) autocast bf16, l2 in the loss 0," in done.stdout), done.stdout
     ddp = load(out / "ddp-fp32-seed1.h5").steps["loss"].to_numpy()
     ours = load(out / "mpigrad-seed1.h5")
     np.testing.assert_array_equal(ddp, ours.steps["loss"].to_numpy())

@@ -298,3 +298,27 @@ def test_the_optimizers_decay_is_torchs_on_the_decoded_update():
         expected.grad = update.clone()
         reference.step()
     torch.testing.assert_close(flat, expected.detach(), rtol=0, atol=0)
+
+
+def test_bf16_autocast_keeps_gradients_float32_and_fp16_is_refused():
+    """--autocast bf16: the worker's forward and loss in bfloat16 (a slightly different loss
+    and gradient), the gradient it encodes float32; fp16 is refused in one line."""
+    from mpigrad.runtime.build import build_replica, forward_context, load_data
+
+    results = {}
+    for autocast in ("none", "bf16"):
+        config = RunConfig.from_sources(None, {"model_opts": {"fc_sizes": [64, 64]}, "autocast": autocast})
+        dataset = load_data(config)
+        replica = build_replica(config, dataset, workers=2)
+        x, y = torch.from_numpy(dataset.train_x[:16]), torch.from_numpy(dataset.train_y[:16])
+        replica.flat_grad.zero_()
+        with forward_context(config, replica.device):
+            loss = replica.model.loss(replica.model(x), y, config.loss_weight_decay)
+        loss.backward()
+        results[autocast] = (loss.detach(), replica.flat_grad.clone())
+    (loss32, grad32), (loss16, grad16) = results["none"], results["bf16"]
+    assert grad16.dtype == torch.float32 and loss16.dtype == torch.float32
+    assert not torch.equal(grad32, grad16) and torch.allclose(loss32, loss16, rtol=2e-2)
+    assert describe_recipe({"autocast": "bf16"}) == "sgd autocast bf16"
+    with pytest.raises(UsageError, match="autocast must be none or bf16, got 'fp16'; fp16 needs a loss scale"):
+        RunConfig.from_sources(None, {"autocast": "fp16"}).validate()

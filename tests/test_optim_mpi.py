@@ -71,11 +71,13 @@ def test_a_stopped_run_with_momentum_and_a_schedule_resumes_to_the_straight_trac
     assert_same_trace(load(straight[0]), load(stopped))
 
 
-def test_adam_on_one_server_learns_and_its_replicas_agree(tmp_path, mpi_env):
+def test_adam_under_bf16_autocast_on_one_server_learns_and_its_replicas_agree(tmp_path, mpi_env):
     trace = tmp_path / "adam.h5"
     result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "60", "--policy", "fixed",
-                         "--bits", "8", "--optimizer", "adam", "--lr", "0.002", "--checksum-every", "3"], mpi_env)
+                         "--bits", "8", "--optimizer", "adam", "--lr", "0.002", "--checksum-every", "3",
+                         "--autocast", "bf16"], mpi_env)
     assert result.returncode == 0, result.stderr
     tr = load(trace)
     assert len(tr.checksums) == 20 and "lr" not in tr.steps  # a constant rate: no column
     assert tr.steps["loss"].iloc[-10:].mean() < 0.8 * tr.steps["loss"].iloc[:5].mean()
+    assert tr.config["autocast"] == "bf16" and tr.config["optimizer"] == "adam"

@@ -213,7 +213,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     from ..data import ShardSampler
     from ..data.augment import build_augmentation
     from ..optim import LearningRate, build_torch_optimizer
-    from ..runtime.build import build_config_model
+    from ..runtime.build import build_config_model, forward_context
 
     workers = spec["workers"]
     model = build_config_model(config, dataset).to(device)
@@ -256,7 +256,8 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         y = torch.from_numpy(dataset.train_y[idx]).to(device)
         optimizer.zero_grad(set_to_none=True)
         began = time.perf_counter()
-        loss = model.loss(ddp(x), y, config.loss_weight_decay)
+        with forward_context(config, device):
+            loss = model.loss(ddp(x), y, config.loss_weight_decay)
         loss.backward()
         if clock is not None:
             record.compute.append(clock.compute(began))
@@ -304,6 +305,8 @@ def _bare_compute(ddp, model, dataset, config, device, repeats: int = 7) -> floa
     the first pass is not counted."""
     import torch
 
+    from ..runtime.build import forward_context
+
     x = torch.from_numpy(dataset.train_x[:config.batch_size]).to(device)
     y = torch.from_numpy(dataset.train_y[:config.batch_size]).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -312,7 +315,9 @@ def _bare_compute(ddp, model, dataset, config, device, repeats: int = 7) -> floa
         for _ in range(repeats + 1):
             sync()
             start = time.perf_counter()
-            model.loss(ddp(x), y, config.loss_weight_decay).backward()
+            with forward_context(config, device):
+                loss = model.loss(ddp(x), y, config.loss_weight_decay)
+            loss.backward()
             sync()
             times.append(time.perf_counter() - start)
     return float(np.median(times[1:]))

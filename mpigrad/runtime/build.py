@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -20,7 +21,7 @@ from .layout import Layout, Shard, pieces_of, plan_shards
 from .replica import Replica
 
 __all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "bind_rank_device", "base_codec", "broadcast_codec", "load_data", "release_data",
-           "build_config_model", "build_replica", "build_shards", "build_compressor"]
+           "build_config_model", "forward_context", "build_replica", "build_shards", "build_compressor"]
 
 #: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
 SERVER_STREAM = 0
@@ -84,6 +85,15 @@ def build_config_model(config: RunConfig, dataset: Dataset) -> torch.nn.Module:
     with _seeding:
         return build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
                            seed=config.seed, **config.model_opts)
+
+
+def forward_context(config: RunConfig, device: torch.device):
+    """The context of a worker's forward pass and loss: torch.autocast in bfloat16 under
+    ``autocast = "bf16"`` (backward follows it; parameters and gradients stay float32), else
+    nothing."""
+    if config.autocast == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = None) -> Replica:

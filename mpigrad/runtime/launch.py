@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data", help="digits (embedded, default) | cifar10 | synthetic | teacher | package.module:factory")
     g.add_argument("--data-dir", help="directory of the CIFAR-10 python batches")
     g.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="dataset option, e.g. shape=[3,32,32]")
+    g.add_argument("--autocast", choices=["none", "bf16"], help="bf16: forward and loss under torch.autocast in "
+                   "bfloat16, as mixed-precision CNN recipes train (parameters, gradients and codecs stay float32; "
+                   "fp16 is not offered: it needs a loss scale that every replica skips alike) (default none)")
     g.add_argument("--augment", choices=["none", "crop-flip"], help="training-batch augmentation: crop-flip, He et "
                    "al.'s random crop after 4-pixel padding and horizontal flip, for data sets whose images allow it "
                    "(cifar10; docs/training.rst) (default none)")

@@ -19,7 +19,7 @@ from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_replica, build_shards, load_data, release_data)
+                    build_replica, build_shards, forward_context, load_data, release_data)
 from .device import finite, on_device
 from .faults import Fault
 from .phaselog import PhaseLog
@@ -112,7 +112,8 @@ class Worker(FollowerRole):
         y = torch.from_numpy(self.train_y[idx]).to(device)
         model = self.replica.model
         self.replica.flat_grad.zero_()
-        loss = model.loss(model(x), y, self.config.loss_weight_decay)
+        with forward_context(self.config, device):
+            loss = model.loss(model(x), y, self.config.loss_weight_decay)
         if self.pipeline is not None:
             self.loss_tensor = loss
         else:
