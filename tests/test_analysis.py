@@ -189,6 +189,7 @@ def test_info(runs, capsys):
     assert code == 0
     fields = dict(line.split(None, 1) for line in out.splitlines() if line and not line.startswith(" "))
     assert fields["method"] == "Fix (2-bit)" and fields["status"].startswith("complete")
+    assert fields["recipe"] == "sgd"  # a config without the recipe's keys: the paper's plain SGD
     assert fields["iterations"] == "10 (iteration 0 to 9)"
     assert fields["duration"] == "18000.0 s simulated, 1000.0 s wall clock"
     assert fields["argv"] == "mpigrad train --bits 2" and fields["seed"] == "3"

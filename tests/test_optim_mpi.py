@@ -17,6 +17,19 @@ from test_checkpoint_mpi import finish, start, wait_for_line
 
 pytestmark = pytest.mark.mpi
 
+
+def main_output(argv: list[str]) -> str:
+    """What ``mpigrad ARGV`` prints, run in this process."""
+    import contextlib
+    import io
+
+    from mpigrad.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
 #: Nesterov momentum with its own weight decay, a cosine schedule after a linear warm-up and random crops and flips
 #: (of small synthetic images that allow them), on the colocated pipelined iteration (the
 #: workers apply the optimizer piece by piece; rank 0 applies none), with the replicas'
@@ -53,6 +66,10 @@ def test_momentum_and_a_schedule_keep_the_replicas_identical_and_trace_the_rate(
     assert config["lr_schedule"] == "CosineAnnealingLR" and config["lr_warmup"] == 5
     assert config["augment"] == "crop-flip" and config["data_opts"]["augmentable"] is True
     assert config["weight_decay_in"] == "optimizer" and config["weight_decay"] == 1e-3
+    info = [line.split(None, 1)[1] for line in main_output(["trace", "info", str(path)]).splitlines()
+            if line.startswith("recipe ")]
+    assert info == ["sgd(momentum=0.9, nesterov=True, weight_decay=0.001) CosineAnnealingLR(T_max=60) warm-up 5 "
+                    "crop-flip, lr 0.02"], info
 
 
 def test_a_stopped_run_with_momentum_and_a_schedule_resumes_to_the_straight_trace(tmp_path, mpi_env, straight):

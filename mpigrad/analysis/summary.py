@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import describe_recipe
 from ..trace import STEPS_COLUMNS, Trace, network
 from .tables import CLOCKS, AnalysisError, Column
 
@@ -128,6 +129,19 @@ def summary_columns(*, target_loss: float | None = None, clock: str = "sim") -> 
 INFO_WIDTH = 100
 
 
+def recipe_line(config: dict[str, Any]) -> str:
+    """A run's recipe from its config: ``config.describe_recipe``'s words, the rate and the
+    loss's l2 term where the config has them (``sgd(momentum=0.9) crop-flip, lr 0.02, l2 in
+    the loss 0.004``)."""
+    parts = [describe_recipe(config)]
+    if isinstance(config.get("lr"), (int, float)):
+        parts.append(f"lr {config['lr']:g}")
+    decay = config.get("weight_decay")
+    if config.get("weight_decay_in", "loss") == "loss" and isinstance(decay, (int, float)) and decay:
+        parts.append(f"l2 in the loss {decay:g}")
+    return ", ".join(parts)
+
+
 def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
     """(key, text) lines for `mpigrad trace info`: every attribute and the config; without
     ``full``, a screenful: the attributes it does not describe itself (a cost model, the MPI
@@ -144,7 +158,11 @@ def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
         status_text += f": {attrs['error']}"
     if "last_iteration" in attrs:
         status_text += f" (last complete iteration {attrs['last_iteration']})"
-    lines = [("file", str(trace.path)), ("method", trace.label), ("status", status_text),
+    lines = [("file", str(trace.path)), ("method", trace.label)]
+    config = attrs.get("config")
+    if isinstance(config, dict):
+        lines.append(("recipe", recipe_line(config)))
+    lines += [("status", status_text),
              ("schema", f"version {trace.schema_version}, written by mpigrad {attrs.get('mpigrad_version', '?')}"),
              ("started", str(attrs.get("start_time", "?"))), ("ended", str(attrs.get("end_time", "-")))]
     if len(steps):
