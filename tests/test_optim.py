@@ -322,3 +322,17 @@ def test_bf16_autocast_keeps_gradients_float32_and_fp16_is_refused():
     assert describe_recipe({"autocast": "bf16"}) == "sgd autocast bf16"
     with pytest.raises(UsageError, match="autocast must be none or bf16, got 'fp16'; fp16 needs a loss scale"):
         RunConfig.from_sources(None, {"autocast": "fp16"}).validate()
+
+
+def test_a_checkpoint_from_before_the_recipe_keys_resumes_and_another_recipe_is_refused():
+    """A checkpoint written before the recipe's keys existed has none of them: a run that leaves
+    them at their defaults resumes it; one that changes any is another configuration."""
+    from mpigrad.config import RECIPE_KEYS
+    from mpigrad.runtime import checkpoint
+
+    now = RunConfig.from_sources(None, {}).to_dict()
+    before = {key: value for key, value in now.items() if key not in RECIPE_KEYS}
+    assert checkpoint.identity(now, 3) == checkpoint.identity(before, 3)
+    for key, value in [("optimizer", "adam"), ("optimizer_opts", {"momentum": 0.9}), ("lr_warmup", 5),
+                       ("weight_decay_in", "optimizer"), ("augment", "crop-flip"), ("autocast", "bf16")]:
+        assert checkpoint.identity({**now, key: value}, 3) != checkpoint.identity(now, 3), key

@@ -43,7 +43,12 @@ class DamagedCheckpoint(ValueError):
 #: option existed is resumed by a run that leaves it unset.
 #: (cost_model "none" is the clock of the configs written before --cost-model existed, control
 #: "paper" the protocol of those written before --control.)
-ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none", "control": "paper"}
+ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none", "control": "paper",
+                    # the recipe's keys: the paper's plain SGD at a constant rate, in float32,
+                    # the l2 term in the loss, no augmentation (mpigrad/optim.py, data/augment.py)
+                    "optimizer": "sgd", "optimizer_opts": {}, "lr_schedule": None, "lr_schedule_opts": {},
+                    "lr_warmup": 0, "lr_scaling": "none", "weight_decay_in": "loss", "augment": "none",
+                    "augment_opts": {}, "autocast": "none"}
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:
