@@ -70,10 +70,10 @@ class RunConfig:
     data_dir: str | None = None
     data_opts: dict[str, Any] = field(default_factory=dict)
     augment: str = "none"            # "crop-flip": random crops with padding and flips (mpigrad/data/augment.py)
+    augment_opts: dict[str, Any] = field(default_factory=dict)
     #: "bf16": forward and loss under torch.autocast in bfloat16 (parameters, gradients and
     #: codecs stay float32); "none": float32 throughout.
     autocast: str = "none"
-    augment_opts: dict[str, Any] = field(default_factory=dict)
     codec: str = "uniform"
     codec_opts: dict[str, Any] = field(default_factory=dict)
     bits: int = 2
@@ -255,7 +255,8 @@ class RunConfig:
     @property
     def update_options(self) -> dict[str, Any]:
         """The optimizer's options, ``weight_decay`` among them where the optimizer decays."""
-        return update_options(self.to_dict())
+        return update_options({"optimizer_opts": self.optimizer_opts, "weight_decay": self.weight_decay,
+                               "weight_decay_in": self.weight_decay_in})
 
     @property
     def checkpoint_interval(self) -> tuple[str, float] | None:
@@ -669,9 +670,7 @@ def coerce(key: str, value: Any) -> Any:
     default = _FIELDS[key].default
     kind = _OPTIONAL_TYPES.get(key, type(default))
     if kind is bool:
-        if not isinstance(value, bool):
-            raise UsageError(f"{key} must be true or false, got {value!r}")
-        return value
+        return options.check_bool(key, value, error=UsageError)
     if kind is int:
         return options.check_int(key, value, error=UsageError)
     if kind is float:

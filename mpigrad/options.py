@@ -17,7 +17,16 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["check_int", "check_keys", "keyword_names", "parse_value", "parse_assignments", "check_overwrite"]
+__all__ = ["check_int", "check_bool", "check_keys", "keyword_names", "parse_value", "parse_assignments", "check_overwrite"]
+
+
+def check_bool(name: str, value: Any, *, error: type[Exception] = ValueError, prefix: str = "") -> bool:
+    """``value`` as a bool (a NumPy bool too); ``error`` otherwise, with the message
+    ``{prefix}{name} must be true or false, got {value!r}``: 1, "yes" and "true" are refused."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # without importing it
+    if not (isinstance(value, bool) or numpy_bool):
+        raise error(f"{prefix}{name} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def check_int(name: str, value: Any, low: int | None = None, high: int | None = None, *,

@@ -110,3 +110,13 @@ def test_the_launch_check_refuses_a_data_set_that_does_not_allow_it(tmp_path):
     allowed = RunConfig.from_sources(None, {"augment": "crop-flip", "trace": str(tmp_path / "run.h5"), "data": "synthetic",
                                             "data_opts": {"shape": [3, 12, 12], "augmentable": True}})
     assert _launch_problem(allowed, 3) is None and not (tmp_path / "run.h5").exists()
+
+
+def test_one_bool_check_for_every_option():
+    """options.check_bool: True, False and NumPy's bools pass; 1, "true" and None are named."""
+    from mpigrad.options import check_bool
+
+    assert check_bool("flip", True) is True and check_bool("flip", np.bool_(False)) is False
+    for bad in (1, "true", None):
+        with pytest.raises(DataError, match=rf"^augment flip must be true or false, got {bad!r}$"):
+            CropFlip(flip=bad)

@@ -209,9 +209,7 @@ class MCGQ(Codec):
                  step: float | None = None, K_min: float | None = None, K_max: float | None = None):
         super().__init__(checksum=checksum, seed=seed)
         self.K = check_sampling_amount(K)
-        if not isinstance(dynamic, (bool, np.bool_)):
-            raise CodecError(f"mcgq: dynamic must be true or false, got {dynamic!r}")
-        self.dynamic = bool(dynamic)
+        self.dynamic = options.check_bool("dynamic", dynamic, error=CodecError, prefix="mcgq: ")
         given = {name: v for name, v in (("step", step), ("K_min", K_min), ("K_max", K_max)) if v is not None}
         self._rule: DynamicSampling | None = None
         if self.dynamic:

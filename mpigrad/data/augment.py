@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..options import check_keys
+from ..options import check_bool, check_keys
 from .datasets import DataError, check_count
 
 __all__ = ["AUGMENTATIONS", "CropFlip", "build_augmentation", "check_augmentation"]
@@ -38,12 +38,7 @@ class CropFlip:
 
     def __init__(self, padding: int = 4, flip: bool = True):
         self.padding = check_count("augment padding", padding, minimum=1)
-        if not isinstance(flip, (bool, np.bool_)):
-            raise DataError(f"augment flip must be true or false, got {flip!r}")
-        self.flip = bool(flip)
-
-    def options(self) -> dict[str, Any]:
-        return {"padding": self.padding, "flip": self.flip}
+        self.flip = check_bool("augment flip", flip, error=DataError)
 
     def draws(self, batch: int, seed: int, worker_index: int, iteration: int) -> tuple[np.ndarray, np.ndarray]:
         """The batch's (row offsets, column offsets) in ``[0, 2 * padding]`` and flips, each

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..options import check_bool
 from .datasets import DataError, Dataset, check_count, check_no_data_dir, check_seed
 
 __all__ = ["make_synthetic", "parse_shape", "BLOCK"]
@@ -52,9 +53,8 @@ def make_synthetic(*, data_dir=None, seed: int = 0, shape=(3, 32, 32), classes: 
             images[part] += means[labels[part]]
             images[part] *= scale
         splits += [images, labels]
-    if not isinstance(augmentable, (bool, np.bool_)):
-        raise DataError(f"augmentable must be true or false, got {augmentable!r}")
-    return Dataset("synthetic", *splits, num_classes=classes, input_shape=shape, augmentable=bool(augmentable))
+    augmentable = check_bool("augmentable", augmentable, error=DataError)
+    return Dataset("synthetic", *splits, num_classes=classes, input_shape=shape, augmentable=augmentable)
 
 
 def parse_shape(shape) -> tuple[int, int, int]:

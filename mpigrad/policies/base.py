@@ -217,9 +217,7 @@ def check_choice(policy_id: str, name: str, value: Any, choices: Sequence[str]) 
 
 
 def check_bool(policy_id: str, name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise PolicyError(f"policy {policy_id!r}: {name} must be true or false, got {value!r}")
-    return bool(value)
+    return options.check_bool(name, value, error=PolicyError, prefix=f"policy {policy_id!r}: ")
 
 
 def check_bits_range(policy_id: str, min_bits: Any, max_bits: Any) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from ..config import BROADCASTS, DEFAULT_LR, RunConfig, format_rate, parse_assignments
+from ..config import AUTOCAST, BROADCASTS, DEFAULT_LR, WEIGHT_DECAY_IN, RunConfig, format_rate, parse_assignments
 from ..errors import UsageError
 from .environment import apply_thread_settings, export_thread_variables, threads_per_rank
 
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic and teacher)")
     g.add_argument("--weight-decay", type=float, help=f"weight decay coefficient (default {d.weight_decay}); where it "
                    "acts: --weight-decay-in")
-    g.add_argument("--weight-decay-in", choices=["loss", "optimizer"], help="loss (default): the paper's l2 term in "
+    g.add_argument("--weight-decay-in", choices=WEIGHT_DECAY_IN, help="loss (default): the paper's l2 term in "
                    "the loss (paper-cnn: its big FC weights; other models: conv and linear weights), which goes through "
                    "the codec with the gradient; optimizer: the optimizer's weight_decay option, on the decoded update "
                    "on every replica, every parameter (decoupled for adamw)")
@@ -71,10 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data", help="digits (embedded, default) | cifar10 | synthetic | teacher | package.module:factory")
     g.add_argument("--data-dir", help="directory of the CIFAR-10 python batches")
     g.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="dataset option, e.g. shape=[3,32,32]")
-    g.add_argument("--autocast", choices=["none", "bf16"], help="bf16: forward and loss under torch.autocast in "
+    g.add_argument("--autocast", choices=AUTOCAST, help="bf16: forward and loss under torch.autocast in "
                    "bfloat16, as mixed-precision CNN recipes train (parameters, gradients and codecs stay float32; "
                    "fp16 is not offered: it needs a loss scale that every replica skips alike) (default none)")
-    g.add_argument("--augment", choices=["none", "crop-flip"], help="training-batch augmentation: crop-flip, He et "
+    g.add_argument("--augment", metavar="NAME", help="training-batch augmentation: crop-flip, He et "
                    "al.'s random crop after 4-pixel padding and horizontal flip, for data sets whose images allow it "
                    "(cifar10; docs/training.rst) (default none)")
     g.add_argument("--augment-opt", action="append", metavar="KEY=VALUE", help="augmentation option: padding=4, "
