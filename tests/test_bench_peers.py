@@ -209,10 +209,15 @@ def test_trace_compare_reads_ddp_runs_as_groups(peers_run, capsys):
     out, _ = peers_run
     files = sorted(str(p) for p in out.glob("*.h5"))
     assert cli_main(["trace", "compare", *files, "--target-loss", str(TARGET), "--smooth", "2"]) == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     for label in [v.label for v in VARIANTS.values()] + ["FP32"]:
         rows = [line.split() for line in table.splitlines() if line.startswith(label + " ")]
         assert len(rows) == 1 and "2/2" in rows[0], table  # one group, both seeds
+    assert "different network" not in table + captured.err  # DDP's traces record the network as mpigrad's do
+    from mpigrad.trace import load, network
+
+    assert network.details(load(out / "ddp-fp32-seed1.h5").attrs) == network.details(load(out / "mpigrad-seed1.h5").attrs)
 
 
 @pytest.mark.mpi
@@ -336,7 +341,7 @@ def test_ddp_and_colocated_mpigrad_run_in_a_network_lab(tmp_path):
     a node of its own) with colocated servers: both trained, the same losses, bytes per node
     as a ring all-reduce's, and no namespace left."""
     from mpigrad.lab.netns import namespaces
-    from mpigrad.trace import load
+    from mpigrad.trace import load, network
 
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
@@ -355,6 +360,10 @@ def test_ddp_and_colocated_mpigrad_run_in_a_network_lab(tmp_path):
     assert ours_trace.config["servers"] == "colocated"
     np.testing.assert_allclose(load(out / "ddp-fp32-seed1.h5").steps["loss"], ours_trace.steps["loss"], atol=1e-4)
     assert [ns for ns in namespaces() if ns.startswith("mgbp-")] == []
+    # DDP's trace records the lab its ranks ran in, as mpigrad's does: one network, one group
+    ddp_attrs = load(out / "ddp-fp32-seed1.h5").attrs
+    assert network.details(ddp_attrs) == network.details(ours_trace.attrs)
+    assert network.text(ddp_attrs) == "lab 20MB/s"
     for row, peer_row in zip(report["breakdown"]["rows"], report["rows"]):   # the bytes at the link's rate
         assert row["wire"] == pytest.approx(peer_row["sent_mb_per_node"] * 1e6 / 20e6, rel=0.02)
 

@@ -139,6 +139,31 @@ def test_compare_of_mixed_runs_fits_a_terminal_and_its_plot_shows_everything(tmp
     dots = [line for line in accuracy.get_lines() if line.get_marker() == "o"]
     assert [len(line.get_xdata()) for line in dots] == [1, 1, 1, 1]
     assert [line.get_ydata()[0] for line in dots] == pytest.approx([54.0] * 4)   # 100 * (0.5 + 0.01 * 4)
+    # one run had no network model (net_mode off): its time is the wall clock's, and both say so
+    assert accuracy.get_xlabel() == "Time (simulated or wall clock) (s)"
+    assert "sim_s_to_1" not in out
+    assert "some groups were timed by the simulated clock and some by the wall clock" in " ".join(out.split())
+
+
+def test_runs_without_a_network_model_are_timed_by_the_wall_clock_everywhere(tmp_path, capsys, monkeypatch):
+    """net_mode off (bench peers' DDP runs, lab runs timed by the wire): sim_time is the wall
+    clock, and compare's column, its plot's axis and trace info call it that."""
+    from mpigrad.analysis import plots
+
+    runs = [write(tmp_path / f"w{b}.h5", bits=b, iterations=5, network={"net_mode": "off"}) for b in (2, 4)]
+    figures = []
+    monkeypatch.setattr(plots, "finish", lambda figure, *args, finish=plots.finish: figures.append(figure)
+                        or finish(figure, *args))
+    code, out, _ = cli(capsys, "compare", *runs, "--target-loss", "1.9", "--plot", tmp_path / "w.png")
+    assert code == 0 and "wall_s_to_1.9" in out.splitlines()[0] and "sim_s_to" not in out, out
+    assert "simulated" not in out
+    assert figures[0].axes[-1].get_xlabel() == "Wall-clock time (s)"
+    code, out, _ = cli(capsys, "info", runs[0])
+    duration, = [line for line in out.splitlines() if line.startswith("duration")]
+    assert code == 0 and duration.split(None, 1)[1] == "50.0 s wall clock (no network model: net_mode off)"
+    code, out, _ = cli(capsys, "info", write(tmp_path / "sim.h5", iterations=5))
+    duration, = [line for line in out.splitlines() if line.startswith("duration")]
+    assert duration.split(None, 1)[1] == "50.0 s simulated, 50.0 s wall clock"
 
 
 def test_compare_warns_once_per_group_that_mixes_cpus_or_library_versions(tmp_path, capsys):

@@ -85,6 +85,21 @@ def test_lab_network_records_rates_latency_and_events_as_written():
         == "lab 10MB/s@0s,1MB/s@5s"
 
 
+def test_a_lab_run_timed_by_a_model_of_another_rate_is_warned_about_in_one_line():
+    from mpigrad.config import RunConfig
+    from mpigrad.runtime.session import lab_clock_warning
+
+    lab20 = network.lab_network(3, dict.fromkeys(range(3), 20e6), 0.0, [], 0)
+    warning = lab_clock_warning(RunConfig(bandwidth=10e6), lab20)
+    assert warning == ("mpigrad: warning: timed by the network model (10MB/s per link), not by the lab's links "
+                       "(lab 20MB/s): pass --net-mode off to be timed by the wire, or the links' rate as --bandwidth "
+                       "to model them")
+    assert lab_clock_warning(RunConfig(bandwidth=20e6), lab20) is None          # a model of the links' rate
+    assert lab_clock_warning(RunConfig(bandwidth=10e6, net_mode="off"), lab20) is None   # timed by the wire
+    assert lab_clock_warning(RunConfig(bandwidth=10e6), dict(network.HOST)) is None
+    assert lab_clock_warning(RunConfig(bandwidth=20e6), network.lab_network(3, {0: 20e6, 1: 20e6, 2: 1e6}, 0.0, [], 0))
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_resume_on_another_network_is_refused_unless_forced_and_then_recorded(tmp_path, mpi_env):
@@ -97,6 +112,7 @@ def test_a_resume_on_another_network_is_refused_unless_forced_and_then_recorded(
     stopped = run_mpi(3, [*run, "--iterations", "100000", "--walltime", "6s"], in_lab)
     assert stopped.returncode == 75, stopped.stdout + stopped.stderr
     assert "links: lab 10MB/s, events 12s:node2:down (mpigrad lab)" in stopped.stdout
+    assert "warning: timed by" not in stopped.stdout  # timed by the wire (net_mode off)
     at = len(load(trace).steps)
     before = trace.read_bytes()
 

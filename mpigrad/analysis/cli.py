@@ -227,7 +227,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from .compare import (
-        compare_columns, compare_rows, group_runs, partial_note, plot_compare, provenance_warnings,
+        compare_columns, compare_rows, group_runs, partial_note, plot_compare, provenance_warnings, rows_clock,
     )
 
     points = parse_points(args.at) if args.at else []
@@ -246,13 +246,14 @@ def _compare(args: argparse.Namespace) -> int:
     for line in provenance_warnings(groups):
         print(line, file=sys.stderr)
     rows = compare_rows(groups, args.target_loss, points, smooth=args.smooth)
+    columns = compare_columns(args.target_loss, points, rows_clock(rows))
     width = _terminal_width() if args.format == "text" else None
     if width:  # long labels in a key below the table, to fit the terminal
         shorts = [(group.runs or group.excluded)[0].label for group in groups]
-        table, shown = fit_width(rows, compare_columns(args.target_loss, points), shorts, width)
+        table, shown = fit_width(rows, columns, shorts, width)
         print(table + wrap(partial_note(shown).splitlines(), width), end="")
     else:
-        print(render(rows, compare_columns(args.target_loss, points), args.format), end="")
+        print(render(rows, columns, args.format), end="")
         if args.format != "csv":
             print(partial_note(rows), end="")
     if args.plot:

@@ -36,7 +36,8 @@ import numpy as np
 
 from ..machine import FINGERPRINT_KEYS
 from ..trace import Trace
-from .labels import NETWORK_KEY, differing_keys, flat_config, format_value, group_key, group_labels, labelled_config
+from .labels import (MIXED_CLOCKS, NETWORK_KEY, SIMULATED, WALL_CLOCK, clock_name, common_clock, differing_keys,
+                     flat_config, format_value, group_key, group_labels, labelled_config)
 from .summary import require_steps, smoothed_loss, time_to_target
 from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
 
@@ -163,6 +164,7 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
             "excluded": ", ".join(f"{t.name} ({t.status})" for t in group.excluded) or "-",
             "reached": f"{len(reached)}/{n}", "target_mean": mean, "target_ci": ci,
             "target_partial": bool(n) and len(reached) < n,
+            "clock": clock_name((group.runs or group.excluded)[0].config),
             "sent_mb": float(np.mean([(t.steps["bytes_up"] + t.steps["bytes_down"]).sum() / 1e6
                                       for t in group.runs])) if n else None,
         }
@@ -236,9 +238,21 @@ def network_label(config: dict[str, Any], keys: Sequence[str]) -> str:
     return ", ".join(f"{k}={format_value(flat.get(k), k)}" for k in keys)
 
 
-def compare_columns(target_loss: float, points: Sequence[Point] = ()) -> list[Column]:
+#: The time-to-target column's prefix by the clock that timed the runs (``labels.common_clock``).
+TIME_PREFIX = {SIMULATED: "sim_s", WALL_CLOCK: "wall_s", MIXED_CLOCKS: "s"}
+
+
+def rows_clock(rows: Sequence[dict[str, Any]]) -> str:
+    """The clock that timed every row's runs (``labels.common_clock``)."""
+    names = {row["clock"] for row in rows}
+    return names.pop() if len(names) == 1 else (MIXED_CLOCKS if names else SIMULATED)
+
+
+def compare_columns(target_loss: float, points: Sequence[Point] = (), clock: str = SIMULATED) -> list[Column]:
+    """``clock``: the clock that timed the runs, which names the time column (``sim_s_to_X``,
+    ``wall_s_to_X``, or ``s_to_X`` for both)."""
     columns = [Column("method", "method", left=True), Column("runs", "runs"), Column("reached", "reached"),
-               Column("target_mean", f"sim_s_to_{target_loss:g}", ".1f"), Column("target_ci", "ci95_s", ".1f"),
+               Column("target_mean", f"{TIME_PREFIX[clock]}_to_{target_loss:g}", ".1f"), Column("target_ci", "ci95_s", ".1f"),
                Column("vs_fp32", "vs_fp32", ".2f"), Column("vs_best_fixed", "vs_best_fixed", ".2f"),
                Column("vs_best_ddp", "vs_best_ddp", ".2f"), Column("sent_mb", "sent_MB", ".1f")]
     for k, point in enumerate(points):
@@ -254,6 +268,10 @@ def partial_note(rows: Sequence[dict[str, Any]]) -> str:
     if partial:
         notes += ("* some runs never reached the target: the mean and CI cover the runs that did "
                   f"(see reached): {'; '.join(partial)}\n")
+    if rows_clock(rows) == MIXED_CLOCKS:
+        walled = [row["method"] for row in rows if row["clock"] == WALL_CLOCK]
+        notes += ("* s_to_: some groups were timed by the simulated clock and some by the wall clock (net_mode "
+                  f"off: {'; '.join(walled)}): their times are not measured alike\n")
     networks = list(dict.fromkeys(row["network"] for row in rows if row["network"]))
     if networks:
         notes += ("* the groups ran on different network models; vs_best_fixed compares each with the "
@@ -268,7 +286,8 @@ GROUP_LINESTYLES = ("-", (0, (5, 3)), (0, (1, 2)), (0, (6, 2, 1, 2)))
 
 def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: int = 200, title: str | None = None,
                  target_loss: float | None = None):
-    """Mean smoothed training loss (and test accuracy) against simulated time per group,
+    """Mean smoothed training loss (and test accuracy) against time per group (the clock
+    that timed the runs names the axis: ``labels.common_clock``),
     with a 95 % confidence band, on a grid up to the shortest run of each group; the test
     accuracy also as dots at the group's evaluations where they are few (a run evaluated
     once, at its end, is one dot); a dotted grey line at ``target_loss`` where given."""
@@ -311,8 +330,13 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
     legend_below(figure, axes[0])
     if with_accuracy:
         axes[1].set_ylabel("Test accuracy (%)")
-    axes[-1].set_xlabel(f"Simulated time ({unit})")
+    clock = common_clock([t.config for g in used for t in g.runs])
+    axes[-1].set_xlabel(f"{X_AXIS_NAME[clock]} ({unit})")
     return finish(figure, axes, output, title)
+
+
+#: The x axis's name by the clock that timed the runs.
+X_AXIS_NAME = {SIMULATED: "Simulated time", WALL_CLOCK: "Wall-clock time", MIXED_CLOCKS: "Time (simulated or wall clock)"}
 
 
 def _mean_evaluations(runs: Sequence[Trace]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

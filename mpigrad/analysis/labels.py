@@ -17,7 +17,8 @@ from ..config import RECIPE_KEYS, describe_recipe, format_duration, format_rate
 from ..trace import Trace, method_label
 
 __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value",
-           "labelled_config", "NETWORK_KEY"]
+           "labelled_config", "NETWORK_KEY", "clock_name", "common_clock", "SIMULATED", "WALL_CLOCK",
+           "MIXED_CLOCKS"]
 
 #: Keys that say how a run was run or written, not what was trained: never a difference.
 BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
@@ -140,6 +141,24 @@ def group_labels(configs: Sequence[dict[str, Any]], keys: Sequence[str] | None =
 #: The key under which labels and groups see the network a run really had (``Trace.network``:
 #: "host", "lab 10MB/s", ...), beside the config's network model (``net_mode``, ``bandwidth``).
 NETWORK_KEY = "network"
+
+
+#: The clocks a trace's ``sim_time`` can be kept by (``clock_name``), and what a set of runs
+#: timed by both is called (``common_clock``).
+SIMULATED, WALL_CLOCK, MIXED_CLOCKS = "simulated", "wall clock", "simulated or wall clock"
+
+
+def clock_name(config: Any) -> str:
+    """The clock that timed a run: ``SIMULATED`` (the network model charged each message), or
+    ``WALL_CLOCK`` where there was none (``net_mode = "off"``: ``bench peers``' runs, lab runs
+    timed by the wire; their ``sim_time`` is the wall clock, runtime/clock.py)."""
+    return WALL_CLOCK if isinstance(config, dict) and config.get("net_mode") == "off" else SIMULATED
+
+
+def common_clock(configs: Sequence[Any]) -> str:
+    """The one clock that timed all of ``configs``' runs, else ``MIXED_CLOCKS``."""
+    names = {clock_name(config) for config in configs} or {SIMULATED}
+    return names.pop() if len(names) == 1 else MIXED_CLOCKS
 
 
 def labelled_config(trace: Trace) -> dict[str, Any]:

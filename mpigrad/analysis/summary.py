@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import describe_recipe
 from ..trace import STEPS_COLUMNS, Trace, network
+from .labels import WALL_CLOCK, clock_name
 from .tables import CLOCKS, AnalysisError, Column
 
 __all__ = ["require_steps", "marked_label", "smoothed_loss", "time_to_target", "iterations_to_target", "overhead_fraction",
@@ -129,6 +130,15 @@ def summary_columns(*, target_loss: float | None = None, clock: str = "sim") -> 
 INFO_WIDTH = 100
 
 
+def duration_text(steps, config) -> str:
+    """The run's length: on the simulated clock and the wall clock, or on the wall clock
+    alone where it had no network model (``labels.clock_name``)."""
+    wall = f"{steps['wall_time'].iloc[-1]:.1f} s wall clock"
+    if clock_name(config) == WALL_CLOCK:
+        return f"{wall} (no network model: net_mode off)"
+    return f"{steps['sim_time'].iloc[-1]:.1f} s simulated, {wall}"
+
+
 def recipe_line(config: dict[str, Any]) -> str:
     """A run's recipe from its config: ``config.describe_recipe``'s words, the rate and the
     loss's l2 term where the config has them (``sgd(momentum=0.9) crop-flip, lr 0.02, l2 in
@@ -168,8 +178,7 @@ def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
     if len(steps):
         lines += [("iterations", f"{len(steps)} (iteration {int(steps['iteration'].iloc[0])} to "
                                  f"{int(steps['iteration'].iloc[-1])})"),
-                  ("duration", f"{steps['sim_time'].iloc[-1]:.1f} s simulated, "
-                               f"{steps['wall_time'].iloc[-1]:.1f} s wall clock"),
+                  ("duration", duration_text(steps, attrs.get("config"))),
                   ("loss", f"first {steps['loss'].iloc[0]:.4g}, last {steps['loss'].iloc[-1]:.4g}")]
     else:
         lines.append(("iterations", "0 (no rows were flushed)"))

@@ -174,6 +174,7 @@ class RankRecord:
     hook_seconds: list[float] = dataclasses.field(default_factory=list)  # in the hook, until its future
     compute: list[float] = dataclasses.field(default_factory=list)  # forward + backward (--breakdown)
     rank_losses: list[list[float]] | None = None
+    network: dict[str, Any] | None = None  # the rank's network (trace/network.current: a lab's, or the host's)
 
 
 def _ddp_rank(spec: dict[str, Any], rank: int) -> list[RankRecord]:
@@ -214,6 +215,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     from ..data.augment import build_augmentation
     from ..optim import LearningRate, build_torch_optimizer
     from ..runtime.build import build_config_model, forward_context
+    from ..trace import network
 
     workers = spec["workers"]
     model = build_config_model(config, dataset).to(device)
@@ -239,7 +241,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     optimizer = build_torch_optimizer(config.optimizer, ddp.parameters(), config.lr, config.update_options)
     rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup, config.lr_scaling,
                         workers)
-    record = RankRecord(variant.name, [], [], [], [])
+    record = RankRecord(variant.name, [], [], [], [], network=network.current())
     fp32_bytes = ring_allreduce_bytes(workers, n_params)
     report = _ChildReport(spec, variant.name) if rank == 0 else None
     clock = _GradientClock(model, tally) if spec.get("breakdown") and device.type == "cpu" else None
@@ -786,7 +788,7 @@ def _cause(stderr: str) -> str:
 
 def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankRecord, spec: dict) -> Path:
     """An mpigrad-format trace of one DDP run (see the module docstring for its config and bytes)."""
-    from ..trace import TraceWriter, collect_versions, default_tables
+    from ..trace import TraceWriter, collect_versions, default_tables, network
 
     workers, n = spec["workers"], len(record.losses)
     peer_config = {k: v for k, v in config.to_dict().items() if k not in _METHOD_KEYS}
@@ -794,7 +796,8 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
     peer_config["peer"] = {"system": "torch DDP", "hook": variant.hook, "rank": variant.rank,
                            "start_powerSGD_iter": spec["powersgd_start"] if variant.hook == "powersgd" else None,
                            "buckets": "one" if variant.hook == "powersgd" else "default"}
-    attrs = {"argv": " ".join(sys.argv), "workers": workers, "servers": 0, "seed": config.seed,
+    attrs = {network.ATTR: record.network or dict(network.HOST),  # as mpigrad's own runs record it
+             "argv": " ".join(sys.argv), "workers": workers, "servers": 0, "seed": config.seed,
              "peer": json.dumps(peer_config["peer"]), **collect_versions()}
     fp32_node = record.bytes_per_node[0] if variant.hook == "allreduce" else None
     with TraceWriter(path, config=peer_config, attrs=attrs, tables=default_tables(workers), force=True) as writer:

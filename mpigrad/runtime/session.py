@@ -322,6 +322,9 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None)
     links = network.current()
     if links != network.HOST:  # in mpigrad lab: the real links, as the trace records them
         log(f"links: {network.describe(links)} (mpigrad lab)")
+        warning = lab_clock_warning(config, links)
+        if warning:
+            log(warning)
     if config.compute_time is not None and config.net_mode != "off":
         log(f"local work: {local_work_description(config, server)}")
     waits = getattr(server.channel, "waits", None)
@@ -390,6 +393,20 @@ def network_description(config) -> str:
                     for rank, value in sorted(config.link_bandwidth.items(), key=lambda item: int(item[0])))
     return (f"{rate} per link{links}, latency {latency} per message, "
             f"{config.broadcast} broadcast, {clock}")
+
+
+def lab_clock_warning(config, links: dict) -> str | None:
+    """The line warning that a run in the lab (``links``) is timed by a network model of
+    another rate than its links' (None where it is timed by the wire, net_mode off, or by a
+    model of the links' own rate)."""
+    if links.get("kind") != "lab" or config.net_mode == "off":
+        return None
+    model = format_network_value(config.bandwidth)
+    if model == links.get("rate") and not links.get("node_rates") and not config.link_bandwidth:
+        return None
+    return (f"mpigrad: warning: timed by the network model ({model} per link), not by the lab's links "
+            f"({network.describe(links)}): pass --net-mode off to be timed by the wire, or the links' rate "
+            "as --bandwidth to model them")
 
 
 def local_work_description(config, server) -> str:
