@@ -88,6 +88,10 @@ class RunConfig:
     control: str = "ahead"           # CONTROLS
     shard_chunk: int = 0             # cut layers (quantized, and the small layers' piece) into pieces of at most this many elements (0: never)
     error_feedback: str = "none"
+    #: DGC's momentum correction: each worker's codec encodes its velocity u <- m u + g
+    #: instead of g (mpigrad/feedback.py MomentumCorrection); 0: off. The update is then
+    #: plain SGD, so the optimizer must have no momentum of its own.
+    momentum_correction: float = 0.0
     bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
     latency: float | str = 0.0       # s, or a schedule as written
     link_bandwidth: dict[str, str] = field(default_factory=dict)  # rank -> its link's rate or schedule, as written
@@ -291,6 +295,14 @@ class RunConfig:
             (self.shard_chunk >= 0, f"shard_chunk must be >= 0 (0: never cut a layer), got {self.shard_chunk}"),
             (self.error_feedback in ERROR_FEEDBACK,
              f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}"),
+            (0.0 <= self.momentum_correction < 1.0,
+             f"momentum_correction must be in [0, 1) (0: off), got {self.momentum_correction}"),
+            (not self.momentum_correction or (self.optimizer == "sgd" and not self.optimizer_opts.get("momentum")),
+             "momentum correction is the update's momentum, accumulated before the codec: the optimizer must be "
+             "plain sgd (drop --optimizer-opt momentum, or drop --momentum-correction)"),
+            (not self.momentum_correction or not self.pipeline,
+             "momentum correction with --pipeline is not built: the pipelined iteration encodes bucket by bucket "
+             "(drop one of them)"),
             (isinstance(self.bandwidth, str) or (self.bandwidth > 0 and math.isfinite(self.bandwidth)),
              "bandwidth must be positive"),
             (isinstance(self.latency, str) or self.latency >= 0, "latency must be >= 0"),
@@ -353,7 +365,7 @@ _AMBIGUOUS_RATE_UNITS = {unit.lower() for unit in _RATE_UNITS}
 #: The config keys of the recipe besides ``lr``: the update rule (mpigrad/optim.py) and the
 #: augmentation (mpigrad/data/augment.py), which ``describe_recipe`` puts in a few words.
 RECIPE_KEYS = ("optimizer", "optimizer_opts", "weight_decay_in", "lr_schedule", "lr_schedule_opts", "lr_warmup",
-               "lr_scaling", "augment", "augment_opts", "autocast")
+               "lr_scaling", "augment", "augment_opts", "autocast", "momentum_correction")
 
 #: ``autocast`` choices.
 AUTOCAST = ("none", "bf16")
@@ -385,6 +397,8 @@ def describe_recipe(values: dict[str, Any]) -> str:
 
     opts = update_options(values)
     parts = [f"{get('optimizer')}({options(opts)})" if opts else str(get("optimizer"))]
+    if get("momentum_correction"):
+        parts.append(f"momentum correction {get('momentum_correction')}")
     if get("lr_scaling") == "linear":
         parts.append("lr x workers")
     if get("lr_schedule"):

@@ -25,7 +25,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
-__all__ = ["ErrorFeedback", "FeedbackError", "MODES"]
+__all__ = ["ErrorFeedback", "FeedbackError", "MODES", "MomentumCorrection"]
 
 MODES = ("residual", "accumulate")
 
@@ -140,6 +140,72 @@ class ErrorFeedback:
             return self._slots[key]
         except KeyError:
             raise FeedbackError(f"error feedback: no memory for {key!r} (call compensate first)") from None
+
+
+class MomentumCorrection:
+    """DGC's momentum correction (Lin et al. 2018, sec. 3.2): each worker keeps a velocity
+    ``u <- m * u + g`` of its own gradients, and the codec (after error feedback, when there
+    is one: GRACE's order) encodes ``u`` instead of ``g``; the update applied to the average
+    is then plain SGD, ``w <- w - lr * mean(u)``. Since the average is linear, in float32
+    this is SGD with heavy-ball momentum ``m`` (no dampening) on the averaged gradient, to
+    rounding; with a lossy codec the momentum is accumulated before the loss, not after it.
+
+    Hyperparameter ``momentum`` in (0, 1); state: the velocity (allocated by the first
+    ``accumulate``, a float32 array or torch tensor like the gradient, on its device)."""
+
+    def __init__(self, momentum: float):
+        if isinstance(momentum, bool) or not isinstance(momentum, Real) or not 0.0 < momentum < 1.0:
+            raise FeedbackError(f"momentum correction must be a number in (0, 1), got {momentum!r}")
+        self.momentum = float(momentum)
+        self.velocity = None
+
+    def __repr__(self) -> str:
+        return f"MomentumCorrection(momentum={self.momentum!r})"
+
+    def accumulate(self, g):
+        """``u <- m * u + g`` (``u = g`` the first time), in place; returns ``u`` (valid until
+        the next call). ``g``: a flat float32 array, or torch tensor, of fixed size."""
+        if self.velocity is None:
+            self.velocity = g.copy() if isinstance(g, np.ndarray) else g.clone()
+            return self.velocity
+        if self.velocity.shape != g.shape or type(self.velocity) is not type(g):
+            raise FeedbackError(f"momentum correction: the gradient is {type(g).__name__}{list(g.shape)}, "
+                                f"the velocity {type(self.velocity).__name__}{list(self.velocity.shape)}")
+        if isinstance(g, np.ndarray):
+            np.multiply(self.velocity, np.float32(self.momentum), out=self.velocity)
+            np.add(self.velocity, g, out=self.velocity)
+        else:
+            self.velocity.mul_(self.momentum).add_(g)
+        return self.velocity
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"momentum", "velocity": a host copy of u, or None before the first iteration}."""
+        velocity = self.velocity
+        if velocity is not None and not isinstance(velocity, np.ndarray):
+            velocity = velocity.detach().cpu().numpy()
+        return {"momentum": self.momentum, "velocity": None if velocity is None else np.array(velocity, copy=True)}
+
+    def load_state_dict(self, state: dict[str, Any], like=None) -> None:
+        """Restore the velocity (onto ``like``'s device and type, a gradient, when given); the
+        momentum must match this object's."""
+        if state.get("momentum") != self.momentum:
+            raise FeedbackError(f"momentum correction state is for momentum={state.get('momentum')!r}; "
+                                f"this run has {self.momentum!r}")
+        velocity = state.get("velocity")
+        if velocity is None:
+            self.velocity = None
+            return
+        velocity = _check_gradient(np.asarray(velocity), "velocity")
+        if not np.isfinite(velocity).all():
+            raise FeedbackError("momentum correction state: the velocity holds NaN or infinity")
+        if like is not None and tuple(like.shape) != velocity.shape:
+            raise FeedbackError(f"momentum correction state holds {velocity.size} values, the model has {like.numel()}")
+        if like is None or isinstance(like, np.ndarray):
+            self.velocity = np.array(velocity, dtype=np.float32, copy=True)
+        else:
+            import torch
+
+            self.velocity = torch.from_numpy(np.array(velocity, dtype=np.float32)).to(like.device)
 
 
 def _check_gradient(x: Any, name: str) -> np.ndarray:

@@ -181,3 +181,51 @@ def test_bad_arrays():
         memory.update("w", p, np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="read-only"):
         memory.error("w")[0] = 1
+
+
+def test_momentum_correction_keeps_a_heavy_ball_velocity_on_numpy_and_torch():
+    """u_1 = g_1, u_t = m u_(t-1) + g_t, in place, on arrays and on tensors alike."""
+    import torch
+
+    from mpigrad.feedback import MomentumCorrection
+
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(50).astype(np.float32) for _ in range(4)]
+    expected = grads[0].copy()
+    host, device = MomentumCorrection(0.9), MomentumCorrection(0.9)
+    for t, g in enumerate(grads):
+        if t:
+            expected = np.float32(0.9) * expected + g
+        u = host.accumulate(g)
+        np.testing.assert_array_equal(u, expected)
+        np.testing.assert_allclose(device.accumulate(torch.from_numpy(g)).numpy(), expected, rtol=1e-6)
+    assert u is host.velocity and not np.shares_memory(u, grads[0])      # its own buffer, reused
+
+
+def test_momentum_correction_state_round_trip_and_refusals():
+    import torch
+
+    from mpigrad.feedback import MomentumCorrection
+
+    first = MomentumCorrection(0.5)
+    assert first.state_dict() == {"momentum": 0.5, "velocity": None}
+    first.accumulate(np.ones(4, np.float32))
+    first.accumulate(np.ones(4, np.float32))
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    again = MomentumCorrection(0.5)
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(again.accumulate(np.zeros(4, np.float32)), np.full(4, 0.75, np.float32))
+    on_torch = MomentumCorrection(0.5)
+    on_torch.load_state_dict(state, like=torch.zeros(4))
+    assert isinstance(on_torch.velocity, torch.Tensor) and on_torch.velocity.tolist() == [1.5] * 4
+    with pytest.raises(FeedbackError, match="state is for momentum=0.5; this run has 0.9"):
+        MomentumCorrection(0.9).load_state_dict(state)
+    with pytest.raises(FeedbackError, match="holds 4 values, the model has 5"):
+        MomentumCorrection(0.5).load_state_dict(state, like=torch.zeros(5))
+    with pytest.raises(FeedbackError, match="NaN or infinity"):
+        MomentumCorrection(0.5).load_state_dict({"momentum": 0.5, "velocity": np.full(4, np.nan, np.float32)})
+    with pytest.raises(FeedbackError, match="the gradient is ndarray\\[5\\], the velocity ndarray\\[4\\]"):
+        first.accumulate(np.ones(5, np.float32))
+    for bad in (0, 1.0, -0.5, True, "0.9"):
+        with pytest.raises(FeedbackError, match="momentum correction must be a number in \\(0, 1\\)"):
+            MomentumCorrection(bad)

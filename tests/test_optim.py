@@ -131,6 +131,20 @@ def test_the_rate_resumes_where_it_stopped():
 
 
 @pytest.mark.parametrize("options, words", [
+    ({"momentum_correction": 1.0}, "momentum_correction must be in [0, 1) (0: off), got 1.0"),
+    ({"momentum_correction": 0.9, "optimizer_opts": {"momentum": 0.9}},
+     "momentum correction is the update's momentum, accumulated before the codec: the optimizer must be plain sgd"),
+    ({"momentum_correction": 0.9, "optimizer": "adam"}, "the optimizer must be plain sgd"),
+    ({"momentum_correction": 0.9, "servers": "colocated", "pipeline": True},
+     "momentum correction with --pipeline is not built"),
+])
+def test_momentum_correction_is_refused_where_it_cannot_work_in_one_line(options, words):
+    with pytest.raises(UsageError) as caught:
+        RunConfig.from_sources(None, options)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("options, words", [
     ({"optimizer": "adamx"}, "unknown optimizer 'adamx'; choose from sgd, adam, adamw"),
     ({"optimizer": "lbfgs"}, "optimizer 'lbfgs' is refused: it needs a closure"),
     ({"optimizer": "sgd", "optimizer_opts": {"momentun": 0.9}},
@@ -142,6 +156,8 @@ def test_the_rate_resumes_where_it_stopped():
     ({"lr_schedule_opts": {"T_max": 3}}, "--lr-schedule-opt without --lr-schedule"),
     ({"lr_schedule": "StepLR", "lr_schedule_opts": {"step_size": "x"}}, "lr schedule 'StepLR': "),
     ({"optimizer": "no_such_module:factory"}, "cannot import 'no_such_module'"),
+    ({"momentum_correction": 0.9, "codec": "powersgd", "policy": "fixed"},
+     "--codec powersgd keeps its own error memory of the matrices, before which momentum correction is not built"),
 ])
 def test_a_recipe_that_cannot_be_built_is_one_line(options, words):
     with pytest.raises(UsageError) as caught:

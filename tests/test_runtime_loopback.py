@@ -369,3 +369,39 @@ def test_a_checkpoint_whose_shards_differ_is_refused_on_resume(tmp_path):
                               **options)
         assert isinstance(errors.get(0), UsageError) and message in str(errors[0]), errors
         assert "\n" not in str(errors[0])
+
+
+def test_momentum_correction_in_float32_is_the_optimizers_heavy_ball_momentum(tmp_path):
+    """Each worker encoding its velocity u <- 0.9 u + g, averaged and applied by plain SGD, is
+    SGD with momentum 0.9 on the averaged gradient: the same losses to float rounding (the
+    average of velocities and the velocity of averages round differently)."""
+    options = dict(codec="fp32", policy="fixed", bits=32, iterations=8)
+    code1, errors1, corrected = run(tmp_path, name="mc.h5", momentum_correction=0.9, **options)
+    code2, errors2, heavy = run(tmp_path, name="sgdm.h5", optimizer_opts={"momentum": 0.9}, **options)
+    code3, errors3, plain = run(tmp_path, name="sgd.h5", **options)
+    assert code1 == code2 == code3 == 0 and not (errors1 or errors2 or errors3), (errors1, errors2, errors3)
+    a, b, c = (load(config.trace).steps["loss"].to_numpy() for config in (corrected, heavy, plain))
+    np.testing.assert_allclose(a, b, rtol=2e-6)
+    assert np.abs(a[3:] - c[3:]).min() > 1e-4      # and momentum did change the run
+    from mpigrad.analysis.summary import recipe_line
+
+    assert recipe_line(load(corrected.trace).config).startswith("sgd momentum correction 0.9")
+
+
+@pytest.mark.parametrize("servers", [1, "colocated"])
+def test_momentum_correction_with_error_feedback_stops_and_resumes_bit_for_bit(tmp_path, servers):
+    """The velocity is worker state: a checkpoint carries it, and a stopped and resumed run
+    is the straight one; colocated servers give the one-server run."""
+    options = dict(codec="qsgd", policy="adaptive", bits=3, error_feedback="residual", momentum_correction=0.5,
+                   servers=servers)
+    a, b = straight_and_resumed(tmp_path, 3, **options)
+    for column in ("loss", "bits", "bytes_up", "bytes_down"):
+        np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    if servers == "colocated":
+        code, errors, one = run(tmp_path, name="one.h5", **{**options, "servers": 1})
+        assert code == 0 and not errors, errors
+        np.testing.assert_array_equal(load(one.trace).steps["loss"], a.steps["loss"])
+    code, errors, off = run(tmp_path, name="off.h5", **{**options, "momentum_correction": 0.0})
+    assert code == 0 and not errors, errors
+    assert not np.array_equal(load(off.trace).steps["loss"], a.steps["loss"])

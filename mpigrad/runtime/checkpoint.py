@@ -48,7 +48,7 @@ ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none", "control": "pape
                     # the l2 term in the loss, no augmentation (mpigrad/optim.py, data/augment.py)
                     "optimizer": "sgd", "optimizer_opts": {}, "lr_schedule": None, "lr_schedule_opts": {},
                     "lr_warmup": 0, "lr_scaling": "none", "weight_decay_in": "loss", "augment": "none",
-                    "augment_opts": {}, "autocast": "none"}
+                    "augment_opts": {}, "autocast": "none", "momentum_correction": 0.0}
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:

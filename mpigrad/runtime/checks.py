@@ -87,6 +87,9 @@ def check_two_rounds(config: RunConfig, codec: Codec) -> None:
     if config.error_feedback != "none":
         raise UsageError(f"{name} keeps its own error feedback on the workers (PowerSGD's); "
                          "drop --error-feedback")
+    if config.momentum_correction:
+        raise UsageError(f"{name} keeps its own error memory of the matrices, before which momentum correction "
+                         "is not built: drop --momentum-correction (give the optimizer momentum instead)")
     if config.broadcast_codec not in ("paper", "same"):
         raise UsageError(f"{name}: the server broadcasts the averaged factors as they are; "
                          "drop --broadcast-codec")

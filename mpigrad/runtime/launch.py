@@ -105,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "all-reduce), same, fp32, fp16, a codec id at the policy's bits, or CODEC:BITS e.g. uniform:8; "
                    "a plugin: package.module:Class or package.module:Class:BITS")
     g.add_argument("--error-feedback", choices=["none", "residual", "accumulate"], help="error-feedback memory (default none)")
+    g.add_argument("--momentum-correction", type=float, metavar="M", help="DGC's momentum correction: each "
+                   "worker encodes its velocity u <- M u + g instead of its gradient g, and the update is plain SGD "
+                   "on the average (with the optimizer's own momentum refused); default 0, off (docs/training.rst)")
     g = parser.add_argument_group("parameter servers")
     g.add_argument("--servers", metavar="S|colocated", help="S: ranks 0..S-1 are servers, each aggregating a "
                    "slice of the parameters balanced by bytes; rank 0 stays scheduler and MDP server "

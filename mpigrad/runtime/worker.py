@@ -15,6 +15,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
 from ..data.augment import build_augmentation
+from ..feedback import MomentumCorrection
 from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .buffers import BufferSync, ParameterSync, sync_due
@@ -57,6 +58,8 @@ class Worker(FollowerRole):
         broadcast_decoder = build_broadcast_compressor(config, self.replica.layout, codec, compressor)
         # Where the codecs run: on the GPU when the replica is there and they have kernels.
         self.compressor, self.broadcast_decoder = on_device(self.replica, compressor, broadcast_decoder)
+        #: DGC's momentum correction (--momentum-correction M): the codecs encode the velocity.
+        self.momentum = MomentumCorrection(config.momentum_correction) if config.momentum_correction else None
         self.buffer_sync = BufferSync(self.replica.model, channel)
         self.parameter_sync = ParameterSync(self.replica, channel) if channel.colocated else None
         self.loss_buf = LossReport.buffer()
@@ -199,6 +202,8 @@ class Worker(FollowerRole):
         bits = self.control_msg.bits
         start = time.process_time()
         grad = self.replica.codec_gradient()
+        if self.momentum is not None:
+            grad = self.momentum.accumulate(grad)
         if self._two_rounds(m):  # round 1: P_i = M_i Q and the other layers
             lowrank = self.lowrank
             self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.rounds[0], TAG_GRAD, start)
@@ -353,6 +358,8 @@ class Worker(FollowerRole):
         update = self.replica.update_state_dict()
         if update is not None:
             state["update"] = update
+        if self.momentum is not None:
+            state["momentum_correction"] = self.momentum.state_dict()
         return state
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
@@ -364,3 +371,5 @@ class Worker(FollowerRole):
             self.lowrank.load_state_dict(state["lowrank"])
         self.replica.load_state_dict(replica_state)
         self.replica.load_update_state_dict(state.get("update"))
+        if self.momentum is not None:
+            self.momentum.load_state_dict(state["momentum_correction"], like=self.replica.codec_gradient())
