@@ -466,3 +466,22 @@ def test_ddp_and_mpigrad_give_the_same_losses_under_momentum_and_a_schedule(tmp_
     ours = load(out / "mpigrad-seed1.h5")
     np.testing.assert_array_equal(ddp, ours.steps["loss"].to_numpy())
     assert ours.steps["lr"].iloc[0] == pytest.approx(0.05 / 3) and ddp[-1] < ddp[0]
+
+
+def test_mpigrads_powersgd_gets_the_hooks_float32_iterations_unless_told_otherwise():
+    """bench peers gives mpigrad's PowerSGD the hooks' start_powerSGD_iter (an equal warm-up),
+    says so, and where the config or options set its start, says that the two differ."""
+    from mpigrad.bench.peers import align_powersgd_start
+    from mpigrad.config import RunConfig
+
+    lowrank = RunConfig(codec="powersgd", policy="fixed", codec_opts={"rank": 2})
+    extra, line = align_powersgd_start(lowrank, ["fp32", "powersgd1"], 25)
+    assert extra == ["--codec-opt", "start=25"]
+    assert line.startswith("mpigrad's PowerSGD from iteration 25 too, as the hooks (an equal warm-up in float32")
+    told = RunConfig(codec="powersgd", policy="fixed", codec_opts={"rank": 2, "start": 0})
+    assert align_powersgd_start(told, ["powersgd2"], 25) == (
+        [], "mpigrad's PowerSGD from iteration 0 (its start option), the hooks from 25: not an equal warm-up")
+    same = RunConfig(codec="powersgd", policy="fixed", codec_opts={"start": 25})
+    assert align_powersgd_start(same, ["powersgd2"], 25) == ([], None)
+    assert align_powersgd_start(lowrank, ["fp32", "fp16"], 25) == ([], None)          # no hook to match
+    assert align_powersgd_start(RunConfig(), ["powersgd1"], 25) == ([], None)         # no low-rank codec

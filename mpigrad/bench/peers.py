@@ -470,6 +470,24 @@ def _config(args: argparse.Namespace):
     return config
 
 
+def align_powersgd_start(config, variants: Sequence[str], start: int) -> tuple[list[str], str | None]:
+    """(train options to add, the line saying so) that give mpigrad's PowerSGD (``--codec
+    powersgd``) the float32 iterations the hooks get (``start_powerSGD_iter``), so that both
+    sides pay the same warm-up, unless the config or options set its ``start`` (then the line
+    says where the two differ). Nothing where no hook variant or no low-rank codec runs."""
+    if config.codec != "powersgd" or not any(VARIANTS[v].hook == "powersgd" for v in variants):
+        return [], None
+    given = config.codec_opts.get("start")
+    if given is None:
+        return (["--codec-opt", f"start={start}"],
+                f"mpigrad's PowerSGD from iteration {start} too, as the hooks (an equal warm-up in float32; "
+                "--codec-opt start=N after -- gives it another)")
+    if int(given) != start:
+        return [], (f"mpigrad's PowerSGD from iteration {given} (its start option), the hooks from {start}: "
+                    "not an equal warm-up")
+    return [], None
+
+
 def _check_task(config, workers: int) -> None:
     """UsageError now for data or model options that would fail inside every rank."""
     from ..data import DataError, ShardSampler
@@ -527,6 +545,10 @@ def run(args: argparse.Namespace) -> int:
         _check_lab(args)
     out.mkdir(parents=True, exist_ok=True)
     powersgd = f"PowerSGD from iteration {start}; " if any(VARIANTS[v].hook == "powersgd" for v in variants) else ""
+    extra, start_line = align_powersgd_start(config, variants, start) if args.mpigrad else ([], None)
+    if extra:
+        args.train_args = [*args.train_args, *extra]
+        config = _config(args)
     backend, sharing = _backend(config, workers)
     mpigrad_sharing = _mpigrad_shares(config, workers)
     if mpigrad_sharing and args.mpigrad and "--share-gpu" not in args.train_args:
@@ -542,6 +564,8 @@ def run(args: argparse.Namespace) -> int:
           f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; "
           f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; "
           f"{powersgd}{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+    if start_line:
+        print(start_line, flush=True)
     if sharing:
         print(sharing, flush=True)
     progress = _Progress(len(methods) * len(seeds), args.progress_interval)
