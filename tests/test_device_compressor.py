@@ -153,3 +153,38 @@ def test_a_gpu_run_without_a_working_numba_cuda_is_refused_not_run_on_the_host(m
     assert 'pip install -e ".[cuda]"' in text and "MPIGRAD_DEVICE_CODECS=host" in text and "\n" not in text
     mcgq = GradientCompressor(pieces, get_codec({"id": "mcgq"}), {p.index: 1 for p in pieces})
     assert device_module.on_device(replica, mcgq) == [mcgq]
+
+
+def test_what_a_frame_asks_of_the_host_is_counted():
+    """The device path's launches, synchronisations and copies, counted at their call sites
+    (mpigrad/codecs/device/counters.py): the same under the simulator as on a GPU, so these
+    counts are the path's budget; a change that adds a launch or a synchronisation fails here
+    (issue 46's figures: 3 synchronisations per frame each way, launches per piece)."""
+    from mpigrad.codecs.device.counters import snapshot
+
+    host, device, shards = compressors({"id": "uniform", "bits": 2, "bucket_size": 512}, "residual", servers=1)
+    shard, = shards
+    assert [(p.quantized, p.size) for p in shard.pieces] == [(True, 5000), (True, 4200), (False, 300)]
+    g = torch.from_numpy(gradient(1)).to(DEVICE)
+    device.encode(g, [2, 2], shard)           # the first encode allocates; count the second
+    before = snapshot()
+    frame = device.encode(g, [2, 2], shard).copy()
+    encoded = snapshot() - before
+    assert encoded.sites == {
+        # per quantized piece 9: its ranges (fill_keys, range_keys, finish_ranges, store_scales), its
+        # codes (pack_blocks, pack_tail), and the decode the error memory needs (load_pairs,
+        # unpack_blocks, unpack_tail); the small layers' piece 1 (store_float32)
+        "launch: numba": 2 * 9 + 1,
+        "launch: torch": 2 * 2,        # the error memory: compensate and update, per quantized piece
+        "sync: frame to host": 1, "sync: stream": 1, "sync: status read": 1}, encoded.sites
+    status = 4 * 4                     # the status slots, reset and read once per frame
+    assert encoded.synchronizations == 3 and encoded.launches == 23
+    assert encoded.bytes_to_host == frame.size + status and encoded.bytes_to_device == status
+    out = torch.zeros(LAYOUT.total, device=DEVICE)
+    before = snapshot()
+    device.decode(frame, shard, out, accumulate=True)
+    decoded = snapshot() - before
+    assert decoded.synchronizations == 3 and decoded.sites["sync: frame to device"] == 1, decoded.sites
+    assert decoded.bytes_to_device == frame.size + status and decoded.bytes_to_host == status
+    assert decoded.launches == decoded.sites["launch: numba"] == 2 * 3 + 1   # scales, blocks, tail; the rest 1
+    assert "launches" in decoded.describe() and "to the device" in decoded.describe()

@@ -5,7 +5,8 @@ bench's module is run. ``codecs`` times every codec's encode/decode, ``iteration
 training iterations, ``trace`` the trace writer alone, ``peers`` torch DDP (uncompressed,
 fp16 and PowerSGD hooks) beside mpigrad on the same task, ``calibrate`` the cost model of
 local work (:mod:`mpigrad.costmodel`) that deterministic runs charge, ``clock`` the simulated
-clock against the network lab.
+clock against the network lab, ``device`` the device path's launches, synchronisations and
+copies per iteration.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ SUBCOMMANDS = {
               "sim/real per iteration"),
     "calibrate": ("mpigrad.bench.calibrate", "measure the cost model of policy/encode/decode/average "
                   "that --compute-time runs charge (-o FILE, JSON)"),
+    "device": ("mpigrad.bench.device", "the device path's kernel launches, host synchronisations and copies "
+               "per iteration and phase (on a GPU, else in Numba's CUDA simulator)"),
 }
 
 

@@ -23,6 +23,7 @@ import torch
 from ..codecs import CodecError, HEADER_SIZE
 from ..codecs.base import header_bytes
 from ..codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
+from ..codecs.device.counters import copied, launched, synchronized
 from ..feedback import ErrorFeedback
 from .compressor import GradientCompressor
 from .layout import Shard
@@ -104,6 +105,8 @@ def codec_path(config, codecs) -> str | None:
 def finite(x) -> bool:
     """Whether every value of a host array or a tensor is finite."""
     if isinstance(x, torch.Tensor):
+        launched("torch", 2)
+        synchronized("finite check")
         return bool(torch.isfinite(x).all())
     return bool(np.isfinite(x).all())
 
@@ -130,6 +133,7 @@ def kernel_stream(cuda):
 
 
 def synchronize(device: torch.device) -> None:
+    synchronized("stream")
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -149,6 +153,7 @@ class DeviceFeedback:
             error = self.errors[key] = torch.zeros_like(g)
             self.compensated[key] = torch.empty_like(g)
         p = self.compensated[key]
+        launched("torch", 1 if self.decay == 1.0 else 2)
         if self.decay == 1.0:
             torch.add(g, error, out=p)
         else:
@@ -157,6 +162,7 @@ class DeviceFeedback:
         return p
 
     def update(self, key: int, p: torch.Tensor, decoded: torch.Tensor) -> None:
+        launched("torch", 1 if self.mode == "residual" else 2)
         if self.mode == "residual":
             torch.sub(p, decoded, out=self.errors[key])
         else:
@@ -233,12 +239,15 @@ class DeviceGradientCompressor:
         return device_view(self.cuda, tensor)
 
     def _reset_status(self) -> None:
+        copied("to_device", self._zeros.nbytes)
         self._status.copy_to_device(self._zeros, stream=self.stream)
 
     def _check_status(self, twins) -> None:
         """Raise what the frame's status says, in the wording of the first codec that flagged
         (every flag of the frame is in one array: the first twin's wording serves them all)."""
+        copied("to_host", self._zeros.nbytes)
         status = self._status.copy_to_host(stream=self.stream)
+        synchronized("status read")
         if not simulated():
             self.stream.synchronize()
         if status.any():
@@ -278,6 +287,8 @@ class DeviceGradientCompressor:
             headers.append((pos, header))
             twins.append(twin)
             pos += HEADER_SIZE + header.payload_len
+        copied("to_host", pos)
+        synchronized("frame to host")  # a blocking copy
         torch.from_numpy(out[:pos]).copy_(frame[:pos])  # the packed bytes, and nothing else
         synchronize(self.device)
         self._check_status(twins)
@@ -297,6 +308,8 @@ class DeviceGradientCompressor:
             twin = self._twin(codec)
             checked.append((piece, twin, twin.check(buf)))
         staging = self._device_buffer(self._staging, (shard.server, shard.bucket), frame.size)
+        copied("to_device", frame.size)
+        synchronized("frame to device")  # a blocking copy from pageable memory
         staging[:frame.size].copy_(torch.from_numpy(frame), non_blocking=False)
         view = self._view(staging)
         pos = FrameHeader.size(len(shard.pieces))

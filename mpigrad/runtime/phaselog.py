@@ -9,8 +9,11 @@ began; rank 0 adds ``"sim"``, what the clock charged each communication phase (s
 they share a host, as in the network lab. A rank whose model is on a GPU adds ``"d"``: per
 phase, the milliseconds between the CUDA events recorded on the current stream at the end of
 the phase before and at its end (the device's timeline; the line is written after the last
-event completes). Unset, it costs one dictionary lookup at start-up. Read by ``mpigrad bench
-clock`` and ``mpigrad bench peers --breakdown``.
+event completes). A rank on the device path adds ``"c"``: per phase that asked anything of
+the device, ``{"launches", "syncs", "to_device", "to_host", "sites"}`` (its kernel launches,
+host synchronisations, bytes copied each way and where: :mod:`mpigrad.codecs.device.counters`).
+Unset, it costs one dictionary lookup at start-up. Read by ``mpigrad bench clock``, ``mpigrad
+bench device`` and ``mpigrad bench peers --breakdown``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class PhaseLog:
             import torch
             self.cuda = torch.cuda
         self.events: list[tuple[str, object]] = []
+        from ..codecs.device.counters import snapshot
+        self._counts = snapshot
+        self._last = snapshot()
+        self.counts: dict[str, dict] = {}
 
     @classmethod
     def from_environment(cls, rank: int, device=None) -> "PhaseLog | None":
@@ -49,6 +56,12 @@ class PhaseLog:
 
     def record(self, phase: str) -> None:
         self.times[phase] = time.perf_counter()
+        now = self._counts()
+        spent, self._last = now - self._last, now
+        if spent.sites or spent.bytes_to_device or spent.bytes_to_host:
+            self.counts[phase] = {"launches": spent.launches, "syncs": spent.synchronizations,
+                                  "to_device": spent.bytes_to_device, "to_host": spent.bytes_to_host,
+                                  "sites": dict(spent.sites)}
         if self.cuda is not None:
             event = self.cuda.Event(enable_timing=True)
             event.record()
@@ -58,6 +71,8 @@ class PhaseLog:
         line = {"m": m, "rank": self.rank, "t": self.times}
         if sim is not None:
             line["sim"] = sim
+        if self.counts:
+            line["c"], self.counts = self.counts, {}
         if self.events:
             self.events[-1][1].synchronize()
             line["d"] = {phase: before.elapsed_time(event)

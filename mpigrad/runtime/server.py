@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..codecs import CodecError
+from ..codecs.device.counters import launched, synchronized
 from ..config import RunConfig, format_elapsed
 from ..errors import UsageError
 from ..costmodel import CostModel, LocalWork
@@ -131,6 +132,7 @@ class ShardAggregator:
         for piece in shard.pieces:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
             if isinstance(part, torch.Tensor):
+                launched("torch")
                 part.mul_(scale.item())  # the same float32 product
             else:
                 np.multiply(part, scale, out=part)
@@ -170,7 +172,12 @@ class ShardAggregator:
         energies = [0.0] * n_layers
         for piece in self.quantized:
             u = update[piece.offset:piece.offset + piece.size]
-            energies[piece.layer] += float(torch.dot(u, u) if isinstance(u, torch.Tensor) else np.dot(u, u))
+            if isinstance(u, torch.Tensor):
+                launched("torch")
+                synchronized("energy read")  # float() of a device value
+                energies[piece.layer] += float(torch.dot(u, u))
+            else:
+                energies[piece.layer] += float(np.dot(u, u))
         return energies
 
     def pack_average(self) -> np.ndarray:

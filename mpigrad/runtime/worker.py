@@ -15,6 +15,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
 from ..data.augment import build_augmentation
+from ..codecs.device.counters import synchronized
 from ..feedback import MomentumCorrection
 from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
@@ -121,6 +122,8 @@ class Worker(FollowerRole):
             self.loss_tensor = loss
         else:
             loss.backward()
+        if self.replica.codecs_on_device:
+            synchronized("loss read")  # .item() of a device value
         return loss.item(), time.process_time() - cpu, time.perf_counter() - wall
 
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------

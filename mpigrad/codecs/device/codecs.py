@@ -18,6 +18,7 @@ from ..checks import bucket_layout
 from ..kernels.half import HALF_TO_FLOAT
 from . import kernels as k
 from . import host_only, load_cuda
+from .counters import copied, launched, synchronized
 
 _EMPTY = np.zeros(0, np.uint8)
 
@@ -54,7 +55,11 @@ class DeviceCodec(ABC):
 
     # ---- launching ----------------------------------------------------------------------
     def _launch(self, kernel, threads: int, *args) -> None:
-        kernel[k.blocks(threads), k.THREADS, self.stream](*args)
+        self._launch_grid(kernel, k.blocks(threads), *args)
+
+    def _launch_grid(self, kernel, grid: int, *args) -> None:
+        launched()
+        kernel[grid, k.THREADS, self.stream](*args)
 
     def _array(self, name: str, size: int, dtype):
         """A device scratch array of at least ``size`` elements (a view of exactly size)."""
@@ -64,10 +69,13 @@ class DeviceCodec(ABC):
         return have[:size]
 
     def _reset_status(self) -> None:
+        copied("to_device", self._zeros.nbytes)
         self._status.copy_to_device(self._zeros, stream=self.stream)
 
     def _read_status(self) -> np.ndarray:
+        copied("to_host", self._zeros.nbytes)
         status = self._status.copy_to_host(stream=self.stream)
+        synchronized("status read")
         self.stream.synchronize()
         return status
 
@@ -94,6 +102,7 @@ class DeviceCodec(ABC):
         except CodecError:
             self.codec.calls = calls  # the host codec draws no stream for an input it refuses
             raise
+        copied("to_device", HEADER_SIZE)
         out[:HEADER_SIZE].copy_to_device(header_bytes(header), stream=self.stream)
         return HEADER_SIZE + header.payload_len
 
@@ -119,6 +128,7 @@ class DeviceCodec(ABC):
         header = self.check(frame)
         payload = self._array("payload", header.payload_len, np.uint8)
         if header.payload_len:
+            copied("to_device", header.payload_len)
             payload.copy_to_device(frame[HEADER_SIZE:], stream=self.stream)
         self.decode_payload(header, payload, out, accumulate=accumulate)
 
@@ -250,13 +260,13 @@ class _Bucketed(DeviceCodec):
         """Each bucket's (min, max) order keys, reduced on the device (integers: exact)."""
         keys = self._array("keys", 2 * nb, np.int32)
         self._launch(k.fill_keys, 2 * nb, keys)
-        k.range_keys[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, keys)
+        self._launch_grid(k.range_keys, nb * chunks, x, bucket, chunks, keys)
         return keys
 
     def _sums(self, x, bucket, nb, chunks, absolute, status):
         """Each chunk's float64 sum of x (|x| with ``absolute``) and of x^2: sum_partials."""
         partials = self._array("partials", 2 * nb * chunks, np.float64)
-        k.sum_partials[nb * chunks, k.THREADS, self.stream](x, bucket, chunks, absolute, partials, status)
+        self._launch_grid(k.sum_partials, nb * chunks, x, bucket, chunks, absolute, partials, status)
         return partials
 
     def _levels(self, header) -> int:
