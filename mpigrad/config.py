@@ -133,6 +133,9 @@ class RunConfig:
     #: from_sources; not an option, not in to_dict): ``check_options`` refuses one the run
     #: would not use (``--bits`` to a policy or codec without a width to set).
     given: ClassVar[frozenset[str]] = frozenset()
+    #: (file, bits) where a policy or codec on the command line replaced a config file's
+    #: method and with it the file's ``bits`` (``from_sources``), else None: rank 0 says so.
+    replaced_bits: ClassVar[tuple[str, int] | None] = None
 
     def norm_due(self, m: int) -> bool:
         """Whether iteration m records ``norm_ratio`` (and computes the energies behind it)."""
@@ -158,8 +161,11 @@ class RunConfig:
         # A config file's width belongs to the file's method: a policy or codec set on the
         # command line replaces that method, and the file's bits with it (not refused).
         command_line = {key for key, value in overrides.items() if value is not None}
+        replaced_bits = None
         if "bits" not in command_line and command_line & {"policy", "codec"}:
             given.discard("bits")
+            if config_file and "bits" in values:
+                replaced_bits = (config_file, values["bits"])
         try:
             config = cls(**values)
         except TypeError as exc:
@@ -170,6 +176,7 @@ class RunConfig:
         if ranks is not None:
             config.declared_ranks = (config_file, ranks)
         config.given = frozenset(given)
+        config.replaced_bits = replaced_bits
         config.validate()
         return config
 

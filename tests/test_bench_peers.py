@@ -485,3 +485,16 @@ def test_mpigrads_powersgd_gets_the_hooks_float32_iterations_unless_told_otherwi
     assert align_powersgd_start(same, ["powersgd2"], 25) == ([], None)
     assert align_powersgd_start(lowrank, ["fp32", "fp16"], 25) == ([], None)          # no hook to match
     assert align_powersgd_start(RunConfig(), ["powersgd1"], 25) == ([], None)         # no low-rank codec
+
+
+def test_the_periodic_lines_say_how_far_mpigrads_run_is():
+    """bench peers reads mpigrad's progress lines (its runs print one every 2 % of the
+    iterations) for the periodic lines' "iteration K/N", as it reads DDP's reports."""
+    from mpigrad.bench.peers import run_progress
+
+    log = ("mpigrad 0.1.0: 2 workers + scheduler, each worker serving a shard (colocated)\n"
+           "iter   5/250  loss+l2 4.31  bits 32  sent 9.2 MB  sim 1.0s  wall 1.0s  ETA 49s\n"
+           "iter  10/250  loss+l2 4.29  bits 8  sent 9.3 MB  sim 1.2s  wall 1.2s  ETA 29s\n"
+           "iter  15/2")                                       # a line still being written
+    assert run_progress(log) == "iteration 10/250"
+    assert run_progress("mpigrad 0.1.0: starting\n") is None and run_progress("") is None

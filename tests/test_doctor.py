@@ -288,3 +288,10 @@ def test_gpu_lines_say_the_map_a_refusal_and_what_a_cuda_aware_mpi_is_used_for(m
                                                        "on gpu07")
     nothing = doctor._format_gpus(doctor._gpus([(rank, 0, "cpu01", (), 0) for rank in range(3)], True, False))
     assert nothing[2] == "  no rank sees a CUDA device: a --device cuda run would be refused"
+
+
+def test_a_world_of_one_rank_is_warned_about_with_rank_0_named_as_train_names_it():
+    from mpigrad.runtime.doctor import _warnings
+
+    assert _warnings([], 1, 1) == ["world size 1: mpigrad train needs at least 2 ranks (rank 0 is the scheduler, "
+                                   "and the server unless --servers colocated; the others train)"]

@@ -124,6 +124,21 @@ def test_a_config_files_bits_go_with_its_method_when_the_command_line_replaces_i
     from mpigrad.errors import UsageError
     from mpigrad.runtime.checks import check_options
 
-    check_options(RunConfig.from_sources("examples/hard/fix2.toml", {"policy": "progress"}))
+    from mpigrad.runtime.checks import base_codec, replaced_bits_note
+
+    replaced = RunConfig.from_sources("examples/hard/fix2.toml", {"policy": "progress"})
+    check_options(replaced)
     with pytest.raises(UsageError, match="--bits does not apply to --policy progress"):
         check_options(RunConfig.from_sources("examples/hard/fix2.toml", {"policy": "progress", "bits": 3}))
+    # not without a word: rank 0's start-up lines say which width went, and why
+    assert replaced_bits_note(replaced, base_codec(replaced)) == (
+        "mpigrad: note: examples/hard/fix2.toml's bits = 2 went with its method, which the command line "
+        "replaced; they do not apply to --policy progress: it chooses its widths itself, from its own options "
+        "(--policy-opt min_bits, max_bits)")
+    lowrank = RunConfig.from_sources("examples/hard/fix2.toml", {"codec": "powersgd"})
+    assert replaced_bits_note(lowrank, base_codec(lowrank)).endswith(
+        "do not apply to --codec powersgd: its widths are --codec-opt factor_bits=B and rest_bits=B (its rank "
+        "--codec-opt rank=R)")
+    kept = RunConfig.from_sources("examples/hard/fix2.toml", {"codec": "qsgd"})       # qsgd takes the file's 2
+    assert replaced_bits_note(kept, base_codec(kept)) is None
+    assert replaced_bits_note(RunConfig.from_sources("examples/hard/fix2.toml", {}), base_codec(kept)) is None

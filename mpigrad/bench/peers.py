@@ -57,6 +57,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -895,7 +896,8 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Pr
     ranks = workers + config.non_worker_ranks()
     train = ["train", "--config", args.config, *[a for a in args.train_args if a != "--"],
              "--iterations", str(config.iterations), "--seed", str(config.seed), "--net-mode", "off",
-             "--eval-every", "0", "--progress-every", "0", "--trace", str(trace), "--force"]
+             "--eval-every", "0", "--progress-every", str(max(1, config.iterations // 50)), "--trace", str(trace),
+             "--force"]
     if args.lab is not None:
         command = _lab_command(ranks, args.lab, "mpi", train)
     else:
@@ -906,9 +908,12 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Pr
         shutil.rmtree(phases, ignore_errors=True)  # a phase log appends: start it empty
         env = {**env, PHASE_ENV: str(phases)}
     progress.started(f"{_method_name('mpigrad', config)}, seed {config.seed}")
+    def poll() -> None:  # how far the run is, from its progress lines (for the periodic lines)
+        progress.detail = run_progress(log.read_text(errors="replace")) or progress.detail
+
     with open(log, "w") as handle:
         proc = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
-        progress.wait([proc], "mpigrad")
+        progress.wait([proc], "mpigrad", poll)
     if proc.returncode != 0:
         print(log.read_text(), file=sys.stderr)
         raise RuntimeError(f"the mpigrad run failed (exit {proc.returncode}; log: {log})")
@@ -916,6 +921,16 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Pr
                       "(start-up included)")
     log.unlink()
     return trace
+
+
+def run_progress(log: str) -> str | None:
+    """"iteration K/N" from the last whole progress line (``iter K/N ...``) of an mpigrad run's
+    output, else None."""
+    for line in reversed(log.split("\n")[:-1]):
+        match = re.match(r"iter\s+(\d+)/(\d+)\s", line)
+        if match:
+            return f"iteration {match.group(1)}/{match.group(2)}"
+    return None
 
 
 def _row(paths: list[Path], workers: int, args) -> PeerRow:

@@ -128,6 +128,19 @@ def unused_bits(config: RunConfig, codec: Codec) -> str | None:
 UNUSED = {"bits": unused_bits}
 
 
+def replaced_bits_note(config: RunConfig, codec: Codec) -> str | None:
+    """rank 0's line where the command line's policy or codec replaced a config file's method
+    and that method's ``bits`` is not what this run uses (``RunConfig.replaced_bits``), else None."""
+    if config.replaced_bits is None:
+        return None
+    path, bits = config.replaced_bits
+    why = unused_bits(config, codec)
+    if why is None:
+        return None
+    return (f"mpigrad: note: {path}'s bits = {bits} went with its method, which the command line replaced; "
+            f"they do not apply to {why}")
+
+
 def check_given_options(config: RunConfig, codec: Codec) -> None:
     """UsageError (one line) for an option the user set (config file or command line) that
     this run's policy and codecs do not use: ``--bits does not apply to --policy aimd: ...``."""

@@ -134,7 +134,7 @@ def _warnings(ranks: list[RankInfo], size: int, threads: int) -> list[str]:
     warnings = oversubscription_warnings(ranks, threads)
     if size < 2:
         warnings.append("world size 1: mpigrad train needs at least 2 ranks "
-                        "(rank 0 is the server, ranks 1.. are workers)")
+                        "(rank 0 is the scheduler, and the server unless --servers colocated; the others train)")
     capped = [info.rank for info in ranks if info.numba_threads < threads]
     if capped:
         warnings.append(f"Numba runs fewer than {threads} threads on ranks {format_ranks(capped)}: "

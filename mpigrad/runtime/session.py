@@ -65,8 +65,9 @@ def _launch_problem(config, size: int) -> str | None:
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
         if size < 2:
-            raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the server, ranks 1.. "
-                             "are workers): launch with mpiexec -n P+1 python -m mpi4py -m mpigrad train")
+            raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the scheduler, and the server "
+                             "unless --servers colocated; the others train): launch with mpiexec -n P+1 python -m "
+                             "mpi4py -m mpigrad train")
         if config.declared_ranks and config.declared_ranks[1] != size:
             path, ranks = config.declared_ranks
             raise UsageError(f"{path} is written for {ranks} ranks (its '# ranks: {ranks}' line) but this run "
@@ -319,6 +320,10 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None)
     if server.servers > 1:
         log(shard_description(server.shards, server.codec, config.shard_chunk))
     log(f"network: {network_description(config)}")
+    from .checks import replaced_bits_note
+    note = replaced_bits_note(config, server.codec)
+    if note:
+        log(note)
     links = network.current()
     if links != network.HOST:  # in mpigrad lab: the real links, as the trace records them
         log(f"links: {network.describe(links)} (mpigrad lab)")
