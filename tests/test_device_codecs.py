@@ -9,6 +9,7 @@ a full block of 4096 codes, a tail, several buckets, a bucket straddling blocks.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -301,3 +302,35 @@ def test_device_codecs_take_torch_cuda_tensors_without_a_copy():
     want = np.ones(x.numel(), np.float32)
     codec.decode(out[:n].cpu().numpy(), want, accumulate=True)
     assert np.array_equal(acc.cpu().numpy(), want)
+
+
+@pytest.mark.slow
+def test_the_gpus_geometry_runs_in_the_simulator_with_the_hosts_frames():
+    """MPIGRAD_DEVICE_THREADS=256: the GPU's 256-thread blocks and 8192-element chunks in the
+    simulator (whose default is 32 and 1024), so that a bucket of several GPU chunks runs in
+    CI: the frames and the decoded sums are the host codec's, byte for byte."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, MPIGRAD_DEVICE_THREADS="256", NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "device_geometry.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines[0] == {"threads": 256, "chunk": 8192}
+    assert len(lines) == 6 and all(line["frame"] and line["decoded"] for line in lines[1:]), lines
+
+
+def test_a_bad_thread_count_is_refused_at_import():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MPIGRAD_DEVICE_THREADS="100", NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, "-c", "import mpigrad.codecs.device.kernels"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert ("MPIGRAD_DEVICE_THREADS='100': threads per block must be a power of two from 32 to 1024"
+            in done.stderr.strip().splitlines()[-1])

@@ -1,0 +1,47 @@
+"""Run by tests/test_device_codecs.py in a subprocess with MPIGRAD_DEVICE_THREADS=256 (the
+GPU's block, and its 8192-element chunks) under Numba's CUDA simulator: each device codec
+encodes a gradient whose buckets span several chunks, and decodes and adds it; prints one
+JSON line per case saying whether the frame and the decoded values are the host codec's."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mpigrad.codecs import get_codec  # noqa: E402
+from mpigrad.codecs.device import device_codec, kernels  # noqa: E402
+from mpigrad.runtime.device import device_view, load_cuda  # noqa: E402
+
+CASES = [({"id": "uniform", "bits": 3}, 16385),                                   # one bucket of 3 chunks
+         ({"id": "uniform", "bits": 2, "bucket_size": 16384, "rounding": "stochastic", "seed": 3}, 24577),
+         ({"id": "qsgd", "bits": 3, "bucket_size": 16384, "norm": "max"}, 16385),
+         ({"id": "terngrad", "clip": 0, "bucket_size": 16384}, 16385),
+         ({"id": "fp16"}, 16385)]
+
+
+def main() -> None:
+    cuda = load_cuda()
+    print(json.dumps({"threads": kernels.THREADS, "chunk": kernels.CHUNK}), flush=True)
+    for config, n in CASES:
+        x = (np.random.default_rng(n).standard_normal(n) * 0.01).astype(np.float32)
+        host = get_codec(config)
+        want = host.encode(x).copy()
+        decoded = np.ones(n, np.float32)
+        host.decode(want, decoded, accumulate=True)
+        twin = device_codec(get_codec(config))
+        frame = torch.zeros(host.max_encoded_size(n), dtype=torch.uint8)
+        size = twin.encode(device_view(cuda, torch.from_numpy(x)), device_view(cuda, frame))
+        got = frame[:size].numpy().copy()
+        out = torch.ones(n)
+        twin.decode(got, device_view(cuda, out), accumulate=True)
+        print(json.dumps({"config": config, "n": n, "frame": bool(np.array_equal(got, want)),
+                          "decoded": bool(np.array_equal(out.numpy(), decoded))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
