@@ -25,6 +25,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from .codecs.device.counters import launched
+
 __all__ = ["ErrorFeedback", "FeedbackError", "MODES", "MomentumCorrection"]
 
 MODES = ("residual", "accumulate")
@@ -165,13 +167,16 @@ class MomentumCorrection:
     def accumulate(self, g):
         """``u <- m * u + g`` (``u = g`` the first time), in place; returns ``u`` (valid until
         the next call). ``g``: a flat float32 array, or torch tensor, of fixed size."""
+        on_device = not isinstance(g, np.ndarray)
+        if on_device:  # the device path's operations, counted as its others are
+            launched("torch", 1 if self.velocity is None else 2)
         if self.velocity is None:
-            self.velocity = g.copy() if isinstance(g, np.ndarray) else g.clone()
+            self.velocity = g.copy() if not on_device else g.clone()
             return self.velocity
         if self.velocity.shape != g.shape or type(self.velocity) is not type(g):
             raise FeedbackError(f"momentum correction: the gradient is {type(g).__name__}{list(g.shape)}, "
                                 f"the velocity {type(self.velocity).__name__}{list(self.velocity.shape)}")
-        if isinstance(g, np.ndarray):
+        if not on_device:
             np.multiply(self.velocity, np.float32(self.momentum), out=self.velocity)
             np.add(self.velocity, g, out=self.velocity)
         else:
@@ -195,7 +200,10 @@ class MomentumCorrection:
         if velocity is None:
             self.velocity = None
             return
-        velocity = _check_gradient(np.asarray(velocity), "velocity")
+        velocity = np.asarray(velocity)
+        if velocity.dtype not in (np.float32, np.float64) or velocity.ndim != 1:
+            raise FeedbackError(f"momentum correction state: the velocity must be a 1-D float array, got "
+                                f"{velocity.dtype}{list(velocity.shape)}")
         if not np.isfinite(velocity).all():
             raise FeedbackError("momentum correction state: the velocity holds NaN or infinity")
         if like is not None and tuple(like.shape) != velocity.shape:

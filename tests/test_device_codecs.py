@@ -324,13 +324,16 @@ def test_the_gpus_geometry_runs_in_the_simulator_with_the_hosts_frames():
     assert len(lines) == 6 and all(line["frame"] and line["decoded"] for line in lines[1:]), lines
 
 
-def test_a_bad_thread_count_is_refused_at_import():
+def test_a_bad_thread_count_is_refused_in_one_line_before_mpi_starts():
     import subprocess
     import sys
 
     env = dict(os.environ, MPIGRAD_DEVICE_THREADS="100", NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--iterations", "1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "mpigrad train: error: MPIGRAD_DEVICE_THREADS='100': threads per block must be a power of two from 32 "
+        "to 1024"]
     done = subprocess.run([sys.executable, "-c", "import mpigrad.codecs.device.kernels"], env=env,
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
-    assert ("MPIGRAD_DEVICE_THREADS='100': threads per block must be a power of two from 32 to 1024"
-            in done.stderr.strip().splitlines()[-1])
+    assert done.returncode != 0 and "threads per block must be" in done.stderr.strip().splitlines()[-1]

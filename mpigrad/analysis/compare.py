@@ -244,8 +244,7 @@ TIME_PREFIX = {SIMULATED: "sim_s", WALL_CLOCK: "wall_s", MIXED_CLOCKS: "s"}
 
 def rows_clock(rows: Sequence[dict[str, Any]]) -> str:
     """The clock that timed every row's runs (``labels.common_clock``)."""
-    names = {row["clock"] for row in rows}
-    return names.pop() if len(names) == 1 else (MIXED_CLOCKS if names else SIMULATED)
+    return common_clock([row["clock"] for row in rows])
 
 
 def compare_columns(target_loss: float, points: Sequence[Point] = (), clock: str = SIMULATED) -> list[Column]:
@@ -330,7 +329,7 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
     legend_below(figure, axes[0])
     if with_accuracy:
         axes[1].set_ylabel("Test accuracy (%)")
-    clock = common_clock([t.config for g in used for t in g.runs])
+    clock = common_clock([clock_name(t.config) for g in used for t in g.runs])
     axes[-1].set_xlabel(f"{X_AXIS_NAME[clock]} ({unit})")
     return finish(figure, axes, output, title)
 

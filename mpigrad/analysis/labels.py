@@ -155,9 +155,10 @@ def clock_name(config: Any) -> str:
     return WALL_CLOCK if isinstance(config, dict) and config.get("net_mode") == "off" else SIMULATED
 
 
-def common_clock(configs: Sequence[Any]) -> str:
-    """The one clock that timed all of ``configs``' runs, else ``MIXED_CLOCKS``."""
-    names = {clock_name(config) for config in configs} or {SIMULATED}
+def common_clock(clocks: Sequence[str]) -> str:
+    """The one clock of ``clocks`` (each a ``clock_name``), else ``MIXED_CLOCKS``
+    (``SIMULATED`` for none)."""
+    names = set(clocks) or {SIMULATED}
     return names.pop() if len(names) == 1 else MIXED_CLOCKS
 
 

@@ -23,10 +23,12 @@ from pathlib import Path
 from ..errors import UsageError
 from ..mpiexec import mpiexec_command
 
-#: The phases of an iteration in their order (runtime/iteration.py), "start" first: what ran
-#: between the previous iteration's end and this one's start.
-PHASES = ("start", "begin", "losses", "control", "gradients", "broadcast", "gradients2", "broadcast2", "reports",
-          "buffers", "end")
+def _phases() -> tuple[str, ...]:
+    """The phase log's phases in their order (runtime/iteration.py), "start" first: what ran
+    between the previous iteration's end and this one's start."""
+    from ..runtime.iteration import PHASES
+
+    return ("start", "begin", *PHASES, "end")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks < 2 or args.iterations < 1:
         raise UsageError("--ranks must be at least 2 and --iterations at least 1")
     train = [a for a in args.train_args if a != "--"]
-    if "--iterations" in train:
-        raise UsageError("give the iterations as bench device's --iterations, not after --")
+    for option in ("--iterations", "--device"):
+        if any(a == option or a.startswith(option + "=") for a in train):
+            raise UsageError(f"bench device sets {option} itself (--iterations: give it before --; the device: "
+                             "the GPU where torch sees one, else the simulator)")
     env = dict(os.environ)
     on_gpu = _gpu()
     if on_gpu:
@@ -100,7 +104,8 @@ def format_counts(counts: dict[int, dict[str, dict]], iteration: int) -> str:
             "synchronised at"]
     for rank, phases in counts.items():
         total = {"launches": 0, "syncs": 0, "to_device": 0, "to_host": 0}
-        for phase in sorted(phases, key=lambda p: PHASES.index(p) if p in PHASES else len(PHASES)):
+        order = _phases()
+        for phase in sorted(phases, key=lambda p: order.index(p) if p in order else len(order)):
             c = phases[phase]
             for key in total:
                 total[key] += c[key]

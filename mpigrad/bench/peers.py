@@ -520,6 +520,9 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.config).is_file():
         raise UsageError(f"config file {args.config} does not exist")
     config = _config(args)
+    if config.momentum_correction:
+        raise UsageError("bench peers gives DDP the config's optimizer, and momentum correction has no DDP twin: "
+                         "compare with --optimizer-opt momentum=M instead (the same update in float32)")
     ranks = declared_ranks(args.config)
     workers = args.workers if args.workers is not None else (ranks - config.non_worker_ranks() if ranks else 2)
     if workers < 1:

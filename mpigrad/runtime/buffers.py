@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..codecs.device.counters import copied, synchronized
 from ..config import RunConfig
 from .wire import CHECKPOINT_AFTER, STOP_AFTER, TAG_BUFFERS, TAG_PARAMS, WORLD, BufferStats, Channel
 
@@ -102,5 +103,8 @@ class ParameterSync:
             with torch.no_grad():
                 self.replica.flat.copy_(torch.from_numpy(self.host))
         elif channel.rank == self.source:
+            if self.replica.codecs_on_device:
+                copied("to_host", 4 * self.replica.flat.numel())
+                synchronized("parameters to rank 0")
             flat = self.replica.flat.detach().to("cpu").numpy()
             channel.send([(flat, 0)], TAG_PARAMS, lambda _: f"rank 0 took no parameters after iteration {m}")

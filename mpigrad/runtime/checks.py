@@ -198,6 +198,8 @@ def _check_method(config: RunConfig) -> None:
         codec = base_codec(config)
         policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
         check_given_options(config, codec)
+        from ..codecs.device import threads_per_block
+        threads_per_block(False)  # MPIGRAD_DEVICE_THREADS, refused here rather than on every worker
         if codec.two_rounds:  # no bits: a rank, or settings a policy chooses
             check_two_rounds(config, codec)
             cost_model(config)

@@ -13,6 +13,7 @@ import zlib
 import numpy as np
 import torch
 
+from ..codecs.device.counters import copied, launched, synchronized
 from ..optim import LearningRate, UpdateRule
 from .layout import Layout, Segment
 
@@ -134,6 +135,8 @@ class Replica:
         self._apply(self.update_device, lr, offset, end)
 
     def _apply(self, update: torch.Tensor, lr: float, offset: int, end: int) -> None:
+        if self.codecs_on_device:
+            launched("torch")  # plain SGD's add_ (an update rule's step counted as one: fused)
         if self.rule is None:
             self.flat[offset:end].add_(update[offset:end], alpha=-lr)
         else:
@@ -165,6 +168,9 @@ class Replica:
 
     def checksum(self) -> int:
         """CRC-32 of the parameters' bytes: replicas must agree bit for bit."""
+        if self.codecs_on_device:
+            copied("to_host", 4 * self.flat.numel())
+            synchronized("checksum")  # the parameters copied to the host
         return zlib.crc32(self.flat.detach().cpu().numpy().view(np.uint8))
 
     def state_dict(self) -> dict:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..codecs import CodecError
-from ..codecs.device.counters import launched, synchronized
+from ..codecs.device.counters import copied, launched, synchronized
 from ..config import RunConfig, format_elapsed
 from ..errors import UsageError
 from ..costmodel import CostModel, LocalWork
@@ -185,7 +185,11 @@ class ShardAggregator:
         pos = 0
         for piece in self.quantized:
             part = self.grad_sum[piece.offset:piece.offset + piece.size]
-            self.average[pos:pos + piece.size] = part.cpu().numpy() if isinstance(part, torch.Tensor) else part
+            if isinstance(part, torch.Tensor):
+                copied("to_host", 4 * piece.size)
+                synchronized("average to host")  # a blocking copy, for a policy that reads the average
+                part = part.cpu().numpy()
+            self.average[pos:pos + piece.size] = part
             pos += piece.size
         return self.average
 

@@ -15,7 +15,7 @@ from ..codecs import CodecError
 from ..config import RunConfig
 from ..data import ShardSampler
 from ..data.augment import build_augmentation
-from ..codecs.device.counters import synchronized
+from ..codecs.device.counters import launched, synchronized
 from ..feedback import MomentumCorrection
 from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
@@ -115,6 +115,8 @@ class Worker(FollowerRole):
         x = torch.from_numpy(batch).to(device)
         y = torch.from_numpy(self.train_y[idx]).to(device)
         model = self.replica.model
+        if self.replica.codecs_on_device:
+            launched("torch")  # the gradient's zeroing
         self.replica.flat_grad.zero_()
         with forward_context(self.config, device):
             loss = model.loss(model(x), y, self.config.loss_weight_decay)

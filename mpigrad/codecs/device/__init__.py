@@ -67,6 +67,25 @@ def host_only(codec) -> str | None:
     return None
 
 
+#: ``MPIGRAD_DEVICE_THREADS=N``: the kernels' threads per block (:func:`threads_per_block`).
+THREADS_VARIABLE = "MPIGRAD_DEVICE_THREADS"
+
+
+def threads_per_block(simulator: bool) -> int:
+    """The kernels' threads per block: ``MPIGRAD_DEVICE_THREADS`` (a power of two, 32 to
+    1024), else 256 on a GPU and 32 in the simulator (where every thread is a Python thread);
+    CodecError (one line) for any other value. Read once, when the kernels are imported; so
+    that tests run the GPU's geometry (256 threads, 8192-element chunks) in the simulator."""
+    import os
+
+    text = os.environ.get(THREADS_VARIABLE, "")
+    if not text:
+        return 32 if simulator else 256
+    if not text.isdigit() or int(text) not in (32, 64, 128, 256, 512, 1024):
+        raise CodecError(f"{THREADS_VARIABLE}={text!r}: threads per block must be a power of two from 32 to 1024")
+    return int(text)
+
+
 class DeviceUnavailable(CodecError):
     """numba-cuda is missing or broken, or no device (and no simulator) is there."""
 
@@ -109,4 +128,5 @@ def device_codec(codec, stream=0):
     return codecs.DEVICE_CLASSES[codec.codec_id](codec, stream)
 
 
-__all__ = ["CUDA_EXTRA", "DEVICE_CODECS", "DeviceUnavailable", "device_codec", "host_only", "load_cuda"]
+__all__ = ["CUDA_EXTRA", "DEVICE_CODECS", "DeviceUnavailable", "device_codec", "host_only", "load_cuda",
+           "threads_per_block", "THREADS_VARIABLE"]

@@ -27,27 +27,12 @@ import numpy as np
 from numba import config, cuda, int32, uint32, uint64
 
 from ..kernels.common import BLOCK, GROUPS
+from . import threads_per_block
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
-#: ``MPIGRAD_DEVICE_THREADS=N`` sets the threads per block (a power of two, 32 to 1024), read
-#: once at import: so that tests run the GPU's geometry (256 threads, 8192-element chunks) in
-#: the simulator too, where the default is 32 (every thread is a Python thread there).
-THREADS_VARIABLE = "MPIGRAD_DEVICE_THREADS"
-
-
-def _threads() -> int:
-    import os
-
-    text = os.environ.get(THREADS_VARIABLE, "")
-    if not text:
-        return 32 if SIMULATOR else 256
-    if not text.isdigit() or int(text) not in (32, 64, 128, 256, 512, 1024):
-        raise ValueError(f"{THREADS_VARIABLE}={text!r}: threads per block must be a power of two from 32 to 1024")
-    return int(text)
-
-
-#: Threads per block.
-THREADS = _threads()
+#: Threads per block: fewer under the simulator, where every thread is a Python thread
+#: (``MPIGRAD_DEVICE_THREADS`` sets it for either: ``threads_per_block``).
+THREADS = threads_per_block(SIMULATOR)
 #: Elements one block reduces in the min/max pass (fewer than a bucket: several blocks).
 CHUNK = THREADS * 32
 
