@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the counts as JSON, not as a table")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- then mpigrad train's options (the method, the model), e.g. -- --servers colocated "
-                             "--codec uniform --bits 4")
+                             "--codec uniform --bits 4 --model-opt conv_channels=4 (without a GPU, keep the model "
+                             "small: the simulator runs every GPU thread as a Python thread)")
 
 
 def run(args: argparse.Namespace) -> int:
