@@ -275,6 +275,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--seeds expects comma-separated integers" in capsys.readouterr().err
     assert cli_main(["bench", "peers", "--config", str(config), "--", "--model-opt", "fc_sizes=[0]"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    # DDP gets the config's optimizer; momentum correction has none to match (no unlike runs compared)
+    assert cli_main(["bench", "peers", "--config", str(config), "--", "--momentum-correction", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "momentum correction has no DDP twin" in err
 
 
 def test_lab_and_variant_refusals_are_one_line(tmp_path, capsys):
