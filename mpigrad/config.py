@@ -86,7 +86,11 @@ class RunConfig:
     #: bucket's frames as soon as backward has produced it; False: the paper's sequential order.
     pipeline: bool = False
     control: str = "ahead"           # CONTROLS
-    shard_chunk: int = 0             # cut layers (quantized, and the small layers' piece) into pieces of at most this many elements (0: never)
+    #: Cut layers (quantized, and the small layers' piece) into pieces of at most this many
+    #: elements (0: never); "auto": whole layers with one server, else even shares
+    #: (runtime/layout.py resolve_chunks).
+    shard_chunk: int | str = "auto"
+
     error_feedback: str = "none"
     #: DGC's momentum correction: each worker's codec encodes its velocity u <- m u + g
     #: instead of g (mpigrad/feedback.py MomentumCorrection); 0: off. The update is then
@@ -299,7 +303,9 @@ class RunConfig:
              "min_quantize_size must be at least 1"),
             (not self.pipeline or self.colocated,
              "pipeline needs servers = colocated (the pipelined iteration is built for that layout only)"),
-            (self.shard_chunk >= 0, f"shard_chunk must be >= 0 (0: never cut a layer), got {self.shard_chunk}"),
+            (self.shard_chunk == AUTO_CHUNK or (type(self.shard_chunk) is int and self.shard_chunk >= 0),
+             f"shard_chunk must be {AUTO_CHUNK} or a number of elements >= 0 (0: never cut a layer), "
+             f"got {self.shard_chunk!r}"),
             (self.error_feedback in ERROR_FEEDBACK,
              f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}"),
             (0.0 <= self.momentum_correction < 1.0,
@@ -669,7 +675,31 @@ def parse_servers(value: Any) -> int | str:
     return value
 
 
-_CONVERTERS = {"servers": parse_servers, "bandwidth": parse_bandwidth, "latency": parse_latency,
+def parse_shard_chunk(value: Any) -> int | str:
+    """``--shard-chunk``: ``auto`` or a whole number N >= 0 of elements (0: whole layers)."""
+    if isinstance(value, str) and value.strip() == AUTO_CHUNK:
+        return AUTO_CHUNK
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"shard_chunk must be {AUTO_CHUNK} (even shares) or a number of elements >= 0 "
+                         f"(0: never cut a layer), got {value!r}")
+    return value
+
+
+#: ``shard_chunk``'s default (runtime/layout.py AUTO).
+AUTO_CHUNK = "auto"
+
+
+def normal_shard_chunk(config: dict[str, Any]) -> dict[str, Any]:
+    """A config dict whose ``shard_chunk`` says what it does: with one server (``servers``
+    absent or 1), 0 and ``auto`` both keep whole layers, so 0 (written before auto became
+    the default, 2026-11-28) reads as ``auto``. Traces and checkpoints compare by it."""
+    if config.get("shard_chunk") == 0 and config.get("servers", 1) == 1:
+        return {**config, "shard_chunk": AUTO_CHUNK}
+    return config
+
+_CONVERTERS = {"servers": parse_servers, "shard_chunk": parse_shard_chunk, "bandwidth": parse_bandwidth, "latency": parse_latency,
                "link_bandwidth": parse_link_bandwidth, "compute_time": parse_duration,
                "walltime": parse_duration, "timeout": parse_duration, "checkpoint_every": parse_interval}
 

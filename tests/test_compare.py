@@ -217,7 +217,12 @@ def test_a_key_an_older_trace_lacks_takes_its_default():
     new = {**old, "servers": 1, "shard_chunk": 0, "seed": 2}
     assert differing_keys([old, new]) == []
     assert len(set(group_labels([old, new]))) == 1
-    assert differing_keys([old, {**new, "servers": 2}]) == ["servers"]
+    assert differing_keys([old, {**new, "servers": 2}]) == ["servers", "shard_chunk"]
+    # shard_chunk's default became auto, which keeps whole layers with one server as 0 did:
+    # a one-server trace written with 0 groups with one written with auto; with two it does not
+    assert differing_keys([{**new, "shard_chunk": "auto"}, new]) == []
+    two = {**new, "servers": 2}
+    assert differing_keys([two, {**two, "shard_chunk": "auto"}]) == ["shard_chunk"]
 
 
 def test_configs_not_written_by_train_are_taken_as_written():

@@ -104,7 +104,8 @@ def test_two_servers_carry_the_observed_average_and_norm_ratio_bit_for_bit(tmp_p
     # raw average (message 6 from server 1) and norm_ratio from both servers' ||g||^2, so
     # the traces match the one-server run exactly.
     args = ["--iterations", "12", "--policy", "adaptive", "--bits", "2", "--policy-opt", "threshold=0.01",
-            "--policy-opt", "sample_size=0", "--policy-opt", "interval=5", "--checksum-every", "4"]
+            "--policy-opt", "sample_size=0", "--policy-opt", "interval=5", "--checksum-every", "4",
+            "--shard-chunk", "0"]
     one, trace_one = train(tmp_path, mpi_env, *args, name="s1.h5")
     two, trace_two = train(tmp_path, mpi_env, *args, "--servers", "2", name="s2.h5", ranks=4)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr

@@ -98,8 +98,10 @@ def test_bench_device_counts_what_the_colocated_path_asks_of_the_host(tmp_path, 
     import subprocess
     import sys
 
-    name, extra = "colocated-counted", ["--servers", "colocated", "--codec", "uniform", "--bits", "3",
-                                        "--codec-opt", "rounding=stochastic", "--error-feedback", "residual"]
+    # whole layers (--shard-chunk 0): the budget's layout; auto's pieces would add launches
+    name, extra = "colocated-counted", ["--servers", "colocated", "--shard-chunk", "0", "--codec", "uniform",
+                                        "--bits", "3", "--codec-opt", "rounding=stochastic", "--error-feedback",
+                                        "residual"]
     trace = tmp_path / f"{name}.h5"
     at = TINY.index("--iterations")
     tiny = TINY[:at] + TINY[at + 2:]   # bench device takes the iterations itself

@@ -82,7 +82,7 @@ def test_orthogonalize_gives_orthonormal_columns_like_torchs_hook():
 
 @pytest.mark.parametrize("options, words", [
     (dict(error_feedback="residual"), "its own error feedback"), (dict(broadcast_codec="fp16"), "broadcast"),
-    (dict(shard_chunk=1000), "shard-chunk"), (dict(min_quantize_size=100), "min-quantize-size"),
+    (dict(min_quantize_size=100), "min-quantize-size"),
     (dict(policy="mqgrad"), "policy"),
     (dict(compute_time=0.05, cost_model="costs.json"), "cost-model none"),
 ])
@@ -194,6 +194,12 @@ def test_colocated_servers_give_the_single_server_run_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
     np.testing.assert_array_equal(a.eval["test_loss"], b.eval["test_loss"])  # rank 0 gets the workers' parameters
     assert (b.steps["bytes_up"] < a.steps["bytes_up"]).all() and (b.steps["sim_time"] < a.steps["sim_time"]).all()
+    # --shard-chunk auto (the default) cut the float32 iterations' layers into pieces the three
+    # workers share (the factors still go by whole layers): not one number changed
+    shards = b.attrs["shards"]
+    assert shards["setting"] == "auto" and shards["by_class"] and shards["quantized"] > 0, shards
+    assert sum(len(pieces) for pieces in shards["pieces"]) > len(b.attrs["quantized_layers"]) + 1
+    assert a.attrs["shards"]["quantized"] == 0  # one server: whole layers
     frames = b.servers.filter(like="frame_bytes").to_numpy().reshape(len(b.servers), 3, 3)
     local = np.trace(frames, axis1=1, axis2=2)
     np.testing.assert_array_equal(b.workers.filter(like="bytes_sent").sum(axis=1), frames.sum(axis=(1, 2)) - local)
@@ -350,13 +356,20 @@ def test_bytes_per_iteration_are_the_hooks_plus_frame_headers(against_ddp):
                                                                      rel=0.05)
 
 
-def test_the_shard_line_suggests_shard_chunk_only_to_a_codec_that_takes_it():
-    """Unbalanced shards: --shard-chunk is suggested for uniform, never for powersgd (which refuses it)."""
+def test_the_shard_line_names_the_cut_and_suggests_one_only_where_layers_are_whole():
+    """Unbalanced whole-layer shards: the line suggests --shard-chunk auto or N, also for
+    powersgd (its float32 iterations take the cut; its factors go by whole layers)."""
     from types import SimpleNamespace
 
+    from mpigrad.runtime.layout import Chunks
     from mpigrad.runtime.session import shard_description
 
     shards = [SimpleNamespace(pieces=[SimpleNamespace(quantized=False, size=n)]) for n in (9000, 1000)]
-    assert "--shard-chunk N" in shard_description(shards, get_codec({"id": "uniform", "bits": 2}), 0)
-    line = shard_description(shards, get_codec({"id": "powersgd", "rank": 2}), 0)
-    assert "1.80x an even split" in line and "--shard-chunk" not in line
+    line = shard_description(shards, get_codec({"id": "uniform", "bits": 2}), Chunks(), 0)
+    assert "1.80x an even split" in line and "whole layers (--shard-chunk 0)" in line
+    assert "--shard-chunk auto or N cuts layers" in line
+    line = shard_description(shards, get_codec({"id": "powersgd", "rank": 2}), Chunks(), 0)
+    assert "the factors go by whole layers" in line and "--shard-chunk auto or N" in line
+    cut = shard_description(shards, get_codec({"id": "fp32"}), Chunks(4096, 16384, True), "auto")
+    assert ("quantized layers in pieces of at most 4,096 elements, the small layers in pieces of at most 16,384 "
+            "(--shard-chunk auto)") in cut and "cuts layers" not in cut

@@ -53,7 +53,7 @@ def test_compressor_works_on_the_flat_arrays_without_gradient_sized_allocations(
     codec = get_codec({"id": "uniform", "bits": 4})
     config = RunConfig(model="resnet20", min_quantize_size=2000)
     (shard,) = build_shards(config, replica.layout, codec, 1)
-    compressor = build_compressor(config, replica.layout, codec, stream=1)
+    compressor = build_compressor(config, replica.layout, codec, stream=1, servers=1)
     bits = [4] * len(replica.layout.quantized)
     replica.flat_grad.normal_()
     grad = replica.gradient_to_host()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mpigrad.config import RunConfig
+from mpigrad.errors import UsageError
 from mpigrad.runtime import EXIT_REQUEUE
 from mpigrad.runtime.layout import Layout, Segment, pieces_of, plan_shards
 from mpigrad.runtime.session import run_other_rank, run_parameter_server
@@ -99,7 +100,8 @@ def test_a_full_run_traces_every_iteration_with_bytes_per_server(tmp_path):
 
 
 def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
-    options = dict(codec="qsgd", policy="adaptive", bits=3, error_feedback="residual")
+    """With whole layers (``--shard-chunk 0``) S servers give one server's run bit for bit."""
+    options = dict(codec="qsgd", policy="adaptive", bits=3, error_feedback="residual", shard_chunk=0)
     code1, errors1, one = run(tmp_path, servers=1, workers=2, name="s1.h5", **options)
     code2, errors2, two = run(tmp_path, servers=2, workers=2, name="s2.h5", **options)
     assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
@@ -113,8 +115,9 @@ def test_sharded_servers_give_the_single_server_run_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("policy", ["adaptive", "lgreco"])
 def test_colocated_servers_give_the_single_server_run_bit_for_bit(tmp_path, policy):
     """Every worker serving a shard changes where frames are summed, not what: the same
-    losses, bits, parameters and policy records as one server (lgreco reads the average)."""
-    options = dict(codec="qsgd", policy=policy, bits=3, error_feedback="residual", eval_every=3)
+    losses, bits, parameters and policy records as one server (lgreco reads the average), with
+    whole layers (``--shard-chunk 0``; auto cuts them, which changes a scaled codec's numbers)."""
+    options = dict(codec="qsgd", policy=policy, bits=3, error_feedback="residual", eval_every=3, shard_chunk=0)
     code1, errors1, one = run(tmp_path, servers=1, workers=3, name="s1.h5", **options)
     code2, errors2, col = run(tmp_path, servers="colocated", workers=3, name="col.h5", **options)
     assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
@@ -275,6 +278,61 @@ def test_shard_chunk_cuts_the_small_layers_too_so_that_they_balance():
     assert whole[-1] == 2400  # the uncut float32 piece alone, against 800 for the rest together
 
 
+def test_auto_keeps_whole_layers_with_one_server_and_gives_several_even_shares():
+    """``--shard-chunk auto``: one server, whole layers (the paper's layout); several, each
+    class (quantized, small layers) cut and dealt by elements, so that every server holds an
+    even share of both, and the bytes stay even at any width (float32 to 2 bits)."""
+    from mpigrad.runtime.layout import AUTO, AUTO_MIN_CHUNK, Chunks, resolve_chunks
+
+    big = Layout((Segment("fc1", 0, 65536), Segment("fc2", 65536, 2097152)), Segment("small layers", 2162688, 127690),
+                 2290378)
+    assert resolve_chunks(AUTO, big, 1) == Chunks()
+    assert resolve_chunks(AUTO, big, 4, whole_layers=True) == Chunks()
+    assert resolve_chunks(1000, big, 4) == Chunks(1000, 1000)
+    for servers in (2, 3, 4, 8):
+        chunks = resolve_chunks(AUTO, big, servers)
+        assert chunks.by_class and chunks.quantized % 1024 == 0 and chunks.quantized >= AUTO_MIN_CHUNK
+        shards = plan_shards(big, servers, lambda p: p.size, chunks)
+        assert sorted(p.index for s in shards for p in s.pieces) == list(range(len(pieces_of(big, chunks))))
+        for bits in (32, 8, 2):
+            size = lambda p: p.size * bits // 8 if p.quantized else 4 * p.size  # noqa: E731
+            loads = [sum(size(p) for p in s.pieces) for s in shards]
+            assert max(loads) <= 1.1 * sum(loads) / servers, (servers, bits, loads)
+        whole = plan_shards(big, servers, lambda p: p.size)
+        assert max(s.elements for s in whole) == 2097152  # fc2 alone: the layout auto replaces
+    # a small model's layers stay whole: no piece is cut below AUTO_MIN_CHUNK
+    small = Layout((Segment("a", 0, 9000),), Segment("small layers", 9000, 500), 9500)
+    assert [p.size for p in pieces_of(small, resolve_chunks(AUTO, small, 4))] == [9000, 500]
+
+
+def test_shard_chunk_reads_auto_or_a_number_and_refuses_the_rest():
+    from mpigrad.config import parse_shard_chunk
+
+    assert RunConfig().shard_chunk == "auto"
+    assert parse_shard_chunk("auto") == "auto" and parse_shard_chunk("4096") == 4096 and parse_shard_chunk(0) == 0
+    for bad in ("-1", -1, "big", 1.5, True):
+        with pytest.raises(UsageError, match="shard_chunk must be auto .*got"):
+            parse_shard_chunk(bad)
+
+
+def test_auto_cuts_change_no_number_in_float32(tmp_path):
+    """fp32 colocated with the default cut (auto) gives the one-server run bit for bit, and
+    the trace records the cut and each shard's pieces."""
+    options = dict(codec="fp32", policy="fixed", iterations=4)
+    code1, errors1, one = run(tmp_path, servers=1, workers=2, name="one.h5", **options)
+    code2, errors2, auto = run(tmp_path, servers="colocated", workers=2, name="auto.h5", **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(one.trace), load(auto.trace)
+    np.testing.assert_array_equal(a.steps["loss"], b.steps["loss"])
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    shards = b.attrs["shards"]
+    assert shards["setting"] == "auto" and shards["quantized"] > 0 and len(shards["pieces"]) == 2
+    pieces = [tuple(p) for shard in shards["pieces"] for p in shard]
+    assert sum(size for _, size in pieces) == b.attrs["parameters"] and len(pieces) > 3
+    elements = [sum(size for _, size in shard) for shard in shards["pieces"]]
+    assert max(elements) <= 1.2 * sum(elements) / 2, elements
+
+
 def test_cutting_the_small_layers_changes_no_number(tmp_path):
     """float32 everywhere: colocated servers with the small layers (2506 elements) cut into
     500-element pieces give the one-server run's losses and parameters bit for bit."""
@@ -292,7 +350,7 @@ def test_batchnorm_statistics_reach_rank_0_with_one_server_and_with_two(tmp_path
     """The buffers phase: rank 0 evaluates with the workers' averaged BatchNorm statistics,
     the same bit for bit with S = 2 (shard servers take part in the world broadcast)."""
     options = dict(model="resnet20", model_opts={}, iterations=4, eval_every=2, eval_samples=64, bits=4,
-                   policy="fixed")
+                   policy="fixed", shard_chunk=0)
     code1, errors1, one = run(tmp_path, servers=1, workers=2, name="bn1.h5", **options)
     code2, errors2, two = run(tmp_path, servers=2, workers=2, name="bn2.h5", **options)
     assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
@@ -393,7 +451,7 @@ def test_momentum_correction_with_error_feedback_stops_and_resumes_bit_for_bit(t
     """The velocity is worker state: a checkpoint carries it, and a stopped and resumed run
     is the straight one; colocated servers give the one-server run."""
     options = dict(codec="qsgd", policy="adaptive", bits=3, error_feedback="residual", momentum_correction=0.5,
-                   servers=servers)
+                   servers=servers, shard_chunk=0)
     a, b = straight_and_resumed(tmp_path, 3, **options)
     for column in ("loss", "bits", "bytes_up", "bytes_down"):
         np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
@@ -405,3 +463,14 @@ def test_momentum_correction_with_error_feedback_stops_and_resumes_bit_for_bit(t
     code, errors, off = run(tmp_path, name="off.h5", **{**options, "momentum_correction": 0.0})
     assert code == 0 and not errors, errors
     assert not np.array_equal(load(off.trace).steps["loss"], a.steps["loss"])
+
+
+def test_a_one_server_checkpoint_written_with_shard_chunk_0_resumes_under_auto():
+    """Before auto became the default, checkpoints recorded ``shard_chunk = 0``: with one
+    server auto is the same layout, so the identity is the same; with several it is not."""
+    from mpigrad.runtime import checkpoint
+
+    before = {**RunConfig().to_dict(), "shard_chunk": 0}
+    assert checkpoint.identity(RunConfig().to_dict(), 3) == checkpoint.identity(before, 3)
+    colocated = {**before, "servers": "colocated"}
+    assert checkpoint.identity({**colocated, "shard_chunk": "auto"}, 3) != checkpoint.identity(colocated, 3)

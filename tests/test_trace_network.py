@@ -23,10 +23,11 @@ LAB50 = {"kind": "lab", "nodes": 3, "rate": "50MB/s"}
 LAB10 = {"kind": "lab", "nodes": 3, "rate": "10MB/s", "events": ["12s:node2:down"]}
 
 
-def write(path: Path, attrs: dict, *, resumed_on: dict | None = None, slope: float = 0.1) -> Path:
+def write(path: Path, attrs: dict, *, resumed_on: dict | None = None, slope: float = 0.1,
+          net_mode: str = "off") -> Path:
     """A complete 20-iteration Fix 2 run, net_mode off, with root attributes ``attrs``;
     ``resumed_on``: stopped after 16 iterations and resumed on that network."""
-    config = {"policy": "fixed", "bits": 2, "codec": "uniform", "seed": 0, "net_mode": "off", "bandwidth": 1e7}
+    config = {"policy": "fixed", "bits": 2, "codec": "uniform", "seed": 0, "net_mode": net_mode, "bandwidth": 1e7}
     writer = TraceWriter(path, config=config, attrs={"seed": 0, **attrs}, tables=default_tables(2), flush_every=50)
     for i in range(20):
         if resumed_on is not None and i == 16:
@@ -38,6 +39,18 @@ def write(path: Path, attrs: dict, *, resumed_on: dict | None = None, slope: flo
                                 "t_decode": 0.0, "t_comm": 1.0, "t_policy": 0.0})
     writer.close("complete")
     return path
+
+
+def test_a_lab_run_timed_by_the_network_model_is_labelled_so(tmp_path, capsys):
+    """In a lab at 50 MB/s a run on the simulated clock (net_mode virtual, a 10 MB/s model) is
+    timed by the model, not by the links: its label says so, and it is not grouped with the
+    lab run timed by the wire."""
+    runs = [write(tmp_path / "wire.h5", {"network": LAB50}),
+            write(tmp_path / "model.h5", {"network": LAB50}, net_mode="virtual")]
+    code, out, _ = cli(capsys, "summary", *runs, "--format", "csv")
+    assert code == 0
+    methods = pd.read_csv(io.StringIO(out))["method"].tolist()
+    assert "network=lab 50MB/s, timed by the model" in methods[1] and "timed by" not in methods[0], methods
 
 
 def test_summary_and_compare_label_and_group_lab_runs_by_their_network(tmp_path, capsys):

@@ -277,10 +277,10 @@ def test_a_worker_that_dies_ends_the_run_instead_of_hanging(tmp_path, mpi_env):
 
 @pytest.mark.each_mpi
 def test_two_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):
-    """--servers 2 (ranks 0, 1 servers; 2, 3 workers), layer-aligned shards: the same seed
-    gives the same losses and bit-identical parameters as one server with 2 workers."""
+    """--servers 2 (ranks 0, 1 servers; 2, 3 workers), layer-aligned shards (--shard-chunk 0):
+    the same seed gives the same losses and bit-identical parameters as one server with 2 workers."""
     args = ["--iterations", "12", "--policy", "mqgrad", "--codec", "qsgd", "--error-feedback", "residual",
-            "--checksum-every", "4", *DETERMINISTIC]
+            "--checksum-every", "4", "--shard-chunk", "0", *DETERMINISTIC]
     one, trace_one = train(tmp_path, mpi_env, *args, name="s1.h5", ranks=3)
     two, trace_two = train(tmp_path, mpi_env, *args, "--servers", "2", name="s2.h5", ranks=4)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
@@ -298,10 +298,10 @@ def test_two_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):
 @pytest.mark.each_mpi
 def test_colocated_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env):
     """--servers colocated (rank 0 scheduler; ranks 1..3 workers, each serving a shard): the
-    same losses, bits, parameters and evaluations as one server with 3 workers, with fewer
-    bytes on the busiest link and a shorter simulated iteration."""
+    same losses, bits, parameters and evaluations as one server with 3 workers (whole layers,
+    --shard-chunk 0), with fewer bytes on the busiest link and a shorter simulated iteration."""
     args = ["--iterations", "12", "--policy", "mqgrad", "--codec", "qsgd", "--error-feedback", "residual",
-            "--checksum-every", "4", "--eval-every", "6", *DETERMINISTIC]
+            "--checksum-every", "4", "--eval-every", "6", "--shard-chunk", "0", *DETERMINISTIC]
     one, trace_one = train(tmp_path, mpi_env, *args, name="s1.h5", ranks=4)
     col, trace_col = train(tmp_path, mpi_env, *args, "--servers", "colocated", name="col.h5", ranks=4)
     assert one.returncode == 0 and col.returncode == 0, one.stderr + col.stderr
@@ -316,14 +316,31 @@ def test_colocated_servers_give_the_one_server_run_bit_for_bit(tmp_path, mpi_env
     assert (b.steps["bytes_up"] < a.steps["bytes_up"]).all() and (b.steps["t_comm"] < a.steps["t_comm"]).all()
 
 
+def test_colocated_servers_share_the_big_layers_evenly_by_default(tmp_path, mpi_env):
+    """--shard-chunk auto (the default): the paper CNN's 102400-element conv layer, alone 1.67x
+    an even third of the quantized elements, is cut so that each of three colocated workers
+    receives an even share of the float32 frames, which the start-up line and the trace say."""
+    col, trace = train(tmp_path, mpi_env, "--iterations", "3", "--codec", "fp32", "--policy", "fixed",
+                       "--servers", "colocated", *DETERMINISTIC, name="auto.h5", ranks=4)
+    assert col.returncode == 0, col.stderr
+    line = next(line for line in col.stdout.splitlines() if line.startswith("shards at the initial bits"))
+    assert "(--shard-chunk auto)" in line and "quantized layers in pieces of at most 16,384 elements" in line, line
+    tr = load(trace)
+    received = tr.servers.filter(like="bytes_in").to_numpy()
+    assert received.shape[1] == 3 and (received.max(axis=1) <= 1.1 * received.mean(axis=1)).all(), received
+    assert tr.attrs["shards"]["setting"] == "auto" and len(tr.attrs["shards"]["pieces"]) == 3
+
+
 @pytest.mark.each_mpi
 def test_the_pipelined_iteration_gives_the_sequential_run_bit_for_bit(tmp_path, mpi_env):
     """--pipeline under real MPI (frames per bucket, posted receives, hooks in backward): the
     same losses, bits, parameters and evaluations as the sequential colocated run; on the
     deterministic clock (no backward to hide behind) its communication costs the same within
-    its extra frame headers and the schedule of its messages."""
+    its extra frame headers and the schedule of its messages (whole layers, --shard-chunk 0:
+    auto's pieces make more buckets, each a message with its latency)."""
     args = ["--iterations", "12", "--policy", "adaptive", "--codec", "qsgd", "--error-feedback", "residual",
-            "--checksum-every", "4", "--eval-every", "6", "--servers", "colocated", *DETERMINISTIC]
+            "--checksum-every", "4", "--eval-every", "6", "--servers", "colocated", "--shard-chunk", "0",
+            *DETERMINISTIC]
     seq, trace_seq = train(tmp_path, mpi_env, *args, name="seq.h5", ranks=4)
     pipe, trace_pipe = train(tmp_path, mpi_env, *args, "--pipeline", name="pipe.h5", ranks=4)
     assert seq.returncode == 0 and pipe.returncode == 0, seq.stderr + pipe.stderr

@@ -13,7 +13,7 @@ import functools
 import json
 from typing import Any, Sequence
 
-from ..config import RECIPE_KEYS, describe_recipe, format_duration, format_rate
+from ..config import RECIPE_KEYS, describe_recipe, format_duration, format_rate, normal_shard_chunk
 from ..trace import Trace, method_label
 
 __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value",
@@ -33,7 +33,8 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
 
     In a config written by ``mpigrad train`` (every key a RunConfig option, or ``retimed``),
     a key the trace lacks (written before the key existed) takes today's default, which keeps
-    the old behaviour when a key is added (``servers = 1``, ``shard_chunk = 0``): old and new
+    the old behaviour when a key is added (``servers = 1``; ``shard_chunk``, whose default
+    ``auto`` keeps whole layers with one server, as 0 does: ``config.normal_shard_chunk``): old and new
     traces of one config form one group, and a re-timed trace (``retimed = true``) a group of
     its own. Other configs (the TraceWriter API) are taken as written.
 
@@ -42,7 +43,7 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     plain SGD, also in traces written before optimizers existed, and in DDP's)."""
     defaults = {**_defaults(), RETIMED_KEY: False}
     if config and set(config) <= set(defaults) | _NESTED_KEYS | {NETWORK_KEY}:
-        config = {**defaults, **config}
+        config = normal_shard_chunk({**defaults, **config})
     if config and "lr" in config:
         config = {key: value for key, value in config.items() if key not in RECIPE_KEYS} | {
             RECIPE_KEY: describe_recipe(config)}
@@ -163,8 +164,13 @@ def common_clock(clocks: Sequence[str]) -> str:
 
 
 def labelled_config(trace: Trace) -> dict[str, Any]:
-    """What a run is labelled and grouped by: its config and its network (``NETWORK_KEY``)."""
-    return {**trace.config, NETWORK_KEY: trace.network}
+    """What a run is labelled and grouped by: its config and its network (``NETWORK_KEY``);
+    a lab run timed by the network model, not by its links, says so (``lab 20MB/s, timed by
+    the model``: its times are the model's, whatever the links' rate)."""
+    network = trace.network
+    if network != "host" and clock_name(trace.config) == SIMULATED:
+        network += ", timed by the model"
+    return {**trace.config, NETWORK_KEY: network}
 
 
 def run_labels(traces: Sequence[Trace]) -> list[str]:

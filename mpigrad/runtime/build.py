@@ -17,11 +17,12 @@ from ..models import build_model
 from ..optim import LearningRate, UpdateRule
 from .checks import base_codec, broadcast_codec, check_device
 from .compressor import GradientCompressor
-from .layout import Layout, Shard, pieces_of, plan_shards
+from .layout import Chunks, Layout, Shard, pieces_of, plan_shards, resolve_chunks
 from .replica import Replica
 
 __all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "bind_rank_device", "base_codec", "broadcast_codec", "load_data", "release_data",
-           "build_config_model", "forward_context", "build_replica", "build_shards", "build_compressor"]
+           "build_config_model", "forward_context", "build_replica", "shard_chunks", "build_shards",
+           "build_factor_shards", "build_compressor"]
 
 #: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
 SERVER_STREAM = 0
@@ -96,13 +97,15 @@ def forward_context(config: RunConfig, device: torch.device):
     return contextlib.nullcontext()
 
 
-def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = None) -> Replica:
+def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = None, servers: int = 1) -> Replica:
     """The run's replica; with ``workers`` (a rank that applies updates) its update rule:
-    the run's optimizer over the layout's pieces, at the schedule's rates."""
+    the run's optimizer over the layout's pieces (those of ``servers`` servers), at the
+    schedule's rates."""
     replica = Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device),
                       base_codec(config))
     if workers is not None:
-        pieces = [(piece.offset, piece.size) for piece in pieces_of(replica.layout, config.shard_chunk)]
+        cut = shard_chunks(config, replica.layout, servers)
+        pieces = [(piece.offset, piece.size) for piece in pieces_of(replica.layout, cut)]
         rule = UpdateRule(config.optimizer, config.update_options, pieces, replica.flat, config.lr)
         rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup,
                             config.lr_scaling, workers)
@@ -110,10 +113,25 @@ def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = Non
     return replica
 
 
+def shard_chunks(config: RunConfig, layout: Layout, servers: int) -> Chunks:
+    """How the run cuts its layout into pieces with ``servers`` servers (``--shard-chunk``;
+    auto keeps whole layers for a plugin optimizer, which gets each piece as a layer)."""
+    from ..plugins import is_plugin
+
+    return resolve_chunks(config.shard_chunk, layout, servers, whole_layers=is_plugin(config.optimizer))
+
+
 def build_shards(config: RunConfig, layout: Layout, codec: Codec, shards: int) -> tuple[Shard, ...]:
-    """The run's ``shards`` shards (``Channel.servers``), balanced by the bytes each piece
-    takes at the initial bits."""
-    return plan_shards(layout, shards, piece_bytes(codec), config.shard_chunk)
+    """The run's ``shards`` shards (``Channel.servers``): its pieces (``shard_chunks``)
+    dealt as ``plan_shards`` says, by the bytes each takes at the initial bits."""
+    return plan_shards(layout, shards, piece_bytes(codec), shard_chunks(config, layout, shards))
+
+
+def build_factor_shards(config: RunConfig, layout: Layout, codec: Codec, shards: int) -> tuple[Shard, ...]:
+    """A two-round (low-rank) codec's layer shards: whole layers, whatever ``--shard-chunk``
+    says (the factors of a matrix go to one server), dealt by bytes as ``plan_shards`` says.
+    ``build_shards``' pieces carry its float32 iterations before ``start``."""
+    return plan_shards(layout, shards, piece_bytes(codec), 0)
 
 
 def piece_bytes(codec: Codec):
@@ -121,26 +139,33 @@ def piece_bytes(codec: Codec):
     return lambda piece: codec.max_encoded_size(piece.size) if piece.quantized else 4 * piece.size
 
 
-def build_compressor(config: RunConfig, layout: Layout, codec: Codec, stream: int) -> GradientCompressor:
-    """A compressor over the run's pieces; ``stream`` is SERVER_STREAM or the worker's number."""
-    pieces = pieces_of(layout, config.shard_chunk)
+def piece_seeds(config: RunConfig, pieces: list, stream: int) -> dict[int, int]:
+    """Each quantized piece's RNG seed on ``stream``: (seed, stream, layer), and the chunk's
+    number k > 0 for a layer's later chunks."""
     seeds, chunk = {}, {}
     for piece in pieces:
         if piece.quantized:
             k = chunk[piece.layer] = chunk.get(piece.layer, -1) + 1
-            parts = (config.seed, stream, piece.layer) + ((k,) if k else ())
-            seeds[piece.index] = derive_seed(*parts)
+            seeds[piece.index] = derive_seed(*((config.seed, stream, piece.layer) + ((k,) if k else ())))
+    return seeds
+
+
+def build_compressor(config: RunConfig, layout: Layout, codec: Codec, stream: int,
+                     servers: int) -> GradientCompressor:
+    """A compressor over the run's pieces with ``servers`` servers; ``stream`` is
+    SERVER_STREAM or the worker's number."""
+    pieces = pieces_of(layout, shard_chunks(config, layout, servers))
     feedback = ErrorFeedback(mode=config.error_feedback) if config.error_feedback != "none" else None
-    return GradientCompressor(pieces, codec, seeds, feedback)
+    return GradientCompressor(pieces, codec, piece_seeds(config, pieces, stream), feedback)
 
 
-def build_broadcast_compressor(config: RunConfig, layout: Layout, codec: Codec,
-                               compressor: GradientCompressor) -> GradientCompressor:
+def build_broadcast_compressor(config: RunConfig, codec: Codec, compressor: GradientCompressor) -> GradientCompressor:
     """The compressor of the servers' broadcast (``--broadcast-codec``): ``compressor`` (built
-    for the workers' ``codec``) when the broadcast uses that codec, else one of its own on
-    stream SERVER_STREAM. Servers re-encode the average with it, every rank decodes the
-    broadcast with it; a server's checkpoint holds its state."""
+    for the workers' ``codec``) when the broadcast uses that codec, else one of its own over
+    the same pieces on stream SERVER_STREAM. Servers re-encode the average with it, every
+    rank decodes the broadcast with it; a server's checkpoint holds its state."""
     down = broadcast_codec(config)[0]
     if down.get_config() == codec.get_config():
         return compressor
-    return build_compressor(config, layout, down, SERVER_STREAM)
+    feedback = ErrorFeedback(mode=config.error_feedback) if config.error_feedback != "none" else None
+    return GradientCompressor(compressor.pieces, down, piece_seeds(config, compressor.pieces, SERVER_STREAM), feedback)

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..config import normal_shard_chunk
 from ..errors import UsageError
 
 FORMAT = 2
@@ -52,7 +53,7 @@ ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none", "control": "pape
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    kept = {k: v for k, v in config.items()
+    kept = {k: v for k, v in normal_shard_chunk(config).items()
             if k not in MAY_CHANGE and not (k in ADDED_AT_DEFAULT and v == ADDED_AT_DEFAULT[k])}
     return {"config": kept, "world_size": world_size}
 

@@ -8,7 +8,7 @@ Checks that need the world size, the data or the model are in ``session.check_la
 from __future__ import annotations
 
 from ..codecs import Codec, CodecError, get_codec
-from ..config import RunConfig
+from ..config import AUTO_CHUNK, RunConfig
 from ..costmodel import CostModel, CostModelError, resolve
 from ..errors import UsageError
 from ..policies import PolicyError, bits_option, get_policy, policy_class, policy_options
@@ -93,8 +93,6 @@ def check_two_rounds(config: RunConfig, codec: Codec) -> None:
     if config.broadcast_codec not in ("paper", "same"):
         raise UsageError(f"{name}: the server broadcasts the averaged factors as they are; "
                          "drop --broadcast-codec")
-    if config.shard_chunk:
-        raise UsageError(f"{name} compresses whole matrices: drop --shard-chunk")
     if config.pipeline:
         raise UsageError(f"{name} runs two rounds in the sequential order: drop --pipeline")
     if config.min_quantize_size is not None:
@@ -174,7 +172,7 @@ def check_recipe(config: RunConfig) -> None:
               config.lr_warmup, config.lr_scaling)
     except OptimizerError as exc:
         raise UsageError(str(exc)) from None
-    if is_plugin(config.optimizer) and config.shard_chunk:
+    if is_plugin(config.optimizer) and config.shard_chunk not in (0, AUTO_CHUNK):
         raise UsageError(f"--optimizer {config.optimizer}: a plugin optimizer gets each piece of the layout, and "
                          "--shard-chunk cuts layers into pieces, which an optimizer that needs whole layers "
                          "cannot take: drop --shard-chunk")

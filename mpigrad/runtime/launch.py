@@ -120,10 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--control", choices=["ahead", "paper"], help="when rank 0 sends an iteration's bits: ahead of "
                    "the workers' losses where the policy knows them in advance (default: fixed, schedule, mqgrad "
                    "between its steps), or paper: after every iteration's losses (MQGrad's round trip)")
-    g.add_argument("--shard-chunk", type=int, metavar="ELEMENTS", help="cut quantized layers larger than this "
+    g.add_argument("--shard-chunk", metavar="auto|ELEMENTS", help="cut quantized layers larger than ELEMENTS "
                    "into pieces quantized on their own, and the small layers' float32 piece likewise, so that S "
                    "servers can balance a model with few big layers (changes each quantized piece's min/max "
-                   "scaling; default 0: whole layers)")
+                   "scaling); 0: whole layers; default auto: whole layers with one server, else pieces that give "
+                   "every server an even share of the quantized and of the small layers (docs/runtime.rst, "
+                   "Sharding)")
     g = parser.add_argument_group("network model")
     g.add_argument("--bandwidth", metavar="RATE|SCHEDULE",
                    help="link bandwidth with its unit: bytes 10MB/s, 125MiB/s; bits 100Mbps, 1Gbit/s, 10Gb/s "

@@ -3,14 +3,22 @@
 The flat parameter buffer is laid out as [quantized layers in model order, then every small
 layer]. A *piece* is one codec buffer on the wire: a quantized layer, or the small layers
 together as float32 (with ``shard_chunk``, a chunk of either). A *shard* is the
-set of pieces one server aggregates; shards are balanced by bytes with whole pieces
-(layer-aligned unless ``shard_chunk`` cuts large layers, which changes the codec's min/max
-scaling because each chunk is quantized on its own).
+set of pieces one server aggregates; shards are balanced with whole pieces (layer-aligned
+unless ``shard_chunk`` cuts large layers, which changes the codec's min/max scaling because
+each chunk is quantized on its own).
+
+``shard_chunk = "auto"`` (the default) keeps whole layers with one server (the paper's
+layout: nothing to balance) and, with several, cuts the quantized layers and the small
+layers' piece each into pieces small enough that every server gets an even share of both
+(:func:`resolve_chunks`), so that no node carries much more than an even share whatever
+the widths (float32 warm-ups, fp32, 2 or 8 bits).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..config import AUTO_CHUNK
 
 
 @dataclass(frozen=True)
@@ -64,40 +72,106 @@ class Shard:
         return sum(p.size for p in self.pieces)
 
 
-def pieces_of(layout: Layout, chunk: int = 0) -> list[Piece]:
+#: ``shard_chunk``'s default: cut layers so that the servers' shares are even (resolve_chunks).
+AUTO = AUTO_CHUNK
+#: Auto: each class of piece (quantized, small layers) in about this many pieces per server.
+AUTO_PIECES_PER_SERVER = 8
+#: Auto: no piece cut smaller than this (a small model's layers stay whole), and chunks are
+#: multiples of 1024 elements.
+AUTO_MIN_CHUNK = 16384
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """How a layout is cut into pieces and the pieces dealt to servers: the quantized layers
+    into pieces of at most ``quantized`` elements and the small layers' piece into pieces of
+    at most ``rest`` (0: whole). ``by_class``: deal the quantized and the small layers'
+    pieces each evenly by elements (auto), so that the shares stay even at any width; else
+    by bytes at the initial bits, all pieces together (``--shard-chunk N``, layers whole)."""
+
+    quantized: int = 0
+    rest: int = 0
+    by_class: bool = False
+
+    def describe(self) -> str:
+        """The cut in words, for the start-up line and the trace."""
+        if not self.quantized and not self.rest:
+            return "whole layers"
+        parts = [f"quantized layers in pieces of at most {self.quantized:,} elements" if self.quantized else
+                 "quantized layers whole",
+                 f"the small layers in pieces of at most {self.rest:,}" if self.rest else "the small layers whole"]
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"quantized": self.quantized, "rest": self.rest, "by_class": self.by_class}
+
+
+def resolve_chunks(setting: int | str, layout: Layout, servers: int, whole_layers: bool = False) -> Chunks:
+    """The cut of ``shard_chunk = setting`` for ``servers`` servers. A number N cuts every
+    layer larger than N (0: none). ``auto``: whole layers with one server or with
+    ``whole_layers`` (an optimizer that needs them); else each class in about
+    ``AUTO_PIECES_PER_SERVER`` pieces per server, dealt by class (:class:`Chunks`)."""
+    if setting != AUTO:
+        return Chunks(int(setting), int(setting))
+    if servers <= 1 or whole_layers:
+        return Chunks()
+    quantized = sum(segment.size for segment in layout.quantized)
+    return Chunks(_auto_chunk(quantized, servers), _auto_chunk(layout.rest.size, servers), by_class=True)
+
+
+def _auto_chunk(elements: int, servers: int) -> int:
+    share = -(-elements // (AUTO_PIECES_PER_SERVER * servers))
+    return max(AUTO_MIN_CHUNK, -(-share // 1024) * 1024)
+
+
+def pieces_of(layout: Layout, chunk: int | Chunks = 0) -> list[Piece]:
     """The layout's pieces: each quantized layer, then the small layers as float32, each cut
-    into ``chunk``-element pieces when ``chunk`` > 0 and it is larger. Cutting the small
+    into pieces of at most ``chunk`` elements when ``chunk`` > 0 and it is larger (a
+    :class:`Chunks`: its own size for each class). Cutting the small
     layers changes no loss or parameter (float32 adds element by element, in rank order,
     wherever the elements sit; only a header per piece is added) but lets the servers share
     them: at 2 bits the small layers' float32 bytes outweigh a quantized shard's several
     times over."""
+    chunks = chunk if isinstance(chunk, Chunks) else Chunks(int(chunk), int(chunk))
     pieces: list[Piece] = []
     for layer, segment in [*enumerate(layout.quantized), (-1, layout.rest)]:
         if not segment.size:
             continue
-        step = chunk if chunk and segment.size > chunk else segment.size
+        size = chunks.quantized if layer >= 0 else chunks.rest
+        step = size if size and segment.size > size else segment.size
         for start in range(0, segment.size, step):
             pieces.append(Piece(len(pieces), layer, segment.offset + start, min(step, segment.size - start)))
     return pieces
 
 
-def plan_shards(layout: Layout, servers: int, piece_bytes, chunk: int = 0) -> tuple[Shard, ...]:
-    """Split the layout over ``servers`` shards, balanced by ``piece_bytes(piece)``.
+def plan_shards(layout: Layout, servers: int, piece_bytes, chunk: int | Chunks = 0) -> tuple[Shard, ...]:
+    """Split the layout over ``servers`` shards.
 
     Largest piece first onto the least-loaded server (ties: the lower server), then each
-    shard's pieces back in layout order. With one server, shard 0 holds every piece and
-    frames are laid out exactly as a single server's. A server may own no piece when there
-    are fewer pieces than servers; its frames are then empty of segments.
+    shard's pieces back in layout order. Loads are ``piece_bytes(piece)`` over all pieces;
+    with ``Chunks.by_class`` elements, the quantized pieces first, then the small layers'
+    onto the server with the fewest of them (ties: the fewest quantized elements). With one
+    server, shard 0 holds every piece and frames are laid out exactly as a single server's.
+    A server may own no piece when there are fewer pieces than servers; its frames are then
+    empty of segments.
     """
     pieces = pieces_of(layout, chunk)
     if servers == 1:
         return (Shard(0, tuple(pieces)),)
-    loads = [0] * servers
     owned: list[list[Piece]] = [[] for _ in range(servers)]
-    for piece in sorted(pieces, key=lambda p: (-piece_bytes(p), p.index)):
-        target = min(range(servers), key=lambda s: (loads[s], s))
-        owned[target].append(piece)
-        loads[target] += piece_bytes(piece)
+    if isinstance(chunk, Chunks) and chunk.by_class:
+        quantized, rest = [0] * servers, [0] * servers
+        for piece in sorted(pieces, key=lambda p: (not p.quantized, -p.size, p.index)):
+            loads, tie = (quantized, rest) if piece.quantized else (rest, quantized)
+            target = min(range(servers), key=lambda s: (loads[s], tie[s], s))
+            owned[target].append(piece)
+            loads[target] += piece.size
+    else:
+        loads = [0] * servers
+        for piece in sorted(pieces, key=lambda p: (-piece_bytes(p), p.index)):
+            target = min(range(servers), key=lambda s: (loads[s], s))
+            owned[target].append(piece)
+            loads[target] += piece_bytes(piece)
     return tuple(Shard(s, tuple(sorted(owned[s], key=lambda p: p.index))) for s in range(servers))
 
 

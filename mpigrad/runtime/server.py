@@ -26,7 +26,7 @@ from ..costmodel import CostModel, LocalWork
 from ..policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
 from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_replica, build_shards, load_data, release_data)
+                    build_factor_shards, build_replica, build_shards, load_data, shard_chunks, release_data)
 from .buffers import BufferSync, ParameterSync, sync_due
 from .checks import cost_model
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
@@ -231,15 +231,15 @@ class ShardServer(FollowerRole):
         layout = replica.layout
         self.n_layers = len(layout.quantized)
         shard = build_shards(config, layout, codec, channel.servers)[self.rank]
-        decoder = build_compressor(config, layout, codec, SERVER_STREAM)
-        self.compressor = build_broadcast_compressor(config, layout, codec, decoder)
+        decoder = build_compressor(config, layout, codec, SERVER_STREAM, channel.servers)
+        self.compressor = build_broadcast_compressor(config, codec, decoder)
         self.aggregator = ShardAggregator(config, channel, shard, decoder, self.compressor, layout.total,
                                           broadcast_codec(config)[1])
         #: PowerSGD (two-round codecs): this shard's factor aggregators, one per round.
         self.lowrank = None
         if codec.two_rounds:
             self.lowrank = LowRank(replica.model, layout, codec, config.seed, worker=False,
-                                   shards=build_shards(config, layout, codec, channel.servers))
+                                   shards=build_factor_shards(config, layout, codec, channel.servers))
             self.factor_aggregators = factor_aggregators(config, channel, self.lowrank, self.rank)
         #: Rank 0's policy observes the whole average: send it this shard's part (message 6)
         #: (PowerSGD's policies read the workers' setting errors instead, message 11).
@@ -336,7 +336,7 @@ class ParameterServer:
         self.workers = len(self.worker_ranks)
         dataset = load_data(config)
         self.data_description = dataset.describe()
-        self.replica = build_replica(config, dataset, self.workers)
+        self.replica = build_replica(config, dataset, self.workers, self.servers)
         # Rank 0 evaluates on the test split only: let the training split go (in-process
         # ranks build their own parts before rank 0 does).
         self.dataset = copy.copy(dataset)
@@ -347,6 +347,7 @@ class ParameterServer:
         self.n_layers = len(layout.quantized)
         self.policy = get_policy(config.policy_config(), n_layers=max(self.n_layers, 1), seed=config.seed)
         self.policy.setup_codec(self.codec)
+        self.chunks = shard_chunks(config, layout, self.servers)
         self.shards = build_shards(config, layout, self.codec, self.servers)
         self.colocated = channel.colocated
         #: Shards other ranks serve, and the rank serving each: with colocated servers every
@@ -357,8 +358,8 @@ class ParameterServer:
             self.compressor = self.aggregator = None
             self.average = np.zeros(layout.total, np.float32)
         else:
-            decoder = build_compressor(config, layout, self.codec, SERVER_STREAM)
-            self.compressor = build_broadcast_compressor(config, layout, self.codec, decoder)
+            decoder = build_compressor(config, layout, self.codec, SERVER_STREAM, self.servers)
+            self.compressor = build_broadcast_compressor(config, self.codec, decoder)
             self.aggregator = ShardAggregator(config, channel, self.shards[0], decoder, self.compressor,
                                               layout.total, broadcast_codec(config)[1])
             self.average = self.aggregator.grad_sum
@@ -366,7 +367,7 @@ class ParameterServer:
         self.lowrank = None
         if self.codec.two_rounds:  # colocated: for the frames' sizes only (the workers serve every shard)
             self.lowrank = lowrank = LowRank(self.replica.model, layout, self.codec, config.seed, worker=False,
-                                             shards=self.shards)
+                                             shards=build_factor_shards(config, layout, self.codec, self.servers))
             if self.aggregator is not None:
                 self.factor_aggregators = factor_aggregators(config, channel, lowrank, 0)
         # The other servers send their part of the average (message 6) when the policy
@@ -878,6 +879,11 @@ class ParameterServer:
                 "previous_average": torch.from_numpy(self.average.copy()) if keep_update else None,
                 "shard_plan": self.shard_plan(), "update": self.replica.update_state_dict()}
 
+    def shard_record(self) -> dict:
+        """The trace's record of the layout's cut and shards: the ``--shard-chunk`` setting,
+        the chunk sizes it resolved to, and each shard's pieces as (offset, size)."""
+        return {"setting": self.config.shard_chunk, **self.chunks.to_dict(), "pieces": self.shard_plan()}
+
     def shard_plan(self) -> list[list[tuple[int, int]]]:
         """Each shard's pieces as (offset, size): which server holds which piece's codec
         counters and error memory, so that a checkpoint is resumed onto the same plan."""
@@ -889,7 +895,7 @@ class ParameterServer:
         layers: refused where the small layers are cut now and servers hold state apart."""
         saved = state.get("shard_plan")
         if saved is None:
-            chunk, rest = self.config.shard_chunk, self.replica.layout.rest.size
+            chunk, rest = shard_chunks(self.config, self.replica.layout, self.servers).rest, self.replica.layout.rest.size
             if chunk and rest > chunk and self.servers > 1:
                 raise UsageError(f"--resume: this checkpoint was written by an mpigrad whose --shard-chunk {chunk} "
                                  f"kept the small layers ({rest} elements) whole, and this one cuts them, so the "

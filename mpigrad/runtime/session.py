@@ -218,7 +218,8 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
                           policy_columns=server.policy.record_columns(),
                           data_description=server.data_description, hosts=hosts, argv=argv,
                           resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
-                          settings=server.mixed, waits=getattr(channel, "waits", None))
+                          settings=server.mixed, waits=getattr(channel, "waits", None),
+                          shards=server.shard_record())
     describe_run(config, server, channel.size, log, warm_up_s)  # a resumed session's start-up lines too
     if changed:
         log(changed)
@@ -318,7 +319,7 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None)
         log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
             "workers after each evaluated iteration, before a checkpoint and at the end")
     if server.servers > 1:
-        log(shard_description(server.shards, server.codec, config.shard_chunk))
+        log(shard_description(server.shards, server.codec, server.chunks, config.shard_chunk))
     log(f"network: {network_description(config)}")
     from .checks import replaced_bits_note
     note = replaced_bits_note(config, server.codec)
@@ -371,18 +372,21 @@ def config_description(config) -> str:
     return " ".join(f"{k}={format_value(v, k)}" for k, v in sorted(config.to_dict().items()) if k not in _NETWORK_KEYS)
 
 
-def shard_description(shards, codec, shard_chunk: int) -> str:
-    """The shards' sizes at the initial bits and how far the largest is from an even split
-    (the busiest server's link sets the round's time)."""
+def shard_description(shards, codec, chunks, setting) -> str:
+    """The shards' sizes at the initial bits, how far the largest is from an even split (the
+    busiest server's link sets the round's time) and how the layers were cut (``chunks``,
+    a ``layout.Chunks``, from ``--shard-chunk setting``)."""
     from .build import piece_bytes
 
     size = piece_bytes(codec)
     loads = [sum(size(piece) for piece in shard.pieces) for shard in shards]
     even = sum(loads) / len(loads)
+    pieces = sum(len(shard.pieces) for shard in shards)
     text = (f"shards at the initial bits: {', '.join(f'{n / 1e6:.2f}' for n in loads)} MB; the largest "
-            f"{max(loads) / even:.2f}x an even split")
-    if max(loads) > 1.2 * even and not shard_chunk and not codec.two_rounds:  # powersgd refuses --shard-chunk
-        text += " (--shard-chunk N cuts layers larger than N elements into pieces the servers can share)"
+            f"{max(loads) / even:.2f}x an even split; {pieces} pieces, {chunks.describe()} (--shard-chunk {setting}"
+            + ("; the factors go by whole layers" if codec.two_rounds else "") + ")")
+    if max(loads) > 1.2 * even and not chunks.quantized:
+        text += "; --shard-chunk auto or N cuts layers into pieces the servers can share"
     return text
 
 

@@ -38,8 +38,9 @@ class RunTrace:
     @classmethod
     def open(cls, config, *, layout, workers: int, servers: int, policy_columns, data_description: str,
              hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None,
-             settings: bool = False, waits: dict | None = None) -> "RunTrace":
-        """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``)."""
+             settings: bool = False, waits: dict | None = None, shards: dict | None = None) -> "RunTrace":
+        """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``);
+        ``shards``: how the layout was cut and dealt (``ParameterServer.shard_record``)."""
         from ..optim import rate_moves
 
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings,
@@ -59,6 +60,7 @@ class RunTrace:
             "ranks": len(hosts),
             "workers": workers,
             "servers": servers,
+            "shards": shards or {},
             "seed": config.seed,
             "parameters": layout.total,
             "quantized_parameters": sum(s.size for s in layout.quantized),

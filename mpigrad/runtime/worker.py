@@ -21,7 +21,7 @@ from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_replica, build_shards, forward_context, load_data, release_data)
+                    build_factor_shards, build_replica, build_shards, forward_context, load_data, release_data)
 from .device import finite, on_device
 from .faults import Fault
 from .phaselog import PhaseLog
@@ -50,13 +50,13 @@ class Worker(FollowerRole):
         self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
         self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
         self.augmentation = build_augmentation(config.augment, config.augment_opts, dataset)
-        self.replica = build_replica(config, dataset, workers)
+        self.replica = build_replica(config, dataset, workers, self.servers)
         release_data()  # the shard is a copy: let the full dataset go
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec, self.servers)
-        compressor = build_compressor(config, self.replica.layout, codec, self.number)
+        compressor = build_compressor(config, self.replica.layout, codec, self.number, self.servers)
         # Decodes the servers' broadcast (a worker never encodes with it: no state to keep).
-        broadcast_decoder = build_broadcast_compressor(config, self.replica.layout, codec, compressor)
+        broadcast_decoder = build_broadcast_compressor(config, codec, compressor)
         # Where the codecs run: on the GPU when the replica is there and they have kernels.
         self.compressor, self.broadcast_decoder = on_device(self.replica, compressor, broadcast_decoder)
         #: DGC's momentum correction (--momentum-correction M): the codecs encode the velocity.
@@ -73,14 +73,15 @@ class Worker(FollowerRole):
         self.phase_log = PhaseLog.from_environment(self.rank, self.replica.device)  # MPIGRAD_PHASE_LOG
         #: PowerSGD's factors, error memory and Q (two-round codecs), else None.
         self.lowrank = (LowRank(self.replica.model, self.replica.layout, codec, config.seed, worker=True,
-                                shards=self.shards) if codec.two_rounds else None)
+                                shards=build_factor_shards(config, self.replica.layout, codec, self.servers))
+                        if codec.two_rounds else None)
         #: The shard this worker serves (colocated servers), else None.
         self.serves = self.server_ranks.index(self.rank) if channel.colocated else None
         if self.serves is not None:
             from .server import ShardAggregator
             layout = self.replica.layout
-            decoder = build_compressor(config, layout, codec, SERVER_STREAM)
-            server_compressor = build_broadcast_compressor(config, layout, codec, decoder)
+            decoder = build_compressor(config, layout, codec, SERVER_STREAM, self.servers)
+            server_compressor = build_broadcast_compressor(config, codec, decoder)
             on_host = decoder
             if self.replica.codecs_on_device:  # the same codecs as the worker's: the same path
                 decoder, server_compressor = on_device(self.replica, decoder, server_compressor)
