@@ -188,3 +188,42 @@ def test_what_a_frame_asks_of_the_host_is_counted():
     assert decoded.bytes_to_device == frame.size + status and decoded.bytes_to_host == status
     assert decoded.launches == decoded.sites["launch: numba"] == 2 * 3 + 1   # scales, blocks, tail; the rest 1
     assert "launches" in decoded.describe() and "to the device" in decoded.describe()
+
+
+def test_the_device_warm_up_launches_every_kernel_a_run_then_uses():
+    """``warmup.warm_up_device`` launches the run's codecs' kernels before iteration 0 (on a
+    GPU, where Numba compiles them); a compressor over a layout's pieces then launches none
+    that it missed, and ``late_device_kernels`` names one that it did."""
+    from mpigrad.codecs.device.counters import launched
+    from mpigrad.runtime import warmup
+
+    config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}
+    assert warmup.warm_up_device([get_codec(config), get_codec({"id": "fp32"})], DEVICE) > 0
+    _, device, shards = compressors(config, "residual")
+    out = torch.zeros(LAYOUT.total, dtype=torch.float32, device=DEVICE)
+    for shard in shards:
+        frame = device.encode(torch.from_numpy(gradient(0)).to(DEVICE), [2, 3], shard).copy()
+        device.decode(frame, shard, out, accumulate=True)
+    assert warmup.late_device_kernels() == []
+    launched(kernel="a_kernel_the_warm_up_missed")
+    assert warmup.late_device_kernels() == ["a_kernel_the_warm_up_missed"]
+
+
+def test_the_energies_of_a_shards_pieces_are_read_with_one_synchronisation():
+    """A shard cut into many pieces (``--shard-chunk auto``) reads its per-layer ||g||^2 with
+    one synchronisation on the device path, and gets the host path's floats."""
+    from types import SimpleNamespace
+
+    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.runtime.server import ShardAggregator
+
+    quantized = [p for p in pieces_of(LAYOUT, 1000) if p.quantized]
+    shard = SimpleNamespace(quantized=quantized)
+    g = gradient(3)
+    want = ShardAggregator.update_energies(shard, g, 2)
+    before = snapshot()
+    got = ShardAggregator.update_energies(shard, torch.from_numpy(g.copy()).to(DEVICE), 2)
+    spent = snapshot() - before
+    assert len(quantized) == 10 and spent.synchronizations == 1 and spent.launches == 11
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert all(value > 0 for value in got)

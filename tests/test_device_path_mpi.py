@@ -71,7 +71,12 @@ def test_the_device_path_trains_as_the_host_path_does(tmp_path, mpi_env, name, e
     where = "on the GPU" if ON_GPU else "in Numba's CUDA simulator"
     assert f"codecs: {where} (Numba CUDA kernels): gradients encoded and updates decoded in " \
         "device memory, the packed frames staged through pinned host memory" in result.stdout, result.stdout
-    _, host = run(tmp_path, mpi_env, name + "-host", *extra, device=False)
+    # every device kernel launched before iteration 0 (run_mpi fails on a rank's line naming
+    # one first launched during the run), on both workers
+    assert "device warm-up: every device kernel this run can use launched once on each of 2 worker(s) before " \
+        "iteration 0, in parallel" in result.stdout, result.stdout
+    host_result, host = run(tmp_path, mpi_env, name + "-host", *extra, device=False)
+    assert "device warm-up" not in host_result.stdout
     assert device.complete and len(device.steps) == 3
     assert_same_run(device, host)
 

@@ -168,16 +168,23 @@ class ShardAggregator:
         return self.update_energies(self.grad_sum, n_layers)
 
     def update_energies(self, update: np.ndarray, n_layers: int) -> list[float]:
-        """||Q(g)||^2 of this shard's part of each quantized layer, Q(g) the decoded broadcast."""
+        """||Q(g)||^2 of this shard's part of each quantized layer, Q(g) the decoded broadcast.
+        On the device path each piece's dot product stays on the device and all are read
+        with one synchronisation, however many pieces the shard has (the same floats)."""
         energies = [0.0] * n_layers
-        for piece in self.quantized:
-            u = update[piece.offset:piece.offset + piece.size]
-            if isinstance(u, torch.Tensor):
-                launched("torch")
-                synchronized("energy read")  # float() of a device value
-                energies[piece.layer] += float(torch.dot(u, u))
-            else:
-                energies[piece.layer] += float(np.dot(u, u))
+        if isinstance(update, torch.Tensor):
+            dots = [torch.dot(update[p.offset:p.offset + p.size], update[p.offset:p.offset + p.size])
+                    for p in self.quantized]
+            if not dots:
+                return energies
+            launched("torch", len(dots) + (len(dots) > 1))
+            synchronized("energy read")  # one read of the device values
+            values = (torch.stack(dots) if len(dots) > 1 else dots[0].reshape(1)).tolist()
+        else:
+            values = [float(np.dot(update[p.offset:p.offset + p.size], update[p.offset:p.offset + p.size]))
+                      for p in self.quantized]
+        for piece, value in zip(self.quantized, values):
+            energies[piece.layer] += value
         return energies
 
     def pack_average(self) -> np.ndarray:

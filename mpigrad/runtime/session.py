@@ -24,7 +24,7 @@ from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, broadcast_codec, load_data
 from .environment import check_world_size
 from .stopping import StopFlag
-from .warmup import KernelWatch, run_codecs, warm_up
+from .warmup import KernelWatch, late_device_kernels, run_codecs, warm_up
 from .wire import PeerTimeout
 
 if TYPE_CHECKING:
@@ -171,6 +171,11 @@ def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = No
             print(f"mpigrad: rank {rank} compiled {len(late)} Numba kernel(s) during the run, their time inside "
                   f"its iterations' t_encode/t_decode (the warm-up missed them): {', '.join(late)}",
                   file=sys.stderr, flush=True)
+        late = late_device_kernels()
+        if late:
+            print(f"mpigrad: rank {rank} first launched {len(late)} device Numba kernel(s) during the run, compiled "
+                  f"inside its iterations on a GPU (the device warm-up missed them): {', '.join(late)}",
+                  file=sys.stderr, flush=True)
 
 
 def _run_role(config, comm: MPI.Comm, argv: list[str], started: float | None, compiled_s: float) -> int:
@@ -212,7 +217,9 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
     # Another network than the trace's was refused in check_launch unless --force: say so.
     changed = network.resume_change(config.trace, network.current(), force=True) if config.resume else None
     # Every rank has built its part once this gather returns: no timeout runs before.
-    hosts = channel.gather_object(socket.gethostname())
+    gathered = channel.gather_object((socket.gethostname(), None))
+    hosts = [host for host, _ in gathered]
+    device_warm_ups = [seconds for _, seconds in gathered if seconds is not None]
     channel.bcast_object(start)
     trace = RunTrace.open(config, layout=server.replica.layout, workers=server.workers, servers=server.servers,
                           policy_columns=server.policy.record_columns(),
@@ -220,7 +227,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
                           resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
                           settings=server.mixed, waits=getattr(channel, "waits", None),
                           shards=server.shard_record())
-    describe_run(config, server, channel.size, log, warm_up_s)  # a resumed session's start-up lines too
+    describe_run(config, server, channel.size, log, warm_up_s, device_warm_ups)  # a resumed session's too
     if changed:
         log(changed)
 
@@ -289,7 +296,7 @@ def run_other_rank(config, channel) -> int:
             role = Worker(config, channel)
             if config.resume:
                 role.load_state_dict(*channel.scatter_object(None))
-        channel.gather_object(socket.gethostname())
+        channel.gather_object((socket.gethostname(), getattr(role, "device_warm_up_s", None)))
         start = channel.bcast_object(None)
 
         def send_state() -> None:
@@ -305,7 +312,9 @@ def run_other_rank(config, channel) -> int:
         raise RankFailure(exc, channel, role.iteration if role is not None else -1) from exc
 
 
-def describe_run(config, server, size: int, log, warm_up_s: float | None = None) -> None:
+def describe_run(config, server, size: int, log, warm_up_s: float | None = None,
+                 device_warm_ups: list[float] = ()) -> None:
+    """rank 0's start-up lines; ``device_warm_ups``: the workers' device warm-ups, seconds."""
     layout = server.replica.layout
     quantized = sum(s.size for s in layout.quantized)
     if server.colocated:
@@ -343,6 +352,9 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None)
     if warm_up_s is not None:
         log(f"warm-up: every codec this run can use compiled or loaded from Numba's cache before iteration 0, "
             f"in {warm_up_s:.1f} s on rank 0")
+    if device_warm_ups:
+        log(f"device warm-up: every device kernel this run can use launched once on each of "
+            f"{len(device_warm_ups)} worker(s) before iteration 0, in parallel, {max(device_warm_ups):.1f} s at most")
     log("config: " + config_description(config))
 
 

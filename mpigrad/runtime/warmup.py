@@ -20,7 +20,7 @@ import numpy as np
 from ..codecs import Codec, get_codec
 from .checks import base_codec, broadcast_codec
 
-__all__ = ["warm_up", "run_codecs", "KernelWatch", "kernel_signatures"]
+__all__ = ["warm_up", "warm_up_device", "run_codecs", "KernelWatch", "kernel_signatures", "late_device_kernels"]
 
 #: Sizes the warm-up encodes: a short tail and more than one 4096-element block, so that the
 #: Python paths to both kernels' shapes run (Numba compiles per signature, not per size).
@@ -60,6 +60,55 @@ def warm_up(config, codecs: list[Codec] | None = None) -> float:
             codec.decode(buf, out)
             codec.decode(buf, out, accumulate=True)
     return time.perf_counter() - began
+
+
+#: The device kernels launched by this process's device warm-up (None: it ran none).
+_device_warmed: frozenset[str] | None = None
+
+
+def warm_up_device(codecs: list[Codec], device) -> float:
+    """Launch every device kernel of ``codecs`` (those with device twins, ``DEVICE_CODECS``)
+    on ``device`` before the first iteration: encode, decode and decode-add of a short array
+    and of one longer than a chunk (under the simulator, where nothing compiles and a
+    simulated thread is slow, the short one only: it launches every kernel too), the calls
+    the device path makes, so that Numba compiles them (or loads them
+    from its cache) here and not inside an iteration. Each worker runs its own, in parallel
+    (each on its GPU); returns the seconds it took. :func:`late_device_kernels` then names
+    any kernel first launched after it."""
+    global _device_warmed
+    import torch
+
+    from ..codecs.device import device_codec, host_only, load_cuda
+    from ..codecs.device.counters import kernels_launched
+    from ..codecs.device.kernels import CHUNK, SIMULATOR
+    from .device import device_view, synchronize
+
+    began = time.perf_counter()
+    cuda = load_cuda()
+    for codec in codecs:
+        if host_only(codec):
+            continue
+        twin = device_codec(codec)
+        for n in (37, CHUNK + 37)[:1 if SIMULATOR else 2]:  # a tail; more than one chunk (on a GPU)
+            x = torch.linspace(-1.0, 1.0, n, dtype=torch.float32, device=device)
+            frame = torch.empty(twin.max_encoded_size(n), dtype=torch.uint8, device=device)
+            length = twin.encode(device_view(cuda, x), device_view(cuda, frame))
+            host = frame[:length].cpu().numpy()
+            out = torch.zeros(n, dtype=torch.float32, device=device)
+            twin.decode(host, device_view(cuda, out))
+            twin.decode(host, device_view(cuda, out), accumulate=True)
+    synchronize(device)
+    _device_warmed = kernels_launched()
+    return time.perf_counter() - began
+
+
+def late_device_kernels() -> list[str]:
+    """The device kernels first launched after :func:`warm_up_device` (empty where it did not run)."""
+    from ..codecs.device.counters import kernels_launched
+
+    if _device_warmed is None:
+        return []
+    return sorted(kernels_launched() - _device_warmed)
 
 
 def kernel_signatures() -> dict[str, frozenset]:

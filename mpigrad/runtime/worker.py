@@ -59,6 +59,12 @@ class Worker(FollowerRole):
         broadcast_decoder = build_broadcast_compressor(config, codec, compressor)
         # Where the codecs run: on the GPU when the replica is there and they have kernels.
         self.compressor, self.broadcast_decoder = on_device(self.replica, compressor, broadcast_decoder)
+        #: The seconds the device warm-up took (None on the host path): every device kernel the
+        #: run can use launched once here, so that none compiles inside an iteration.
+        self.device_warm_up_s = None
+        if self.replica.codecs_on_device:
+            from .warmup import run_codecs, warm_up_device
+            self.device_warm_up_s = warm_up_device(run_codecs(config), self.replica.device)
         #: DGC's momentum correction (--momentum-correction M): the codecs encode the velocity.
         self.momentum = MomentumCorrection(config.momentum_correction) if config.momentum_correction else None
         self.buffer_sync = BufferSync(self.replica.model, channel)

@@ -58,7 +58,7 @@ class DeviceCodec(ABC):
         self._launch_grid(kernel, k.blocks(threads), *args)
 
     def _launch_grid(self, kernel, grid: int, *args) -> None:
-        launched()
+        launched(kernel=kernel.py_func.__name__)
         kernel[grid, k.THREADS, self.stream](*args)
 
     def _array(self, name: str, size: int, dtype):

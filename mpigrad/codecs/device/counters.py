@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["DeviceCounts", "launched", "synchronized", "copied", "snapshot"]
+__all__ = ["DeviceCounts", "launched", "synchronized", "copied", "snapshot", "kernels_launched"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,21 @@ def _bytes(n: int) -> str:
 _sites: Counter = Counter()
 _to_device = 0
 _to_host = 0
+_kernels: set[str] = set()
 
 
-def launched(where: str = "numba", count: int = 1) -> None:
-    """``count`` kernel launches (``where``: "numba", or "torch" for a torch operation)."""
+def launched(where: str = "numba", count: int = 1, kernel: str | None = None) -> None:
+    """``count`` kernel launches (``where``: "numba", or "torch" for a torch operation);
+    ``kernel``: the Numba kernel's name, kept in :func:`kernels_launched`."""
     _sites[f"launch: {where}"] += count
+    if kernel is not None:
+        _kernels.add(kernel)
+
+
+def kernels_launched() -> frozenset[str]:
+    """The Numba kernels this process has launched so far, by name: a kernel first launched
+    after the warm-up is compiled (or loaded from the cache) inside an iteration."""
+    return frozenset(_kernels)
 
 
 def synchronized(where: str) -> None:
