@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -337,3 +338,63 @@ def test_a_bad_thread_count_is_refused_in_one_line_before_mpi_starts():
     done = subprocess.run([sys.executable, "-c", "import mpigrad.codecs.device.kernels"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "threads per block must be" in done.stderr.strip().splitlines()[-1]
+
+
+def launch_types(args) -> list:
+    """The numba types of a launch's arguments as the runtime passes them (device arrays
+    C-contiguous), in a form tests/device_ptx.py reads."""
+    specs = []
+    for a in args:
+        if hasattr(a, "dtype") and getattr(a, "ndim", 0) >= 1:
+            specs.append(["array", str(a.dtype), a.ndim])
+        elif isinstance(a, (bool, np.bool_)):
+            specs.append("boolean")
+        elif isinstance(a, (int, float)):
+            specs.append("int64" if isinstance(a, int) else "float64")
+        else:
+            specs.append(str(np.asarray(a).dtype))
+    return specs
+
+
+@pytest.mark.slow  # a subprocess compiling 34 kernels, about 15 s: not in the quick tier
+@pytest.mark.skipif(not all(__import__("importlib").util.find_spec(f"nvidia.{lib}") for lib in ("cuda_nvcc", "cuda_nvrtc")),
+                    reason="needs the nvidia-cuda-nvcc-cu12 and nvidia-cuda-nvrtc-cu12 wheels (NVVM): pip install "
+                           "nvidia-cuda-nvcc-cu12 nvidia-cuda-nvrtc-cu12")
+def test_every_device_kernel_compiles_to_ptx_for_ampere_and_hopper_without_float32_fma(tmp_path, monkeypatch):
+    """Every kernel each device codec launches (recorded under the simulator with the
+    argument types the runtime passes) compiles to PTX for sm_80 and sm_90 with numba-cuda's
+    NVVM, no GPU needed; and none contains a float32 fused multiply-add, which would round
+    once where the host's float32 rounds twice and break the promised bytes."""
+    import json
+    import subprocess
+
+    from mpigrad.codecs.device import codecs as device_codecs
+    from mpigrad.runtime.warmup import warm_up_device
+
+    launches = set()
+    launch = device_codecs.DeviceCodec._launch_grid
+
+    def recording(self, kernel, grid, *args):
+        launches.add(json.dumps([kernel.py_func.__name__, launch_types(args)]))
+        return launch(self, kernel, grid, *args)
+
+    monkeypatch.setattr(device_codecs.DeviceCodec, "_launch_grid", recording)
+    import torch
+
+    warm_up_device([get_codec(c) for c in CONFIGS + SIGN_CONFIGS + SCALED_CONFIGS], torch.device("cpu"))
+    names = {json.loads(item)[0] for item in launches}
+    from mpigrad.codecs.device import kernels
+    every = {name for name, value in vars(kernels).items() if type(value).__name__ == "FakeCUDAKernel"
+             and not value._device}  # the global kernels (the simulator's stand-ins)
+    assert names == every and len(every) == 17, every - names
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps([json.loads(item) for item in sorted(launches)]))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("device_ptx.py")), str(path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = json.loads(done.stdout.splitlines()[-1])
+    assert len(compiled) == 2 * len(launches)
+    assert all(entry["bytes"] > 0 for entry in compiled.values())
+    fused = {key: entry["fma_f32"] for key, entry in compiled.items() if entry["fma_f32"]}
+    assert not fused, fused
