@@ -90,7 +90,6 @@ class RunConfig:
     #: elements (0: never); "auto": whole layers with one server, else even shares
     #: (runtime/layout.py resolve_chunks).
     shard_chunk: int | str = "auto"
-
     error_feedback: str = "none"
     #: DGC's momentum correction: each worker's codec encodes its velocity u <- m u + g
     #: instead of g (mpigrad/feedback.py MomentumCorrection); 0: off. The update is then
@@ -662,6 +661,8 @@ def parse_interval(text: Any) -> int | str:
 
 
 COLOCATED = "colocated"
+#: ``shard_chunk``'s default (runtime/layout.py resolve_chunks).
+AUTO_CHUNK = "auto"
 
 
 def parse_servers(value: Any) -> int | str:
@@ -687,10 +688,6 @@ def parse_shard_chunk(value: Any) -> int | str:
     return value
 
 
-#: ``shard_chunk``'s default (runtime/layout.py AUTO).
-AUTO_CHUNK = "auto"
-
-
 def normal_shard_chunk(config: dict[str, Any]) -> dict[str, Any]:
     """A config dict whose ``shard_chunk`` says what it does: with one server (``servers``
     absent or 1), 0 and ``auto`` both keep whole layers, so 0 (written before auto became
@@ -699,8 +696,9 @@ def normal_shard_chunk(config: dict[str, Any]) -> dict[str, Any]:
         return {**config, "shard_chunk": AUTO_CHUNK}
     return config
 
-_CONVERTERS = {"servers": parse_servers, "shard_chunk": parse_shard_chunk, "bandwidth": parse_bandwidth, "latency": parse_latency,
-               "link_bandwidth": parse_link_bandwidth, "compute_time": parse_duration,
+
+_CONVERTERS = {"servers": parse_servers, "shard_chunk": parse_shard_chunk, "bandwidth": parse_bandwidth,
+               "latency": parse_latency, "link_bandwidth": parse_link_bandwidth, "compute_time": parse_duration,
                "walltime": parse_duration, "timeout": parse_duration, "checkpoint_every": parse_interval}
 
 

@@ -154,7 +154,10 @@ def build_compressor(config: RunConfig, layout: Layout, codec: Codec, stream: in
                      servers: int) -> GradientCompressor:
     """A compressor over the run's pieces with ``servers`` servers; ``stream`` is
     SERVER_STREAM or the worker's number."""
-    pieces = pieces_of(layout, shard_chunks(config, layout, servers))
+    return _compressor(config, pieces_of(layout, shard_chunks(config, layout, servers)), codec, stream)
+
+
+def _compressor(config: RunConfig, pieces: list, codec: Codec, stream: int) -> GradientCompressor:
     feedback = ErrorFeedback(mode=config.error_feedback) if config.error_feedback != "none" else None
     return GradientCompressor(pieces, codec, piece_seeds(config, pieces, stream), feedback)
 
@@ -167,5 +170,4 @@ def build_broadcast_compressor(config: RunConfig, codec: Codec, compressor: Grad
     down = broadcast_codec(config)[0]
     if down.get_config() == codec.get_config():
         return compressor
-    feedback = ErrorFeedback(mode=config.error_feedback) if config.error_feedback != "none" else None
-    return GradientCompressor(compressor.pieces, down, piece_seeds(config, compressor.pieces, SERVER_STREAM), feedback)
+    return _compressor(config, compressor.pieces, down, SERVER_STREAM)

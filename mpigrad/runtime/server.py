@@ -172,17 +172,16 @@ class ShardAggregator:
         On the device path each piece's dot product stays on the device and all are read
         with one synchronisation, however many pieces the shard has (the same floats)."""
         energies = [0.0] * n_layers
+        parts = [update[p.offset:p.offset + p.size] for p in self.quantized]
+        if not parts:
+            return energies
         if isinstance(update, torch.Tensor):
-            dots = [torch.dot(update[p.offset:p.offset + p.size], update[p.offset:p.offset + p.size])
-                    for p in self.quantized]
-            if not dots:
-                return energies
+            dots = [torch.dot(u, u) for u in parts]
             launched("torch", len(dots) + (len(dots) > 1))
             synchronized("energy read")  # one read of the device values
             values = (torch.stack(dots) if len(dots) > 1 else dots[0].reshape(1)).tolist()
         else:
-            values = [float(np.dot(update[p.offset:p.offset + p.size], update[p.offset:p.offset + p.size]))
-                      for p in self.quantized]
+            values = [float(np.dot(u, u)) for u in parts]
         for piece, value in zip(self.quantized, values):
             energies[piece.layer] += value
         return energies
