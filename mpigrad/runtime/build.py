@@ -21,7 +21,7 @@ from .layout import Chunks, Layout, Shard, pieces_of, plan_shards, resolve_chunk
 from .replica import Replica
 
 __all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "bind_rank_device", "base_codec", "broadcast_codec", "load_data", "release_data",
-           "build_config_model", "forward_context", "build_replica", "shard_chunks", "build_shards",
+           "build_config_model", "forward_context", "build_replica", "script_replica", "shard_chunks", "build_shards",
            "build_factor_shards", "build_compressor"]
 
 #: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
@@ -111,6 +111,14 @@ def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = Non
                             config.lr_scaling, workers)
         replica.use_update_rule(rule, rate)
     return replica
+
+
+def script_replica(config: RunConfig, model: torch.nn.Module) -> Replica:
+    """The replica around a script's own ``model`` (:class:`mpigrad.Session`), where it is (its
+    parameters' device): no update rule, the script's optimizer applies the update."""
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    return Replica(model, config.min_quantize_size, device, base_codec(config))
 
 
 def shard_chunks(config: RunConfig, layout: Layout, servers: int) -> Chunks:

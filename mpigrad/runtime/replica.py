@@ -62,6 +62,8 @@ class Replica:
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             segments.append(Segment(name, offset, n))
             offset += n
+        #: Each trainable parameter's gradient view of ``flat_grad``, in the model's order.
+        self.grad_views = [p.grad for _, p in params]
         n_big = len(big)
         rest_offset = segments[n_big].offset if n_big < len(segments) else total
         self.layout = Layout(tuple(segments[:n_big]), Segment("small layers", rest_offset, total - rest_offset), total)
@@ -133,6 +135,18 @@ class Replica:
             return
         end = self.flat.numel() if size is None else offset + size
         self._apply(self.update_device, lr, offset, end)
+
+    def update_to_gradient(self) -> None:
+        """Put the decoded update where each parameter's ``.grad`` is (``flat_grad``), for an
+        optimizer that is not the replica's (a script's, :class:`mpigrad.Session`). On the CPU
+        the codecs decode into that buffer already; a GPU replica's update is copied."""
+        if self.codecs_on_device:
+            if self.update_device is not self.flat_grad:
+                launched("torch")  # the copy
+                self.flat_grad.copy_(self.update_device)
+        elif self._device_update is not None:
+            copied("to_device", 4 * self.flat.numel())
+            self.flat_grad.copy_(torch.from_numpy(self.update_host), non_blocking=True)
 
     def _apply(self, update: torch.Tensor, lr: float, offset: int, end: int) -> None:
         if self.codecs_on_device:

@@ -26,7 +26,8 @@ from ..costmodel import CostModel, LocalWork
 from ..policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
 from . import checkpoint
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_factor_shards, build_replica, build_shards, load_data, shard_chunks, release_data)
+                    build_factor_shards, build_replica, build_shards, load_data, shard_chunks, release_data,
+                    script_replica)
 from .buffers import BufferSync, ParameterSync, sync_due
 from .checks import cost_model
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
@@ -228,11 +229,15 @@ def _stalled(m: int):
 class ShardServer(FollowerRole):
     """Rank s in 1..S-1: the server of shard s."""
 
-    def __init__(self, config: RunConfig, channel: Channel):
+    def __init__(self, config: RunConfig, channel: Channel, model: torch.nn.Module | None = None):
+        """``model``: a script's (:class:`mpigrad.Session`), else the config's is built."""
         self.config, self.channel = config, channel
         self.rank = channel.rank
-        replica = build_replica(config, load_data(config))
-        release_data()  # only the model's shape was needed
+        if model is not None:
+            replica = script_replica(config, model)
+        else:
+            replica = build_replica(config, load_data(config))
+            release_data()  # only the model's shape was needed
         codec = base_codec(config)
         layout = replica.layout
         self.n_layers = len(layout.quantized)
@@ -335,19 +340,30 @@ class ShardServer(FollowerRole):
 class ParameterServer:
     """Rank 0: drives the iterations (losses in, bits out) and serves shard 0."""
 
-    def __init__(self, config: RunConfig, channel: Channel, stop: StopFlag, log=print):
+    def __init__(self, config: RunConfig, channel: Channel, stop: StopFlag, log=print,
+                 model: torch.nn.Module | None = None):
+        """``model``: a script's (:class:`mpigrad.Session`): its loop owns the data, the
+        optimizer and the evaluation, so rank 0 applies no update and evaluates nothing (its
+        replica gives the layout; colocated, it takes the workers' parameters when due)."""
         self.config, self.channel, self.stop, self.log = config, channel, stop, log
         self.servers = channel.servers
         self.worker_ranks = channel.workers
         self.workers = len(self.worker_ranks)
-        dataset = load_data(config)
-        self.data_description = dataset.describe()
-        self.replica = build_replica(config, dataset, self.workers, self.servers)
-        # Rank 0 evaluates on the test split only: let the training split go (in-process
-        # ranks build their own parts before rank 0 does).
-        self.dataset = copy.copy(dataset)
-        self.dataset.train_x, self.dataset.train_y = dataset.train_x[:0], dataset.train_y[:0]
-        release_data()
+        #: Whether a script's loop trains (``model`` given): the workers' optimizer is not known here.
+        self.script = model is not None
+        if self.script:
+            self.data_description = "the script's data"
+            self.replica = script_replica(config, model)
+            self.dataset = None
+        else:
+            dataset = load_data(config)
+            self.data_description = dataset.describe()
+            self.replica = build_replica(config, dataset, self.workers, self.servers)
+            # Rank 0 evaluates on the test split only: let the training split go (in-process
+            # ranks build their own parts before rank 0 does).
+            self.dataset = copy.copy(dataset)
+            self.dataset.train_x, self.dataset.train_y = dataset.train_x[:0], dataset.train_y[:0]
+            release_data()
         self.codec = base_codec(config)
         layout = self.replica.layout
         self.n_layers = len(layout.quantized)
@@ -458,6 +474,10 @@ class ParameterServer:
             if not report.finite:
                 raise TrainingError(f"worker rank {rank} computed a non-finite loss ({report.loss}) "
                                     f"at iteration {m}; lower --lr or check the data")
+        if self.script and m == 0 and self.workers > 1 and len({r.loss for r in reports}) == 1:
+            self.log(f"mpigrad: warning: the {self.workers} workers' losses at iteration 0 are equal to the last "
+                     "bit: do they read the same batches? Give each its own part of the data, e.g. "
+                     "DistributedSampler(dataset, num_replicas=session.workers, rank=session.worker_index)")
         self.it["reports"] = reports
         self.it["checksums"] = self._check_replicas(m, reports)
         self.it["loss"] = float(np.mean([r.loss for r in reports]))
@@ -656,7 +676,8 @@ class ParameterServer:
     def end(self, m: int) -> IterationRecord:
         it, P = self.it, self.workers
         if not self.colocated:
-            self.replica.apply_update(self.update, self.lr)
+            if not self.script:  # a script's optimizer is the workers' alone
+                self.replica.apply_update(self.update, self.lr)
         elif sync_due(self.config, m, self.command):  # the parameters, where rank 0 reads them
             self.clock.clocks.pause()
             self.parameter_sync.run(m)
@@ -701,7 +722,7 @@ class ParameterServer:
             norm_ratio=self._norm_ratio(servers) if self.config.norm_due(m) else [math.nan] * max(self.n_layers, 1),
             checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings,
             control_ahead=it["ahead"] if self.config.control == "ahead" else None,
-            lr=None if self.replica.rate.constant else self.lr)
+            lr=None if self.replica.rate is None or self.replica.rate.constant else self.lr)
         self.bytes_total += record.bytes_up + record.bytes_down
         self.last_comm_ms, self.last_bytes = 1e3 * t_comm, record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]
@@ -769,9 +790,10 @@ class ParameterServer:
         if not every or m % every:
             return None
         workers = [int(r.checksum) for r in reports]
-        # Colocated, rank 0 holds the parameters only after a synchronisation: the first
-        # worker's are the reference (and rank 0's entry in the trace).
-        own = workers[0] if self.colocated else self.replica.checksum()
+        # Colocated, rank 0 holds the parameters only after a synchronisation, and in a
+        # script's run it applies no update: the first worker's are the reference (and rank
+        # 0's entry in the trace).
+        own = workers[0] if self.colocated or self.script else self.replica.checksum()
         sums = [own] + workers
         diverged = [rank for rank, value in zip([0, *self.worker_ranks], sums) if value != own]
         if diverged:

@@ -31,11 +31,13 @@ if TYPE_CHECKING:
     import torch
 
 
-def check_launch(config, comm: MPI.Comm) -> None:
-    """Every check that can fail before work starts; rank 0 decides, all ranks agree."""
+def check_launch(config, comm: MPI.Comm, model=None) -> None:
+    """Every check that can fail before work starts; rank 0 decides, all ranks agree.
+    ``model``: a script's (:class:`mpigrad.Session`), checked in place of the config's
+    model and data."""
     message = None
     if comm.Get_rank() == 0:
-        message = _launch_problem(config, comm.Get_size())
+        message = _launch_problem(config, comm.Get_size(), model)
     message = comm.bcast(message, root=0)
     if message:
         raise UsageError(message)
@@ -61,13 +63,14 @@ def check_thread_level(config, provided: int) -> None:
                      f"by default; the MPI may be built without thread support): drop --pipeline, or use such an MPI")
 
 
-def _launch_problem(config, size: int) -> str | None:
+def _launch_problem(config, size: int, model=None) -> str | None:
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
         if size < 2:
-            raise UsageError("mpigrad train needs at least 2 MPI ranks (rank 0 is the scheduler, and the server "
-                             "unless --servers colocated; the others train): launch with mpiexec -n P+1 python -m "
-                             "mpi4py -m mpigrad train")
+            command = "-m mpigrad train" if model is None else "SCRIPT.py"
+            raise UsageError(f"mpigrad {'train ' if model is None else ''}needs at least 2 MPI ranks (rank 0 is the "
+                             "scheduler, and the server unless servers = colocated; the others train): launch with "
+                             f"mpiexec -n P+1 python -m mpi4py {command}")
         if config.declared_ranks and config.declared_ranks[1] != size:
             path, ranks = config.declared_ranks
             raise UsageError(f"{path} is written for {ranks} ranks (its '# ranks: {ranks}' line) but this run "
@@ -80,10 +83,11 @@ def _launch_problem(config, size: int) -> str | None:
         if beyond:
             raise UsageError(f"--link-bandwidth names rank(s) {', '.join(map(str, beyond))}, but this run has ranks "
                              f"0..{size - 1}")
-        dataset = load_data(config)
-        build_augmentation(config.augment, config.augment_opts, dataset)  # does this data set take it?
-        model = check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
-                            seed=config.seed, **config.model_opts)
+        if model is None:
+            dataset = load_data(config)
+            build_augmentation(config.augment, config.augment_opts, dataset)  # does this data set take it?
+            model = check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                                seed=config.seed, **config.model_opts)
         check_quantizes_something(config, model)
         trace = Path(config.trace)
         if config.resume:
@@ -151,57 +155,76 @@ def trace_status(path: Path) -> str | None:
 
 def run_rank(config, comm: MPI.Comm, argv: list[str], started: float | None = None) -> int:
     """Run this rank's part; ``started`` (time.monotonic) is when the process began, for --walltime."""
-    from .wire.mpi import barrier
-
     rank = comm.Get_rank()
-    # Rank 0 compiles first, so the others load from the Numba cache (waiting without
-    # spinning: on a shared node a spinning rank slows the compile it waits for).
-    codecs = run_codecs(config)
-    if rank == 0:
-        compiled_s = warm_up(config, codecs)
-    barrier(comm, config.timeout, "rank 0 did not finish compiling the Numba kernels")
-    if rank != 0:
-        compiled_s = warm_up(config, codecs)
+    compiled_s = warm_up_in_turn(config, comm)
     watch = KernelWatch()
     try:
         return _run_role(config, comm, argv, started, compiled_s)
     finally:
-        late = watch.compiled()
-        if late:
-            print(f"mpigrad: rank {rank} compiled {len(late)} Numba kernel(s) during the run, their time inside "
-                  f"its iterations' t_encode/t_decode (the warm-up missed them): {', '.join(late)}",
-                  file=sys.stderr, flush=True)
-        late = late_device_kernels()
-        if late:
-            print(f"mpigrad: rank {rank} first launched {len(late)} device Numba kernel(s) during the run, compiled "
-                  f"inside its iterations on a GPU (the device warm-up missed them): {', '.join(late)}",
-                  file=sys.stderr, flush=True)
+        report_late_kernels(rank, watch)
 
 
-def _run_role(config, comm: MPI.Comm, argv: list[str], started: float | None, compiled_s: float) -> int:
+def warm_up_in_turn(config, comm: MPI.Comm) -> float:
+    """Compile every kernel the run can use before its first iteration (``warmup.warm_up``):
+    rank 0 first, so the others load from the Numba cache (waiting without spinning: on a
+    shared node a spinning rank slows the compile it waits for). Returns this rank's seconds."""
+    from .wire.mpi import barrier
+
+    codecs = run_codecs(config)
+    if comm.Get_rank() == 0:
+        compiled_s = warm_up(config, codecs)
+    barrier(comm, config.timeout, "rank 0 did not finish compiling the Numba kernels")
+    if comm.Get_rank() != 0:
+        compiled_s = warm_up(config, codecs)
+    return compiled_s
+
+
+def report_late_kernels(rank: int, watch: KernelWatch) -> None:
+    """Name on stderr any kernel compiled (or first launched on a device) after the warm-up."""
+    late = watch.compiled()
+    if late:
+        print(f"mpigrad: rank {rank} compiled {len(late)} Numba kernel(s) during the run, their time inside "
+              f"its iterations' t_encode/t_decode (the warm-up missed them): {', '.join(late)}",
+              file=sys.stderr, flush=True)
+    late = late_device_kernels()
+    if late:
+        print(f"mpigrad: rank {rank} first launched {len(late)} device Numba kernel(s) during the run, compiled "
+              f"inside its iterations on a GPU (the device warm-up missed them): {', '.join(late)}",
+              file=sys.stderr, flush=True)
+
+
+def open_channel(config, comm: MPI.Comm):
+    """This rank's MpiChannel of the run, with the waiting mode its node's cores allow."""
     from .environment import threads_per_rank
     from .wire.mpi import MpiChannel, choose_waiting
 
-    rank = comm.Get_rank()
-    stop = StopFlag(config.walltime, started).install()
     # Rank 0 detects and names a silent rank; the others give it twice as long before
     # concluding that rank 0 itself is gone (they would otherwise time out together with it).
-    channel = MpiChannel(comm, config.shard_count(comm.Get_size()), config.timeout if rank == 0 else 2 * config.timeout,
-                         colocated=config.colocated)
+    timeout = config.timeout if comm.Get_rank() == 0 else 2 * config.timeout
+    channel = MpiChannel(comm, config.shard_count(comm.Get_size()), timeout, colocated=config.colocated)
     channel.waits = choose_waiting(comm, config.wait, threads_per_rank(config.threads), channel.timeout)
+    return channel
+
+
+def _run_role(config, comm: MPI.Comm, argv: list[str], started: float | None, compiled_s: float) -> int:
+    rank = comm.Get_rank()
+    stop = StopFlag(config.walltime, started).install()
+    channel = open_channel(config, comm)
     if rank == 0:
         log = lambda message: print(message, flush=True)  # noqa: E731
         return run_parameter_server(config, channel, stop, argv, log, warm_up_s=compiled_s)
     return run_other_rank(config, channel)
 
 
-def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, warm_up_s: float | None = None) -> int:
+def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, warm_up_s: float | None = None,
+                         model=None) -> int:
     """Rank 0's session: resume, trace, iterate, then checkpoint (exit 75) or finish (0).
-    ``warm_up_s``: the seconds rank 0's warm-up took, for the start-up lines."""
+    ``warm_up_s``: the seconds rank 0's warm-up took, for the start-up lines; ``model``: a
+    script's (:class:`mpigrad.Session`), else the config's."""
     from .server import ParameterServer
     from .tracing import RunTrace
 
-    server = ParameterServer(config, channel, stop, log=log)
+    server = ParameterServer(config, channel, stop, log=log, model=model)
     ident = checkpoint.identity(config.to_dict(), channel.size)
     start = 0
     if config.resume:
@@ -281,23 +304,31 @@ class RankFailure(RuntimeError):
         self.channel.report_error(self.iteration, str(self))
 
 
-def run_other_rank(config, channel) -> int:
+def follower_role(config, channel, model=None):
+    """Build this worker's or shard server's role (around a script's ``model`` when given),
+    load its checkpoint state on resume, and take part in the start-up exchange with rank 0
+    (:func:`run_parameter_server`); return the role and the iteration to start from."""
+    if not channel.is_worker:
+        from .server import ShardServer
+        role = ShardServer(config, channel, model)
+        if config.resume:
+            role.load_state_dict(channel.scatter_object(None))
+    else:
+        from .worker import Worker
+        role = Worker(config, channel, model)
+        if config.resume:
+            role.load_state_dict(*channel.scatter_object(None))
+    channel.gather_object((socket.gethostname(), getattr(role, "device_warm_up_s", None)))
+    return role, channel.bcast_object(None)
+
+
+def run_other_rank(config, channel, model=None) -> int:
     """A worker's or a shard server's session; an error (other than a UsageError) comes out
-    as a :class:`RankFailure` carrying the iteration the role was in (-1 before it existed)."""
+    as a :class:`RankFailure` carrying the iteration the role was in (-1 before it existed).
+    ``model``: a script's (a shard server of :class:`mpigrad.Session`)."""
     role = None
     try:
-        if not channel.is_worker:
-            from .server import ShardServer
-            role = ShardServer(config, channel)
-            if config.resume:
-                role.load_state_dict(channel.scatter_object(None))
-        else:
-            from .worker import Worker
-            role = Worker(config, channel)
-            if config.resume:
-                role.load_state_dict(*channel.scatter_object(None))
-        channel.gather_object((socket.gethostname(), getattr(role, "device_warm_up_s", None)))
-        start = channel.bcast_object(None)
+        role, start = follower_role(config, channel, model)
 
         def send_state() -> None:
             channel.gather_object(role.state_dict(), f"checkpoint state after iteration {role.iteration}")

@@ -21,7 +21,8 @@ from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_factor_shards, build_replica, build_shards, forward_context, load_data, release_data)
+                    build_factor_shards, build_replica, build_shards, forward_context, load_data, release_data,
+                    script_replica)
 from .device import finite, on_device
 from .faults import Fault
 from .phaselog import PhaseLog
@@ -34,7 +35,13 @@ from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TA
 
 
 class Worker(FollowerRole):
-    def __init__(self, config: RunConfig, channel: Channel):
+    """A worker's role. Built from the config (``mpigrad train``: its data shard, its model,
+    its update rule), or around a script's ``model`` (:class:`mpigrad.Session`): then the
+    script computes loss and gradient and applies the update with its own optimizer; the
+    worker exchanges the gradient (``begin`` takes the loss from :meth:`take_computed`) and
+    leaves the decoded average in the model's ``.grad`` (``end`` applies nothing)."""
+
+    def __init__(self, config: RunConfig, channel: Channel, model: torch.nn.Module | None = None):
         self.config, self.channel = config, channel
         self.rank = channel.rank
         self.servers = channel.servers
@@ -42,16 +49,23 @@ class Worker(FollowerRole):
         #: 1-based worker number: its data shard and RNG stream, whatever the layout.
         self.number = channel.workers.index(self.rank) + 1
         workers = len(channel.workers)
-        dataset = load_data(config)
-        self.sampler = ShardSampler(len(dataset.train_y), self.number - 1, workers, config.batch_size,
-                                    config.seed)
-        # Keep only this worker's shard (sorted global indices -> rows of the copy).
-        self.shard = self.sampler.shard
-        self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
-        self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
-        self.augmentation = build_augmentation(config.augment, config.augment_opts, dataset)
-        self.replica = build_replica(config, dataset, workers, self.servers)
-        release_data()  # the shard is a copy: let the full dataset go
+        #: Whether a script's loop computes and updates (the model given), not this role.
+        self.script = model is not None
+        self.computed_ahead: tuple[float, float, float] | None = None
+        if self.script:
+            self.sampler = self.augmentation = None
+            self.replica = script_replica(config, model)
+        else:
+            dataset = load_data(config)
+            self.sampler = ShardSampler(len(dataset.train_y), self.number - 1, workers, config.batch_size,
+                                        config.seed)
+            # Keep only this worker's shard (sorted global indices -> rows of the copy).
+            self.shard = self.sampler.shard
+            self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
+            self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
+            self.augmentation = build_augmentation(config.augment, config.augment_opts, dataset)
+            self.replica = build_replica(config, dataset, workers, self.servers)
+            release_data()  # the shard is a copy: let the full dataset go
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec, self.servers)
         compressor = build_compressor(config, self.replica.layout, codec, self.number, self.servers)
@@ -139,7 +153,17 @@ class Worker(FollowerRole):
     def begin(self, m: int) -> None:
         #: This iteration's learning rate (the pipelined iteration applies buckets at it).
         self.lr = self.replica.lr(m, self.config.lr)
-        self.computed = self._compute(m)
+        if self.script:
+            self.computed, self.computed_ahead = self.computed_ahead, None
+            if self.computed is None:
+                raise RuntimeError(f"iteration {m} began without the script's loss (Worker.take_computed)")
+        else:
+            self.computed = self._compute(m)
+
+    def take_computed(self, loss: float, cpu: float, wall: float) -> None:
+        """The script's loss of the coming iteration and the CPU and wall seconds its step
+        took (a script's worker: ``begin`` reports them in place of its own compute)."""
+        self.computed_ahead = (loss, cpu, wall)
 
     def losses(self, m: int) -> None:
         loss, cpu, wall = self.computed
@@ -352,7 +376,9 @@ class Worker(FollowerRole):
                               lambda pending: f"rank 0 took no average for iteration {m}")
 
     def end(self, m: int) -> bool:
-        if self.pipeline is None:  # pipelined: applied bucket by bucket
+        if self.script:  # the script's optimizer applies it: the average where .grad is read
+            self.replica.update_to_gradient()
+        elif self.pipeline is None:  # pipelined: applied bucket by bucket
             self.replica.step(self.lr)
         if self.fault:
             self.fault.after_update(m, self.replica.flat)
@@ -362,7 +388,9 @@ class Worker(FollowerRole):
         return self.control_msg.command == STOP_AFTER
 
     def state_dict(self) -> dict:
-        state = {"sampler": self.sampler.state_dict(), "compressor": self.compressor.state_dict()}
+        state = {"compressor": self.compressor.state_dict()}
+        if self.sampler is not None:
+            state["sampler"] = self.sampler.state_dict()
         if self.serves is not None:
             state["server_compressor"] = self.server_compressor.state_dict()
         if self.lowrank is not None:
@@ -375,7 +403,8 @@ class Worker(FollowerRole):
         return state
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state["sampler"])
         self.compressor.load_state_dict(state["compressor"])
         if self.serves is not None:
             self.server_compressor.load_state_dict(state["server_compressor"])

@@ -1,0 +1,274 @@
+"""mpigrad as a library: a script's own loop, with mpigrad's codecs, policies, servers,
+network model and trace (docs/api.rst).
+
+The same script runs on every rank (``mpiexec -n P+1 python -m mpi4py script.py``). Each
+rank builds the same model and a :class:`Session` around it. Rank 0 (the scheduler, MDP
+server and parameter server) and any separate shard servers call :meth:`Session.serve`,
+which returns when the workers have finished; each worker runs the script's loop and calls
+:meth:`Session.exchange` after ``loss.backward()``: the gradients go to the servers with the
+run's codec and bits, and the decoded average comes back into every parameter's ``.grad``,
+where the script's ``optimizer.step()`` reads it. The run is configured as ``mpigrad train``
+is, by the same TOML files and keys (:meth:`RunConfig.from_sources`), less the keys the
+script owns (:data:`SCRIPT_KEYS`: its model, data, optimizer, schedule and evaluation).
+
+The iteration is the runtime's (:mod:`mpigrad.runtime.iteration`): a worker's ``begin``
+takes the script's loss instead of computing one, its ``end`` applies nothing, and rank 0
+applies no update (the workers' optimizer is the script's): one protocol, one trace writer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+import zlib
+from typing import Any
+
+from .config import RunConfig
+from .errors import UsageError
+from .runtime.script import Exchanged
+
+__all__ = ["Session", "Exchanged", "SCRIPT_KEYS", "script_config"]
+
+#: The keys of a run's config that belong to the script in a :class:`Session`: its model,
+#: data, batches, loss, optimizer, schedule, augmentation, precision and evaluation. Given as
+#: keyword arguments they are refused; in a config file they are left out, and rank 0 names
+#: them in a start-up note. The model's device is the script's (where its parameters are).
+SCRIPT_KEYS = ("model", "model_opts", "data", "data_dir", "data_opts", "batch_size", "lr", "weight_decay",
+               "weight_decay_in", "optimizer", "optimizer_opts", "lr_schedule", "lr_schedule_opts", "lr_warmup",
+               "lr_scaling", "augment", "augment_opts", "autocast", "momentum_correction", "eval_every",
+               "eval_samples", "device", "share_gpu", "tf32")
+
+#: Keys ``mpigrad train`` has that a :class:`Session` does not build yet, each with why.
+NOT_BUILT = {
+    "pipeline": "the pipelined iteration exchanges buckets from backward's hooks, which a Session does not set",
+    "resume": "checkpoints of a Session are not built",
+    "checkpoint_every": "checkpoints of a Session are not built",
+    "checkpoint": "checkpoints of a Session are not built",
+    "walltime": "checkpoints of a Session are not built",
+}
+
+
+def script_config(config_file: str | None, options: dict[str, Any], model_name: str,
+                  optimizer_name: str | None = None) -> tuple[RunConfig, list[str]]:
+    """The run's config for a script: defaults, the TOML file, then ``options`` (the keys of
+    ``mpigrad train``'s config files), checked as ``mpigrad train`` checks them; the keys the
+    script owns (:data:`SCRIPT_KEYS`) are refused as ``options`` and dropped from the file.
+    Returns the config, whose ``model``, ``data`` and ``optimizer`` say ``script NAME``, and the
+    file's dropped keys. UsageError (one line) on bad or unbuilt options."""
+    from .runtime.checks import check_options
+
+    for key in options:
+        if key in SCRIPT_KEYS:
+            raise UsageError(f"{key}: the script's own (its model, data, optimizer and loop), not mpigrad.Session's: "
+                             "drop the argument")
+    for key, why in NOT_BUILT.items():
+        if options.get(key):
+            raise UsageError(f"{key}: {why}")
+    config = RunConfig.from_sources(config_file, options)
+    dropped = sorted(key for key in config.given if key in SCRIPT_KEYS and key not in options)
+    for key, why in NOT_BUILT.items():
+        if getattr(config, key):
+            raise UsageError(f"{config_file}: {key}: {why}")
+    check_options(config)
+    defaults = RunConfig()
+    for key in SCRIPT_KEYS:
+        setattr(config, key, getattr(defaults, key))
+    config.model, config.data = model_name, "script"
+    config.optimizer = optimizer_name or "script"
+    config.lr, config.weight_decay, config.eval_every = None, 0.0, 0  # the script's rate: not known here
+    config.given = frozenset(config.given - set(SCRIPT_KEYS))
+    return config, dropped
+
+
+class Session:
+    """One run of a script's own training loop over MPI, with mpigrad's method.
+
+    ``Session(model, config=None, *, optimizer=None, comm=None, **options)``, on every rank:
+
+    - ``model``: the script's ``torch.nn.Module``, built alike on every rank (the same
+      architecture and the same initial weights: a hash is checked here). The Session lays
+      its parameters and gradients out in flat buffers (``p.data`` and ``p.grad`` become
+      views), so build the optimizer over ``model.parameters()`` before or after.
+    - ``config``: a TOML file of ``mpigrad train`` (its ``# ranks: N`` line is checked);
+      ``options``: its keys (``policy="mqgrad"``, ``bits=2``, ``servers="colocated"``,
+      ``trace="runs/a.h5"``, ``iterations=300``, ...), over the file's.
+    - ``optimizer``: the script's, checked to hold only the model's parameters, its class
+      name recorded in the trace.
+
+    Collective: every rank constructs it with the same arguments. A bad option, a model that
+    differs between ranks or an optimizer over other parameters raises :class:`UsageError`
+    (one line) on every rank alike, before any work starts.
+    """
+
+    def __init__(self, model, config: str | None = None, *, optimizer=None, comm=None, **options: Any):
+        from mpi4py import MPI
+
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        self.model = model
+        optimizer_name = f"script {type(optimizer).__name__}" if optimizer is not None else None
+        self.config, dropped = script_config(config, options, f"script {type(model).__name__}", optimizer_name)
+        config = self.config
+        from .runtime.environment import apply_thread_settings, threads_per_rank
+        from .runtime.session import check_launch
+
+        apply_thread_settings(threads_per_rank(config.threads))
+        check_launch(config, self.comm, model)
+        self._agree(_model_problem(model, self.comm))
+        self._agree(_optimizer_problem(optimizer, model) if optimizer is not None else None)
+        if dropped and self.rank == 0:
+            print(f"mpigrad: note: {config_file_name(config)}'s {', '.join(dropped)} are the script's in a "
+                  "Session: not used", flush=True)
+        workers = size - config.non_worker_ranks()
+        #: The number of workers P (ranks that run the loop), as DistributedSampler's num_replicas.
+        self.workers = workers
+        #: Whether this rank runs the training loop (else it serves: :meth:`serve`).
+        self.is_worker = self.rank >= config.non_worker_ranks()
+        #: This worker's index in 0..P-1 (DistributedSampler's rank), None on a serving rank.
+        self.worker_index = self.rank - config.non_worker_ranks() if self.is_worker else None
+        from .runtime.session import open_channel, warm_up_in_turn
+        from .runtime.warmup import KernelWatch
+
+        self._warm_up_s = warm_up_in_turn(config, self.comm)
+        self._watch = KernelWatch()
+        self._channel = open_channel(config, self.comm)
+        self._worker = None
+        self._done = self._started = False
+        if self.is_worker:
+            from .runtime.script import ScriptWorker
+
+            self._worker = ScriptWorker(config, self._channel, model)
+            atexit.register(self._at_exit)
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+
+    @property
+    def iterations(self) -> int:
+        """The run's iterations: the number of :meth:`exchange` calls each worker makes (the
+        config's ``iterations``). May be set before :meth:`serve` and the first exchange, on
+        every rank alike (e.g. epochs times the batches of a sampler of ``workers`` parts)."""
+        return self.config.iterations
+
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        if self._started:
+            raise UsageError("iterations: set it before serve() and the first exchange()")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"iterations must be a whole number >= 1, got {value!r}")
+        self.config.iterations = value
+
+    def _agree(self, problem: str | None) -> None:
+        """Raise one UsageError on every rank when any rank found a problem (the first's)."""
+        problems = self.comm.allgather(problem)
+        found = [(rank, text) for rank, text in enumerate(problems) if text]
+        if found:
+            rank, text = found[0]
+            raise UsageError(text.replace("{rank}", str(rank)))
+
+    # ---- rank 0 and the servers ---------------------------------------------------------
+    def serve(self) -> None:
+        """Rank 0: schedule, decide the bits, serve shard 0 and write the trace, until the
+        workers have run every iteration; a shard server: serve its shard. Returns then (the
+        script goes on). A worker's failure ends the run: rank 0 closes the trace "failed"
+        and raises the error naming it."""
+        if self.is_worker:
+            raise UsageError(f"rank {self.rank} is a worker: serve() is rank 0's and the shard servers' "
+                             "(use session.is_worker)")
+        from .runtime.session import report_late_kernels, run_other_rank, run_parameter_server
+        from .runtime.stopping import StopFlag
+
+        self._started = True
+        try:
+            if self.rank == 0:
+                log = lambda message: print(message, flush=True)  # noqa: E731
+                run_parameter_server(self.config, self._channel, StopFlag(), sys.argv, log, self._warm_up_s,
+                                     model=self.model)
+            else:
+                run_other_rank(self.config, self._channel, self.model)
+        finally:
+            self._done = True
+            report_late_kernels(self.rank, self._watch)
+
+    # ---- a worker -----------------------------------------------------------------------
+    def exchange(self, loss) -> Exchanged:
+        """After ``loss.backward()``: send this worker's gradients and ``loss`` (a tensor or a
+        number: what the policy observes and the trace records), receive the decoded average
+        of every worker's into each parameter's ``.grad`` (a parameter without a gradient
+        counts as zero). Then step the optimizer. Call it ``iterations`` times per worker."""
+        worker = self._worker
+        if worker is None:
+            raise UsageError(f"rank {self.rank} serves: exchange() is a worker's (use session.is_worker)")
+        self._started = True
+        value = float(loss.detach().item() if hasattr(loss, "detach") else loss)
+        cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
+        try:
+            record = worker.exchange(value, cpu, wall)
+        except BaseException:
+            self._done = True  # rank 0 was told (or has finished: an exchange past the last)
+            raise
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+        if record.last:
+            self._done = True
+            from .runtime.session import report_late_kernels
+            report_late_kernels(self.rank, self._watch)
+        return record
+
+    def close(self) -> None:
+        """End this rank's part. A worker that has not run every iteration left the loop
+        early: rank 0 is told (it ends the run with a line naming the worker and closes the
+        trace "failed"), and UsageError is raised here. Called at exit when not called."""
+        if self._done or self._worker is None:
+            self._done = True
+            return
+        self._done = True
+        raise UsageError(self._worker.leave())
+
+    def _at_exit(self) -> None:
+        if not self._done:
+            try:
+                self.close()
+            except UsageError as exc:
+                print(f"mpigrad: rank {self.rank}: error: {exc}", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None and not self._done and self._worker is not None:
+            # The script's error inside the loop: rank 0 names it and closes the trace "failed".
+            self._done = True
+            self._worker.leave(f"{type(error).__name__}: {error}")
+            return
+        self.close()
+
+
+def config_file_name(config: RunConfig) -> str:
+    return config.declared_ranks[0] if config.declared_ranks else "the config file"
+
+
+def _model_problem(model, comm) -> str | None:
+    """A line for rank 0 where this rank's model differs from rank 0's (names, shapes or
+    initial values of its parameters and buffers), else None."""
+    crc = 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        crc = zlib.crc32(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode(), crc)
+        crc = zlib.crc32(tensor.detach().cpu().contiguous().numpy().view("uint8"), crc)
+    reference = comm.bcast(crc if comm.Get_rank() == 0 else None, root=0)
+    if crc == reference:
+        return None
+    return ("the model on rank {rank} differs from rank 0's (its parameters' names, shapes or initial values): "
+            "build it alike on every rank, after the same torch.manual_seed")
+
+
+def _optimizer_problem(optimizer, model) -> str | None:
+    """A line where ``optimizer`` holds a parameter that is not one of ``model``'s."""
+    own = {id(p) for p in model.parameters()}
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return "optimizer= on rank {rank} is not a torch.optim optimizer (it has no param_groups)"
+    for group in groups:
+        for p in group["params"]:
+            if id(p) not in own:
+                return ("the optimizer on rank {rank} holds a parameter that is not the model's: build it over "
+                        "model.parameters() of the model given to the Session")
+    return None

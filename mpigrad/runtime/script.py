@@ -1,0 +1,97 @@
+"""A worker of a script's own loop (:class:`mpigrad.Session`): the script computes the loss
+and the gradients and steps its own optimizer; :meth:`ScriptWorker.exchange` runs one
+iteration of the protocol (:mod:`.iteration`) in between, on any channel (MPI, or the
+loopback of the in-process tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import UsageError
+from .iteration import run_iteration
+from .session import RankFailure, follower_role
+from .wire import PeerTimeout
+
+__all__ = ["Exchanged", "ScriptWorker"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchanged:
+    """What one exchange did on this worker."""
+
+    #: The iteration (0-based) whose gradients were exchanged.
+    iteration: int
+    #: This worker's loss as it reported it.
+    loss: float
+    #: The bits per quantized layer rank 0 chose for the iteration (the policy's Control).
+    bits: tuple[int, ...]
+    #: Whether it was the run's last iteration (``iterations``).
+    last: bool
+
+
+class ScriptWorker:
+    """A worker role around the script's ``model`` (:class:`~.worker.Worker` with a model),
+    built with rank 0's start-up exchange; :meth:`exchange` takes the script's gradients."""
+
+    def __init__(self, config, channel, model):
+        self.config, self.channel, self.model = config, channel, model
+        self.role, start = follower_role(config, channel, model)
+        if start:
+            raise UsageError("resuming a script's run is not built")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    @property
+    def iteration(self) -> int:
+        """The next iteration to exchange (the number exchanged so far)."""
+        return self.role.iteration
+
+    def exchange(self, loss: float, cpu: float, wall: float) -> Exchanged:
+        """Iteration ``iteration``: this worker's gradients (each parameter's ``.grad``; a
+        missing one counts as zero) and ``loss``, with the CPU and wall seconds the script's
+        step took (the clock's compute); the decoded average comes back into ``.grad``.
+        UsageError past the run's iterations; without any gradient, or on a failure, rank 0
+        is told (it names this rank and closes the trace "failed") and the error raised."""
+        m = self.role.iteration
+        if m >= self.config.iterations:
+            raise UsageError(f"exchange() called for iteration {m + 1}, but the run has {self.config.iterations} "
+                             "(iterations): end the loop there, or raise iterations")
+        try:
+            self._gather_gradients()
+        except UsageError as exc:
+            self.leave(str(exc))
+            raise
+        self.role.take_computed(loss, cpu, wall)
+        try:
+            run_iteration(self.role, m)
+        except (UsageError, PeerTimeout):
+            raise
+        except Exception as exc:
+            RankFailure(exc, self.channel, m).report()
+            raise
+        bits = tuple(int(b) for b in self.role.control_msg.bits)
+        return Exchanged(m, loss, bits, m + 1 == self.config.iterations)
+
+    def _gather_gradients(self) -> None:
+        """Every parameter's gradient into the replica's flat gradient, and ``.grad`` a view
+        of it again (an optimizer's ``zero_grad()`` sets it to None; backward then allocates)."""
+        missing = 0
+        for p, view in zip(self.params, self.role.replica.grad_views):
+            grad = p.grad
+            if grad is None:
+                missing += 1
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            p.grad = view
+        if missing == len(self.params):
+            raise UsageError(f"exchange() found no gradient on any parameter at iteration {self.role.iteration}: "
+                             "call loss.backward() before it")
+
+    def leave(self, text: str | None = None) -> str:
+        """Tell rank 0 that this worker leaves before the run's end (it ends the run with the
+        line naming the worker, and closes the trace "failed"); return the line."""
+        done, total = self.role.iteration, self.config.iterations
+        text = text or (f"worker rank {self.channel.rank} left the training loop after {done} of {total} iterations "
+                        "(each worker calls exchange() iterations times)")
+        RankFailure(RuntimeError(text), self.channel, done).report()
+        return text

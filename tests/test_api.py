@@ -1,0 +1,195 @@
+"""The library API (mpigrad.Session) without mpiexec: its config rule, its checks, and a
+script's loop on the loopback channel against ``mpigrad train``'s own (tests/test_api_mpi.py
+runs scripts under mpiexec)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from mpigrad.api import SCRIPT_KEYS, _model_problem, _optimizer_problem, script_config
+from mpigrad.config import RunConfig
+from mpigrad.data import ShardSampler
+from mpigrad.errors import UsageError
+from mpigrad.runtime.build import build_config_model, load_data
+from mpigrad.runtime.script import ScriptWorker
+from mpigrad.runtime.session import run_other_rank, run_parameter_server
+from mpigrad.runtime.stopping import StopFlag
+from mpigrad.runtime.wire.loopback import LoopbackNetwork
+from mpigrad.trace import load
+
+from conftest import REPO
+
+FIX2 = str(REPO / "examples" / "compare" / "fix2.toml")
+
+
+def test_importing_mpigrad_loads_neither_torch_nor_mpi():
+    out = subprocess.run([sys.executable, "-c", "import sys, mpigrad; print(sorted(m for m in ('torch', 'mpi4py.MPI', "
+                          "'numba') if m in sys.modules))"], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    import mpigrad
+
+    assert mpigrad.Session.__module__ == "mpigrad.api" and mpigrad.UsageError is UsageError
+
+
+def test_a_config_file_gives_its_method_and_leaves_the_scripts_keys_out():
+    config, dropped = script_config(FIX2, {"trace": "t.h5", "iterations": 7}, "script Net", "script AdamW")
+    assert (config.policy, config.bits, config.codec, config.iterations) == ("fixed", 2, "uniform", 7)
+    assert config.compute_time == 0.05 and config.bandwidth == 10e6  # the network model, as train reads it
+    assert {"model", "data", "lr", "batch_size", "weight_decay", "eval_every", "model_opts"} <= set(dropped)
+    assert (config.model, config.data, config.optimizer) == ("script Net", "script", "script AdamW")
+    assert config.lr is None and config.eval_every == 0 and config.weight_decay == 0.0
+    assert not set(config.given) & set(SCRIPT_KEYS)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"optimizer": "adamw"}, "optimizer: the script's own"),
+    ({"lr": 0.1}, "lr: the script's own"),
+    ({"pipeline": True}, "pipeline: the pipelined iteration"),
+    ({"resume": True}, "resume: checkpoints of a Session are not built"),
+    ({"policy": "nope"}, "nope"),
+    ({"bitz": 2}, "unknown option 'bitz'"),
+    ({"servers": "colocated", "codec": "uniform", "bits": 40}, "bits must be in 1..32"),
+])
+def test_bad_options_are_refused_in_one_line(options, message):
+    with pytest.raises(UsageError, match=message) as info:
+        script_config(None, options, "script Net")
+    assert "\n" not in str(info.value)
+
+
+class OneRank:
+    """A communicator of one rank whose rank 0 held ``reference`` (for the model check)."""
+
+    def __init__(self, reference=None):
+        self.reference = reference
+
+    def Get_rank(self):
+        return 1
+
+    def bcast(self, value, root=0):
+        return self.reference
+
+
+def _crc(model) -> int:
+    class Keep(OneRank):
+        def bcast(self, value, root=0):
+            self.seen = value
+            return value
+
+    comm = Keep()
+    comm.Get_rank = lambda: 0
+    assert _model_problem(model, comm) is None
+    return comm.seen
+
+
+def test_a_model_built_otherwise_than_rank_0s_is_named():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = _crc(model)
+    assert _model_problem(model, OneRank(reference)) is None
+    torch.manual_seed(1)
+    assert "differs from rank 0's" in _model_problem(torch.nn.Linear(4, 3), OneRank(reference))
+    torch.manual_seed(0)
+    assert "differs" in _model_problem(torch.nn.Linear(4, 2), OneRank(reference))
+
+
+def test_an_optimizer_over_other_parameters_is_named():
+    model, other = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    assert _optimizer_problem(torch.optim.SGD(model.parameters(), lr=0.1), model) is None
+    assert "not the model's" in _optimizer_problem(torch.optim.SGD(other.parameters(), lr=0.1), model)
+    assert "not a torch.optim optimizer" in _optimizer_problem(object(), model)
+
+
+BASE = dict(model_opts={"fc_sizes": [64, 64]}, min_quantize_size=2000, iterations=6, batch_size=8,
+            net_mode="virtual", compute_time=0.01, eval_every=0, progress_every=0, checksum_every=2,
+            seed=5, lr=0.05, weight_decay=0.0, codec="uniform", policy="fixed", bits=3, error_feedback="residual")
+
+
+def _train(tmp_path, servers, name):
+    """``mpigrad train``'s own loop (plain SGD), every rank on a thread of the loopback."""
+    config = RunConfig(**{**BASE, "servers": servers, "trace": str(tmp_path / name)})
+    net = LoopbackNetwork(3, 2 if servers == "colocated" else 1, timeout=20.0, colocated=servers == "colocated")
+    errors = {}
+
+    def rank_main(rank):
+        try:
+            if rank == 0:
+                run_parameter_server(config, net.channel(0), StopFlag(), ["test"], lambda line: None)
+            else:
+                run_other_rank(config, net.channel(rank))
+        except BaseException as exc:  # noqa: BLE001
+            errors[rank] = exc
+
+    _join([threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(3)])
+    assert not errors, errors
+    return load(tmp_path / name)
+
+
+def _script(tmp_path, servers, name):
+    """The same method from a script's loop: its own torch.optim.SGD, its own batches (the
+    same as train's sampler draws), the gradients exchanged by ScriptWorker."""
+    train_config = RunConfig(**{**BASE, "servers": servers})
+    dataset = load_data(train_config)
+    method = {k: v for k, v in BASE.items() if k not in SCRIPT_KEYS}
+    config, _ = script_config(None, {**method, "servers": servers, "trace": str(tmp_path / name)}, "script CNN",
+                              "script SGD")
+    colocated = servers == "colocated"
+    net = LoopbackNetwork(3, 2 if colocated else 1, timeout=20.0, colocated=colocated)
+    models = [build_config_model(train_config, dataset) for _ in range(3)]
+    errors, losses = {}, {1: [], 2: []}
+
+    def rank_main(rank):
+        try:
+            if rank == 0:
+                run_parameter_server(config, net.channel(0), StopFlag(), ["test"], lambda line: None,
+                                     model=models[0])
+                return
+            model = models[rank]
+            worker = ScriptWorker(config, net.channel(rank), model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=BASE["lr"])
+            sampler = ShardSampler(len(dataset.train_y), rank - 1, 2, BASE["batch_size"], BASE["seed"])
+            for _ in range(config.iterations):
+                idx = sampler.next_batch()
+                x, y = torch.from_numpy(dataset.train_x[idx]), torch.from_numpy(dataset.train_y[idx])
+                optimizer.zero_grad()
+                loss = model.loss(model(x), y, 0.0)
+                loss.backward()
+                record = worker.exchange(loss.item(), 0.0, 0.0)
+                losses[rank].append(record.loss)
+                optimizer.step()
+            assert record.last and record.bits == (3,) * len(record.bits)
+        except BaseException as exc:  # noqa: BLE001
+            errors[rank] = exc
+
+    _join([threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(3)])
+    assert not errors, errors
+    return load(tmp_path / name), losses
+
+
+def _join(threads):
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(80)
+
+
+@pytest.mark.parametrize("servers", [1, "colocated"])
+def test_a_scripts_loop_with_torch_sgd_is_mpigrad_trains_run_bit_for_bit(tmp_path, servers):
+    """The seam: the decoded average lands in ``.grad`` and torch's SGD steps with it, as
+    train's own plain SGD does; every loss, byte and checksum of the trace is the same."""
+    own = _train(tmp_path, servers, "train.h5")
+    script, losses = _script(tmp_path, servers, "script.h5")
+    for column in ("loss", "bytes_up", "bytes_down", "sim_time"):
+        np.testing.assert_array_equal(own.steps[column].to_numpy(), script.steps[column].to_numpy(), err_msg=column)
+    for table in ("workers", "checksums"):
+        left, right = getattr(own, table), getattr(script, table)
+        for column in left.columns:
+            if column.startswith(("loss", "bytes", "checksum", "iteration")):
+                np.testing.assert_array_equal(left[column].to_numpy(), right[column].to_numpy(), err_msg=column)
+    np.testing.assert_array_equal(script.workers["loss_0"].to_numpy(), np.array(losses[1]))
+    assert script.config["optimizer"] == "script SGD" and script.status == "complete"

@@ -1,0 +1,121 @@
+"""mpigrad.Session under real mpiexec: examples/api/train.py (its own model, data, AdamW,
+OneCycleLR and a DataLoader with worker processes) against the same loop under torch DDP
+(gloo), with the comparison's methods, and every misuse of tests/api_misuse.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from mpigrad.trace import load
+
+from conftest import REPO, mpiexec, without_launcher_notice
+
+pytestmark = pytest.mark.mpi
+
+EXAMPLE = REPO / "examples" / "api" / "train.py"
+MISUSE = REPO / "tests" / "api_misuse.py"
+COMPARE = REPO / "examples" / "compare"
+
+
+def run_script(ranks: int, argv: list, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``mpiexec -n RANKS python -m mpi4py ARGV``; a hang fails the test."""
+    command = mpiexec(ranks, [sys.executable, "-m", "mpi4py", *map(str, argv)])
+    try:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpiexec did not finish within {timeout} s: {argv}\nstdout: {exc.stdout}\nstderr: {exc.stderr}")
+    result.stderr = without_launcher_notice(result.stderr)
+    assert "Numba kernel(s) during the run" not in result.stderr, result.stderr
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(prefix, workers: int = 2) -> list[list[float]]:
+    return [json.loads((prefix.parent / f"{prefix.name}-{k}.json").read_text()) for k in range(workers)]
+
+
+@pytest.mark.each_mpi
+def test_the_example_in_float32_gives_ddps_losses_to_the_last_bit(tmp_path, mpi_env):
+    """fp32 at P = 2: mpigrad's exchange puts in .grad what DDP's all-reduce does, so AdamW,
+    OneCycleLR and the DataLoader's batches give every loss of DDP (gloo), bit for bit; the
+    trace records them."""
+    trace = tmp_path / "fp32.h5"
+    mine = run_script(3, [EXAMPLE, "--config", COMPARE / "fp32.toml", "--trace", trace,
+                          "--losses", tmp_path / "mpigrad"], mpi_env)
+    assert mine.returncode == 0, mine.stderr
+    assert "model script StripesNet on the script's data" in mine.stdout
+    assert "fp32.toml's batch_size, data, eval_every, lr, model, model_opts, weight_decay are the script's" in mine.stdout
+    ddp = run_script(2, [EXAMPLE, "--ddp", "--port", free_port(), "--losses", tmp_path / "ddp"], mpi_env)
+    assert ddp.returncode == 0, ddp.stderr
+    ours, theirs = losses(tmp_path / "mpigrad"), losses(tmp_path / "ddp")
+    assert len(ours[0]) == len(theirs[0]) == 48  # 3 epochs of 16 batches per worker
+    assert ours == theirs
+    assert ours[0][-1] < 0.6 * ours[0][0]  # it learns
+    run = load(trace)
+    assert run.complete and len(run.steps) == 48
+    for k in range(2):
+        np.testing.assert_array_equal(run.workers[f"loss_{k}"].to_numpy(), np.array(ours[k]))
+    assert run.config["optimizer"] == "script AdamW" and run.config["codec"] == "fp32"
+
+
+def test_the_comparisons_methods_trace_what_trace_summary_and_compare_read(tmp_path, mpi_env):
+    for method in ("fix2", "mqgrad"):
+        result = run_script(3, [EXAMPLE, "--config", COMPARE / f"{method}.toml", "--trace", tmp_path / f"{method}.h5",
+                                "--set", "progress_every=16", "--loader-workers", "0"], mpi_env)
+        assert result.returncode == 0, result.stderr
+        assert "iter 48/48" in result.stdout
+    summary = subprocess.run([sys.executable, "-m", "mpigrad", "trace", "summary", tmp_path / "fix2.h5",
+                              tmp_path / "mqgrad.h5"], capture_output=True, text=True, env=mpi_env)
+    assert summary.returncode == 0, summary.stderr
+    assert "Fix (2-bit)" in summary.stdout and "MQGrad" in summary.stdout
+    compare = subprocess.run([sys.executable, "-m", "mpigrad", "trace", "compare", "--target-loss", "1.3",
+                              tmp_path / "fix2.h5", tmp_path / "mqgrad.h5"], capture_output=True, text=True, env=mpi_env)
+    assert compare.returncode == 0, compare.stderr
+    assert "Fix (2-bit)" in compare.stdout and "MQGrad" in compare.stdout
+    print(compare.stdout)
+    fix2, mqgrad = load(tmp_path / "fix2.h5"), load(tmp_path / "mqgrad.h5")
+    assert (fix2.steps["bits"] == 2).all() and fix2.config["optimizer"] == "script AdamW"
+    assert mqgrad.steps["bits"].between(1, 32).all() and len(mqgrad.policy) > 0  # the agent's own rows
+
+
+MISUSES = {
+    "models-differ": (1, "the model on rank 2 differs from rank 0's", None),
+    "no-backward": (1, "worker rank 2 failed at iteration 1: exchange() found no gradient on any parameter", "failed"),
+    "leaves-early": (1, "worker rank 2 failed at iteration 2: worker rank 2 left the training loop after 2 of 4 "
+                        "iterations", "failed"),
+    "raises": (1, "worker rank 1 failed at iteration 1: ValueError: the script's own bug", "failed"),
+    "same-batches": (0, "the 2 workers' losses at iteration 0 are equal to the last bit: do they read the same "
+                        "batches?", "complete"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISUSES))
+def test_each_misuse_ends_with_a_line_naming_it(tmp_path, mpi_env, case):
+    code, line, status = MISUSES[case]
+    trace = tmp_path / "misuse.h5"
+    result = run_script(3, [MISUSE, "--case", case, "--trace", trace], mpi_env, timeout=120)
+    assert (result.returncode != 0) == bool(code), result.stdout + result.stderr
+    assert line in result.stdout + result.stderr
+    if status is None:
+        assert not trace.exists()  # refused before anything was written
+        return
+    with h5py.File(trace, "r") as f:
+        assert f.attrs["status"] == status
+        error = f.attrs.get("error", "")
+    if case == "same-batches":  # and an exchange past the run's end is refused on each worker
+        for rank in (1, 2):
+            assert f"rank {rank}: exchange() called for iteration 5, but the run has 4" in result.stdout
+    else:
+        assert error == line or error.startswith(line), error  # the trace says who and why
