@@ -73,6 +73,9 @@ EXCLUDED = [
                                               "(tests/test_powersgd_quantized.py runs its --smoke version)"),
     (r"^mpigrad trace compare runs/compare/", "reads the comparison's traces (" + _COMPARISON + ")"),
     (r"^python examples/hard/run\.py", _HARD),
+    (r"^mpiexec -n [23] python -m mpi4py examples/api/train\.py( --config examples/compare/fix2\.toml --trace "
+     r"runs/api[/a-z0-9]*\.h5| --ddp)$",
+     "tests/test_api_mpi.py runs examples/api/train.py with fix2.toml, mqgrad.toml and fp32.toml, and under DDP"),
     (r"^python examples/map/run\.py", _MAP),
     (r"^mpigrad trace compare runs/hard/", "reads the teacher task's traces (" + _HARD + ")"),
     (r"^mpiexec .*--device cuda", "needs a GPU (CI has none: tests/test_device_path_mpi.py runs the device path "
