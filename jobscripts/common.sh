@@ -277,12 +277,9 @@ mpigrad_finish() {
     return "$status"
 }
 
-# mpigrad_train CONFIG TRACE [more train options]: the whole job. An existing TRACE means an
-# earlier start of this job (or of MPIGRAD_RUN_ID's) wrote it, so the run continues with
-# --resume from the checkpoint next to it; a trace is never overwritten.
-mpigrad_train() {
-    local config=$1 trace=$2
-    shift 2
+# What every job does first: catch the stop signals, check it runs under sbatch, and source
+# MPIGRAD_ENV_SCRIPT (modules, a venv) when set.
+_mpigrad_prepare() {
     mpigrad_trap_stop_signals
     [[ -n ${SLURM_JOB_ID:-} && -n ${SLURM_NTASKS:-} ]] ||
         mpigrad_die "SLURM_JOB_ID/SLURM_NTASKS unset: submit this script with sbatch"
@@ -295,6 +292,39 @@ mpigrad_train() {
         if [[ $shell_flags == *e* ]]; then set -e; fi
         if [[ $shell_flags == *u* ]]; then set -u; fi
     fi
+}
+
+# mpigrad_script SCRIPT.py [its arguments]: a training script of one's own (mpigrad.Session,
+# docs/api.rst) as the whole job, with train's set-up, signal forwarding and requeue: the
+# walltime signal reaches every rank, rank 0 stops the run at an iteration's end, the first
+# worker saves the checkpoint, every rank exits 75 (Session.exit) and the job requeues itself.
+# The script resumes on the next start from what it saved (examples/api/train.py: when its
+# --checkpoint FILE exists).
+mpigrad_script() {
+    local script=$1
+    shift
+    _mpigrad_prepare
+    [[ -f $script ]] || mpigrad_die "script $script not found (relative paths start in $PWD)"
+    mpigrad_setup_env
+    mpigrad_launcher
+    mpigrad_log "job $(mpigrad_job_ref) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $SLURM_NTASKS ranks x $OMP_NUM_THREADS threads"
+    local cmd=("${MPIGRAD_LAUNCH[@]}" "${MPIGRAD_PYTHON:-python}" -m mpi4py "$script" "$@")
+    mpigrad_log "step: ${cmd[*]}"
+    local status=0
+    mpigrad_run_step "${cmd[@]}" || status=$?
+    if [[ -n $_mpigrad_job_cache ]]; then
+        rm -rf -- "$_mpigrad_job_cache"
+    fi
+    mpigrad_finish "$status"
+}
+
+# mpigrad_train CONFIG TRACE [more train options]: the whole job. An existing TRACE means an
+# earlier start of this job (or of MPIGRAD_RUN_ID's) wrote it, so the run continues with
+# --resume from the checkpoint next to it; a trace is never overwritten.
+mpigrad_train() {
+    local config=$1 trace=$2
+    shift 2
+    _mpigrad_prepare
     [[ -f $config ]] || mpigrad_die "config $config not found (relative paths start in $PWD)"
     mpigrad_check_ranks "$config"
     mpigrad_setup_env

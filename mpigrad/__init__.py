@@ -2,12 +2,12 @@
 
 The library API (docs/api.rst): :class:`Session` around a script's own model and loop,
 :class:`Exchanged` (what one exchange did), :class:`UsageError` (a bad option or use, in one
-line). They load on first use, so that ``import mpigrad`` stays light (no MPI, torch or Numba).
+line), ``EXIT_REQUEUE`` (75: the exit code of a run stopped for a requeue). They load on first use, so that ``import mpigrad`` stays light (no MPI, torch or Numba).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["Session", "Exchanged", "UsageError", "__version__"]
+__all__ = ["Session", "Exchanged", "UsageError", "EXIT_REQUEUE", "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,6 +15,10 @@ def __getattr__(name: str):
         from . import api
 
         return getattr(api, name)
+    if name == "EXIT_REQUEUE":  # a run stopped for a requeue exits with it
+        from .runtime import EXIT_REQUEUE
+
+        return EXIT_REQUEUE
     if name == "UsageError":
         from .errors import UsageError
 

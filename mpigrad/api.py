@@ -39,13 +39,11 @@ SCRIPT_KEYS = ("model", "model_opts", "data", "data_dir", "data_opts", "batch_si
                "lr_scaling", "augment", "augment_opts", "autocast", "momentum_correction", "eval_every",
                "eval_samples", "device", "share_gpu", "tf32")
 
-#: Keys ``mpigrad train`` has that a :class:`Session` does not build yet, each with why.
+#: Keys of ``mpigrad train`` that a :class:`Session` takes otherwise or not yet, each with why.
 NOT_BUILT = {
     "pipeline": "the pipelined iteration exchanges buckets from backward's hooks, which a Session does not set",
-    "resume": "checkpoints of a Session are not built",
-    "checkpoint_every": "checkpoints of a Session are not built",
-    "checkpoint": "checkpoints of a Session are not built",
-    "walltime": "checkpoints of a Session are not built",
+    "resume": "a Session resumes from the state the script saved: pass resume=STATE (Session.state_dict())",
+    "checkpoint": "a Session writes no checkpoint file: the script saves Session.state_dict() with its own",
 }
 
 
@@ -101,17 +99,22 @@ class Session:
     (one line) on every rank alike, before any work starts.
     """
 
-    def __init__(self, model, config: str | None = None, *, optimizer=None, comm=None, **options: Any):
+    def __init__(self, model, config: str | None = None, *, optimizer=None, resume: dict | None = None, comm=None,
+                 **options: Any):
         from mpi4py import MPI
 
+        started = time.monotonic()
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, size = self.comm.Get_rank(), self.comm.Get_size()
         self.model = model
         optimizer_name = f"script {type(optimizer).__name__}" if optimizer is not None else None
         self.config, dropped = script_config(config, options, f"script {type(model).__name__}", optimizer_name)
         config = self.config
+        config.resume = resume is not None
+        self._agree(_resume_problem(config.resume, self.comm))
         from .runtime.environment import apply_thread_settings, threads_per_rank
         from .runtime.session import check_launch
+        from .runtime.stopping import StopFlag
 
         apply_thread_settings(threads_per_rank(config.threads))
         check_launch(config, self.comm, model)
@@ -132,13 +135,20 @@ class Session:
 
         self._warm_up_s = warm_up_in_turn(config, self.comm)
         self._watch = KernelWatch()
+        # On every rank, as under mpigrad train: a walltime signal (SIGUSR1, SIGTERM) sets a
+        # flag that rank 0 reads once per iteration; the run stops at an iteration's end.
+        self._stop = StopFlag(config.walltime, started).install()
         self._channel = open_channel(config, self.comm)
         self._worker = None
+        self._resume = resume
         self._done = self._started = False
+        #: The iteration the run starts at: the resumed state's, else 0 (skip the batches before it).
+        self.start_iteration = int(resume["server"]["iteration"]) if resume is not None else 0
         if self.is_worker:
             from .runtime.script import ScriptWorker
 
             self._worker = ScriptWorker(config, self._channel, model)
+            self.start_iteration = self._worker.start_iteration
             atexit.register(self._at_exit)
         self._cpu, self._wall = time.process_time(), time.perf_counter()
 
@@ -166,25 +176,24 @@ class Session:
             raise UsageError(text.replace("{rank}", str(rank)))
 
     # ---- rank 0 and the servers ---------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self) -> int:
         """Rank 0: schedule, decide the bits, serve shard 0 and write the trace, until the
         workers have run every iteration; a shard server: serve its shard. Returns then (the
-        script goes on). A worker's failure ends the run: rank 0 closes the trace "failed"
-        and raises the error naming it."""
+        script goes on) the exit code for the script: 0, or ``EXIT_REQUEUE`` (75) when the
+        run stopped for a requeue (its state went to the first worker). A worker's failure
+        ends the run: rank 0 closes the trace "failed" and raises the error naming it."""
         if self.is_worker:
             raise UsageError(f"rank {self.rank} is a worker: serve() is rank 0's and the shard servers' "
                              "(use session.is_worker)")
         from .runtime.session import report_late_kernels, run_other_rank, run_parameter_server
-        from .runtime.stopping import StopFlag
 
         self._started = True
         try:
             if self.rank == 0:
                 log = lambda message: print(message, flush=True)  # noqa: E731
-                run_parameter_server(self.config, self._channel, StopFlag(), sys.argv, log, self._warm_up_s,
-                                     model=self.model)
-            else:
-                run_other_rank(self.config, self._channel, self.model)
+                return run_parameter_server(self.config, self._channel, self._stop, sys.argv, log, self._warm_up_s,
+                                            model=self.model, resume_state=self._resume)
+            return run_other_rank(self.config, self._channel, self.model)
         finally:
             self._done = True
             report_late_kernels(self.rank, self._watch)
@@ -207,11 +216,36 @@ class Session:
             self._done = True  # rank 0 was told (or has finished: an exchange past the last)
             raise
         self._cpu, self._wall = time.process_time(), time.perf_counter()
-        if record.last:
+        if record.last or record.stop:
             self._done = True
             from .runtime.session import report_late_kernels
             report_late_kernels(self.rank, self._watch)
         return record
+
+    def exit(self, code: int) -> None:
+        """End this process with ``code``, together with every other rank: a barrier, then
+        MPI_Finalize, then exit (as ``mpigrad train`` ends). Call it on every rank for the
+        requeue's ``EXIT_REQUEUE`` (75), after the first worker saved the checkpoint: under
+        ``python -m mpi4py`` a ``sys.exit(75)`` aborts the job at once, perhaps while the
+        first worker is still writing it. Does not return."""
+        from .runtime.launch import end_together
+
+        self._done = True
+        sys.stdout.flush()
+        end_together(self.comm, int(code))
+
+    def state_dict(self) -> dict | None:
+        """The first worker (``worker_index`` 0), after an exchange that returned
+        ``checkpoint``: the run's state at that iteration (rank 0's policy, clocks and trace
+        position, every worker's and server's codec and error-feedback state), to save with the
+        script's model, optimizer and schedule and pass back as ``Session(..., resume=STATE)``.
+        None on any other rank; UsageError before the first checkpoint."""
+        if self.worker_index != 0:
+            return None
+        if self._worker.state is None:
+            raise UsageError("state_dict(): no checkpoint yet (an exchange returns checkpoint=True after one: "
+                             "set checkpoint_every, or wait for a walltime stop)")
+        return self._worker.state
 
     def close(self) -> None:
         """End this rank's part. A worker that has not run every iteration left the loop
@@ -244,6 +278,14 @@ class Session:
 
 def config_file_name(config: RunConfig) -> str:
     return config.declared_ranks[0] if config.declared_ranks else "the config file"
+
+
+def _resume_problem(resume: bool, comm) -> str | None:
+    """A line where this rank resumes and rank 0 does not, or the other way round."""
+    if resume == comm.bcast(resume if comm.Get_rank() == 0 else None, root=0):
+        return None
+    return ("rank {rank} " + ("resumes (resume=STATE) and rank 0 does not" if resume else
+                              "does not resume and rank 0 does (resume=STATE)") + ": pass the same state on every rank")
 
 
 def _model_problem(model, comm) -> str | None:

@@ -23,4 +23,4 @@ def late_finalize() -> None:
 
 
 MPI.Finalize = late_finalize
-launch._end_together(MPI.COMM_WORLD, code)
+launch.end_together(MPI.COMM_WORLD, code)

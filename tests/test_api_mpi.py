@@ -5,6 +5,10 @@ OneCycleLR and a DataLoader with worker processes) against the same loop under t
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +19,7 @@ import pytest
 
 from mpigrad.trace import load
 
-from conftest import REPO, mpiexec, without_launcher_notice
+from conftest import REPO, assert_same_trace, mpiexec, without_launcher_notice
 
 pytestmark = pytest.mark.mpi
 
@@ -70,12 +74,26 @@ def test_the_example_in_float32_gives_ddps_losses_to_the_last_bit(tmp_path, mpi_
     assert run.config["optimizer"] == "script AdamW" and run.config["codec"] == "fp32"
 
 
-def test_the_comparisons_methods_trace_what_trace_summary_and_compare_read(tmp_path, mpi_env):
-    for method in ("fix2", "mqgrad"):
-        result = run_script(3, [EXAMPLE, "--config", COMPARE / f"{method}.toml", "--trace", tmp_path / f"{method}.h5",
-                                "--set", "progress_every=16", "--loader-workers", "0"], mpi_env)
-        assert result.returncode == 0, result.stderr
-        assert "iter 48/48" in result.stdout
+#: The example's options in the runs below (MQGrad with error feedback: state to checkpoint).
+OPTIONS = ["--set", "progress_every=8", "--set", "error_feedback=residual", "--loader-workers", "1"]
+
+
+@pytest.fixture(scope="module")
+def mqgrad_straight(tmp_path_factory, mpi_env):
+    """examples/api/train.py with MQGrad and error feedback, straight through: its trace."""
+    trace = tmp_path_factory.mktemp("straight") / "mqgrad.h5"
+    result = run_script(3, [EXAMPLE, "--config", COMPARE / "mqgrad.toml", "--trace", trace, *OPTIONS], mpi_env)
+    assert result.returncode == 0, result.stderr
+    assert "iter 48/48" in result.stdout
+    return trace
+
+
+def test_the_comparisons_methods_trace_what_trace_summary_and_compare_read(tmp_path, mpi_env, mqgrad_straight):
+    result = run_script(3, [EXAMPLE, "--config", COMPARE / "fix2.toml", "--trace", tmp_path / "fix2.h5", *OPTIONS],
+                        mpi_env)
+    assert result.returncode == 0, result.stderr
+    assert "iter 48/48" in result.stdout
+    shutil.copy(mqgrad_straight, tmp_path / "mqgrad.h5")
     summary = subprocess.run([sys.executable, "-m", "mpigrad", "trace", "summary", tmp_path / "fix2.h5",
                               tmp_path / "mqgrad.h5"], capture_output=True, text=True, env=mpi_env)
     assert summary.returncode == 0, summary.stderr
@@ -119,3 +137,51 @@ def test_each_misuse_ends_with_a_line_naming_it(tmp_path, mpi_env, case):
             assert f"rank {rank}: exchange() called for iteration 5, but the run has 4" in result.stdout
     else:
         assert error == line or error.startswith(line), error  # the trace says who and why
+
+
+def start_example(trace, env, *extra) -> subprocess.Popen:
+    command = mpiexec(3, [sys.executable, "-m", "mpi4py", str(EXAMPLE), "--config", str(COMPARE / "mqgrad.toml"),
+                          "--trace", str(trace), *OPTIONS, *map(str, extra)])
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def interrupt_after(process: subprocess.Popen, line: str, sig: int) -> tuple[int, str, str]:
+    """Send ``sig`` to the whole run (as Slurm's forwarding does) once ``line`` is printed."""
+    out = []
+    for text in process.stdout:
+        out.append(text)
+        if line in text:
+            os.killpg(process.pid, sig)
+            break
+    try:
+        rest, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the run did not end after {signal.Signals(sig).name}: {''.join(out)}")
+    return process.returncode, "".join(out) + rest, without_launcher_notice(err)
+
+
+def test_a_scripts_run_stopped_killed_and_resumed_is_the_straight_run(tmp_path, mpi_env, mqgrad_straight):
+    """MQGrad with error feedback: a walltime signal stops the run (worker 0 saves the model,
+    AdamW, OneCycleLR and mpigrad's state, every rank exits 75), the resumed run checkpoints
+    every 8 iterations and is killed (SIGKILL), the next resumes from its last checkpoint: the
+    trace is the straight run's, row for row."""
+    trace, saved = tmp_path / "requeued.h5", tmp_path / "requeued.pt"
+    code, out, err = interrupt_after(start_example(trace, mpi_env, "--checkpoint", saved), "iter 16/48",
+                                     signal.SIGUSR1)
+    assert code == 75, out + err
+    assert "received SIGUSR1: stopped after iteration" in out and "checkpoint to worker rank 1" in out
+    assert load(trace).status == "stopped" and saved.exists()
+    stopped_at = len(load(trace).steps)
+    code, out, err = interrupt_after(start_example(trace, mpi_env, "--checkpoint", saved, "--set",
+                                                   "checkpoint_every=8"), "iter 40/48", signal.SIGKILL)
+    assert f"resuming from the state given at iteration {stopped_at}" in out, out + err
+    assert "checkpoint after iteration 24: to worker rank 1" in out
+    result = run_script(3, [EXAMPLE, "--config", COMPARE / "mqgrad.toml", "--trace", trace, *OPTIONS,
+                            "--checkpoint", saved, "--set", "checkpoint_every=8"], mpi_env)
+    assert result.returncode == 0, result.stderr
+    resumed_at = re.search(r"resuming from the state given at iteration (\d+)", result.stdout)
+    assert resumed_at and int(resumed_at.group(1)) in (32, 40), result.stdout  # the kill came after 40's line
+    assert_same_trace(load(mqgrad_straight), load(trace))
+    assert not saved.exists()  # the finished run removed its checkpoint

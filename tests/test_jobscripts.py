@@ -437,6 +437,33 @@ def test_real_train_command_through_walltime_requeue_and_resume(cluster):
     assert int(stopped[1]) < 40, "the run was meant to stop midway"
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+def test_a_scripts_job_stops_on_the_walltime_signal_requeues_and_resumes(cluster):
+    """jobscripts/script.sbatch with examples/api/train.py (mpigrad.Session, MQGrad): the
+    walltime signal stops the run, the script saves its checkpoint and every rank exits 75,
+    the job requeues, and the next start resumes from the checkpoint to a complete trace."""
+    from mpigrad.trace import load
+
+    trace, saved = "runs/api-1000.h5", "runs/api-1000.pt"
+    result = cluster.sbatch("--ntasks=3", "jobscripts/script.sbatch", "examples/api/train.py", "--config",
+                            "examples/compare/mqgrad.toml", "--trace", trace, "--checkpoint", saved,
+                            "--loader-workers", "0", "--set", "progress_every=16",
+                            MPIGRAD_LAUNCHER="mpiexec", FAKE_SLURM_SIGNAL_WHEN=trace)
+    assert result.returncode == 0, result.stderr
+    log = (cluster.submit / "mpigrad-script-1000.out").read_text()
+    assert cluster.jobs() == [("1000", 0, 0), ("1000", 1, 0)], log
+    assert "scontrol requeue 1000" in cluster.calls()
+    stopped = re.search(r"received SIGUSR1: stopped after iteration (\d+), checkpoint to worker rank 1", log)
+    assert stopped and int(stopped[1]) < 48, log
+    assert f"resuming from the state given at iteration {stopped[1]}" in log
+    assert f"step: mpiexec -n 3 {sys.executable} -m mpi4py examples/api/train.py --config" in log
+    run = load(str(cluster.submit / trace))
+    assert run.complete and run.steps["iteration"].tolist() == list(range(48))
+    assert not (cluster.submit / saved).exists()
+
+
 def test_sweep_runs_every_method_and_requeues_one_task(cluster):
     result = cluster.sbatch("--ntasks=4", "jobscripts/sweep.sbatch", "examples/quick/",
                             FAKE_STEP_SECONDS="0.001", FAKE_SLURM_SIGNAL_TASKS="3",

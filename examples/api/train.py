@@ -11,6 +11,12 @@ the class, drawn from a seed, and the model is a small CNN written below.
 
 The two differ in a few lines, marked ``# mpigrad`` and ``# DDP`` (docs/api.rst shows them
 side by side). ``--losses PREFIX`` writes each worker's losses to PREFIX-K.json (K its index).
+
+Checkpoints, as a Slurm job that is requeued needs them (jobscripts/script.sbatch): with
+``--checkpoint FILE`` worker 0 saves the model, the optimizer, the schedule and mpigrad's state
+in FILE whenever mpigrad checkpoints (``--set checkpoint_every=N``, and on a walltime signal,
+SIGUSR1 or SIGTERM, after which every rank exits 75), and a start that finds FILE continues
+from it into the same trace; the finished run removes it.
 """
 
 from __future__ import annotations
@@ -76,12 +82,18 @@ def main() -> None:
     parser.add_argument("--loader-workers", type=int, default=3)
     parser.add_argument("--losses", metavar="PREFIX", help="write each worker's losses to PREFIX-K.json")
     parser.add_argument("--port", type=int, default=29512, help="DDP: the rendezvous port on this host")
+    parser.add_argument("--checkpoint", metavar="FILE",
+                        help="mpigrad: save checkpoints to FILE (worker 0), and resume from it where it exists")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = StripesNet()
     dataset = Stripes(args.samples, seed=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    resume = not args.ddp and args.checkpoint and os.path.exists(args.checkpoint)
+    saved = torch.load(args.checkpoint, weights_only=False) if resume else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])  # on every rank: the Session checks they agree
 
     if args.ddp:  # DDP
         from mpi4py import MPI
@@ -97,29 +109,49 @@ def main() -> None:
 
         options = parse_assignments(args.set, "--set") or {}  # KEY=VALUE, the values parsed as numbers where they are
         session = mpigrad.Session(model, args.config, optimizer=optimizer, trace=args.trace, force=args.force,
-                                  **options)
+                                  resume=saved and saved["mpigrad"], **options)
         net, index, workers = model, session.worker_index, session.workers
         session.iterations = iterations = args.epochs * math.ceil(math.ceil(len(dataset) / workers) / BATCH)
         if not session.is_worker:
-            session.serve()  # rank 0 (and any shard servers): until the workers have finished
+            code = session.serve()  # rank 0 (and any shard servers): until the workers have finished
+            if code:
+                session.exit(code)  # stopped for a requeue: 75 on every rank, once worker 0 has saved
             return
 
     sampler = DistributedSampler(dataset, num_replicas=workers, rank=index, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=args.loader_workers)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=iterations)
-    losses = []
+    if saved is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+    start = 0 if args.ddp else session.start_iteration  # mpigrad: where a resumed run goes on
+    losses, m = [], 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
+            m += 1
+            if m <= start:
+                continue  # a batch the run before the requeue trained on
             optimizer.zero_grad()
             loss = F.cross_entropy(net(x), y)
             loss.backward()
             if not args.ddp:
-                session.exchange(loss)  # mpigrad: the decoded average of the workers' gradients into .grad
+                done = session.exchange(loss)  # mpigrad: the decoded average of the workers' gradients into .grad
             optimizer.step()
             scheduler.step()
             losses.append(loss.item())
-    if index == 0:
+            if args.ddp:
+                continue
+            if done.checkpoint and index == 0 and args.checkpoint:  # mpigrad: its state with the script's
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "mpigrad": session.state_dict()}
+                torch.save(state, args.checkpoint + ".tmp")
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            if done.stop:  # a walltime signal: requeue
+                session.exit(mpigrad.EXIT_REQUEUE)
+            if done.last and index == 0 and args.checkpoint and os.path.exists(args.checkpoint):
+                os.remove(args.checkpoint)  # a finished run has nothing to resume
+    if index == 0 and losses:
         print(f"worker 0: loss {losses[0]:.4f} -> {sum(losses[-8:]) / len(losses[-8:]):.4f} (mean of the last 8) "
               f"in {len(losses)} iterations", flush=True)
     if args.losses:

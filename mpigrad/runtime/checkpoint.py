@@ -79,6 +79,23 @@ def remove(path: Path) -> None:
         p.unlink(missing_ok=True)
 
 
+def contents(ident: dict[str, Any], server: dict, workers: list[dict], servers: list[dict] = ()) -> dict:
+    """A checkpoint's contents: the run's identity, rank 0's state, each worker's and each
+    shard server's (ranks 1..S-1). ``save`` writes them; a script's run
+    (:class:`mpigrad.Session`) gives them to the script, which saves them with its own."""
+    return {"format": FORMAT, "identity": ident, "server": server, "workers": workers, "servers": list(servers)}
+
+
+def check(state: Any, ident: dict[str, Any], source: str) -> dict:
+    """``state`` (checkpoint contents from ``source``, e.g. a script's file) checked to be
+    a checkpoint of this run; UsageError (one line) otherwise."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT or "identity" not in state:
+        raise UsageError(f"resume: {source} is not the state of an mpigrad run (Session.state_dict()) of this "
+                         f"mpigrad (format {FORMAT})")
+    _check_identity(source, state["identity"], ident)
+    return state
+
+
 def save(path: Path, ident: dict[str, Any], server: dict, workers: list[dict],
          servers: list[dict] = ()) -> int:
     """Write rank 0's state, each worker's and each shard server's (ranks 1..S-1), keeping
@@ -90,8 +107,7 @@ def save(path: Path, ident: dict[str, Any], server: dict, workers: list[dict],
         with os.fdopen(fd, "wb") as handle:
             handle.write(bytes(_HEAD.size))  # filled in once the payload's length and CRC are known
             payload = _CrcWriter(handle)
-            torch.save({"format": FORMAT, "identity": ident, "server": server, "workers": workers,
-                        "servers": list(servers)}, payload)
+            torch.save(contents(ident, server, workers, servers), payload)
             handle.seek(0)
             handle.write(_HEAD.pack(_MAGIC, FORMAT, payload.length, payload.crc))
             handle.flush()
@@ -186,7 +202,7 @@ def load(path: Path, ident: dict[str, Any], warn: Callable[[str], None] = lambda
     raise UsageError(f"--resume: no checkpoint at {path}")
 
 
-def _check_identity(path: Path, saved: dict[str, Any], ident: dict[str, Any]) -> None:
+def _check_identity(path: Path | str, saved: dict[str, Any], ident: dict[str, Any]) -> None:
     if saved["world_size"] != ident["world_size"]:
         raise UsageError(f"--resume: checkpoint {path} was written by {saved['world_size']} ranks, "
                          f"this run has {ident['world_size']}")

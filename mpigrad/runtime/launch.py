@@ -218,11 +218,11 @@ def run(args: argparse.Namespace) -> int:
         # Every rank gets here together (the checks are deterministic or broadcast).
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
-        _end_together(comm, EXIT_USAGE)
+        end_together(comm, EXIT_USAGE)
     try:
         code = run_rank(config, comm, sys.argv, started)
         if code:
-            _end_together(comm, code)  # e.g. 75 after a checkpoint
+            end_together(comm, code)  # e.g. 75 after a checkpoint
         return code
     except UsageError as exc:
         if rank == 0:
@@ -249,7 +249,7 @@ def _abort(comm, code: int) -> None:
 _FORWARD_SECONDS = 0.5
 
 
-def _end_together(comm, code: int) -> NoReturn:
+def end_together(comm, code: int) -> NoReturn:
     """Finalize every rank cleanly, then exit each with ``code`` (a non-zero one from rank 0
     first).
 

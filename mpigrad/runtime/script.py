@@ -9,8 +9,8 @@ import dataclasses
 
 from ..errors import UsageError
 from .iteration import run_iteration
-from .session import RankFailure, follower_role
-from .wire import PeerTimeout
+from .session import RankFailure, deliver_checkpoint, follower_role
+from .wire import CHECKPOINT_AFTER, STOP_AFTER, PeerTimeout
 
 __all__ = ["Exchanged", "ScriptWorker"]
 
@@ -27,6 +27,13 @@ class Exchanged:
     bits: tuple[int, ...]
     #: Whether it was the run's last iteration (``iterations``).
     last: bool
+    #: Whether rank 0 checkpointed after it (``checkpoint_every``, or a stop): the first
+    #: worker then holds the run's state (``Session.state_dict()``) for the script to save
+    #: with its model and optimizer.
+    checkpoint: bool = False
+    #: Whether the run stops after it (a walltime signal or ``walltime``): the script saves
+    #: the checkpoint and exits ``EXIT_REQUEUE`` (75) on every rank.
+    stop: bool = False
 
 
 class ScriptWorker:
@@ -36,9 +43,13 @@ class ScriptWorker:
     def __init__(self, config, channel, model):
         self.config, self.channel, self.model = config, channel, model
         self.role, start = follower_role(config, channel, model)
-        if start:
-            raise UsageError("resuming a script's run is not built")
+        #: The iteration the run starts at (its checkpoint's, when resumed; else 0).
+        self.start_iteration = self.role.iteration = start
         self.params = [p for p in model.parameters() if p.requires_grad]
+        #: The run's state after the last checkpoint (the first worker's; None elsewhere).
+        self.state: dict | None = None
+        #: Whether rank 0 stopped the run (a walltime signal): no exchange follows.
+        self.stopped = False
 
     @property
     def iteration(self) -> int:
@@ -52,6 +63,9 @@ class ScriptWorker:
         UsageError past the run's iterations; without any gradient, or on a failure, rank 0
         is told (it names this rank and closes the trace "failed") and the error raised."""
         m = self.role.iteration
+        if self.stopped:
+            raise UsageError(f"exchange() after the run stopped (after iteration {m}, to be requeued): save the "
+                             "state and exit 75 (mpigrad.EXIT_REQUEUE) on every rank")
         if m >= self.config.iterations:
             raise UsageError(f"exchange() called for iteration {m + 1}, but the run has {self.config.iterations} "
                              "(iterations): end the loop there, or raise iterations")
@@ -68,8 +82,14 @@ class ScriptWorker:
         except Exception as exc:
             RankFailure(exc, self.channel, m).report()
             raise
+        command = self.role.control_msg.command
+        saved = command in (CHECKPOINT_AFTER, STOP_AFTER)
+        if saved:  # every rank's state to rank 0, and the whole to the first worker (session.py)
+            self.channel.gather_object(self.role.state_dict(), f"checkpoint state after iteration {m + 1}")
+            self.state = deliver_checkpoint(self.channel)
+        self.stopped = command == STOP_AFTER
         bits = tuple(int(b) for b in self.role.control_msg.bits)
-        return Exchanged(m, loss, bits, m + 1 == self.config.iterations)
+        return Exchanged(m, loss, bits, m + 1 == self.config.iterations, saved, command == STOP_AFTER)
 
     def _gather_gradients(self) -> None:
         """Every parameter's gradient into the replica's flat gradient, and ``.grad`` a view

@@ -936,7 +936,8 @@ class ParameterServer:
     def load_state_dict(self, state: dict) -> None:
         self.check_shard_plan(state)
         self.iteration = int(state["iteration"])
-        self.replica.load_state_dict(state["replica"])
+        if not self.script:  # a script's model is the script's to load, on every rank
+            self.replica.load_state_dict(state["replica"])
         if not self.colocated:  # colocated, the workers keep the optimizer (rank 0 applies no update)
             self.replica.load_update_state_dict(state.get("update"))
         self.policy.load_state_dict(state["policy"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import socket
 import sys
 import time
@@ -96,7 +97,7 @@ def _launch_problem(config, size: int, model=None) -> str | None:
             if trace_status(trace) == "complete":
                 raise UsageError(f"--resume: trace {trace} is complete, there is nothing to resume "
                                  "(start a new run with another --trace, or --force without --resume)")
-            if not checkpoint.exists(config.checkpoint_path):
+            if model is None and not checkpoint.exists(config.checkpoint_path):  # a script's: its own file
                 raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
             network.resume_change(trace, network.current(), config.force)  # refused unless --force
         else:
@@ -217,18 +218,26 @@ def _run_role(config, comm: MPI.Comm, argv: list[str], started: float | None, co
 
 
 def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, warm_up_s: float | None = None,
-                         model=None) -> int:
+                         model=None, resume_state: dict | None = None) -> int:
     """Rank 0's session: resume, trace, iterate, then checkpoint (exit 75) or finish (0).
-    ``warm_up_s``: the seconds rank 0's warm-up took, for the start-up lines; ``model``: a
-    script's (:class:`mpigrad.Session`), else the config's."""
+    ``warm_up_s``: the seconds rank 0's warm-up took, for the start-up lines.
+
+    ``model``: a script's (:class:`mpigrad.Session`), else the config's. A script's run
+    writes no checkpoint file: each checkpoint's contents go to the first worker
+    (:func:`deliver_checkpoint`), whose script saves them, and it resumes from
+    ``resume_state``, those contents as the script loaded them."""
     from .server import ParameterServer
     from .tracing import RunTrace
 
+    script = model is not None
     server = ParameterServer(config, channel, stop, log=log, model=model)
     ident = checkpoint.identity(config.to_dict(), channel.size)
     start = 0
     if config.resume:
-        state, path = checkpoint.load(config.checkpoint_path, ident, warn=log)
+        if script:
+            state, path = checkpoint.check(resume_state, ident, "the state given"), "the state given"
+        else:
+            state, path = checkpoint.load(config.checkpoint_path, ident, warn=log)
         server.load_state_dict(state["server"])
         start = server.iteration
         if start >= config.iterations:
@@ -262,14 +271,20 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
         trace.flush()  # first: the trace must hold every row before the checkpoint's iteration
         state = server.state_dict()
         states = channel.gather_object(None, f"checkpoint state after iteration {server.iteration}")
-        size = checkpoint.save(config.checkpoint_path, ident, state, [states[r] for r in channel.workers],
-                               servers=states[1:config.non_worker_ranks()])
+        workers, servers = [states[r] for r in channel.workers], states[1:config.non_worker_ranks()]
+        if script:
+            size = deliver_checkpoint(channel, checkpoint.contents(ident, state, workers, servers))
+        else:
+            size = checkpoint.save(config.checkpoint_path, ident, state, workers, servers=servers)
         clocks.resume()
         return f"{size / 1e6:.1f} MB, {time.perf_counter() - began:.1f} s"
 
+    #: Where a checkpoint goes, for the log lines.
+    destination = f"to worker rank {channel.workers[0]}, for the script to save" if script else config.checkpoint_path
+
     def periodic_checkpoint() -> None:
         written = save_checkpoint()
-        log(f"mpigrad: checkpoint after iteration {server.iteration}: {config.checkpoint_path} ({written})")
+        log(f"mpigrad: checkpoint after iteration {server.iteration}: {destination} ({written})")
 
     try:
         stopped = server.run(trace, start, on_checkpoint=periodic_checkpoint)
@@ -282,13 +297,27 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
     trace.add_seconds("rank0_wait_cpu_seconds", server.iteration_wait_cpu_seconds)
     if stopped:
         trace.close("stopped")
+        resume = "Session(..., resume=the state)" if script else "--resume"
         log(f"mpigrad: {stop.reason}: stopped after iteration {server.iteration}, checkpoint "
-            f"{config.checkpoint_path}; exit {EXIT_REQUEUE} (resume with --resume; checkpoint {written})")
+            f"{destination}; exit {EXIT_REQUEUE} (resume with {resume}; checkpoint {written})")
         return EXIT_REQUEUE
     trace.close("complete")
-    checkpoint.remove(config.checkpoint_path)  # a finished run has nothing to resume
+    if not script:
+        checkpoint.remove(config.checkpoint_path)  # a finished run has nothing to resume
     log(trace.final_summary())
     return 0
+
+
+def deliver_checkpoint(channel, contents: dict | None = None):
+    """A script's checkpoint (:class:`mpigrad.Session`): rank 0 sends ``contents``
+    (``checkpoint.contents``) to the first worker and returns their size in bytes; every
+    other rank takes part and receives them (the first worker) or None."""
+    if channel.rank == 0:
+        payload = pickle.dumps(contents, protocol=pickle.HIGHEST_PROTOCOL)  # once: its size is the log's
+        channel.scatter_object([payload if rank == channel.workers[0] else None for rank in range(channel.size)])
+        return len(payload)
+    payload = channel.scatter_object(None)
+    return None if payload is None else pickle.loads(payload)
 
 
 class RankFailure(RuntimeError):
@@ -332,6 +361,8 @@ def run_other_rank(config, channel, model=None) -> int:
 
         def send_state() -> None:
             channel.gather_object(role.state_dict(), f"checkpoint state after iteration {role.iteration}")
+            if model is not None:  # a script's run: the contents go to the first worker
+                deliver_checkpoint(channel)
 
         if role.run(start, on_checkpoint=send_state):
             send_state()

@@ -410,7 +410,8 @@ class Worker(FollowerRole):
             self.server_compressor.load_state_dict(state["server_compressor"])
         if self.lowrank is not None:
             self.lowrank.load_state_dict(state["lowrank"])
-        self.replica.load_state_dict(replica_state)
+        if not self.script:  # a script's model is the script's to load
+            self.replica.load_state_dict(replica_state)
         self.replica.load_update_state_dict(state.get("update"))
         if self.momentum is not None:
             self.momentum.load_state_dict(state["momentum_correction"], like=self.replica.codec_gradient())
