@@ -41,7 +41,6 @@ SCRIPT_KEYS = ("model", "model_opts", "data", "data_dir", "data_opts", "batch_si
 
 #: Keys of ``mpigrad train`` that a :class:`Session` takes otherwise or not yet, each with why.
 NOT_BUILT = {
-    "pipeline": "the pipelined iteration exchanges buckets from backward's hooks, which a Session does not set",
     "resume": "a Session resumes from the state the script saved: pass resume=STATE (Session.state_dict())",
     "checkpoint": "a Session writes no checkpoint file: the script saves Session.state_dict() with its own",
 }
@@ -210,17 +209,7 @@ class Session:
         self._started = True
         value = float(loss.detach().item() if hasattr(loss, "detach") else loss)
         cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
-        try:
-            record = worker.exchange(value, cpu, wall)
-        except BaseException:
-            self._done = True  # rank 0 was told (or has finished: an exchange past the last)
-            raise
-        self._cpu, self._wall = time.process_time(), time.perf_counter()
-        if record.last or record.stop:
-            self._done = True
-            from .runtime.session import report_late_kernels
-            report_late_kernels(self.rank, self._watch)
-        return record
+        return self._finished(lambda: worker.exchange(value, cpu, wall))
 
     def exit(self, code: int) -> None:
         """End this process with ``code``, together with every other rank: a barrier, then
@@ -246,6 +235,35 @@ class Session:
             raise UsageError("state_dict(): no checkpoint yet (an exchange returns checkpoint=True after one: "
                              "set checkpoint_every, or wait for a walltime stop)")
         return self._worker.state
+
+    def backward(self, loss) -> Exchanged:
+        """``loss.backward()`` and :meth:`exchange` in one call (a worker). In a pipelined run
+        (``pipeline = true``, colocated servers) they overlap: each bucket of gradients goes to
+        its server as backward produces it, and the averages come back into ``.grad`` before
+        it returns; there, call this in place of ``loss.backward()`` and ``exchange``."""
+        worker = self._worker
+        if worker is None:
+            raise UsageError(f"rank {self.rank} serves: backward() is a worker's (use session.is_worker)")
+        if not self.config.pipeline:
+            loss.backward()
+            return self.exchange(loss)
+        self._started = True
+        cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
+        return self._finished(lambda: worker.backward(loss, cpu, wall))
+
+    def _finished(self, step) -> Exchanged:
+        """Run one exchange (``step``) and keep the Session's account of it."""
+        try:
+            record = step()
+        except BaseException:
+            self._done = True  # rank 0 was told (or has finished: an exchange past the last)
+            raise
+        self._cpu, self._wall = time.process_time(), time.perf_counter()
+        if record.last or record.stop:
+            self._done = True
+            from .runtime.session import report_late_kernels
+            report_late_kernels(self.rank, self._watch)
+        return record
 
     def close(self) -> None:
         """End this rank's part. A worker that has not run every iteration left the loop

@@ -50,7 +50,7 @@ def test_a_config_file_gives_its_method_and_leaves_the_scripts_keys_out():
 @pytest.mark.parametrize("options, message", [
     ({"optimizer": "adamw"}, "optimizer: the script's own"),
     ({"lr": 0.1}, "lr: the script's own"),
-    ({"pipeline": True}, "pipeline: the pipelined iteration"),
+    ({"pipeline": True}, "pipeline needs servers = colocated"),
     ({"resume": True}, "resume: a Session resumes from the state the script saved: pass resume=STATE"),
     ({"checkpoint": "a.ckpt"}, "checkpoint: a Session writes no checkpoint file"),
     ({"policy": "nope"}, "nope"),
@@ -111,9 +111,9 @@ BASE = dict(model_opts={"fc_sizes": [64, 64]}, min_quantize_size=2000, iteration
             seed=5, lr=0.05, weight_decay=0.0, codec="uniform", policy="fixed", bits=3, error_feedback="residual")
 
 
-def _train(tmp_path, servers, name):
+def _train(tmp_path, servers, name, pipeline=False):
     """``mpigrad train``'s own loop (plain SGD), every rank on a thread of the loopback."""
-    config = RunConfig(**{**BASE, "servers": servers, "trace": str(tmp_path / name)})
+    config = RunConfig(**{**BASE, "servers": servers, "pipeline": pipeline, "trace": str(tmp_path / name)})
     net = LoopbackNetwork(3, 2 if servers == "colocated" else 1, timeout=20.0, colocated=servers == "colocated")
     errors = {}
 
@@ -131,14 +131,15 @@ def _train(tmp_path, servers, name):
     return load(tmp_path / name)
 
 
-def _script(tmp_path, servers, name):
+def _script(tmp_path, servers, name, pipeline=False):
     """The same method from a script's loop: its own torch.optim.SGD, its own batches (the
-    same as train's sampler draws), the gradients exchanged by ScriptWorker."""
+    same as train's sampler draws), the gradients exchanged by ScriptWorker (pipelined: its
+    backward runs the script's backward, bucket by bucket)."""
     train_config = RunConfig(**{**BASE, "servers": servers})
     dataset = load_data(train_config)
     method = {k: v for k, v in BASE.items() if k not in SCRIPT_KEYS}
-    config, _ = script_config(None, {**method, "servers": servers, "trace": str(tmp_path / name)}, "script CNN",
-                              "script SGD")
+    config, _ = script_config(None, {**method, "servers": servers, "pipeline": pipeline,
+                                     "trace": str(tmp_path / name)}, "script CNN", "script SGD")
     colocated = servers == "colocated"
     net = LoopbackNetwork(3, 2 if colocated else 1, timeout=20.0, colocated=colocated)
     models = [build_config_model(train_config, dataset) for _ in range(3)]
@@ -159,8 +160,11 @@ def _script(tmp_path, servers, name):
                 x, y = torch.from_numpy(dataset.train_x[idx]), torch.from_numpy(dataset.train_y[idx])
                 optimizer.zero_grad()
                 loss = model.loss(model(x), y, 0.0)
-                loss.backward()
-                record = worker.exchange(loss.item(), 0.0, 0.0)
+                if pipeline:
+                    record = worker.backward(loss, 0.0, 0.0)
+                else:
+                    loss.backward()
+                    record = worker.exchange(loss.item(), 0.0, 0.0)
                 losses[rank].append(record.loss)
                 optimizer.step()
             assert record.last and record.bits == (3,) * len(record.bits)
@@ -179,12 +183,13 @@ def _join(threads):
         t.join(80)
 
 
-@pytest.mark.parametrize("servers", [1, "colocated"])
-def test_a_scripts_loop_with_torch_sgd_is_mpigrad_trains_run_bit_for_bit(tmp_path, servers):
+@pytest.mark.parametrize("servers, pipeline", [(1, False), ("colocated", False), ("colocated", True)])
+def test_a_scripts_loop_with_torch_sgd_is_mpigrad_trains_run_bit_for_bit(tmp_path, servers, pipeline):
     """The seam: the decoded average lands in ``.grad`` and torch's SGD steps with it, as
-    train's own plain SGD does; every loss, byte and checksum of the trace is the same."""
-    own = _train(tmp_path, servers, "train.h5")
-    script, losses = _script(tmp_path, servers, "script.h5")
+    train's own plain SGD does; every loss, byte and checksum of the trace is the same
+    (pipelined too: the buckets' averages stay in ``.grad`` until the script steps)."""
+    own = _train(tmp_path, servers, "train.h5", pipeline)
+    script, losses = _script(tmp_path, servers, "script.h5", pipeline)
     for column in ("loss", "bytes_up", "bytes_down", "sim_time"):
         np.testing.assert_array_equal(own.steps[column].to_numpy(), script.steps[column].to_numpy(), err_msg=column)
     for table in ("workers", "checksums"):

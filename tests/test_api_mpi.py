@@ -89,10 +89,13 @@ def mqgrad_straight(tmp_path_factory, mpi_env):
 
 
 def test_the_comparisons_methods_trace_what_trace_summary_and_compare_read(tmp_path, mpi_env, mqgrad_straight):
-    result = run_script(3, [EXAMPLE, "--config", COMPARE / "fix2.toml", "--trace", tmp_path / "fix2.h5", *OPTIONS],
-                        mpi_env)
+    """Fix (2-bit) with colocated servers and the pipelined iteration (session.backward
+    sends each bucket as backward produces it), MQGrad with one server: traces that ``trace
+    summary`` and ``compare`` read and label."""
+    result = run_script(3, [EXAMPLE, "--config", COMPARE / "fix2.toml", "--trace", tmp_path / "fix2.h5", *OPTIONS,
+                            "--set", "servers=colocated", "--set", "pipeline=true"], mpi_env)
     assert result.returncode == 0, result.stderr
-    assert "iter 48/48" in result.stdout
+    assert "iter 48/48" in result.stdout and "each worker serving a shard (colocated)" in result.stdout
     shutil.copy(mqgrad_straight, tmp_path / "mqgrad.h5")
     summary = subprocess.run([sys.executable, "-m", "mpigrad", "trace", "summary", tmp_path / "fix2.h5",
                               tmp_path / "mqgrad.h5"], capture_output=True, text=True, env=mpi_env)
@@ -105,6 +108,7 @@ def test_the_comparisons_methods_trace_what_trace_summary_and_compare_read(tmp_p
     print(compare.stdout)
     fix2, mqgrad = load(tmp_path / "fix2.h5"), load(tmp_path / "mqgrad.h5")
     assert (fix2.steps["bits"] == 2).all() and fix2.config["optimizer"] == "script AdamW"
+    assert fix2.config["pipeline"] and fix2.config["servers"] == "colocated"
     assert mqgrad.steps["bits"].between(1, 32).all() and len(mqgrad.policy) > 0  # the agent's own rows
 
 

@@ -134,9 +134,10 @@ def main() -> None:
                 continue  # a batch the run before the requeue trained on
             optimizer.zero_grad()
             loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            if not args.ddp:
-                done = session.exchange(loss)  # mpigrad: the decoded average of the workers' gradients into .grad
+            if args.ddp:
+                loss.backward()  # DDP: the all-reduce in backward's hooks
+            else:
+                done = session.backward(loss)  # mpigrad: backward, the decoded average of the workers' into .grad
             optimizer.step()
             scheduler.step()
             losses.append(loss.item())

@@ -56,12 +56,23 @@ class ScriptWorker:
         """The next iteration to exchange (the number exchanged so far)."""
         return self.role.iteration
 
-    def exchange(self, loss: float, cpu: float, wall: float) -> Exchanged:
-        """Iteration ``iteration``: this worker's gradients (each parameter's ``.grad``; a
-        missing one counts as zero) and ``loss``, with the CPU and wall seconds the script's
-        step took (the clock's compute); the decoded average comes back into ``.grad``.
-        UsageError past the run's iterations; without any gradient, or on a failure, rank 0
-        is told (it names this rank and closes the trace "failed") and the error raised."""
+    def backward(self, loss, cpu: float, wall: float) -> Exchanged:
+        """A pipelined run's (``pipeline``, colocated servers) ``loss.backward()`` and the
+        exchange of iteration ``iteration``: each bucket's frames go as backward produces it
+        (:mod:`.pipeline`). ``cpu`` and ``wall`` are the script's seconds before it (the
+        batch and the forward pass)."""
+        if self.role.pipeline is None:
+            raise UsageError("backward() is the pipelined run's (pipeline = true): call loss.backward(), then "
+                             "exchange(loss)")
+        self._check_open()
+        for view in self.role.replica.grad_views:  # backward accumulates into the flat gradient
+            view.zero_()
+        for p, view in zip(self.params, self.role.replica.grad_views):
+            p.grad = view
+        return self._run(self.role.iteration, float(loss.detach().item()), cpu, wall, loss)
+
+    def _check_open(self) -> None:
+        """UsageError for an exchange after the run stopped or past its iterations."""
         m = self.role.iteration
         if self.stopped:
             raise UsageError(f"exchange() after the run stopped (after iteration {m}, to be requeued): save the "
@@ -69,12 +80,28 @@ class ScriptWorker:
         if m >= self.config.iterations:
             raise UsageError(f"exchange() called for iteration {m + 1}, but the run has {self.config.iterations} "
                              "(iterations): end the loop there, or raise iterations")
+
+    def exchange(self, loss: float, cpu: float, wall: float) -> Exchanged:
+        """Iteration ``iteration``: this worker's gradients (each parameter's ``.grad``; a
+        missing one counts as zero) and ``loss``, with the CPU and wall seconds the script's
+        step took (the clock's compute); the decoded average comes back into ``.grad``.
+        UsageError past the run's iterations; without any gradient, or on a failure, rank 0
+        is told (it names this rank and closes the trace "failed") and the error raised."""
+        if self.role.pipeline is not None:
+            raise UsageError("pipeline: call session.backward(loss) in place of loss.backward() and exchange(): "
+                             "it sends each bucket as backward produces it")
+        self._check_open()
         try:
             self._gather_gradients()
         except UsageError as exc:
             self.leave(str(exc))
             raise
-        self.role.take_computed(loss, cpu, wall)
+        return self._run(self.role.iteration, loss, cpu, wall)
+
+    def _run(self, m: int, loss: float, cpu: float, wall: float, tensor=None) -> Exchanged:
+        """Iteration ``m`` of the protocol with the script's loss; then the checkpoint's
+        exchange where rank 0 marked one."""
+        self.role.take_computed(loss, cpu, wall, tensor)
         try:
             run_iteration(self.role, m)
         except (UsageError, PeerTimeout):

@@ -157,13 +157,17 @@ class Worker(FollowerRole):
             self.computed, self.computed_ahead = self.computed_ahead, None
             if self.computed is None:
                 raise RuntimeError(f"iteration {m} began without the script's loss (Worker.take_computed)")
+            if self.pipeline is not None:  # backward runs in ``gradients``, bucket by bucket
+                self.loss_tensor, self.script_loss = self.script_loss, None
         else:
             self.computed = self._compute(m)
 
-    def take_computed(self, loss: float, cpu: float, wall: float) -> None:
+    def take_computed(self, loss: float, cpu: float, wall: float, tensor: torch.Tensor | None = None) -> None:
         """The script's loss of the coming iteration and the CPU and wall seconds its step
-        took (a script's worker: ``begin`` reports them in place of its own compute)."""
+        took (a script's worker: ``begin`` reports them in place of its own compute); in a
+        pipelined run the loss ``tensor`` too, on which ``gradients`` runs backward."""
         self.computed_ahead = (loss, cpu, wall)
+        self.script_loss = tensor
 
     def losses(self, m: int) -> None:
         loss, cpu, wall = self.computed
