@@ -39,8 +39,8 @@ SCRIPT_KEYS = ("model", "model_opts", "data", "data_dir", "data_opts", "batch_si
                "lr_scaling", "augment", "augment_opts", "autocast", "momentum_correction", "eval_every",
                "eval_samples", "device", "share_gpu", "tf32")
 
-#: Keys of ``mpigrad train`` that a :class:`Session` takes otherwise or not yet, each with why.
-NOT_BUILT = {
+#: Keys of ``mpigrad train`` that a :class:`Session` takes otherwise, each with how.
+TRAIN_ONLY_KEYS = {
     "resume": "a Session resumes from the state the script saved: pass resume=STATE (Session.state_dict())",
     "checkpoint": "a Session writes no checkpoint file: the script saves Session.state_dict() with its own",
 }
@@ -50,38 +50,37 @@ def script_config(config_file: str | None, options: dict[str, Any], model_name: 
                   optimizer_name: str | None = None) -> tuple[RunConfig, list[str]]:
     """The run's config for a script: defaults, the TOML file, then ``options`` (the keys of
     ``mpigrad train``'s config files), checked as ``mpigrad train`` checks them; the keys the
-    script owns (:data:`SCRIPT_KEYS`) are refused as ``options`` and dropped from the file.
-    Returns the config, whose ``model``, ``data`` and ``optimizer`` say ``script NAME``, and the
-    file's dropped keys. UsageError (one line) on bad or unbuilt options."""
+    script owns (:data:`SCRIPT_KEYS`) are refused as ``options`` and dropped from the file
+    (before the checks: what is dropped is not checked). Returns the config, whose ``model``,
+    ``data`` and ``optimizer`` say ``script NAME``, and the file's dropped keys. UsageError
+    (one line) on a bad option, a script's key or a key of :data:`TRAIN_ONLY_KEYS`."""
     from .runtime.checks import check_options
 
     for key in options:
         if key in SCRIPT_KEYS:
             raise UsageError(f"{key}: the script's own (its model, data, optimizer and loop), not mpigrad.Session's: "
                              "drop the argument")
-    for key, why in NOT_BUILT.items():
-        if options.get(key):
-            raise UsageError(f"{key}: {why}")
     config = RunConfig.from_sources(config_file, options)
-    dropped = sorted(key for key in config.given if key in SCRIPT_KEYS and key not in options)
-    for key, why in NOT_BUILT.items():
+    for key, how in TRAIN_ONLY_KEYS.items():
         if getattr(config, key):
-            raise UsageError(f"{config_file}: {key}: {why}")
-    check_options(config)
+            raise UsageError(f"{key if key in options else f'{config_file}: {key}'}: {how}")
+    dropped = sorted(key for key in config.given if key in SCRIPT_KEYS)
     defaults = RunConfig()
     for key in SCRIPT_KEYS:
         setattr(config, key, getattr(defaults, key))
+    config.given = frozenset(config.given - set(SCRIPT_KEYS))
+    check_options(config)
     config.model, config.data = model_name, "script"
     config.optimizer = optimizer_name or "script"
     config.lr, config.weight_decay, config.eval_every = None, 0.0, 0  # the script's rate: not known here
-    config.given = frozenset(config.given - set(SCRIPT_KEYS))
     return config, dropped
 
 
 class Session:
     """One run of a script's own training loop over MPI, with mpigrad's method.
 
-    ``Session(model, config=None, *, optimizer=None, comm=None, **options)``, on every rank:
+    ``Session(model, config=None, *, optimizer=None, resume=None, comm=None, **options)``,
+    on every rank:
 
     - ``model``: the script's ``torch.nn.Module``, built alike on every rank (the same
       architecture and the same initial weights: a hash is checked here). The Session lays
@@ -92,6 +91,12 @@ class Session:
       ``trace="runs/a.h5"``, ``iterations=300``, ...), over the file's.
     - ``optimizer``: the script's, checked to hold only the model's parameters, its class
       name recorded in the trace.
+    - ``resume``: the state a checkpoint gave (:meth:`state_dict`), on every rank alike.
+    - ``comm``: the communicator (``MPI.COMM_WORLD``).
+
+    Like ``mpigrad train`` it sets torch's and Numba's threads per rank (``threads``, else
+    ``SLURM_CPUS_PER_TASK``, else 1) and catches SIGUSR1 and SIGTERM (a stop at the next
+    iteration's end).
 
     Collective: every rank constructs it with the same arguments. A bad option, a model that
     differs between ranks or an optimizer over other parameters raises :class:`UsageError`
@@ -104,10 +109,10 @@ class Session:
 
         started = time.monotonic()
         self.comm = comm if comm is not None else MPI.COMM_WORLD
-        self.rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
         self.model = model
-        optimizer_name = f"script {type(optimizer).__name__}" if optimizer is not None else None
-        self.config, dropped = script_config(config, options, f"script {type(model).__name__}", optimizer_name)
+        config_file = config
+        self.config, dropped = self._agreed_config(config_file, options, model, optimizer)
         config = self.config
         config.resume = resume is not None
         self._agree(_resume_problem(config.resume, self.comm))
@@ -119,16 +124,11 @@ class Session:
         check_launch(config, self.comm, model)
         self._agree(_model_problem(model, self.comm))
         self._agree(_optimizer_problem(optimizer, model) if optimizer is not None else None)
+        if config.resume:
+            self._agree(_resume_state_problem(resume, config, self.comm) if self.rank == 0 else None)
         if dropped and self.rank == 0:
-            print(f"mpigrad: note: {config_file_name(config)}'s {', '.join(dropped)} are the script's in a "
+            print(f"mpigrad: note: {config_file}'s {', '.join(dropped)} are the script's in a "
                   "Session: not used", flush=True)
-        workers = size - config.non_worker_ranks()
-        #: The number of workers P (ranks that run the loop), as DistributedSampler's num_replicas.
-        self.workers = workers
-        #: Whether this rank runs the training loop (else it serves: :meth:`serve`).
-        self.is_worker = self.rank >= config.non_worker_ranks()
-        #: This worker's index in 0..P-1 (DistributedSampler's rank), None on a serving rank.
-        self.worker_index = self.rank - config.non_worker_ranks() if self.is_worker else None
         from .runtime.session import open_channel, warm_up_in_turn
         from .runtime.warmup import KernelWatch
 
@@ -137,19 +137,32 @@ class Session:
         # On every rank, as under mpigrad train: a walltime signal (SIGUSR1, SIGTERM) sets a
         # flag that rank 0 reads once per iteration; the run stops at an iteration's end.
         self._stop = StopFlag(config.walltime, started).install()
-        self._channel = open_channel(config, self.comm)
-        self._worker = None
-        self._resume = resume
-        self._done = self._started = False
+        self._channel = channel = open_channel(config, self.comm)
+        #: The number of workers P (ranks that run the loop), as DistributedSampler's num_replicas.
+        self.workers = len(channel.workers)
+        #: Whether this rank runs the training loop (else it serves: :meth:`serve`).
+        self.is_worker = channel.is_worker
+        #: This worker's index in 0..P-1 (DistributedSampler's rank), None on a serving rank.
+        self.worker_index = channel.workers.index(self.rank) if self.is_worker else None
         #: The iteration the run starts at: the resumed state's, else 0 (skip the batches before it).
         self.start_iteration = int(resume["server"]["iteration"]) if resume is not None else 0
+        self._resume = resume
+        self._worker = None  # a worker's ScriptWorker, built at its first exchange (rank 0 serves by then)
+        self._done = self._started = False
         if self.is_worker:
-            from .runtime.script import ScriptWorker
-
-            self._worker = ScriptWorker(config, self._channel, model)
-            self.start_iteration = self._worker.start_iteration
             atexit.register(self._at_exit)
         self._cpu, self._wall = time.process_time(), time.perf_counter()
+
+    def _agreed_config(self, config_file, options, model, optimizer) -> tuple[RunConfig, list[str]]:
+        """``script_config`` on every rank, a refusal raised on every rank alike."""
+        problem = None
+        try:
+            optimizer_name = f"script {type(optimizer).__name__}" if optimizer is not None else None
+            result = script_config(config_file, options, f"script {type(model).__name__}", optimizer_name)
+        except UsageError as exc:
+            problem = str(exc)
+        self._agree(problem)
+        return result
 
     @property
     def iterations(self) -> int:
@@ -161,7 +174,7 @@ class Session:
     @iterations.setter
     def iterations(self, value: int) -> None:
         if self._started:
-            raise UsageError("iterations: set it before serve() and the first exchange()")
+            raise UsageError("iterations: set it before serve() and the first exchange(), on every rank alike")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"iterations must be a whole number >= 1, got {value!r}")
         self.config.iterations = value
@@ -198,82 +211,106 @@ class Session:
             report_late_kernels(self.rank, self._watch)
 
     # ---- a worker -----------------------------------------------------------------------
+    def _worker_role(self):
+        """This worker's ScriptWorker, built at its first exchange (with rank 0's start-up
+        exchange, which rank 0 answers in :meth:`serve`: so the script may make its own
+        collective calls between constructing the Session and serving)."""
+        if not self.is_worker:
+            raise UsageError(f"rank {self.rank} serves: exchange() and backward() are a worker's (use "
+                             "session.is_worker)")
+        if self._worker is None:
+            from .runtime.script import ScriptWorker
+
+            self._started = True
+            self._worker = ScriptWorker(self.config, self._channel, self.model)
+        return self._worker
+
     def exchange(self, loss) -> Exchanged:
         """After ``loss.backward()``: send this worker's gradients and ``loss`` (a tensor or a
         number: what the policy observes and the trace records), receive the decoded average
         of every worker's into each parameter's ``.grad`` (a parameter without a gradient
         counts as zero). Then step the optimizer. Call it ``iterations`` times per worker."""
-        worker = self._worker
-        if worker is None:
-            raise UsageError(f"rank {self.rank} serves: exchange() is a worker's (use session.is_worker)")
-        self._started = True
         value = float(loss.detach().item() if hasattr(loss, "detach") else loss)
         cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
-        return self._finished(lambda: worker.exchange(value, cpu, wall))
-
-    def exit(self, code: int) -> None:
-        """End this process with ``code``, together with every other rank: a barrier, then
-        MPI_Finalize, then exit (as ``mpigrad train`` ends). Call it on every rank for the
-        requeue's ``EXIT_REQUEUE`` (75), after the first worker saved the checkpoint: under
-        ``python -m mpi4py`` a ``sys.exit(75)`` aborts the job at once, perhaps while the
-        first worker is still writing it. Does not return."""
-        from .runtime.launch import end_together
-
-        self._done = True
-        sys.stdout.flush()
-        end_together(self.comm, int(code))
-
-    def state_dict(self) -> dict | None:
-        """The first worker (``worker_index`` 0), after an exchange that returned
-        ``checkpoint``: the run's state at that iteration (rank 0's policy, clocks and trace
-        position, every worker's and server's codec and error-feedback state), to save with the
-        script's model, optimizer and schedule and pass back as ``Session(..., resume=STATE)``.
-        None on any other rank; UsageError before the first checkpoint."""
-        if self.worker_index != 0:
-            return None
-        if self._worker.state is None:
-            raise UsageError("state_dict(): no checkpoint yet (an exchange returns checkpoint=True after one: "
-                             "set checkpoint_every, or wait for a walltime stop)")
-        return self._worker.state
+        return self._finished(lambda: self._worker_role().exchange(value, cpu, wall))
 
     def backward(self, loss) -> Exchanged:
         """``loss.backward()`` and :meth:`exchange` in one call (a worker). In a pipelined run
         (``pipeline = true``, colocated servers) they overlap: each bucket of gradients goes to
         its server as backward produces it, and the averages come back into ``.grad`` before
-        it returns; there, call this in place of ``loss.backward()`` and ``exchange``."""
-        worker = self._worker
-        if worker is None:
-            raise UsageError(f"rank {self.rank} serves: backward() is a worker's (use session.is_worker)")
+        it returns; there, call this in place of ``loss.backward()`` and ``exchange``, and it
+        starts from zero gradients (none accumulated by an earlier backward)."""
         if not self.config.pipeline:
             loss.backward()
             return self.exchange(loss)
-        self._started = True
         cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
-        return self._finished(lambda: worker.backward(loss, cpu, wall))
+        return self._finished(lambda: self._worker_role().backward(loss, cpu, wall))
 
     def _finished(self, step) -> Exchanged:
-        """Run one exchange (``step``) and keep the Session's account of it."""
+        """Run one exchange (``step``) and keep the Session's account of it. On an error rank
+        0 is told (unless it already was, or is gone, or the run is over), then it is raised."""
+        from .runtime.wire import PeerTimeout
+
         try:
             record = step()
-        except BaseException:
-            self._done = True  # rank 0 was told (or has finished: an exchange past the last)
+        except BaseException as exc:
+            worker = self._worker
+            if worker is not None and not (worker.reported or worker.over or isinstance(exc, PeerTimeout)):
+                worker.leave(f"{type(exc).__name__}: {exc}" if not isinstance(exc, UsageError) else str(exc))
+            self._end()
             raise
         self._cpu, self._wall = time.process_time(), time.perf_counter()
         if record.last or record.stop:
-            self._done = True
+            self._end()
             from .runtime.session import report_late_kernels
             report_late_kernels(self.rank, self._watch)
         return record
+
+    def state_dict(self) -> dict | None:
+        """The first worker (``worker_index`` 0), after an exchange that returned
+        ``checkpoint``: the run's state after that iteration (rank 0's policy, clocks and
+        trace position, every worker's and server's codec and error-feedback state), to save
+        with the script's model, optimizer and schedule as they are after that iteration's
+        ``optimizer.step()``, and to pass back as ``Session(..., resume=STATE)``. None on any
+        other rank; UsageError before the first checkpoint."""
+        if self.worker_index != 0:
+            return None
+        if self._worker is None or self._worker.state is None:
+            raise UsageError("state_dict(): no checkpoint yet (an exchange returns checkpoint=True after one: "
+                             "set checkpoint_every, or wait for a walltime stop)")
+        return self._worker.state
+
+    def exit(self, code: int) -> None:
+        """End this process with ``code``, together with every other rank: a barrier, then
+        MPI_Finalize, then exit (as ``mpigrad train`` ends: Python's own exit handlers do not
+        run; stdout and stderr are flushed). Call it on every rank for the requeue's
+        ``EXIT_REQUEUE`` (75), after the first worker saved the checkpoint: under ``python -m
+        mpi4py`` a ``sys.exit(75)`` aborts the job at once, perhaps while the first worker is
+        still writing it. It finalizes MPI_COMM_WORLD whatever ``comm`` was. Does not return."""
+        from .runtime.launch import end_together
+
+        self._end()
+        end_together(self.comm, int(code))
 
     def close(self) -> None:
         """End this rank's part. A worker that has not run every iteration left the loop
         early: rank 0 is told (it ends the run with a line naming the worker and closes the
         trace "failed"), and UsageError is raised here. Called at exit when not called."""
-        if self._done or self._worker is None:
-            self._done = True
+        if self._done or not self.is_worker:
+            self._end()
             return
+        self._end()
+        done = self._worker.iteration if self._worker is not None else self.start_iteration
+        text = (f"worker rank {self.rank} left the training loop after {done} of {self.iterations} iterations "
+                "(each worker calls exchange() iterations times)")
+        from .runtime.script import leave_run
+
+        leave_run(self._channel, done, text)
+        raise UsageError(text)
+
+    def _end(self) -> None:
         self._done = True
-        raise UsageError(self._worker.leave())
+        atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
         if not self._done:
@@ -286,16 +323,15 @@ class Session:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if error is not None and not self._done and self._worker is not None:
+        if error is not None and not self._done and self.is_worker:
             # The script's error inside the loop: rank 0 names it and closes the trace "failed".
-            self._done = True
-            self._worker.leave(f"{type(error).__name__}: {error}")
+            from .runtime.script import leave_run
+
+            self._end()
+            done = self._worker.iteration if self._worker is not None else self.start_iteration
+            leave_run(self._channel, done, f"{type(error).__name__}: {error}")
             return
         self.close()
-
-
-def config_file_name(config: RunConfig) -> str:
-    return config.declared_ranks[0] if config.declared_ranks else "the config file"
 
 
 def _resume_problem(resume: bool, comm) -> str | None:
@@ -306,13 +342,31 @@ def _resume_problem(resume: bool, comm) -> str | None:
                               "does not resume and rank 0 does (resume=STATE)") + ": pass the same state on every rank")
 
 
+def _resume_state_problem(state, config: RunConfig, comm) -> str | None:
+    """Rank 0's line where ``state`` is not a checkpoint of this run (its format, method or
+    world size), else None."""
+    from .runtime import checkpoint
+
+    try:
+        checkpoint.check(state, checkpoint.identity(config.to_dict(), comm.Get_size()), "the state given")
+        int(state["server"]["iteration"])
+    except UsageError as exc:
+        return str(exc)
+    except (KeyError, TypeError, ValueError):
+        return "resume: the state given is not the state of an mpigrad run (Session.state_dict())"
+    return None
+
+
 def _model_problem(model, comm) -> str | None:
     """A line for rank 0 where this rank's model differs from rank 0's (names, shapes or
-    initial values of its parameters and buffers), else None."""
+    initial values of its parameters and buffers), else None. Collective (a bcast)."""
+    import torch
+
     crc = 0
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         crc = zlib.crc32(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode(), crc)
-        crc = zlib.crc32(tensor.detach().cpu().contiguous().numpy().view("uint8"), crc)
+        # The bytes as torch holds them (any dtype, 0-d buffers such as BatchNorm's count too).
+        crc = zlib.crc32(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
     reference = comm.bcast(crc if comm.Get_rank() == 0 else None, root=0)
     if crc == reference:
         return None

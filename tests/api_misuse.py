@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import mpigrad
 
-CASES = ("models-differ", "foreign-optimizer", "no-backward", "leaves-early", "same-batches", "raises")
+CASES = ("models-differ", "foreign-optimizer", "no-backward", "leaves-early", "same-batches", "raises",
+         "iterations-differ")
 
 
 def main() -> None:
@@ -29,6 +30,8 @@ def main() -> None:
                                 else model.parameters(), lr=0.05)
     session = mpigrad.Session(model, codec="fp32", policy="fixed", iterations=4, trace=args.trace,
                               optimizer=optimizer, progress_every=0, timeout=60.0)
+    if args.case == "iterations-differ" and rank == 2:
+        session.iterations = 3
     if not session.is_worker:
         session.serve()
         print(f"rank {rank}: served", flush=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpigrad.api import SCRIPT_KEYS, _model_problem, _optimizer_problem, script_config
+from mpigrad.api import SCRIPT_KEYS, _model_problem, _optimizer_problem, _resume_problem, script_config
 from mpigrad.config import RunConfig
 from mpigrad.data import ShardSampler
 from mpigrad.errors import UsageError
@@ -99,6 +99,23 @@ def test_a_model_built_otherwise_than_rank_0s_is_named():
     assert "differs" in _model_problem(torch.nn.Linear(4, 2), OneRank(reference))
 
 
+def test_the_model_check_reads_every_dtype_and_0_d_buffers():
+    """BatchNorm's num_batches_tracked is a 0-d int64 buffer; bf16 parameters have no NumPy dtype."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Linear(4, 2).bfloat16())
+    reference = _crc(model)
+    assert _model_problem(model, OneRank(reference)) is None
+    with torch.no_grad():
+        model[1].num_batches_tracked += 1
+    assert "differs" in _model_problem(model, OneRank(reference))
+
+
+def test_resuming_on_some_ranks_only_is_named():
+    assert _resume_problem(True, OneRank(True)) is None
+    assert "resumes (resume=STATE) and rank 0 does not" in _resume_problem(True, OneRank(False))
+    assert "does not resume and rank 0 does" in _resume_problem(False, OneRank(True))
+
+
 def test_an_optimizer_over_other_parameters_is_named():
     model, other = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     assert _optimizer_problem(torch.optim.SGD(model.parameters(), lr=0.1), model) is None
@@ -153,6 +170,9 @@ def _script(tmp_path, servers, name, pipeline=False):
                 return
             model = models[rank]
             worker = ScriptWorker(config, net.channel(rank), model)
+            if pipeline:  # a pipelined run's exchange is its backward
+                with pytest.raises(UsageError, match="pipeline: call session.backward"):
+                    worker.exchange(0.0, 0.0, 0.0)
             optimizer = torch.optim.SGD(model.parameters(), lr=BASE["lr"])
             sampler = ShardSampler(len(dataset.train_y), rank - 1, 2, BASE["batch_size"], BASE["seed"])
             for _ in range(config.iterations):

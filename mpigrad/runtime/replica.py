@@ -146,7 +146,9 @@ class Replica:
                 self.flat_grad.copy_(self.update_device)
         elif self._device_update is not None:
             copied("to_device", 4 * self.flat.numel())
-            self.flat_grad.copy_(torch.from_numpy(self.update_host), non_blocking=True)
+            # From the pinned buffer, on the current stream: the script's optimizer, queued
+            # after it on the same stream, reads .grad once the copy is done.
+            self.flat_grad.copy_(self._host_update, non_blocking=True)
 
     def _apply(self, update: torch.Tensor, lr: float, offset: int, end: int) -> None:
         if self.codecs_on_device:

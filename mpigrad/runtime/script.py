@@ -12,7 +12,7 @@ from .iteration import run_iteration
 from .session import RankFailure, deliver_checkpoint, follower_role
 from .wire import CHECKPOINT_AFTER, STOP_AFTER, PeerTimeout
 
-__all__ = ["Exchanged", "ScriptWorker"]
+__all__ = ["Exchanged", "ScriptWorker", "leave_run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,19 +42,24 @@ class ScriptWorker:
 
     def __init__(self, config, channel, model):
         self.config, self.channel, self.model = config, channel, model
-        self.role, start = follower_role(config, channel, model)
+        #: Whether rank 0 was told that this worker leaves (:meth:`leave`, a failure).
+        self.reported = False
+        # Built at the first exchange, after the script's backward: the replica points every
+        # .grad at its flat buffer, so the gradients backward made are kept and put back.
+        made = [p.grad for p in model.parameters()]
+        self.role, start, iterations = follower_role(config, channel, model)
+        for p, grad in zip(model.parameters(), made):
+            p.grad = grad
         #: The iteration the run starts at (its checkpoint's, when resumed; else 0).
         self.start_iteration = self.role.iteration = start
+        if iterations != config.iterations:
+            raise UsageError(self.leave(f"worker rank {channel.rank} runs {config.iterations} iterations and rank 0 "
+                                        f"{iterations}: set session.iterations alike on every rank"))
         self.params = [p for p in model.parameters() if p.requires_grad]
         #: The run's state after the last checkpoint (the first worker's; None elsewhere).
         self.state: dict | None = None
         #: Whether rank 0 stopped the run (a walltime signal): no exchange follows.
         self.stopped = False
-
-    @property
-    def iteration(self) -> int:
-        """The next iteration to exchange (the number exchanged so far)."""
-        return self.role.iteration
 
     def backward(self, loss, cpu: float, wall: float) -> Exchanged:
         """A pipelined run's (``pipeline``, colocated servers) ``loss.backward()`` and the
@@ -107,6 +112,7 @@ class ScriptWorker:
         except (UsageError, PeerTimeout):
             raise
         except Exception as exc:
+            self.reported = True
             RankFailure(exc, self.channel, m).report()
             raise
         command = self.role.control_msg.command
@@ -134,11 +140,27 @@ class ScriptWorker:
             raise UsageError(f"exchange() found no gradient on any parameter at iteration {self.role.iteration}: "
                              "call loss.backward() before it")
 
-    def leave(self, text: str | None = None) -> str:
-        """Tell rank 0 that this worker leaves before the run's end (it ends the run with the
-        line naming the worker, and closes the trace "failed"); return the line."""
-        done, total = self.role.iteration, self.config.iterations
-        text = text or (f"worker rank {self.channel.rank} left the training loop after {done} of {total} iterations "
-                        "(each worker calls exchange() iterations times)")
-        RankFailure(RuntimeError(text), self.channel, done).report()
+    @property
+    def iteration(self) -> int:
+        """The next iteration to exchange (the number exchanged so far)."""
+        return self.role.iteration
+
+    @property
+    def over(self) -> bool:
+        """Whether the run has ended for this worker (its last iteration, or a stop)."""
+        return self.stopped or self.role.iteration >= self.config.iterations
+
+    def leave(self, text: str) -> str:
+        """Tell rank 0 that this worker leaves before the run's end, saying ``text`` (rank 0
+        ends the run with the line naming the worker and closes the trace "failed"); return
+        ``text``."""
+        self.reported = True
+        leave_run(self.channel, self.role.iteration, text)
         return text
+
+
+def leave_run(channel, iteration: int, text: str) -> None:
+    """Tell rank 0 that this worker leaves at ``iteration``, saying ``text`` (it ends the
+    run naming the worker and closes the trace "failed"; this rank waits for that end, or
+    returns when it does not come)."""
+    RankFailure(RuntimeError(text), channel, iteration).report()

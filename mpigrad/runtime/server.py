@@ -897,7 +897,9 @@ class ParameterServer:
         keep_update = self.has_previous and self.policy.uses_gradients and not self.mixed
         errors = self.setting_errors  # measured, for the next decision (PowerSGD with menus)
         return {"setting_errors": torch.from_numpy(errors.copy()) if errors is not None else None,
-                "iteration": self.iteration, "replica": self.replica.state_dict(),
+                "iteration": self.iteration,
+                # a script's model is the script's to save (rank 0 applies no update to it)
+                "replica": None if self.script else self.replica.state_dict(),
                 "policy": self.policy.state_dict(),
                 "compressor": self.compressor.state_dict() if self.compressor is not None else None,
                 "clocks": self.clock.clocks.state_dict(), "last_iteration_ms": self.last_iteration_ms,

@@ -252,7 +252,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
     gathered = channel.gather_object((socket.gethostname(), None))
     hosts = [host for host, _ in gathered]
     device_warm_ups = [seconds for _, seconds in gathered if seconds is not None]
-    channel.bcast_object(start)
+    channel.bcast_object((start, config.iterations))
     trace = RunTrace.open(config, layout=server.replica.layout, workers=server.workers, servers=server.servers,
                           policy_columns=server.policy.record_columns(),
                           data_description=server.data_description, hosts=hosts, argv=argv,
@@ -336,7 +336,8 @@ class RankFailure(RuntimeError):
 def follower_role(config, channel, model=None):
     """Build this worker's or shard server's role (around a script's ``model`` when given),
     load its checkpoint state on resume, and take part in the start-up exchange with rank 0
-    (:func:`run_parameter_server`); return the role and the iteration to start from."""
+    (:func:`run_parameter_server`); return the role, the iteration to start from and rank
+    0's number of iterations."""
     if not channel.is_worker:
         from .server import ShardServer
         role = ShardServer(config, channel, model)
@@ -348,7 +349,8 @@ def follower_role(config, channel, model=None):
         if config.resume:
             role.load_state_dict(*channel.scatter_object(None))
     channel.gather_object((socket.gethostname(), getattr(role, "device_warm_up_s", None)))
-    return role, channel.bcast_object(None)
+    start, iterations = channel.bcast_object(None)
+    return role, start, iterations
 
 
 def run_other_rank(config, channel, model=None) -> int:
@@ -357,7 +359,7 @@ def run_other_rank(config, channel, model=None) -> int:
     ``model``: a script's (a shard server of :class:`mpigrad.Session`)."""
     role = None
     try:
-        role, start = follower_role(config, channel, model)
+        role, start, _ = follower_role(config, channel, model)
 
         def send_state() -> None:
             channel.gather_object(role.state_dict(), f"checkpoint state after iteration {role.iteration}")
