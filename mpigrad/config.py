@@ -745,6 +745,32 @@ def declared_ranks(path: str) -> int | None:
     return None
 
 
+def dump_toml(values: dict[str, Any]) -> str:
+    """``values`` (a config's keys, as :func:`load_toml` gives them) as TOML text that
+    :func:`load_toml` reads back to the same values: strings, booleans, numbers, lists and
+    one level of tables (the ``*_opts`` keys, inline); None values are left out (a TOML file
+    has no null), and a key of none of these types is a ValueError."""
+    lines = [f"{key} = {_toml_value(value, key)}" for key, value in values.items() if value is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any, key: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(item, key) for item in value) + "]"
+    if isinstance(value, dict):
+        items = (f"{json.dumps(str(k))} = {_toml_value(v, key)}" for k, v in value.items() if v is not None)
+        return "{" + ", ".join(items) + "}"
+    raise ValueError(f"{key}: a {type(value).__name__} has no TOML form")
+
+
 def load_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as handle:

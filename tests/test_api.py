@@ -219,3 +219,15 @@ def test_a_scripts_loop_with_torch_sgd_is_mpigrad_trains_run_bit_for_bit(tmp_pat
                 np.testing.assert_array_equal(left[column].to_numpy(), right[column].to_numpy(), err_msg=column)
     np.testing.assert_array_equal(script.workers["loss_0"].to_numpy(), np.array(losses[1]))
     assert script.config["optimizer"] == "script SGD" and script.status == "complete"
+
+
+@pytest.mark.quick
+def test_trace_map_takes_a_scripts_run_whose_rate_is_the_scripts(tmp_path):
+    from mpigrad.analysis.maps import SCRIPT_RATE, map_cells, map_rows
+
+    trace, _ = _script(tmp_path, 1, "script.h5")
+    assert trace.config["lr"] is None
+    [cell] = map_cells([trace], target_loss=100.0, smooth=1)  # reached at once
+    assert list(cell.times) == [SCRIPT_RATE] and cell.times[SCRIPT_RATE][5] > 0
+    [row] = map_rows([cell])
+    assert row["best_lr"] == SCRIPT_RATE and row["reached"] == "1/1"

@@ -80,10 +80,10 @@ EXCLUDED = [
     (r"^mpigrad trace compare runs/hard/", "reads the teacher task's traces (" + _HARD + ")"),
     (r"^mpiexec .*--device cuda", "needs a GPU (CI has none: tests/test_device_path_mpi.py runs the device path "
                                   "in Numba's CUDA simulator, docs/gpu.rst's simulator command too)"),
-    (r"^mpigrad bench (codecs|iteration|trace|peers|clock|device)",
+    (r"^mpigrad bench (codecs|iteration|trace|peers|clock|device|api)",
      "a benchmark, minutes per run (tests/test_bench_iteration.py runs bench iteration small, "
      "tests/test_bench_peers.py bench peers, tests/test_bench_clock.py bench clock, "
-     "tests/test_device_path_mpi.py bench device)"),
+     "tests/test_device_path_mpi.py bench device, tests/test_bench_api.py bench api)"),
     (r"^mpigrad trace compare bench-peers/", "reads bench peers' traces (tests/test_bench_peers.py compares them)"),
     (r"^mpigrad trace retime", "the placeholders are written through the TraceWriter API, with none of the "
                                "bytes a run records (tests/test_retime.py re-times real runs)"),

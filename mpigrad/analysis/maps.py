@@ -55,6 +55,10 @@ def network_of(trace: Trace) -> float | str:
     return trace.config.get("bandwidth")
 
 
+#: The rate of a script's run (mpigrad.Session), which its trace does not know: its optimizer's.
+SCRIPT_RATE = "script's"
+
+
 @dataclass
 class Cell:
     """One (method, network) at every rate: ``times[lr][seed]`` = seconds to the target,
@@ -62,20 +66,21 @@ class Cell:
 
     method: str
     network: float | str
-    times: dict[float, dict[int, float | None]] = field(default_factory=dict)
+    times: dict[float | str, dict[int, float | None]] = field(default_factory=dict)
     kind: str | None = None        # compare.config_kind: "fp32", "fixed", "ddp" or None
 
     @property
     def ddp(self) -> bool:
         return self.kind == "ddp"
 
-    def best_lr(self) -> float | None:
+    def best_lr(self) -> float | str | None:
         """The rate of least mean time among those run on every seed of the cell (means over
-        different seeds do not compare) whose every run reached the target."""
+        different seeds do not compare) whose every run reached the target (``SCRIPT_RATE``
+        for a script's runs, whose rate is the script's)."""
         seeds = {seed for runs in self.times.values() for seed in runs}
         reached = {lr: np.mean(list(t.values())) for lr, t in self.times.items()
                    if set(t) == seeds and all(v is not None for v in t.values())}
-        return min(reached, key=lambda lr: (reached[lr], lr)) if reached else None
+        return min(reached, key=lambda lr: (reached[lr], math.inf if lr == SCRIPT_RATE else lr)) if reached else None
 
     def best(self) -> dict[int, float] | None:
         lr = self.best_lr()
@@ -91,7 +96,8 @@ def map_cells(traces: Sequence[Trace], target_loss: float, smooth: int) -> list[
         network = network_of(trace)
         method = method_of(trace)
         cell = cells.setdefault((method, repr(network)), Cell(method, network, kind=config_kind(trace.config)))
-        lr = float(flat_config(trace.config).get("lr"))
+        lr = flat_config(trace.config).get("lr")
+        lr = SCRIPT_RATE if lr is None else float(lr)
         seed = int(trace.config.get("seed", trace.attrs.get("seed", 0)))
         cell.times.setdefault(lr, {})[seed] = time_to_target(trace, target_loss, "sim", smooth)
     return list(cells.values())

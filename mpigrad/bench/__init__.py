@@ -5,8 +5,9 @@ bench's module is run. ``codecs`` times every codec's encode/decode, ``iteration
 training iterations, ``trace`` the trace writer alone, ``peers`` torch DDP (uncompressed,
 fp16 and PowerSGD hooks) beside mpigrad on the same task, ``calibrate`` the cost model of
 local work (:mod:`mpigrad.costmodel`) that deterministic runs charge, ``clock`` the simulated
-clock against the network lab, ``device`` the device path's launches, synchronisations and
-copies per iteration.
+clock against the network lab, ``api`` a script's loop over :class:`mpigrad.Session` against
+``mpigrad train`` on the same config, ``device`` the device path's launches, synchronisations
+and copies per iteration.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ SUBCOMMANDS = {
               "sim/real per iteration"),
     "calibrate": ("mpigrad.bench.calibrate", "measure the cost model of policy/encode/decode/average "
                   "that --compute-time runs charge (-o FILE, JSON)"),
+    "api": ("mpigrad.bench.api", "the library's loop (mpigrad.Session) against mpigrad train on one config: "
+            "ms per iteration and whether the losses are the same"),
     "device": ("mpigrad.bench.device", "the device path's kernel launches, host synchronisations and copies "
                "per iteration and phase (on a GPU, else in Numba's CUDA simulator)"),
 }
