@@ -227,3 +227,83 @@ def test_the_energies_of_a_shards_pieces_are_read_with_one_synchronisation():
     assert len(quantized) == 10 and spent.synchronizations == 1 and spent.launches == 11
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert all(value > 0 for value in got)
+
+
+def _record_streams(monkeypatch) -> list:
+    """(what, stream) of every simulated kernel launch and device array copy from now on."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    seen = []
+    launch = FakeCUDAKernel.__getitem__
+
+    def configured(self, configuration):
+        seen.append((self.fn.__name__, configuration[2] if len(configuration) > 2 else "none given"))
+        return launch(self, configuration)
+
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", configured)
+    for name in ("copy_to_device", "copy_to_host"):
+        def copy(self, *args, stream=0, _name=name, _copy=getattr(FakeCUDAArray, name)):
+            seen.append((_name, stream))
+            return _copy(self, *args, stream=stream)
+
+        monkeypatch.setattr(FakeCUDAArray, name, copy)
+    return seen
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the simulator's streams (a GPU: the cuda-marked test below)")
+def test_every_launch_and_copy_goes_on_the_stream_current_at_the_call(monkeypatch):
+    """Kernels and copies follow the stream the caller made current, switched between calls
+    after the compressor (and its codecs' twins) was built: none keeps one from construction."""
+    from numba import cuda
+
+    from mpigrad.runtime.device import simulated_stream
+
+    host, device, shards = compressors({"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1},
+                                       "residual")
+    device.encode(torch.from_numpy(gradient(0)), [3, 3], shards[0])  # twins built on the default stream
+    seen = _record_streams(monkeypatch)
+    out = torch.zeros(LAYOUT.total)
+    for it, stream in enumerate((cuda.stream(), cuda.stream())):
+        seen.clear()
+        with simulated_stream(stream):
+            frames = [device.encode(torch.from_numpy(gradient(it + 1)), [3, 4], shard).copy() for shard in shards]
+            for shard, frame in zip(shards, frames):
+                device.decode(frame, shard, out, accumulate=True)
+        kernels = {what for what, _ in seen if not what.startswith("copy_")}
+        assert kernels and {"copy_to_device", "copy_to_host"} <= {what for what, _ in seen}
+        wrong = [(what, s) for what, s in seen if s is not stream]
+        assert not wrong, f"on another stream than the current one: {wrong[:5]}"
+    with pytest.raises(RuntimeError, match="simulated_stream is the simulator's"):
+        monkeypatch.setattr("mpigrad.runtime.device.simulated", lambda: False)
+        with simulated_stream(cuda.stream()):
+            pass
+
+
+@pytest.mark.cuda
+def test_the_device_path_follows_a_side_stream_behind_a_long_kernel():
+    """On a GPU: a side stream made current, a long kernel on it, then the gradient written
+    on it. Kernels launched on any other stream would read the gradient before it is there:
+    the frames would differ from the host's; and the decode-and-add, read back on the side
+    stream, would miss the sums."""
+    host, device, shards = compressors({"id": "uniform", "bits": 4, "bucket_size": 512}, "residual")
+    side = torch.cuda.Stream()
+    g = gradient(3)
+    target = torch.zeros(LAYOUT.total, device=DEVICE)
+    source = torch.from_numpy(g).to(DEVICE)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning on the side stream
+        target.copy_(source)
+        frames = [device.encode(target, [4, 4], shard).copy() for shard in shards]
+        out = torch.zeros(LAYOUT.total, device=DEVICE)
+        torch.cuda._sleep(200_000_000)
+        for shard, frame in zip(shards, frames):
+            device.decode(frame, shard, out, accumulate=True)
+        decoded = out.cpu().numpy()
+    for shard, frame in zip(shards, frames):
+        assert np.array_equal(frame, host.encode(g, [4, 4], shard)), shard.server
+    want = np.zeros(LAYOUT.total, np.float32)
+    for shard, frame in zip(shards, frames):
+        host.decode(frame, shard, want, accumulate=True)
+    assert np.array_equal(decoded, want)

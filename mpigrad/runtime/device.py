@@ -15,6 +15,7 @@ Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -122,14 +123,40 @@ def device_view(cuda, tensor: torch.Tensor):
     return cuda.as_cuda_array(tensor)
 
 
-def kernel_stream(cuda):
-    """The stream the kernels run on: torch's current stream when the compressor is built,
-    so that they are ordered with the backward that wrote the gradient and the copies and
-    error-memory operations torch makes on it (the runtime never switches streams: each
-    compressor keeps the one it was built on)."""
+#: Numba's view of each torch stream the path has launched on, by its CUDA handle.
+_EXTERNAL_STREAMS: dict[int, object] = {}
+#: The streams made current by :func:`simulated_stream` (innermost last).
+_SIMULATED_STREAMS: list = []
+
+
+def current_stream(cuda):
+    """The stream the device path's next kernel or copy goes on: torch's current stream at
+    the call (as a numba stream over the same CUDA stream), so that it is ordered with the
+    backward that wrote the gradient and the torch operations (copies, error memory) that
+    run on that stream too, whichever stream the caller has made current. Under the
+    simulator, the innermost :func:`simulated_stream`'s, else the default stream."""
     if simulated():
-        return 0
-    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        return _SIMULATED_STREAMS[-1] if _SIMULATED_STREAMS else cuda.default_stream()
+    handle = torch.cuda.current_stream().cuda_stream
+    stream = _EXTERNAL_STREAMS.get(handle)
+    if stream is None:
+        stream = _EXTERNAL_STREAMS[handle] = cuda.external_stream(handle)
+    return stream
+
+
+@contextlib.contextmanager
+def simulated_stream(stream):
+    """Under Numba's CUDA simulator, ``stream`` (a ``numba.cuda.stream()``) is the device
+    path's current stream inside the block: the simulator's stand-in for ``with
+    torch.cuda.stream(s):``, which needs CUDA. Tests use it to check that every launch and
+    copy goes on the stream current at the call."""
+    if not simulated():
+        raise RuntimeError("simulated_stream is the simulator's: on a GPU use torch.cuda.stream")
+    _SIMULATED_STREAMS.append(stream)
+    try:
+        yield stream
+    finally:
+        _SIMULATED_STREAMS.pop()
 
 
 def synchronize(device: torch.device) -> None:
@@ -194,7 +221,6 @@ class DeviceGradientCompressor:
         self.pieces = host.pieces
         self.feedback = DeviceFeedback(host.feedback, device) if host.feedback is not None else None
         self.cuda = load_cuda()
-        self.stream = kernel_stream(self.cuda)
         self._twins: dict[int, object] = {}
         self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
         self._zeros = np.zeros(k.STATUS_SLOTS, np.int32)
@@ -217,7 +243,7 @@ class DeviceGradientCompressor:
     def _twin(self, codec):
         twin = self._twins.get(id(codec))
         if twin is None or twin.codec is not codec:
-            twin = self._twins[id(codec)] = device_codec(codec, self.stream)
+            twin = self._twins[id(codec)] = device_codec(codec, self._current_stream)
         return twin
 
     def _buffers(self, key, capacity: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -238,18 +264,23 @@ class DeviceGradientCompressor:
     def _view(self, tensor: torch.Tensor):
         return device_view(self.cuda, tensor)
 
+    def _current_stream(self):
+        """Where the next launch or copy goes (:func:`current_stream`); the twins ask it too."""
+        return current_stream(self.cuda)
+
     def _reset_status(self) -> None:
         copied("to_device", self._zeros.nbytes)
-        self._status.copy_to_device(self._zeros, stream=self.stream)
+        self._status.copy_to_device(self._zeros, stream=self._current_stream())
 
     def _check_status(self, twins) -> None:
         """Raise what the frame's status says, in the wording of the first codec that flagged
         (every flag of the frame is in one array: the first twin's wording serves them all)."""
         copied("to_host", self._zeros.nbytes)
-        status = self._status.copy_to_host(stream=self.stream)
+        stream = self._current_stream()
+        status = self._status.copy_to_host(stream=stream)
         synchronized("status read")
         if not simulated():
-            self.stream.synchronize()
+            stream.synchronize()
         if status.any():
             twins[0].raise_status(status)
 

@@ -81,14 +81,14 @@ def warm_up_device(codecs: list[Codec], device) -> float:
     from ..codecs.device import device_codec, host_only, load_cuda
     from ..codecs.device.counters import kernels_launched
     from ..codecs.device.kernels import CHUNK, SIMULATOR
-    from .device import device_view, synchronize
+    from .device import current_stream, device_view, synchronize
 
     began = time.perf_counter()
     cuda = load_cuda()
     for codec in codecs:
         if host_only(codec):
             continue
-        twin = device_codec(codec)
+        twin = device_codec(codec, lambda: current_stream(cuda))
         for n in (37, CHUNK + 37)[:1 if SIMULATOR else 2]:  # a tail; more than one chunk (on a GPU)
             x = torch.linspace(-1.0, 1.0, n, dtype=torch.float32, device=device)
             frame = torch.empty(twin.max_encoded_size(n), dtype=torch.uint8, device=device)

@@ -115,10 +115,12 @@ def load_cuda():
     return cuda
 
 
-def device_codec(codec, stream=0):
+def device_codec(codec, stream=None):
     """The device twin of host ``codec`` (a :class:`~mpigrad.codecs.Codec`), launching on
-    ``stream``; CodecError naming the codecs that have one when it has none, or saying why
-    this config of a codec that has one runs on the host (:func:`host_only`)."""
+    ``stream`` (a stream, a callable giving the stream at each launch, or None: numba's
+    default stream; :class:`~.codecs.DeviceCodec`); CodecError naming the codecs that have
+    one when it has none, or saying why this config of a codec that has one runs on the host
+    (:func:`host_only`)."""
     reason = host_only(codec)
     if reason:
         raise CodecError(reason)

@@ -35,20 +35,32 @@ def as_device_array(cuda, array, what: str):
 
 
 class DeviceCodec(ABC):
-    """Hyperparameters: the host codec and the stream the kernels run on (0: the default
-    stream). State: the status slots and scratch arrays. The host codec's ``checksum``
-    is refused: a payload CRC would need the payload on the host."""
+    """Hyperparameters: the host codec and where its kernels and copies go: ``stream``, a
+    zero-argument callable asked at every launch and copy for the stream to use (the
+    runtime's gives torch's stream current at the call), or a fixed stream, or None (or 0)
+    for numba's default stream. State: the status slots and scratch arrays. The host
+    codec's ``checksum`` is refused: a payload CRC would need the payload on the host."""
 
-    def __init__(self, codec, stream=0):
+    def __init__(self, codec, stream=None):
         if codec.checksum:
             raise CodecError(f"{codec.codec_id}: checksum=True needs the payload on the host to "
                              "compute its CRC; the device codecs do not write one")
         self.codec = codec
         self.cuda = load_cuda()
-        self.stream = stream if stream else self.cuda.default_stream()
+        if callable(stream):
+            self._stream_source = stream
+        else:
+            fixed = stream if stream else None
+            self._stream_source = (lambda: fixed) if fixed is not None else self.cuda.default_stream
         self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
         self._zeros = np.zeros(k.STATUS_SLOTS, np.int32)
         self._scratch: dict[str, object] = {}
+
+    @property
+    def stream(self):
+        """The stream of the next launch or copy: the source's answer at the call, never one
+        kept from construction (a caller may switch streams between calls)."""
+        return self._stream_source()
 
     def max_encoded_size(self, n: int) -> int:
         return self.codec.max_encoded_size(n)
@@ -74,9 +86,10 @@ class DeviceCodec(ABC):
 
     def _read_status(self) -> np.ndarray:
         copied("to_host", self._zeros.nbytes)
-        status = self._status.copy_to_host(stream=self.stream)
+        stream = self.stream
+        status = self._status.copy_to_host(stream=stream)
         synchronized("status read")
-        self.stream.synchronize()
+        stream.synchronize()
         return status
 
     # ---- encode / decode ----------------------------------------------------------------
@@ -368,7 +381,7 @@ class DeviceQSGD(_MaxScaled):
 
     kind = k.QSGD
 
-    def __init__(self, codec, stream=0):
+    def __init__(self, codec, stream=None):
         reason = host_only(codec)
         if reason:
             raise CodecError(reason)
