@@ -6,8 +6,10 @@ With ``--device cuda`` and codecs that have GPU kernels (:mod:`mpigrad.codecs.de
 of a flat gradient that stays in device memory into a device frame buffer (the error
 memory on the device too), copies the packed bytes, and nothing else, into a pinned host
 frame, and writes the headers there; it decodes a received host frame by copying its bytes
-to the device once and adding every piece into a device buffer. One status array per
-frame, read after the copy that waits anyway, carries the kernels' refusals.
+to the device once (through pinned memory) and adding every piece into a device buffer.
+One status array per frame carries the kernels' refusals; its copy back goes after the
+frame's kernels and copies on the same stream, all asynchronous, so that each frame, encoded
+or decoded, waits for the device once.
 
 Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
 (``NUMBA_ENABLE_CUDASIM=1`` and ``MPIGRAD_DEVICE_CODECS=simulator``): how CI tests it.
@@ -223,10 +225,14 @@ class DeviceGradientCompressor:
         self.cuda = load_cuda()
         self._twins: dict[int, object] = {}
         self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
-        self._zeros = np.zeros(k.STATUS_SLOTS, np.int32)
+        self._zeros = self.cuda.pinned_array(k.STATUS_SLOTS, np.int32)
+        self._zeros[:] = 0
+        #: The status read back, in pinned memory: its copy is asynchronous, waited for once.
+        self._status_host = self.cuda.pinned_array(k.STATUS_SLOTS, np.int32)
         self._device_frames: dict = {}
         self._staging: dict = {}
         self._host_frames: dict = {}
+        self._host_staging: dict = {}
         self._scratch = torch.empty(max([p.size for p in self.pieces if p.quantized], default=0),
                                     dtype=torch.float32, device=device)
 
@@ -246,14 +252,18 @@ class DeviceGradientCompressor:
             twin = self._twins[id(codec)] = device_codec(codec, self._current_stream)
         return twin
 
-    def _buffers(self, key, capacity: int) -> tuple[torch.Tensor, np.ndarray]:
+    def _buffers(self, key, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device frame buffer of ``key`` and its pinned host twin, grown as needed."""
-        frame = self._device_buffer(self._device_frames, key, capacity)
-        host = self._host_frames.get(key)
-        if host is None or host.numel() < capacity:
-            host = self._host_frames[key] = torch.empty(capacity, dtype=torch.uint8,
-                                                        pin_memory=self.device.type == "cuda")
-        return frame, host.numpy()
+        return (self._device_buffer(self._device_frames, key, capacity),
+                self._pinned_buffer(self._host_frames, key, capacity))
+
+    def _pinned_buffer(self, buffers: dict, key, capacity: int) -> torch.Tensor:
+        """A host buffer of at least ``capacity`` bytes in pinned memory (a GPU's copies to
+        and from it can be asynchronous), grown as needed."""
+        buffer = buffers.get(key)
+        if buffer is None or buffer.numel() < capacity:
+            buffer = buffers[key] = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return buffer
 
     def _device_buffer(self, buffers: dict, key, capacity: int) -> torch.Tensor:
         buffer = buffers.get(key)
@@ -272,17 +282,20 @@ class DeviceGradientCompressor:
         copied("to_device", self._zeros.nbytes)
         self._status.copy_to_device(self._zeros, stream=self._current_stream())
 
-    def _check_status(self, twins) -> None:
-        """Raise what the frame's status says, in the wording of the first codec that flagged
-        (every flag of the frame is in one array: the first twin's wording serves them all)."""
+    def _wait_and_check_status(self, twins) -> None:
+        """The frame's one wait: its status copied back (asynchronously, into pinned memory)
+        behind everything queued on the stream before it (the frame's kernels and copies),
+        then one synchronisation of that stream. Raise what the status says, in the wording
+        of the first codec that flagged (every flag of the frame is in one array: the first
+        twin's wording serves them all)."""
         copied("to_host", self._zeros.nbytes)
         stream = self._current_stream()
-        status = self._status.copy_to_host(stream=stream)
-        synchronized("status read")
+        status = self._status.copy_to_host(self._status_host, stream=stream)
+        synchronized("frame and status")
         if not simulated():
             stream.synchronize()
         if status.any():
-            twins[0].raise_status(status)
+            twins[0].raise_status(status.copy())
 
     # ---- encode / decode ----------------------------------------------------------------
     def encode(self, grad: torch.Tensor, bits: list[int], shard: Shard) -> np.ndarray:
@@ -293,7 +306,8 @@ class DeviceGradientCompressor:
         there anyway (an error frame)."""
         host = self.host
         capacity = host.capacity(shard, bits)
-        frame, out = self._buffers((shard.server, shard.bucket), capacity)
+        frame, host_frame = self._buffers((shard.server, shard.bucket), capacity)
+        out = host_frame.numpy()
         frame_view = self._view(frame)
         pos = FrameHeader.size(len(shard.pieces))
         headers, twins = [], []
@@ -319,10 +333,10 @@ class DeviceGradientCompressor:
             twins.append(twin)
             pos += HEADER_SIZE + header.payload_len
         copied("to_host", pos)
-        synchronized("frame to host")  # a blocking copy
-        torch.from_numpy(out[:pos]).copy_(frame[:pos])  # the packed bytes, and nothing else
-        synchronize(self.device)
-        self._check_status(twins)
+        # The packed bytes, and nothing else, into pinned memory: asynchronous on a GPU,
+        # waited for with the status.
+        host_frame[:pos].copy_(frame[:pos], non_blocking=True)
+        self._wait_and_check_status(twins)
         for start, header in headers:
             out[start:start + HEADER_SIZE] = header_bytes(header)
         return out[:FrameHeader.write(out, [HEADER_SIZE + h.payload_len for _, h in headers])]
@@ -338,10 +352,12 @@ class DeviceGradientCompressor:
                      else self.host.rest_codec)
             twin = self._twin(codec)
             checked.append((piece, twin, twin.check(buf)))
-        staging = self._device_buffer(self._staging, (shard.server, shard.bucket), frame.size)
+        key = (shard.server, shard.bucket)
+        staging = self._device_buffer(self._staging, key, frame.size)
+        pinned = self._pinned_buffer(self._host_staging, key, frame.size)
+        pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
         copied("to_device", frame.size)
-        synchronized("frame to device")  # a blocking copy from pageable memory
-        staging[:frame.size].copy_(torch.from_numpy(frame), non_blocking=False)
+        staging[:frame.size].copy_(pinned[:frame.size], non_blocking=True)  # waited for with the status
         view = self._view(staging)
         pos = FrameHeader.size(len(shard.pieces))
         self._reset_status()
@@ -350,8 +366,7 @@ class DeviceGradientCompressor:
             twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
                                accumulate, self._status)
             pos += HEADER_SIZE + header.payload_len
-        synchronize(self.device)
-        self._check_status([twin for _, twin, _ in checked])
+        self._wait_and_check_status([twin for _, twin, _ in checked])
         return encode_seconds
 
     # ---- checkpoint state ---------------------------------------------------------------
