@@ -748,26 +748,36 @@ def declared_ranks(path: str) -> int | None:
 def dump_toml(values: dict[str, Any]) -> str:
     """``values`` (a config's keys, as :func:`load_toml` gives them) as TOML text that
     :func:`load_toml` reads back to the same values: strings, booleans, numbers, lists and
-    one level of tables (the ``*_opts`` keys, inline); None values are left out (a TOML file
-    has no null), and a key of none of these types is a ValueError."""
+    tables (the ``*_opts`` keys, inline); a key whose value is None is left out (a TOML file
+    has no null); a None inside a table or list, or a value of none of these types, is a
+    ValueError naming its key."""
     lines = [f"{key} = {_toml_value(value, key)}" for key, value in values.items() if value is not None]
     return "\n".join(lines) + "\n"
+
+
+def _toml_string(text: str) -> str:
+    # JSON's escapes are TOML's but for characters beyond the BMP (JSON's surrogate pairs,
+    # refused by TOML: kept as they are) and DEL (TOML wants it escaped, JSON does not).
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _toml_value(value: Any, key: str) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
-        return str(value)
+        return int.__repr__(value)
     if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+        if math.isfinite(value):
+            return float.__repr__(value)
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a TOML basic string
+        return _toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(item, key) for item in value) + "]"
     if isinstance(value, dict):
-        items = (f"{json.dumps(str(k))} = {_toml_value(v, key)}" for k, v in value.items() if v is not None)
-        return "{" + ", ".join(items) + "}"
+        return "{" + ", ".join(f"{_toml_string(str(k))} = {_toml_value(v, f'{key}.{k}')}" for k, v in value.items()) + "}"
+    if value is None:
+        raise ValueError(f"{key}: a value inside a table or list cannot be None (TOML has no null)")
     raise ValueError(f"{key}: a {type(value).__name__} has no TOML form")
 
 

@@ -23,6 +23,12 @@ def test_a_config_written_as_toml_reads_back_the_same(tmp_path):
     assert RunConfig.from_sources(str(path), {}).to_dict() == RunConfig.from_sources(None, values).to_dict()
     with pytest.raises(ValueError, match="seed: a object has no TOML form"):
         dump_toml({"seed": object()})
+    odd = {"label": 'x\x7fy\U0001f600\n\t"q\\', "data_opts": {"k\U0001f600": [1, 2.5, 1e-05], "n": {"m": True}},
+           "c": -0.0, "d": float("inf")}
+    path.write_text(dump_toml(odd), encoding="utf-8")
+    assert load_toml(str(path)) == odd
+    with pytest.raises(ValueError, match="model_opts.x: a value inside a table or list cannot be None"):
+        dump_toml({"model_opts": {"x": None}})
 
 
 @pytest.mark.quick
@@ -34,6 +40,8 @@ def test_the_bench_config_merges_the_file_and_sets_and_refuses_checkpoints(tmp_p
     assert values["model_opts"] == {"fc_sizes": [64, 64], "conv_channels": [8, 8]}
     with pytest.raises(UsageError, match="checkpoint_every: the bench times whole runs"):
         bench_config(None, ["checkpoint_every=5"], 30)
+    with pytest.raises(UsageError, match="model_opts.x: a value inside a table or list cannot be None"):
+        bench_config(None, ["model_opts.x=null"], 30)
 
 
 @pytest.mark.quick

@@ -287,9 +287,13 @@ def test_every_launch_and_copy_goes_on_the_stream_current_at_the_call(monkeypatc
 def test_the_device_path_follows_a_side_stream_behind_a_long_kernel():
     """On a GPU: a side stream made current, a long kernel on it, then the gradient written
     on it. Kernels launched on any other stream would read the gradient before it is there:
-    the frames would differ from the host's; and the decode-and-add, read back on the side
+    the frames would differ from those of the same path run on the default stream after a
+    full synchronisation (the reference: so that the test is about the streams, not about
+    the device's floats against the host's); and the decode-and-add, read back on the side
     stream, would miss the sums."""
-    host, device, shards = compressors({"id": "uniform", "bits": 4, "bucket_size": 512}, "residual")
+    config = {"id": "uniform", "bits": 4, "bucket_size": 512}
+    _, device, shards = compressors(config, "residual")
+    _, host, _ = compressors(config, "residual")  # the reference: a device compressor, on the default stream
     side = torch.cuda.Stream()
     g = gradient(3)
     target = torch.zeros(LAYOUT.total, device=DEVICE)
@@ -304,9 +308,11 @@ def test_the_device_path_follows_a_side_stream_behind_a_long_kernel():
         for shard, frame in zip(shards, frames):
             device.decode(frame, shard, out, accumulate=True)
         decoded = out.cpu().numpy()
+    torch.cuda.synchronize()
+    reference = torch.from_numpy(g).to(DEVICE)
     for shard, frame in zip(shards, frames):
-        assert np.array_equal(frame, host.encode(g, [4, 4], shard)), shard.server
-    want = np.zeros(LAYOUT.total, np.float32)
+        assert np.array_equal(frame, host.encode(reference, [4, 4], shard)), shard.server
+    want = torch.zeros(LAYOUT.total, device=DEVICE)
     for shard, frame in zip(shards, frames):
         host.decode(frame, shard, want, accumulate=True)
-    assert np.array_equal(decoded, want)
+    assert np.array_equal(decoded, want.cpu().numpy())

@@ -6,8 +6,9 @@ is train's recipe written as a script's own loop over :class:`mpigrad.Session` (
 shard of batches, optimizer and rates built as train builds them; torch's optimizer steps).
 Reported: each run's rank-0 wall time per iteration (median over the iterations after
 ``--warmup``), the loop's over train's per pair of runs and of the medians over the pairs;
-and whether the two runs' losses (every worker's, every iteration) are equal to the last bit,
-which they are where torch's optimizer computes train's update (plain SGD does).
+and whether each pair's losses (every worker's, every iteration) are equal to the last bit,
+which they are where torch's optimizer computes train's update (plain SGD does). The pairs
+alternate which run goes first.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..trace import load
 
-    if args.workers < 1 or args.repeats < 1:
-        raise UsageError("--workers and --repeats must be >= 1")
+    if args.workers < 1 or args.repeats < 1 or args.warmup < 1:
+        raise UsageError("--workers, --repeats and --warmup must be >= 1")
     if args.iterations <= args.warmup + 1:
         raise UsageError("--iterations must exceed --warmup by at least 2")
     values = bench_config(args.config, args.set, args.iterations)
@@ -69,16 +70,18 @@ def run(args: argparse.Namespace) -> int:
     rows, equal = [], None
     with tempfile.TemporaryDirectory(prefix="mpigrad-bench-api-") as tmp:
         for pair in range(1, args.repeats + 1):
-            times = {}
-            for kind in ("train", "loop"):
+            traces = {}
+            # Alternate which goes first, so that an order effect falls on both sides.
+            for kind in ("train", "loop") if pair % 2 else ("loop", "train"):
                 trace = Path(tmp) / f"{kind}-{pair}.h5"
                 path = Path(tmp) / f"{kind}-{pair}.toml"
                 path.write_text(dump_toml({**values, "trace": str(trace)}))
                 _launch(kind, path, ranks, args.mpiexec, env)
-                times[kind] = load(trace)
-            if equal is None:
-                equal = losses_equal(times["train"], times["loop"])
-            row = {kind: per_iteration_ms(tr, args.warmup) for kind, tr in times.items()}
+                traces[kind] = load(trace)
+            same = losses_equal(traces["train"], traces["loop"])
+            if equal is None or (equal.startswith("equal") and not same.startswith("equal")):
+                equal = same if same.startswith("equal") else f"pair {pair}: {same}"
+            row = {kind: per_iteration_ms(traces[kind], args.warmup) for kind in ("train", "loop")}
             row["ratio"] = row["loop"] / row["train"]
             rows.append(row)
             print(f"{pair:>4} {row['train']:>12.2f} {row['loop']:>11.2f} {row['ratio']:>11.3f}", flush=True)
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     ratio = loop_ms / train_ms
     print(f"median: train {train_ms:.2f} ms/it, the loop {loop_ms:.2f} ms/it: {ratio:.3f}x "
           f"(pairs {min(ratios):.3f}-{max(ratios):.3f}; goal <= {GOAL}x: {'met' if ratio <= GOAL else 'missed'})")
-    print(f"losses: {equal}")
+    print(f"losses: {equal}" + (f", in all {args.repeats} pairs" if equal.startswith("equal") else ""))
     print(json.dumps({"bench": "api", "workers": args.workers, "config": {k: v for k, v in values.items()},
                       "pairs": rows, "train_ms": train_ms, "loop_ms": loop_ms, "ratio": ratio, "losses": equal}))
     return 0
@@ -107,7 +110,12 @@ def bench_config(config_file: str | None, assignments: list[str], iterations: in
     train_only = sorted(key for key in TRAIN_ONLY if values.get(key))
     if train_only:
         raise UsageError(f"{', '.join(train_only)}: the bench times whole runs without checkpoints: leave it out")
-    return {**values, **FORCED, "iterations": iterations}
+    values = {**values, **FORCED, "iterations": iterations}
+    try:
+        dump_toml(values)  # what both runs will read: a value TOML cannot hold is refused now
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def _launch(kind: str, config_file: Path, ranks: int, mpiexec: str | None, env: dict) -> None:
@@ -121,9 +129,10 @@ def _launch(kind: str, config_file: Path, ranks: int, mpiexec: str | None, env: 
 
 
 def per_iteration_ms(trace, warmup: int) -> float:
-    """Rank 0's median wall milliseconds per iteration after the first ``warmup``."""
+    """Rank 0's median wall milliseconds per iteration after the first ``warmup`` (>= 1), as
+    ``bench iteration`` counts them: the iterations' ends apart."""
     wall = trace.steps["wall_time"].to_numpy()
-    return 1e3 * float(np.median(np.diff(wall)[warmup:]))
+    return 1e3 * float(np.median(np.diff(wall)[warmup - 1:]))
 
 
 def losses_equal(train, loop) -> str:

@@ -131,15 +131,16 @@ _EXTERNAL_STREAMS: dict[int, object] = {}
 _SIMULATED_STREAMS: list = []
 
 
-def current_stream(cuda):
-    """The stream the device path's next kernel or copy goes on: torch's current stream at
-    the call (as a numba stream over the same CUDA stream), so that it is ordered with the
-    backward that wrote the gradient and the torch operations (copies, error memory) that
-    run on that stream too, whichever stream the caller has made current. Under the
-    simulator, the innermost :func:`simulated_stream`'s, else the default stream."""
+def current_stream(cuda, device: torch.device | None = None):
+    """The stream the device path's next kernel or copy goes on: torch's current stream of
+    ``device`` (the tensors'; else the current device) at the call, as a numba stream over
+    the same CUDA stream, so that it is ordered with the backward that wrote the gradient
+    and the torch operations (copies, error memory) that run on that stream too, whichever
+    stream the caller has made current. Under the simulator, the innermost
+    :func:`simulated_stream`'s, else the default stream."""
     if simulated():
         return _SIMULATED_STREAMS[-1] if _SIMULATED_STREAMS else cuda.default_stream()
-    handle = torch.cuda.current_stream().cuda_stream
+    handle = torch.cuda.current_stream(device).cuda_stream
     stream = _EXTERNAL_STREAMS.get(handle)
     if stream is None:
         stream = _EXTERNAL_STREAMS[handle] = cuda.external_stream(handle)
@@ -276,7 +277,7 @@ class DeviceGradientCompressor:
 
     def _current_stream(self):
         """Where the next launch or copy goes (:func:`current_stream`); the twins ask it too."""
-        return current_stream(self.cuda)
+        return current_stream(self.cuda, self.device)
 
     def _reset_status(self) -> None:
         copied("to_device", self._zeros.nbytes)
@@ -361,11 +362,16 @@ class DeviceGradientCompressor:
         view = self._view(staging)
         pos = FrameHeader.size(len(shard.pieces))
         self._reset_status()
-        for piece, twin, header in checked:
-            payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
-            twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
-                               accumulate, self._status)
-            pos += HEADER_SIZE + header.payload_len
+        try:
+            for piece, twin, header in checked:
+                payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
+                twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
+                                   accumulate, self._status)
+                pos += HEADER_SIZE + header.payload_len
+        except BaseException:
+            if not simulated():  # the copy out of the pinned buffer may still run: let it end first
+                self._current_stream().synchronize()
+            raise
         self._wait_and_check_status([twin for _, twin, _ in checked])
         return encode_seconds
 

@@ -88,7 +88,7 @@ def warm_up_device(codecs: list[Codec], device) -> float:
     for codec in codecs:
         if host_only(codec):
             continue
-        twin = device_codec(codec, lambda: current_stream(cuda))
+        twin = device_codec(codec, lambda: current_stream(cuda, device))
         for n in (37, CHUNK + 37)[:1 if SIMULATOR else 2]:  # a tail; more than one chunk (on a GPU)
             x = torch.linspace(-1.0, 1.0, n, dtype=torch.float32, device=device)
             frame = torch.empty(twin.max_encoded_size(n), dtype=torch.uint8, device=device)
