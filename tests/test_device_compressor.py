@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWar
 
 DEVICE = torch.device("cuda" if os.environ.get("MPIGRAD_TEST_GPU") == "1" else "cpu")
 LAYOUT = Layout((Segment("conv", 0, 5000), Segment("fc", 5000, 4200)), Segment("small layers", 9200, 300), 9500)
+#: A layout the simulator runs quickly, for the tests that count or record rather than cover sizes.
+SMALL = Layout((Segment("conv", 0, 300), Segment("fc", 300, 200)), Segment("small layers", 500, 40), 540)
 
 
 def compressors(config, feedback=None, servers=2, chunk=0, layout=LAYOUT):
@@ -260,7 +262,7 @@ def test_every_launch_and_copy_goes_on_the_stream_current_at_the_call(monkeypatc
 
     from mpigrad.runtime.device import simulated_stream
 
-    small = Layout((Segment("conv", 0, 300), Segment("fc", 300, 200)), Segment("small layers", 500, 40), 540)
+    small = SMALL
     host, device, shards = compressors({"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1},
                                        "residual", layout=small)
     g = torch.from_numpy(gradient(1)[:small.total].copy())
@@ -316,3 +318,22 @@ def test_the_device_path_follows_a_side_stream_behind_a_long_kernel():
     for shard, frame in zip(shards, frames):
         host.decode(frame, shard, want, accumulate=True)
     assert np.array_equal(decoded, want.cpu().numpy())
+
+
+def test_a_workers_frames_for_every_shard_wait_for_the_device_once():
+    """``encode_shards``: every shard's frame of one gradient queued, then one wait; the frames,
+    the RNG draws and the error memory are those of one encode per shard (the host's)."""
+    from mpigrad.codecs.device.counters import snapshot
+
+    config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}
+    host, device, shards = compressors(config, "residual", layout=SMALL)
+    assert len(shards) == 2
+    for it in range(2):
+        g = gradient(it)[:SMALL.total].copy()
+        before = snapshot()
+        frames = [frame.copy() for frame in device.encode_shards(torch.from_numpy(g).to(DEVICE), [3, 2], shards)]
+        counted = snapshot() - before
+        assert counted.synchronizations == counted.sites["sync: frame and status"] == 1, counted.sites
+        want = host.encode_shards(g, [3, 2], shards)
+        assert all(np.array_equal(ours, theirs) for ours, theirs in zip(frames, want)), it
+    assert device.state_dict()["calls"] == host.state_dict()["calls"]

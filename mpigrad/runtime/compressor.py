@@ -102,6 +102,10 @@ class GradientCompressor:
             pos += buf.size
         return frame[:FrameHeader.write(frame, lengths)]
 
+    def encode_shards(self, grad: np.ndarray, bits: list[int], shards) -> list[np.ndarray]:
+        """``encode`` of each of ``shards`` in turn (the device path's waits for them all once)."""
+        return [self.encode(grad, bits, shard) for shard in shards]
+
     def decode(self, frame: np.ndarray, shard: Shard, out: np.ndarray, *, accumulate: bool = False) -> float:
         """Decode ``shard``'s frame into ``out`` (flat float32), or with ``accumulate`` add to
         it (bit for bit ``out + decoded``); return the sender's encode seconds.

@@ -305,6 +305,26 @@ class DeviceGradientCompressor:
         Unlike the host compressor, an encode refused (CodecError: a NaN, a range beyond
         float32) has advanced the RNG counters and the error memory already: the run ends
         there anyway (an error frame)."""
+        return self.encode_shards(grad, bits, [shard])[0]
+
+    def encode_shards(self, grad: torch.Tensor, bits: list[int], shards) -> list[np.ndarray]:
+        """:meth:`encode` of each of ``shards``, in turn (the same frames, RNG draws and error
+        memory), with one wait for the device for them all: every shard's kernels and copies
+        are queued first (each shard has its own buffers), then the status covers them all."""
+        self._reset_status()
+        queued = [self._queue_encode(grad, bits, shard) for shard in shards]
+        self._wait_and_check_status([twin for _, _, twins in queued for twin in twins])
+        frames = []
+        for out, headers, _ in queued:
+            for start, header in headers:
+                out[start:start + HEADER_SIZE] = header_bytes(header)
+            frames.append(out[:FrameHeader.write(out, [HEADER_SIZE + h.payload_len for _, h in headers])])
+        return frames
+
+    def _queue_encode(self, grad: torch.Tensor, bits: list[int], shard: Shard):
+        """Queue the kernels writing ``shard``'s frame and its asynchronous copy into the
+        shard's pinned host frame; return that frame (as NumPy), the pieces' (position,
+        header) and the codecs' twins. The host frame is valid once the stream is waited for."""
         host = self.host
         capacity = host.capacity(shard, bits)
         frame, host_frame = self._buffers((shard.server, shard.bucket), capacity)
@@ -312,7 +332,6 @@ class DeviceGradientCompressor:
         frame_view = self._view(frame)
         pos = FrameHeader.size(len(shard.pieces))
         headers, twins = [], []
-        self._reset_status()
         for piece in shard.pieces:
             g = grad[piece.offset:piece.offset + piece.size]
             if not piece.quantized:
@@ -337,10 +356,7 @@ class DeviceGradientCompressor:
         # The packed bytes, and nothing else, into pinned memory: asynchronous on a GPU,
         # waited for with the status.
         host_frame[:pos].copy_(frame[:pos], non_blocking=True)
-        self._wait_and_check_status(twins)
-        for start, header in headers:
-            out[start:start + HEADER_SIZE] = header_bytes(header)
-        return out[:FrameHeader.write(out, [HEADER_SIZE + h.payload_len for _, h in headers])]
+        return out, headers, twins
 
     def decode(self, frame: np.ndarray, shard: Shard, out: torch.Tensor, *, accumulate: bool = False) -> float:
         """Decode ``shard``'s host frame into the flat device ``out`` (or add to it); return

@@ -249,7 +249,7 @@ class Worker(FollowerRole):
             self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.rounds[0], TAG_GRAD, start)
             return
         try:
-            frames = [self.compressor.encode(grad, bits, shard) for shard in self.shards]
+            frames = self.compressor.encode_shards(grad, bits, self.shards)
             seconds = time.process_time() - start
             for frame in frames:
                 FrameHeader.set_encode_seconds(frame, seconds)
