@@ -30,7 +30,7 @@ from ..mpiexec import mpiexec_command
 #: What the bench sets over the user's config: no evaluation or progress lines inside the
 #: timed iterations (the loop evaluates nothing), the wall clock as it is.
 FORCED = {"eval_every": 0, "progress_every": 0}
-#: The keys a Session refuses (train's own files), dropped from the config with a note.
+#: Keys that would stop or resume a timed run (a checkpoint, a walltime): refused here.
 TRAIN_ONLY = ("resume", "checkpoint", "checkpoint_every", "walltime")
 #: The ratio the issue asks the loop to stay within.
 GOAL = 1.02
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"median: train {train_ms:.2f} ms/it, the loop {loop_ms:.2f} ms/it: {ratio:.3f}x "
           f"(pairs {min(ratios):.3f}-{max(ratios):.3f}; goal <= {GOAL}x: {'met' if ratio <= GOAL else 'missed'})")
     print(f"losses: {equal}" + (f", in all {args.repeats} pairs" if equal.startswith("equal") else ""))
-    print(json.dumps({"bench": "api", "workers": args.workers, "config": {k: v for k, v in values.items()},
+    print(json.dumps({"bench": "api", "workers": args.workers, "config": values,
                       "pairs": rows, "train_ms": train_ms, "loop_ms": loop_ms, "ratio": ratio, "losses": equal}))
     return 0
 

@@ -155,8 +155,7 @@ class PipelinedExchange:
         parts = [(s, part) for s, part in enumerate(self.buckets[b]) if part is not None]
         grad = w.replica.codec_gradient([p for _, part in parts for p in part.pieces])  # this bucket's only
         try:
-            frames = list(zip([s for s, _ in parts],
-                              w.compressor.encode_shards(grad, w.control_msg.bits, [part for _, part in parts])))
+            frames = [(s, w.compressor.encode(grad, w.control_msg.bits, part)) for s, part in parts]
         except CodecError:
             if all(finite(grad[p.offset:p.offset + p.size]) for _, part in parts for p in part.pieces):
                 raise
