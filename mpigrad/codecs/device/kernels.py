@@ -30,6 +30,10 @@ from ..kernels.common import BLOCK, GROUPS
 from . import threads_per_block
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+if SIMULATOR:
+    from .simulator import install_unless_refused
+
+    install_unless_refused()
 #: Threads per block: fewer under the simulator, where every thread is a Python thread
 #: (``MPIGRAD_DEVICE_THREADS`` sets it for either: ``threads_per_block``).
 THREADS = threads_per_block(SIMULATOR)

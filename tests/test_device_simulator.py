@@ -1,0 +1,155 @@
+"""The block scheduler that mpigrad puts in Numba's CUDA simulator
+(mpigrad/codecs/device/simulator.py): barrier-free kernels run thread by thread on the calling
+thread, kernels with barriers on threads released by a condition; both give CUDA's results,
+name a failing thread as Numba does, and never hang on a failure or a thread that leaves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from numba import config
+
+pytestmark = pytest.mark.skipif(not config.ENABLE_CUDASIM, reason="the simulator's scheduler (a GPU run has none)")
+
+if config.ENABLE_CUDASIM:
+    from numba import cuda
+
+    from mpigrad.codecs.device import kernels  # installs the scheduler
+    from mpigrad.codecs.device.simulator import needs_threads
+
+    THREADS = 8
+
+    @cuda.jit
+    def doubled(x, out, threads):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = 2 * x[i]
+            threads[i] = threading.get_ident()
+
+    @cuda.jit(device=True)
+    def wait_for_block():
+        cuda.syncthreads()
+
+    @cuda.jit
+    def block_sums(x, out, threads):
+        """Each block's sum by a tree in shared memory, its barriers in a device function."""
+        t = cuda.threadIdx.x
+        i = cuda.grid(1)
+        s = cuda.shared.array(THREADS, np.float64)
+        s[t] = x[i] if i < x.size else 0.0
+        threads[i] = threading.get_ident()
+        wait_for_block()
+        step = THREADS // 2
+        while step > 0:
+            if t < step:
+                s[t] += s[t + step]
+            wait_for_block()
+            step //= 2
+        if t == 0:
+            out[cuda.blockIdx.x] = s[0]
+
+    @cuda.jit
+    def waits_in_a_device_function(out):
+        wait_for_block()
+        out[cuda.threadIdx.x] = 1
+
+    @cuda.jit
+    def leaves_early(x, out):
+        """Thread 0 returns before the barrier the others wait at."""
+        t = cuda.threadIdx.x
+        if t == 0:
+            return
+        cuda.syncthreads()
+        out[t] = x[t]
+
+    @cuda.jit
+    def fails_in_one_thread(x, out, wait):
+        i = cuda.grid(1)
+        if wait:
+            cuda.syncthreads()
+        out[i] = x[i + 1000 * (i == 13)]  # thread 5 of block 1 reads past the end
+
+    @cuda.jit
+    def hidden_barrier(out):
+        getattr(cuda, "".join(["sync", "threads"]))()  # a barrier no scan of names sees
+        out[0] = 1
+
+
+def run_with_timeout(launch, seconds: float = 60):
+    """Call ``launch`` on a thread; fail the test if it has not returned in ``seconds``."""
+    box = {}
+
+    def target():
+        try:
+            launch()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the simulated kernel hung"
+    if "error" in box:
+        raise box["error"]
+
+
+def test_the_scan_tells_the_device_kernels_with_barriers_from_those_without():
+    assert needs_threads(kernels.range_keys.py_func) and needs_threads(kernels.sum_partials.py_func)
+    assert not needs_threads(kernels.finish_ranges.py_func)
+    assert needs_threads(block_sums.py_func)
+    assert needs_threads(waits_in_a_device_function.py_func)  # its barrier is in a device function
+    assert not needs_threads(doubled.py_func)
+
+
+def test_a_kernel_without_barriers_runs_every_thread_on_the_calling_thread():
+    x = np.arange(37, dtype=np.float32)
+    out, threads = np.zeros(40, np.float32), np.zeros(40, np.int64)
+    doubled[5, THREADS](x, out, threads)                      # 40 threads, the last 3 past x
+    assert np.array_equal(out[:37], 2 * x) and not out[37:].any()
+    assert set(threads[:37]) == {threading.get_ident()}
+
+
+def test_a_kernel_with_barriers_runs_a_thread_per_simulated_thread_and_reduces_right():
+    x = np.random.default_rng(0).standard_normal(30)
+    out, threads = np.zeros(4), np.zeros(32, np.int64)
+    run_with_timeout(lambda: block_sums[4, THREADS](x, out, threads))
+    np.testing.assert_allclose(out, [x[b * THREADS:(b + 1) * THREADS].sum() for b in range(4)], rtol=1e-12)
+    assert threading.get_ident() not in set(threads) and len(set(threads[:THREADS])) == THREADS
+
+
+def test_a_thread_that_leaves_before_a_barrier_releases_the_others():
+    x = np.arange(THREADS, dtype=np.float32) + 1
+    out = np.zeros(THREADS, np.float32)
+    run_with_timeout(lambda: leaves_early[1, THREADS](x, out))
+    assert out[0] == 0 and np.array_equal(out[1:], x[1:])
+
+
+@pytest.mark.parametrize("wait", [0, 1], ids=["in-turn", "threads"])
+def test_a_failing_thread_is_named_as_numba_names_it(wait):
+    x, out = np.zeros(16, np.float32), np.zeros(16, np.float32)
+    with pytest.raises(IndexError, match=r"^tid=\[5, 0, 0\] ctaid=\[1, 0, 0\]: "):
+        run_with_timeout(lambda: fails_in_one_thread[2, THREADS](x, out, wait))
+    doubled[2, THREADS](x + 1, out, np.zeros(16, np.int64))   # the launch ended: the next one runs
+    assert np.array_equal(out, 2 * (x + 1))
+
+
+def test_a_barrier_the_scan_missed_fails_rather_than_running_on():
+    with pytest.raises(RuntimeError, match="hidden_barrier reached a barrier while run without threads"):
+        hidden_barrier[1, THREADS](np.zeros(1, np.int32))
+
+
+def test_the_environment_keeps_numbas_own_scheduler():
+    code = ("import os; os.environ['NUMBA_ENABLE_CUDASIM'] = '1'\n"
+            "from numba.cuda.simulator import kernel\n"
+            "import mpigrad.codecs.device.kernels\n"
+            "print(getattr(kernel.BlockManager, 'mpigrad_scheduler', False))")
+    for value, installed in (("numba", "False"), ("", "True")):
+        env = dict(os.environ, MPIGRAD_SIMULATOR_SCHEDULER=value)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == installed
