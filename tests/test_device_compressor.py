@@ -6,12 +6,14 @@ CPU tensors (conftest); MPIGRAD_TEST_GPU=1 on a GPU machine runs them on CUDA te
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from mpigrad.codecs import CodecError, get_codec
+from mpigrad.codecs.device import load_cuda
 from mpigrad.runtime.compressor import GradientCompressor
 from mpigrad.runtime.device import DeviceGradientCompressor, device_path
 from mpigrad.runtime.layout import Layout, Segment, pieces_of, plan_shards
@@ -111,6 +113,54 @@ def test_a_corrupt_frame_is_refused():
         device.decode(frame, shards[0], out)
 
 
+def test_deferred_decodes_wait_for_nothing_and_their_status_is_read_once():
+    """The runtime's compressors (``on_device``) share one status and leave their decodes'
+    to ``check_decodes``, once per iteration: a decode then waits for nothing, takes staging
+    buffers of its own until that read, and a corrupt frame is raised by the read (or by an
+    encode's wait, if one comes first) in one line that says when it was decoded."""
+    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.runtime.device import DeviceStatus, check_decodes
+
+    config = {"id": "uniform", "bits": 4}
+    host, _, shards = compressors(config, layout=SMALL)
+    status = DeviceStatus(load_cuda(), DEVICE)
+    mirrored = GradientCompressor(host.pieces, get_codec(config), {p.index: 100 + p.index for p in host.pieces
+                                                                  if p.quantized})
+    device = DeviceGradientCompressor(mirrored, DEVICE, status, defer_decode_checks=True)
+    replica = SimpleNamespace(device_status=status)
+    frames = [host.encode(gradient(seed)[:SMALL.total].copy(), [4, 4], shards[0]).copy() for seed in (1, 2)]
+    want = np.zeros(SMALL.total, np.float32)
+    out = torch.zeros(SMALL.total, device=DEVICE)
+    before = snapshot()
+    for i, frame in enumerate(frames):
+        host.decode(frame, shards[0], want, accumulate=i > 0)
+        device.decode(frame, shards[0], out, accumulate=i > 0)
+    decoded = snapshot() - before
+    assert decoded.synchronizations == 0 and len(status.pending) == 2
+    assert len(device._host_staging) == 2 and len(device._staging) == 1  # a pinned staging buffer per frame
+    before = snapshot()
+    check_decodes(replica)
+    checked = snapshot() - before
+    assert checked.sites == {"sync: decodes' status": 1} and not status.pending
+    assert np.array_equal(out.cpu().numpy(), want)
+    check_decodes(replica)                          # nothing queued since: no wait
+    assert (snapshot() - before).synchronizations == 1
+    device.decode(frames[0], shards[0], out)
+    assert len(device._host_staging) == 2          # after the read, the staging is reused
+    first = FrameHeader.size(len(shards[0].pieces)) + 40  # the first piece's first (lo, hi): a NaN scale
+    corrupt = frames[1].copy()
+    corrupt[first:first + 4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    device.decode(corrupt, shards[0], out)          # queued: no error yet
+    with pytest.raises(CodecError, match=r"^a frame decoded on the device since its status was last read \(once per "
+                                         r"iteration, so the sender is not known\) is corrupt: uniform: corrupted payload"):
+        check_decodes(replica)
+    device.decode(corrupt, shards[0], out)
+    with pytest.raises(CodecError, match="^a frame decoded on the device since .* is corrupt: uniform: corrupted"):
+        device.encode(torch.from_numpy(gradient(3)[:SMALL.total].copy()).to(DEVICE), [4, 4], shards[0])
+    device.decode(frames[0], shards[0], out)        # the status was cleared after each error
+    check_decodes(replica)
+
+
 def test_codecs_without_kernels_keep_the_host_path():
     pieces = pieces_of(LAYOUT)
     host = GradientCompressor(pieces, get_codec({"id": "mcgq"}), {p.index: 1 for p in pieces})
@@ -180,15 +230,15 @@ def test_what_a_frame_asks_of_the_host_is_counted():
         "launch: numba": 2 * 9 + 1,
         "launch: torch": 2 * 2,        # the error memory: compensate and update, per quantized piece
         "sync: frame and status": 1}, encoded.sites
-    status = 4 * 4                     # the status slots, reset and read once per frame
+    status = 4 * 4                     # the status slots, read once per frame (cleared only after a flag)
     assert encoded.synchronizations == 1 and encoded.launches == 23
-    assert encoded.bytes_to_host == frame.size + status and encoded.bytes_to_device == status
+    assert encoded.bytes_to_host == frame.size + status and encoded.bytes_to_device == 0
     out = torch.zeros(LAYOUT.total, device=DEVICE)
     before = snapshot()
     device.decode(frame, shard, out, accumulate=True)
     decoded = snapshot() - before
     assert decoded.synchronizations == decoded.sites["sync: frame and status"] == 1, decoded.sites
-    assert decoded.bytes_to_device == frame.size + status and decoded.bytes_to_host == status
+    assert decoded.bytes_to_device == frame.size and decoded.bytes_to_host == status
     assert decoded.launches == decoded.sites["launch: numba"] == 2 * 3 + 1   # scales, blocks, tail; the rest 1
     assert "launches" in decoded.describe() and "to the device" in decoded.describe()
 
@@ -230,6 +280,15 @@ def test_the_energies_of_a_shards_pieces_are_read_with_one_synchronisation():
     assert len(quantized) == 10 and spent.synchronizations == 1 and spent.launches == 11
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert all(value > 0 for value in got)
+    # Both energies of a serving worker's report: no synchronisation of their own, read
+    # after the wait given (the iteration's one read of the device status), the same floats.
+    shard.grad_sum = torch.from_numpy(gradient(4)).to(DEVICE)
+    waits = []
+    before = snapshot()
+    pair = ShardAggregator.energy_pair(shard, torch.from_numpy(g.copy()).to(DEVICE), 2, lambda: waits.append(1))
+    spent = snapshot() - before
+    assert waits == [1] and spent.synchronizations == 0 and spent.launches == 2 * 10 + 2
+    assert pair == (ShardAggregator.update_energies(shard, shard.grad_sum, 2), got)
 
 
 def _record_streams(monkeypatch) -> list:
@@ -275,6 +334,10 @@ def test_every_launch_and_copy_goes_on_the_stream_current_at_the_call(monkeypatc
             frames = [device.encode(g, [3, 4], shard).copy() for shard in shards]
             for shard, frame in zip(shards, frames):
                 device.decode(frame, shard, out, accumulate=True)
+            first = FrameHeader.size(len(shards[0].pieces)) + 40  # a NaN scale: the status is cleared after it
+            frames[0][first:first + 4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+            with pytest.raises(CodecError, match="corrupted payload"):
+                device.decode(frames[0], shards[0], out)
         kernels = {what for what, _ in seen if not what.startswith("copy_")}
         assert kernels and {"copy_to_device", "copy_to_host"} <= {what for what, _ in seen}
         wrong = [(what, s) for what, s in seen if s is not stream]

@@ -89,10 +89,14 @@ def test_the_device_path_trains_as_the_host_path_does(tmp_path, mpi_env, name, e
 #: sends rank 0 its parameters in "end"; TINY checksums every iteration ("losses").
 #: Measured when the counters came (issue 46's "before"): 24-25 synchronisations per worker,
 #: 3 per frame each way; one per frame since (the frame's copies and status waited for together),
-#: and one for all of a worker's frames of its gradient (``encode_shards``).
+#: one for all of a worker's frames of its gradient (``encode_shards``), and none per decode:
+#: the decodes' status is read once per iteration, with the energies where the worker has some
+#: (worker 2's "reports"), else before the update ("end"; worker 1's there also sends rank 0 its
+#: parameters). Outside the two encodes' waits for the wire, an iteration neither evaluated nor
+#: checksummed takes 2: the loss and that one read.
 COLOCATED_BUDGET = {
-    1: {"begin": (1, 1), "losses": (0, 1), "gradients": (14, 3), "broadcast": (6, 3), "end": (1, 1)},
-    2: {"begin": (1, 1), "losses": (0, 1), "gradients": (18, 3), "broadcast": (16, 3), "reports": (2, 2),
+    1: {"begin": (1, 1), "losses": (0, 1), "gradients": (14, 1), "broadcast": (6, 1), "end": (1, 2)},
+    2: {"begin": (1, 1), "losses": (0, 1), "gradients": (18, 1), "broadcast": (16, 1), "reports": (4, 1),
         "end": (1, 0)},
 }
 
@@ -127,6 +131,8 @@ def test_bench_device_counts_what_the_colocated_path_asks_of_the_host(tmp_path, 
         got = {phase: (c["launches"], c["syncs"]) for phase, c in counts[rank].items()}
         assert got == budget, (rank, counts[rank])
         assert counts[rank]["begin"]["sites"] == {"sync: loss read": 1, "launch: torch": 1}   # the loss; zero_
+    assert counts[1]["end"]["sites"]["sync: decodes' status"] == 1
+    assert counts[2]["reports"]["sites"]["sync: decodes' status and energies"] == 1
     device = load(trace)
     assert device.complete and len(device.steps) == 3
     _, host = run(tmp_path, mpi_env, name + "-host", *extra, device=False)

@@ -7,9 +7,10 @@ of a flat gradient that stays in device memory into a device frame buffer (the e
 memory on the device too), copies the packed bytes, and nothing else, into a pinned host
 frame, and writes the headers there; it decodes a received host frame by copying its bytes
 to the device once (through pinned memory) and adding every piece into a device buffer.
-One status array per frame carries the kernels' refusals; its copy back goes after the
-frame's kernels and copies on the same stream, all asynchronous, so that each frame, encoded
-or decoded, waits for the device once.
+The kernels flag their refusals into one status array per rank (:class:`DeviceStatus`), whose
+copy back goes after the frames' kernels and copies on the same stream, all asynchronous: an
+encode waits for the device once (its frame goes on the wire), and the runtime's decodes wait
+for nothing, their status read once per iteration (:func:`check_decodes`).
 
 Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
 (``NUMBA_ENABLE_CUDASIM=1`` and ``MPIGRAD_DEVICE_CODECS=simulator``): how CI tests it.
@@ -67,8 +68,9 @@ def on_device(replica, *compressors) -> list:
     """``compressors`` as the replica's path takes them: on the device path (a replica on a
     GPU, or the simulator asked for), when every codec has kernels and numba-cuda loads,
     their device twins (one per distinct object) with the replica's codec buffers moved to
-    the device; the host compressors as they are where a codec has no kernels (rank 0's
-    ``codecs:`` line says why). DeviceUnavailable (one line naming the extra, and
+    the device, flagging into one :class:`DeviceStatus` (``replica.device_status``) and
+    leaving their decodes' status to :func:`check_decodes`; the host compressors as they
+    are where a codec has no kernels (rank 0's ``codecs:`` line says why). DeviceUnavailable (one line naming the extra, and
     ``MPIGRAD_DEVICE_CODECS=host``) where every codec has kernels but numba-cuda is
     missing, broken or sees no device: a run the user expects on the GPU is refused rather
     than silently run many times slower on the host."""
@@ -80,10 +82,12 @@ def on_device(replica, *compressors) -> list:
         raise DeviceUnavailable(f"{exc} (or {ENVIRONMENT}=host: the codecs on the host, the whole gradient "
                                 "copied out every iteration)") from None
     replica.use_device_codecs()
+    if replica.device_status is None:
+        replica.device_status = DeviceStatus(load_cuda(), replica.device)
     twins: dict[int, DeviceGradientCompressor] = {}
     for c in compressors:
         if id(c) not in twins:
-            twins[id(c)] = DeviceGradientCompressor(c, replica.device)
+            twins[id(c)] = DeviceGradientCompressor(c, replica.device, replica.device_status, defer_decode_checks=True)
     return [twins[id(c)] for c in compressors]
 
 
@@ -168,6 +172,91 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+class DeviceStatus:
+    """The status slots a rank's device frames flag into (:mod:`mpigrad.codecs.device.kernels`:
+    NaN or infinity, a range beyond float32, a corrupt scale or code), shared by the
+    compressors of one replica (``on_device``), so that one read covers every frame queued
+    before it. Kernels only set slots; a read that finds them all clear leaves them so, and one
+    that finds a flag raises and queues them cleared again.
+
+    State: the slots (device int32), their pinned host copy, the device codecs whose frames
+    may have flagged since the last read (``pending``: deferred decodes) and the number of
+    reads so far (``reads``: a compressor's decode staging is reused only after one)."""
+
+    def __init__(self, cuda, device: torch.device):
+        from ..codecs.device import kernels as k
+
+        self.cuda, self.device = cuda, device
+        #: The slots only a decode sets (a corrupt scale or code).
+        self._decode_slots = [k.ERR_BAD_SCALE, k.ERR_BAD_CODE]
+        self._zeros = cuda.pinned_array(k.STATUS_SLOTS, np.int32)
+        self._zeros[:] = 0
+        self.slots = cuda.to_device(self._zeros)
+        #: The slots read back, in pinned memory: the copy is asynchronous, waited for once.
+        self._host = cuda.pinned_array(k.STATUS_SLOTS, np.int32)
+        self.pending: list = []
+        self.reads = 0
+
+    def stream(self):
+        """The stream current at the call (:func:`current_stream`)."""
+        return current_stream(self.cuda, self.device)
+
+    def wait(self, twins=(), site: str = "frame and status") -> None:
+        """One wait for the device: the slots copied back (asynchronously, into pinned memory)
+        behind everything queued on the current stream (the frames' kernels and copies), then
+        one synchronisation of that stream. CodecError where a slot is set, in the wording of
+        the first of the pending decodes' codecs, else of ``twins`` (the frames just queued)."""
+        copied("to_host", self._zeros.nbytes)
+        stream = self.stream()
+        status = self.slots.copy_to_host(self._host, stream=stream)
+        synchronized(site)
+        if not simulated():
+            stream.synchronize()
+        self.reads += 1
+        pending, self.pending = self.pending, []
+        if not status.any():
+            return
+        flags = status.copy()
+        copied("to_device", self._zeros.nbytes)
+        self.slots.copy_to_device(self._zeros, stream=stream)
+        if pending and (flags[self._decode_slots].any() or not twins):  # a decode's flag
+            try:
+                pending[0].raise_status(flags)
+            except CodecError as exc:
+                raise CodecError(f"a frame decoded on the device since its status was last read (once per "
+                                 f"iteration, so the sender is not known) is corrupt: {exc}") from None
+        if not twins:
+            raise CodecError(f"the device codecs flagged {flags.tolist()} with no frame queued since the last read")
+        twins[0].raise_status(flags)
+
+    def clear(self) -> None:
+        """After a frame's launches failed part-way: wait for what was queued, then clear the
+        slots and forget the pending decodes (their run ends with that failure), so that no
+        later frame is blamed for their flags."""
+        stream = self.stream()
+        synchronized("failed frame")
+        if not simulated():
+            stream.synchronize()
+        copied("to_device", self._zeros.nbytes)
+        self.slots.copy_to_device(self._zeros, stream=stream)
+        self.pending = []
+
+    def check(self) -> None:
+        """:meth:`wait` where a decode has been queued since the last read (``pending``), with
+        its own site in the counts; nothing otherwise (no synchronisation)."""
+        if self.pending:
+            self.wait(site="decodes' status")
+
+
+def check_decodes(replica) -> None:
+    """Read the status of every device decode ``replica``'s compressors queued since the last
+    wait (:meth:`DeviceStatus.check`): once per iteration, before its update is applied;
+    CodecError where one found a corrupt scale or code. Nothing on the host path."""
+    status = getattr(replica, "device_status", None)
+    if status is not None:
+        status.check()
+
+
 class DeviceFeedback:
     """The error memory of :class:`~mpigrad.feedback.ErrorFeedback` in device tensors, with
     the same float operations (so the same memory, bit for bit) and the same state_dict."""
@@ -211,25 +300,29 @@ class DeviceFeedback:
 
 class DeviceGradientCompressor:
     """Hyperparameters: the host compressor it mirrors (pieces, codec configs and
-    instances, RNG counters: its ``state_dict`` is the host one's) and the device. State:
-    each codec instance's device twin, the device error memory, the device and pinned
-    frame buffers. ``encode``/``decode`` take device tensors and host frames."""
+    instances, RNG counters: its ``state_dict`` is the host one's), the device, the
+    :class:`DeviceStatus` its frames flag into (its own unless given) and whether a decode
+    leaves its status to a later read (``defer_decode_checks``: the runtime's, which reads it
+    once per iteration, :func:`check_decodes`). State: each codec instance's device twin, the
+    device error memory, the device and pinned frame buffers. ``encode``/``decode`` take
+    device tensors and host frames."""
 
-    def __init__(self, host: GradientCompressor, device: torch.device):
+    def __init__(self, host: GradientCompressor, device: torch.device, status: DeviceStatus | None = None,
+                 defer_decode_checks: bool = False):
         reasons = host_reasons(compressor_codecs(host))
         if reasons:
             raise CodecError("; ".join(reasons))
-        from ..codecs.device import kernels as k
         self.host, self.device = host, device
         self.pieces = host.pieces
         self.feedback = DeviceFeedback(host.feedback, device) if host.feedback is not None else None
         self.cuda = load_cuda()
         self._twins: dict[int, object] = {}
-        self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
-        self._zeros = self.cuda.pinned_array(k.STATUS_SLOTS, np.int32)
-        self._zeros[:] = 0
-        #: The status read back, in pinned memory: its copy is asynchronous, waited for once.
-        self._status_host = self.cuda.pinned_array(k.STATUS_SLOTS, np.int32)
+        self.status = status if status is not None else DeviceStatus(self.cuda, device)
+        self.defer_decode_checks = defer_decode_checks
+        #: Decodes per frame key since the status was last read (at ``_slots_read``): each
+        #: takes its own staging buffers, which the host may not rewrite before that read.
+        self._slots: dict = {}
+        self._slots_read = -1
         self._device_frames: dict = {}
         self._staging: dict = {}
         self._host_frames: dict = {}
@@ -279,25 +372,6 @@ class DeviceGradientCompressor:
         """Where the next launch or copy goes (:func:`current_stream`); the twins ask it too."""
         return current_stream(self.cuda, self.device)
 
-    def _reset_status(self) -> None:
-        copied("to_device", self._zeros.nbytes)
-        self._status.copy_to_device(self._zeros, stream=self._current_stream())
-
-    def _wait_and_check_status(self, twins) -> None:
-        """The frame's one wait: its status copied back (asynchronously, into pinned memory)
-        behind everything queued on the stream before it (the frame's kernels and copies),
-        then one synchronisation of that stream. Raise what the status says, in the wording
-        of the first codec that flagged (every flag of the frame is in one array: the first
-        twin's wording serves them all)."""
-        copied("to_host", self._zeros.nbytes)
-        stream = self._current_stream()
-        status = self._status.copy_to_host(self._status_host, stream=stream)
-        synchronized("frame and status")
-        if not simulated():
-            stream.synchronize()
-        if status.any():
-            twins[0].raise_status(status.copy())
-
     # ---- encode / decode ----------------------------------------------------------------
     def encode(self, grad: torch.Tensor, bits: list[int], shard: Shard) -> np.ndarray:
         """The host frame of ``shard``'s pieces of the flat device ``grad``: a view of a
@@ -310,10 +384,14 @@ class DeviceGradientCompressor:
     def encode_shards(self, grad: torch.Tensor, bits: list[int], shards) -> list[np.ndarray]:
         """:meth:`encode` of each of ``shards``, in turn (the same frames, RNG draws and error
         memory), with one wait for the device for them all: every shard's kernels and copies
-        are queued first (each shard has its own buffers), then the status covers them all."""
-        self._reset_status()
-        queued = [self._queue_encode(grad, bits, shard) for shard in shards]
-        self._wait_and_check_status([twin for _, _, twins in queued for twin in twins])
+        are queued first (each shard has its own buffers), then the status covers them all
+        (and any decode queued before, whose error it raises first)."""
+        try:
+            queued = [self._queue_encode(grad, bits, shard) for shard in shards]
+        except BaseException:
+            self.status.clear()
+            raise
+        self.status.wait([twin for _, _, twins in queued for twin in twins])
         frames = []
         for out, headers, _ in queued:
             for start, header in headers:
@@ -336,18 +414,18 @@ class DeviceGradientCompressor:
             g = grad[piece.offset:piece.offset + piece.size]
             if not piece.quantized:
                 twin = self._twin(host.rest_codec)
-                header = twin.launch_encode(self._view(g), frame_view, pos + HEADER_SIZE, self._status)
+                header = twin.launch_encode(self._view(g), frame_view, pos + HEADER_SIZE, self.status.slots)
             else:
                 codec = host.codec_for(piece, bits[piece.layer])
                 twin = self._twin(codec)
                 p = self.feedback.compensate(piece.index, g) if self.feedback else g
                 codec.calls = host.calls[piece.index]
-                header = twin.launch_encode(self._view(p), frame_view, pos + HEADER_SIZE, self._status)
+                header = twin.launch_encode(self._view(p), frame_view, pos + HEADER_SIZE, self.status.slots)
                 host.calls[piece.index] = codec.calls
                 if self.feedback:
                     decoded = self._scratch[:piece.size]
                     payload = frame_view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
-                    twin.launch_decode(header, payload, self._view(decoded), False, self._status)
+                    twin.launch_decode(header, payload, self._view(decoded), False, self.status.slots)
                     self.feedback.update(piece.index, p, decoded)
             headers.append((pos, header))
             twins.append(twin)
@@ -361,7 +439,10 @@ class DeviceGradientCompressor:
     def decode(self, frame: np.ndarray, shard: Shard, out: torch.Tensor, *, accumulate: bool = False) -> float:
         """Decode ``shard``'s host frame into the flat device ``out`` (or add to it); return
         the sender's encode seconds. As the host compressor's: a caller that gets an error
-        must not use ``out``."""
+        must not use ``out``. The frame's header and lengths are checked here; its payload's
+        scales and codes by the kernels, whose status this call waits for, or with
+        ``defer_decode_checks`` leaves to the next read of :attr:`status` (an encode's wait,
+        or :func:`check_decodes`): ``out`` is then to be used only after that read."""
         encode_seconds, buffers = FrameHeader.read(frame, len(shard.pieces))
         checked = []
         for piece, buf in zip(shard.pieces, buffers):
@@ -369,27 +450,40 @@ class DeviceGradientCompressor:
                      else self.host.rest_codec)
             twin = self._twin(codec)
             checked.append((piece, twin, twin.check(buf)))
-        key = (shard.server, shard.bucket)
-        staging = self._device_buffer(self._staging, key, frame.size)
-        pinned = self._pinned_buffer(self._host_staging, key, frame.size)
+        # One device buffer per shard (the stream orders its reuse); a pinned one per frame.
+        staging = self._device_buffer(self._staging, (shard.server, shard.bucket), frame.size)
+        pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), frame.size)
         pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
         copied("to_device", frame.size)
         staging[:frame.size].copy_(pinned[:frame.size], non_blocking=True)  # waited for with the status
         view = self._view(staging)
         pos = FrameHeader.size(len(shard.pieces))
-        self._reset_status()
         try:
             for piece, twin, header in checked:
                 payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
                 twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
-                                   accumulate, self._status)
+                                   accumulate, self.status.slots)
                 pos += HEADER_SIZE + header.payload_len
-        except BaseException:
-            if not simulated():  # the copy out of the pinned buffer may still run: let it end first
-                self._current_stream().synchronize()
+        except BaseException:  # the copy out of the pinned buffer may still run: let it end first
+            self.status.clear()
             raise
-        self._wait_and_check_status([twin for _, twin, _ in checked])
+        twins = [twin for _, twin, _ in checked]
+        if self.defer_decode_checks:
+            self.status.pending.extend(twins[:1])
+        else:
+            self.status.wait(twins)
         return encode_seconds
+
+    def _staging_key(self, shard: Shard) -> tuple:
+        """The pinned staging buffer of the next decode of ``shard``'s frames: its own until
+        the status is next read (the host writes it before the device has copied the previous
+        frame out of it: a deferred decode's copy may still be queued). Deferred decodes and
+        that read are on one stream (the runtime's iteration keeps one)."""
+        if self._slots_read != self.status.reads:
+            self._slots, self._slots_read = {}, self.status.reads
+        key = (shard.server, shard.bucket)
+        slot = self._slots[key] = self._slots.get(key, -1) + 1
+        return (*key, slot)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict:

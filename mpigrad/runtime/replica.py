@@ -87,6 +87,8 @@ class Replica:
         #: device path, runtime/device.py): set by :meth:`use_device_codecs`.
         self.codecs_on_device = False
         self.update_device: torch.Tensor | None = None
+        #: The status its device compressors flag into (runtime/device.py ``on_device``), else None.
+        self.device_status = None
 
     def use_device_codecs(self) -> None:
         """From now on the codecs read ``flat_grad`` and write ``update_device`` where they

@@ -172,20 +172,33 @@ class ShardAggregator:
         """||Q(g)||^2 of this shard's part of each quantized layer, Q(g) the decoded broadcast.
         On the device path each piece's dot product stays on the device and all are read
         with one synchronisation, however many pieces the shard has (the same floats)."""
-        energies = [0.0] * n_layers
         parts = [update[p.offset:p.offset + p.size] for p in self.quantized]
-        if not parts:
-            return energies
-        if isinstance(update, torch.Tensor):
+        if parts and isinstance(update, torch.Tensor):
             dots = [torch.dot(u, u) for u in parts]
             launched("torch", len(dots) + (len(dots) > 1))
             synchronized("energy read")  # one read of the device values
-            values = (torch.stack(dots) if len(dots) > 1 else dots[0].reshape(1)).tolist()
-        else:
-            values = [float(np.dot(u, u)) for u in parts]
-        for piece, value in zip(self.quantized, values):
-            energies[piece.layer] += value
-        return energies
+            return by_layer(self.quantized, (torch.stack(dots) if len(dots) > 1 else dots[0].reshape(1)).tolist(),
+                            n_layers)
+        return by_layer(self.quantized, [float(np.dot(u, u)) for u in parts], n_layers)
+
+    def energy_pair(self, update, n_layers: int, wait) -> tuple[list[float], list[float]]:
+        """(:meth:`energies`, :meth:`update_energies` of ``update``). On the device path the
+        two dot products of every piece stay on the device, copied behind them into pinned
+        memory, and ``wait()`` (the rank's one read of its device status,
+        :meth:`~.device.DeviceStatus.wait`) ends the copy: no synchronisation of their own,
+        the same floats."""
+        if not (self.quantized and isinstance(update, torch.Tensor)):
+            return self.energies(n_layers), self.update_energies(update, n_layers)
+        dots = [torch.dot(u, u) for source in (self.grad_sum, update)
+                for u in (source[p.offset:p.offset + p.size] for p in self.quantized)]
+        launched("torch", len(dots) + 2)  # the dot products, their stack and its copy
+        values = torch.empty(len(dots), dtype=torch.float32, pin_memory=update.is_cuda)
+        values.copy_(torch.stack(dots), non_blocking=True)
+        copied("to_host", values.nbytes)
+        wait()
+        values = values.tolist()
+        n = len(self.quantized)
+        return by_layer(self.quantized, values[:n], n_layers), by_layer(self.quantized, values[n:], n_layers)
 
     def pack_average(self) -> np.ndarray:
         """The average of this shard's quantized pieces, in piece order (message 6)."""
@@ -200,6 +213,14 @@ class ShardAggregator:
             pos += piece.size
         return self.average
 
+
+
+def by_layer(pieces, values: list[float], n_layers: int) -> list[float]:
+    """Each of ``pieces``' value (``values``, in piece order) added into its layer's."""
+    energies = [0.0] * n_layers
+    for piece, value in zip(pieces, values):
+        energies[piece.layer] += value
+    return energies
 
 
 def unpack_average(shard, average: np.ndarray, out: np.ndarray) -> None:

@@ -23,7 +23,7 @@ from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
                     build_factor_shards, build_replica, build_shards, forward_context, load_data, release_data,
                     script_replica)
-from .device import finite, on_device
+from .device import check_decodes, finite, on_device
 from .faults import Fault
 from .phaselog import PhaseLog
 from .iteration import FollowerRole
@@ -367,7 +367,7 @@ class Worker(FollowerRole):
         if self._two_rounds(m) or not self.config.norm_due(m):  # no ||g|| on a server of factors: norm_ratio NaN
             energies = update_energies = [0.0] * layers
         else:
-            energies, update_energies = agg.energies(layers), agg.update_energies(self.replica.codec_update, layers)
+            energies, update_energies = agg.energy_pair(self.replica.codec_update, layers, self._read_device_status)
         ServerReport(self.bytes_out, self.t_decode, self.t_encode, self.worker_encode,
                      self.sizes, energies, update_energies).pack(self.report)
         self.channel.send([(self.report, 0)], TAG_REPORT, lambda pending: f"rank 0 took no report for iteration {m}")
@@ -379,7 +379,13 @@ class Worker(FollowerRole):
             self.channel.send([(agg.pack_average(), 0)], TAG_AVERAGE,
                               lambda pending: f"rank 0 took no average for iteration {m}")
 
+    def _read_device_status(self) -> None:
+        """The iteration's one read of the device status (the decodes' since the last wait),
+        with the energies' copy queued before it (``ShardAggregator.energy_pair``)."""
+        self.replica.device_status.wait(site="decodes' status and energies")
+
     def end(self, m: int) -> bool:
+        check_decodes(self.replica)  # the device path's deferred decodes, read once, before the update
         if self.script:  # the script's optimizer applies it: the average where .grad is read
             self.replica.update_to_gradient()
         elif self.pipeline is None:  # pipelined: applied bucket by bucket
