@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import scipy.stats
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from conftest import fuzz_tally
@@ -177,6 +176,8 @@ def test_counts_are_stratified_floor_or_ceil(x, K, seed):
 
 
 def test_sampling_offset_is_uniform_and_counter_based():
+    import scipy.stats  # here, not at collection: 2 s of every test process's start-up
+
     xi = np.array([kernels.sampling_offset(5, c) for c in range(4000)])
     assert scipy.stats.kstest(xi, "uniform").pvalue > 1e-3
     assert kernels.sampling_offset(5, 17) == kernels.sampling_offset(5, 17) != kernels.sampling_offset(6, 17)
@@ -506,6 +507,8 @@ def test_worked_example_stream_is_frozen():
     st.lists(st.floats(-10, 10, width=32), min_size=n, max_size=n),
     st.lists(st.integers(-3, 3), min_size=n, max_size=n))))
 def test_wasserstein1_matches_scipy_and_twin(pair):
+    import scipy.stats
+
     g = np.array(pair[0], np.float32)
     q = np.array(pair[1], np.float32)
     assume(np.any(g) and np.any(q))
