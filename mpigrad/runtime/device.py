@@ -70,10 +70,11 @@ def on_device(replica, *compressors) -> list:
     their device twins (one per distinct object) with the replica's codec buffers moved to
     the device, flagging into one :class:`DeviceStatus` (``replica.device_status``) and
     leaving their decodes' status to :func:`check_decodes`; the host compressors as they
-    are where a codec has no kernels (rank 0's ``codecs:`` line says why). DeviceUnavailable (one line naming the extra, and
-    ``MPIGRAD_DEVICE_CODECS=host``) where every codec has kernels but numba-cuda is
-    missing, broken or sees no device: a run the user expects on the GPU is refused rather
-    than silently run many times slower on the host."""
+    are where a codec has no kernels (rank 0's ``codecs:`` line says why).
+    DeviceUnavailable (one line naming the extra, and ``MPIGRAD_DEVICE_CODECS=host``) where
+    every codec has kernels but numba-cuda is missing, broken or sees no device: a run the
+    user expects on the GPU is refused rather than silently run many times slower on the
+    host."""
     if not device_path(replica.device) or host_reasons([c for comp in compressors for c in compressor_codecs(comp)]):
         return list(compressors)
     try:
@@ -319,8 +320,9 @@ class DeviceGradientCompressor:
         self._twins: dict[int, object] = {}
         self.status = status if status is not None else DeviceStatus(self.cuda, device)
         self.defer_decode_checks = defer_decode_checks
-        #: Decodes per frame key since the status was last read (at ``_slots_read``): each
-        #: takes its own staging buffers, which the host may not rewrite before that read.
+        #: Decodes per shard since the status was last read (its ``reads`` at ``_slots_read``):
+        #: each takes a pinned staging buffer of its own, which the host may not rewrite
+        #: before that read (``_staging_key``).
         self._slots: dict = {}
         self._slots_read = -1
         self._device_frames: dict = {}
