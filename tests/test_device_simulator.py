@@ -74,6 +74,19 @@ if config.ENABLE_CUDASIM:
             cuda.syncthreads()
         out[i] = x[i + 1000 * (i == 13)]  # thread 5 of block 1 reads past the end
 
+    @cuda.jit(device=True)
+    def thread_number():
+        return cuda.threadIdx.x
+
+    # A device function of another module: its ``cuda`` global is not the kernel's to swap.
+    _elsewhere = {"cuda": cuda}
+    exec("def block_number():\n    return cuda.blockIdx.x\n", _elsewhere)
+    block_number = cuda.jit(device=True)(_elsewhere["block_number"])
+
+    @cuda.jit
+    def numbered(out):
+        out[cuda.grid(1)] = 100 * block_number() + thread_number()
+
     @cuda.jit
     def hidden_barrier(out):
         getattr(cuda, "".join(["sync", "threads"]))()  # a barrier no scan of names sees
@@ -141,6 +154,26 @@ def test_a_failing_thread_is_named_as_numba_names_it(wait):
 def test_a_barrier_the_scan_missed_fails_rather_than_running_on():
     with pytest.raises(RuntimeError, match="hidden_barrier reached a barrier while run without threads"):
         hidden_barrier[1, THREADS](np.zeros(1, np.int32))
+
+
+def test_device_functions_swap_cuda_only_where_their_module_is_not_swapped_already(monkeypatch):
+    from numba.cuda.simulator import kernel as sim
+
+    swapped = []
+    numba_swap = sim.swapped_cuda_module
+
+    def counted(fn, module):
+        swapped.append(fn.__name__)
+        return numba_swap(fn, module)
+
+    monkeypatch.setattr(sim, "swapped_cuda_module", counted)
+    out = np.zeros(2 * THREADS, np.int64)
+    numbered[2, THREADS](out)
+    assert np.array_equal(out, [100 * b + t for b in range(2) for t in range(THREADS)])
+    # The kernel's launch swaps its module, which is thread_number's too: only the other
+    # module's device function swaps its own, once per call.
+    assert swapped.count("numbered") == 1 and swapped.count("block_number") == 2 * THREADS
+    assert "thread_number" not in swapped
 
 
 def test_the_environment_keeps_numbas_own_scheduler():

@@ -24,7 +24,7 @@ same helpers are plain NumPy float32 (float64) operations.
 import math
 
 import numpy as np
-from numba import config, cuda, int32, uint32, uint64
+from numba import config, cuda
 
 from ..kernels.common import BLOCK, GROUPS
 from . import threads_per_block
@@ -34,6 +34,11 @@ if SIMULATOR:
     from .simulator import install_unless_refused
 
     install_unless_refused()
+    # What Numba's integer types do when called on a value in the simulator (their
+    # ``cast_python_value``), without numba.core.types' dispatch and import on every call.
+    int32, uint32, uint64 = np.int32, np.uint32, np.uint64
+else:  # compiled: a GPU, or the PTX check (tests/device_ptx.py)
+    from numba import int32, uint32, uint64
 #: Threads per block: fewer under the simulator, where every thread is a Python thread
 #: (``MPIGRAD_DEVICE_THREADS`` sets it for either: ``threads_per_block``).
 THREADS = threads_per_block(SIMULATOR)

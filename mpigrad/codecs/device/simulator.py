@@ -215,4 +215,25 @@ def install() -> bool:
                 raise exception.with_traceback(traceback)
 
     sim.BlockManager = BlockManager
+    _call_device_functions_in_place(sim)
     return True
+
+
+def _call_device_functions_in_place(sim) -> None:
+    """Let a simulated device function called inside a kernel skip Numba's swap of its
+    module's ``cuda`` globals where that module is swapped already (by the kernel running, or
+    an enclosing device function): Numba's swap then only counts the entrance, after a scan
+    of the module's globals under two locks on every call."""
+    from numba.cuda.simulator import kernelapi
+
+    swapped = getattr(kernelapi, "_swap_refcount", None)
+    if swapped is None:  # not the simulator this was written against: keep its calls
+        return
+    numba_call = sim.FakeCUDAKernel.__call__
+
+    def __call__(self, *args):
+        if self._device and swapped.get(id(self.fn.__globals__)):
+            return self.fn(*args)
+        return numba_call(self, *args)
+
+    sim.FakeCUDAKernel.__call__ = __call__
