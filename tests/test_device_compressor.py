@@ -212,7 +212,9 @@ def test_what_a_frame_asks_of_the_host_is_counted():
     (mpigrad/codecs/device/counters.py): the same under the simulator as on a GPU, so these
     counts are the path's budget; a change that adds a launch or a synchronisation fails here
     (issue 46's figures: 3 synchronisations per frame each way at first, launches per piece;
-    now one: the frame's bytes and its status copied asynchronously, waited for together)."""
+    now one: the frame's bytes and its status copied asynchronously, waited for together; and
+    a uniform frame takes 3 launches to encode and 2 to decode, by table, whatever its pieces,
+    where error feedback does not decode it piece by piece)."""
     from mpigrad.codecs.device.counters import snapshot
 
     host, device, shards = compressors({"id": "uniform", "bits": 2, "bucket_size": 512}, "residual", servers=1)
@@ -238,9 +240,21 @@ def test_what_a_frame_asks_of_the_host_is_counted():
     device.decode(frame, shard, out, accumulate=True)
     decoded = snapshot() - before
     assert decoded.synchronizations == decoded.sites["sync: frame and status"] == 1, decoded.sites
-    assert decoded.bytes_to_device == frame.size and decoded.bytes_to_host == status
-    assert decoded.launches == decoded.sites["launch: numba"] == 2 * 3 + 1   # scales, blocks, tail; the rest 1
+    # The frame and, after it (8-byte aligned), its table: each piece's first thread (and the
+    # end), a row of 11 per piece, a row of 3 per bucket (10 + 9 of 512), int64; one copy.
+    table = 8 * ((3 + 1) + 11 * 3 + 3 * (10 + 9))
+    assert decoded.bytes_to_device == -(-frame.size // 8) * 8 + table and decoded.bytes_to_host == status
+    assert decoded.launches == decoded.sites["launch: numba"] == 2   # every pair, then every piece's values
     assert "launches" in decoded.describe() and "to the device" in decoded.describe()
+    # Without error feedback the encode goes by table too: its ranges' chunks (one per bucket
+    # here) follow in the table, copied to the device once.
+    _, device, (shard,) = compressors({"id": "uniform", "bits": 2, "bucket_size": 512}, servers=1)
+    device.encode(g, [2, 2], shard)
+    before = snapshot()
+    device.encode(g, [2, 2], shard)
+    encoded = snapshot() - before
+    assert encoded.sites == {"launch: numba": 3, "sync: frame and status": 1}, encoded.sites
+    assert encoded.bytes_to_device == table + 8 * 2 * (10 + 9)
 
 
 def test_the_device_warm_up_launches_every_kernel_a_run_then_uses():

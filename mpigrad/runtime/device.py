@@ -28,6 +28,7 @@ from ..codecs import CodecError, HEADER_SIZE
 from ..codecs.base import header_bytes
 from ..codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
 from ..codecs.device.counters import copied, launched, synchronized
+from ..codecs.device.table import FrameTable, TableKernels, tabled
 from ..feedback import ErrorFeedback
 from .compressor import GradientCompressor
 from .layout import Shard
@@ -331,6 +332,12 @@ class DeviceGradientCompressor:
         self._host_staging: dict = {}
         self._scratch = torch.empty(max([p.size for p in self.pieces if p.quantized], default=0),
                                     dtype=torch.float32, device=device)
+        #: A frame whose pieces are all uniform or float32 goes by table (a fixed number of
+        #: launches per frame: :mod:`mpigrad.codecs.device.table`), unless error feedback
+        #: decodes each piece of it.
+        self._tables = TableKernels(self.cuda, self._current_stream)
+        self._table_buffers: dict = {}
+        self._host_table_buffers: dict = {}
 
     @property
     def calls(self) -> list[int]:
@@ -411,15 +418,55 @@ class DeviceGradientCompressor:
         out = host_frame.numpy()
         frame_view = self._view(frame)
         pos = FrameHeader.size(len(shard.pieces))
-        headers, twins = [], []
-        for piece in shard.pieces:
+        codecs = [host.codec_for(piece, bits[piece.layer]) for piece in shard.pieces]
+        twins = [self._twin(codec) for codec in codecs]
+        if self.feedback is None and tabled(twins):
+            headers, pos = self._queue_table_encode(grad, shard, codecs, twins, frame_view, pos)
+        else:
+            headers, pos = self._queue_piece_encodes(grad, shard, codecs, twins, frame_view, pos)
+        copied("to_host", pos)
+        # The packed bytes, and nothing else, into pinned memory: asynchronous on a GPU,
+        # waited for with the status.
+        host_frame[:pos].copy_(frame[:pos], non_blocking=True)
+        return out, headers, twins
+
+    def _queue_table_encode(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):
+        """Queue the frame's kernels by table (three launches, whatever its pieces); return
+        the pieces' (position, header) and the frame's length."""
+        table, headers, calls = FrameTable(encode=True), [], self.host.calls
+        for piece, codec, twin in zip(shard.pieces, codecs, twins):
+            if piece.quantized:
+                codec.calls = calls[piece.index]
+            header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE)
+            if piece.quantized:
+                calls[piece.index] = codec.calls
+            headers.append((pos, header))
+            pos += HEADER_SIZE + header.payload_len
+        device_table = self._device_table(table, (shard.server, shard.bucket))
+        self._tables.encode(table, device_table, self._view(grad), frame_view, self.status.slots)
+        return headers, pos
+
+    def _device_table(self, table: FrameTable, key):
+        """An encode's ``table`` on the device (int64, a numba view), through the pinned
+        buffer of ``key`` and one asynchronous copy (the encode waits before its next use)."""
+        array = table.array()
+        pinned = self._pinned_buffer(self._host_table_buffers, key, array.nbytes)
+        pinned[:array.nbytes].numpy()[:] = array.view(np.uint8)
+        device = self._device_buffer(self._table_buffers, key, array.nbytes)
+        copied("to_device", array.nbytes)
+        device[:array.nbytes].copy_(pinned[:array.nbytes], non_blocking=True)
+        return self._view(device[:array.nbytes].view(torch.int64))
+
+    def _queue_piece_encodes(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):
+        """Queue the frame's kernels piece by piece (each twin's own launches, the error
+        memory's compensation and decode); return the pieces' (position, header) and the
+        frame's length."""
+        host, headers = self.host, []
+        for piece, codec, twin in zip(shard.pieces, codecs, twins):
             g = grad[piece.offset:piece.offset + piece.size]
             if not piece.quantized:
-                twin = self._twin(host.rest_codec)
                 header = twin.launch_encode(self._view(g), frame_view, pos + HEADER_SIZE, self.status.slots)
             else:
-                codec = host.codec_for(piece, bits[piece.layer])
-                twin = self._twin(codec)
                 p = self.feedback.compensate(piece.index, g) if self.feedback else g
                 codec.calls = host.calls[piece.index]
                 header = twin.launch_encode(self._view(p), frame_view, pos + HEADER_SIZE, self.status.slots)
@@ -430,13 +477,8 @@ class DeviceGradientCompressor:
                     twin.launch_decode(header, payload, self._view(decoded), False, self.status.slots)
                     self.feedback.update(piece.index, p, decoded)
             headers.append((pos, header))
-            twins.append(twin)
             pos += HEADER_SIZE + header.payload_len
-        copied("to_host", pos)
-        # The packed bytes, and nothing else, into pinned memory: asynchronous on a GPU,
-        # waited for with the status.
-        host_frame[:pos].copy_(frame[:pos], non_blocking=True)
-        return out, headers, twins
+        return headers, pos
 
     def decode(self, frame: np.ndarray, shard: Shard, out: torch.Tensor, *, accumulate: bool = False) -> float:
         """Decode ``shard``'s host frame into the flat device ``out`` (or add to it); return
@@ -452,24 +494,41 @@ class DeviceGradientCompressor:
                      else self.host.rest_codec)
             twin = self._twin(codec)
             checked.append((piece, twin, twin.check(buf)))
-        # One device buffer per shard (the stream orders its reuse); a pinned one per frame.
-        staging = self._device_buffer(self._staging, (shard.server, shard.bucket), frame.size)
-        pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), frame.size)
-        pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
-        copied("to_device", frame.size)
-        staging[:frame.size].copy_(pinned[:frame.size], non_blocking=True)  # waited for with the status
-        view = self._view(staging)
-        pos = FrameHeader.size(len(shard.pieces))
-        try:
+        twins = [twin for _, twin, _ in checked]
+        first = FrameHeader.size(len(shard.pieces))
+        table = FrameTable(encode=False) if tabled(twins) else None
+        if table is not None:
+            pos = first
             for piece, twin, header in checked:
-                payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
-                twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
-                                   accumulate, self.status.slots)
+                table.add_decode(twin, header, piece.offset, pos + HEADER_SIZE)
                 pos += HEADER_SIZE + header.payload_len
+            array = table.array().view(np.uint8)
+        # The table follows the frame (8-byte aligned) in its staging: one copy for both.
+        at = -(-frame.size // 8) * 8
+        size = at + array.size if table is not None else frame.size
+        # One device buffer per shard (the stream orders its reuse); a pinned one per frame.
+        staging = self._device_buffer(self._staging, (shard.server, shard.bucket), size)
+        pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), size)
+        pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
+        if table is not None:
+            pinned[at:size].numpy()[:] = array
+        copied("to_device", size)
+        staging[:size].copy_(pinned[:size], non_blocking=True)  # waited for with the status
+        view = self._view(staging)
+        try:
+            if table is not None:
+                self._tables.decode(table, self._view(staging[at:size].view(torch.int64)), view, self._view(out),
+                                    accumulate, self.status.slots)
+            else:
+                pos = first
+                for piece, twin, header in checked:
+                    payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
+                    twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
+                                       accumulate, self.status.slots)
+                    pos += HEADER_SIZE + header.payload_len
         except BaseException:  # the copy out of the pinned buffer may still run: let it end first
             self.status.clear()
             raise
-        twins = [twin for _, twin, _ in checked]
         if self.defer_decode_checks:
             self.status.pending.extend(twins[:1])
         else:

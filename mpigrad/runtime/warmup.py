@@ -81,15 +81,19 @@ def warm_up_device(codecs: list[Codec], device) -> float:
     from ..codecs.device import device_codec, host_only, load_cuda
     from ..codecs.device.counters import kernels_launched
     from ..codecs.device.kernels import CHUNK, SIMULATOR
+    from ..codecs.device.table import tabled
     from .device import current_stream, device_view, synchronize
 
     began = time.perf_counter()
     cuda = load_cuda()
+    sizes = (37, CHUNK + 37)[:1 if SIMULATOR else 2]  # a tail; more than one chunk (on a GPU)
+    twins = []
     for codec in codecs:
         if host_only(codec):
             continue
         twin = device_codec(codec, lambda: current_stream(cuda, device))
-        for n in (37, CHUNK + 37)[:1 if SIMULATOR else 2]:  # a tail; more than one chunk (on a GPU)
+        twins.append(twin)
+        for n in sizes:
             x = torch.linspace(-1.0, 1.0, n, dtype=torch.float32, device=device)
             frame = torch.empty(twin.max_encoded_size(n), dtype=torch.uint8, device=device)
             length = twin.encode(device_view(cuda, x), device_view(cuda, frame))
@@ -97,9 +101,40 @@ def warm_up_device(codecs: list[Codec], device) -> float:
             out = torch.zeros(n, dtype=torch.float32, device=device)
             twin.decode(host, device_view(cuda, out))
             twin.decode(host, device_view(cuda, out), accumulate=True)
+    by_table = [twin for twin in twins if tabled([twin])]
+    for n in sizes if by_table else ():
+        _warm_up_table(cuda, device, by_table, n)
     synchronize(device)
     _device_warmed = kernels_launched()
     return time.perf_counter() - began
+
+
+def _warm_up_table(cuda, device, twins, n: int) -> None:
+    """A frame of one piece of ``n`` values per twin (uniform, float32) encoded, decoded and
+    decoded-added by table (:mod:`mpigrad.codecs.device.table`): its five kernels launched."""
+    import numpy as np
+    import torch
+
+    from ..codecs import HEADER_SIZE
+    from ..codecs.device import kernels as k
+    from ..codecs.device.table import FrameTable, TableKernels
+    from .device import current_stream, device_view
+
+    kernels = TableKernels(cuda, lambda: current_stream(cuda, device))
+    status = cuda.to_device(np.zeros(k.STATUS_SLOTS, np.int32))
+    encode, decode, pos = FrameTable(encode=True), FrameTable(encode=False), 0
+    for i, twin in enumerate(twins):
+        header = encode.add_encode(twin, i * n, n, pos + HEADER_SIZE)
+        decode.add_decode(twin, header, i * n, pos + HEADER_SIZE)
+        pos += HEADER_SIZE + header.payload_len
+    x = torch.linspace(-1.0, 1.0, n * len(twins), dtype=torch.float32, device=device)
+    frame = torch.zeros(pos, dtype=torch.uint8, device=device)
+    table = torch.from_numpy(encode.array()).to(device)
+    kernels.encode(encode, device_view(cuda, table), device_view(cuda, x), device_view(cuda, frame), status)
+    table = torch.from_numpy(decode.array()).to(device)
+    for accumulate in (False, True):
+        kernels.decode(decode, device_view(cuda, table), device_view(cuda, frame), device_view(cuda, x), accumulate,
+                       status)
 
 
 def late_device_kernels() -> list[str]:

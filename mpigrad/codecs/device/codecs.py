@@ -34,6 +34,29 @@ def as_device_array(cuda, array, what: str):
     return cuda.as_cuda_array(array)
 
 
+def launch_kernel(kernel, grid: int, stream, *args) -> None:
+    """Launch ``kernel`` on ``grid`` blocks of ``k.THREADS`` threads on ``stream``, counted:
+    every launch of the device codecs goes through here."""
+    launched(kernel=kernel.py_func.__name__)
+    kernel[grid, k.THREADS, stream](*args)
+
+
+class ScratchArrays:
+    """Device scratch arrays by name, each grown as needed and never shrunk."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self._arrays: dict[str, object] = {}
+
+    def array(self, name: str, size: int, dtype, stream):
+        """Scratch array ``name`` with at least ``size`` elements (a view of exactly
+        ``size``), allocated on ``stream`` when it grows."""
+        have = self._arrays.get(name)
+        if have is None or have.size < size:
+            have = self._arrays[name] = self.cuda.device_array(max(size, 1), dtype, stream=stream)
+        return have[:size]
+
+
 class DeviceCodec(ABC):
     """Hyperparameters: the host codec and where its kernels and copies go: ``stream``, a
     zero-argument callable asked at every launch and copy for the stream to use (the
@@ -54,7 +77,7 @@ class DeviceCodec(ABC):
             self._stream_source = (lambda: fixed) if fixed is not None else self.cuda.default_stream
         self._status = self.cuda.device_array(k.STATUS_SLOTS, np.int32)
         self._zeros = np.zeros(k.STATUS_SLOTS, np.int32)
-        self._scratch: dict[str, object] = {}
+        self._scratch = ScratchArrays(self.cuda)
 
     @property
     def stream(self):
@@ -70,15 +93,11 @@ class DeviceCodec(ABC):
         self._launch_grid(kernel, k.blocks(threads), *args)
 
     def _launch_grid(self, kernel, grid: int, *args) -> None:
-        launched(kernel=kernel.py_func.__name__)
-        kernel[grid, k.THREADS, self.stream](*args)
+        launch_kernel(kernel, grid, self.stream, *args)
 
     def _array(self, name: str, size: int, dtype):
         """A device scratch array of at least ``size`` elements (a view of exactly size)."""
-        have = self._scratch.get(name)
-        if have is None or have.size < size:
-            have = self._scratch[name] = self.cuda.device_array(max(size, 1), dtype, stream=self.stream)
-        return have[:size]
+        return self._scratch.array(name, size, dtype, self.stream)
 
     def _reset_status(self) -> None:
         copied("to_device", self._zeros.nbytes)

@@ -197,15 +197,11 @@ def fill_keys(keys):
         keys[i] = int32(_I32_MAX) if i % 2 == 0 else int32(_I32_MIN)
 
 
-@cuda.jit(cache=True)
-def range_keys(x, bucket, chunks, keys):
-    """Block j reduces chunk ``j % chunks`` of bucket ``j // chunks`` to its min and max
-    order keys (integers: any order gives the same result) and folds them into ``keys``."""
-    j = cuda.blockIdx.x
+@cuda.jit(device=True)
+def _block_range(x, start, stop):
+    """The min and max order keys of ``x[start:stop]``, reduced by the whole block (every
+    thread calls it; integers: any order gives the same result)."""
     t = cuda.threadIdx.x
-    b = j // chunks
-    start = b * bucket + (j - b * chunks) * CHUNK
-    stop = min(start + CHUNK, (b + 1) * bucket, x.size)
     lo = int32(_I32_MAX)
     hi = int32(_I32_MIN)
     for i in range(start + t, stop, THREADS):
@@ -224,9 +220,36 @@ def range_keys(x, bucket, chunks, keys):
             s_hi[t] = max(s_hi[t], s_hi[t + step])
         cuda.syncthreads()
         step //= 2
-    if t == 0 and start < stop:
-        cuda.atomic.min(keys, 2 * b, s_lo[0])
-        cuda.atomic.max(keys, 2 * b + 1, s_hi[0])
+    return s_lo[0], s_hi[0]
+
+
+@cuda.jit(cache=True)
+def range_keys(x, bucket, chunks, keys):
+    """Block j reduces chunk ``j % chunks`` of bucket ``j // chunks`` to its min and max
+    order keys and folds them into ``keys``."""
+    j = cuda.blockIdx.x
+    b = j // chunks
+    start = b * bucket + (j - b * chunks) * CHUNK
+    stop = min(start + CHUNK, (b + 1) * bucket, x.size)
+    lo, hi = _block_range(x, start, stop)
+    if cuda.threadIdx.x == 0 and start < stop:
+        cuda.atomic.min(keys, 2 * b, lo)
+        cuda.atomic.max(keys, 2 * b + 1, hi)
+
+
+@cuda.jit(device=True)
+def _range_of_keys(lo_key, hi_key, status):
+    """(ok, lo, hi) of a bucket's min and max order keys; not ok, with the flag set, for
+    NaN/inf values and spans beyond float32."""
+    if lo_key < _F32_MIN_KEY or hi_key > _F32_MAX_KEY:
+        status[ERR_NONFINITE] = 1
+        return False, np.float32(0.0), np.float32(0.0)
+    lo = _as_float(_order_key(lo_key))
+    hi = _as_float(_order_key(hi_key))
+    if not math.isfinite(hi - lo):
+        status[ERR_RANGE] = 1
+        return False, lo, hi
+    return True, lo, hi
 
 
 @cuda.jit(cache=True)
@@ -235,18 +258,10 @@ def finish_ranges(keys, lohi, status):
     b = cuda.grid(1)
     if b >= lohi.size // 2:
         return
-    lo_key = keys[2 * b]
-    hi_key = keys[2 * b + 1]
-    if lo_key < _F32_MIN_KEY or hi_key > _F32_MAX_KEY:
-        status[ERR_NONFINITE] = 1
-        return
-    lo = _as_float(_order_key(lo_key))
-    hi = _as_float(_order_key(hi_key))
-    if not math.isfinite(hi - lo):
-        status[ERR_RANGE] = 1
-        return
-    lohi[2 * b] = lo
-    lohi[2 * b + 1] = hi
+    ok, lo, hi = _range_of_keys(keys[2 * b], keys[2 * b + 1], status)
+    if ok:
+        lohi[2 * b] = lo
+        lohi[2 * b + 1] = hi
 
 
 @cuda.jit(cache=True)
@@ -358,17 +373,24 @@ def load_scales(payload, scales, status):
             status[ERR_BAD_SCALE] = 1
 
 
+@cuda.jit(device=True)
+def _load_pair(payload, at, lohi, b, status):
+    """Read the (lo, hi) pair at ``payload[at:]`` into pair ``b`` of ``lohi``; flag one that
+    the host's ``check_ranges`` refuses."""
+    lo = _load_f32(payload, at)
+    hi = _load_f32(payload, at + 4)
+    lohi[2 * b] = lo
+    lohi[2 * b + 1] = hi
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi and math.isfinite(hi - lo)):
+        status[ERR_BAD_SCALE] = 1
+
+
 @cuda.jit(cache=True)
 def load_pairs(payload, lohi, status):
     """Read (lo, hi) pairs; flag any that the host's ``check_ranges`` refuses."""
     b = cuda.grid(1)
     if b < lohi.size // 2:
-        lo = _load_f32(payload, 8 * b)
-        hi = _load_f32(payload, 8 * b + 4)
-        lohi[2 * b] = lo
-        lohi[2 * b + 1] = hi
-        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi and math.isfinite(hi - lo)):
-            status[ERR_BAD_SCALE] = 1
+        _load_pair(payload, 8 * b, lohi, b, status)
 
 
 # ---- fixed-width codes ----------------------------------------------------------------------
@@ -436,8 +458,13 @@ def pack_blocks(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos
     ``kind``: UNIFORM (``scales`` the (lo, hi) pairs, ``levels`` 2**bits - 1), SIGN,
     TERNGRAD (bits 2, levels 1) or QSGD (levels s) codes."""
     g = cuda.grid(1)
-    if g >= (x.size // BLOCK) * GROUPS:
-        return
+    if g < (x.size // BLOCK) * GROUPS:
+        _pack_group(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, g)
+
+
+@cuda.jit(device=True)
+def _pack_group(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, g):
+    """pack_blocks' thread ``g``."""
     k = g // GROUPS
     m = g - k * GROUPS
     word = uint64(0)
@@ -453,10 +480,15 @@ def pack_blocks(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos
 def pack_tail(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos):
     """The codes after the last full block, MSB-first: thread t writes byte t."""
     t = cuda.grid(1)
+    if t < ((x.size % BLOCK) * bits + 7) // 8:
+        _pack_tail_byte(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, t)
+
+
+@cuda.jit(device=True)
+def _pack_tail_byte(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, t):
+    """pack_tail's thread ``t``."""
     start = (x.size // BLOCK) * BLOCK
     count = x.size - start
-    if t >= (count * bits + 7) // 8:
-        return
     byte = 0
     e_cached = -1
     c = 0
@@ -507,8 +539,13 @@ def unpack_blocks(kind, src, pos, bits, levels, bucket, scales, out, n, op, stat
     """Inverse of pack_blocks over the ``n`` codes' full blocks: ``op`` WRITE or ADD their
     values to ``out``, or CHECK them (``out`` is not touched: any float32 array will do)."""
     g = cuda.grid(1)
-    if g >= (n // BLOCK) * GROUPS:
-        return
+    if g < (n // BLOCK) * GROUPS:
+        _unpack_group(kind, src, pos, bits, levels, bucket, scales, out, op, status, g)
+
+
+@cuda.jit(device=True)
+def _unpack_group(kind, src, pos, bits, levels, bucket, scales, out, op, status, g):
+    """unpack_blocks' thread ``g``."""
     k = g // GROUPS
     m = g - k * GROUPS
     base = pos + k * bits * GROUPS + m
@@ -525,9 +562,14 @@ def unpack_blocks(kind, src, pos, bits, levels, bucket, scales, out, n, op, stat
 def unpack_tail(kind, src, pos, bits, levels, bucket, scales, out, n, op, status):
     """The codes after the last full block: thread e reads code e of the MSB-first stream."""
     e = cuda.grid(1)
+    if e < n % BLOCK:
+        _unpack_tail_code(kind, src, pos, bits, levels, bucket, scales, out, n, op, status, e)
+
+
+@cuda.jit(device=True)
+def _unpack_tail_code(kind, src, pos, bits, levels, bucket, scales, out, n, op, status, e):
+    """unpack_tail's thread ``e``."""
     start = (n // BLOCK) * BLOCK
-    if e >= n - start:
-        return
     bit = e * bits
     pos += (start // BLOCK) * bits * GROUPS
     code = 0
@@ -601,6 +643,145 @@ def load_float16(src, pos, table, out, accumulate):
     if i < out.size:
         h = int32(src[pos + 2 * i]) | (int32(src[pos + 2 * i + 1]) << 8)
         _store(out, i, table[h], accumulate)
+
+
+# ---- a frame's pieces by table: a fixed number of launches per frame ------------------------
+#: The piece table's kind beside the codes' (UNIFORM): float32 values, 4 bytes each.
+FLOAT32 = 4
+#: The piece table's columns (int64, a row per piece): its kind; its offset and size in the
+#: flat values; bits, levels, bucket, stochastic rounding and its RNG key (two 32-bit
+#: halves) of a UNIFORM piece; the byte position of its codes (FLOAT32: its values) in the
+#: frame; the index of its first bucket among the frame's (its (lo, hi) pairs in ``lohi``).
+(P_KIND, P_OFFSET, P_SIZE, P_BITS, P_LEVELS, P_BUCKET, P_STOCHASTIC, P_KEY_HI, P_KEY_LO, P_CODES,
+ P_PAIRS) = range(11)
+PIECE_COLUMNS = 11
+#: The bucket table's columns (int64, a row per bucket of the frame's UNIFORM pieces): its
+#: first chunk and chunk count in the chunk table (encode), the byte position of its pair.
+B_FIRST, B_CHUNKS, B_AT = range(3)
+BUCKET_COLUMNS = 3
+
+
+@cuda.jit(device=True)
+def _piece_of(firsts, i):
+    """The row e with ``firsts[e] <= i < firsts[e + 1]`` (``firsts`` ascending from 0)."""
+    lo = 0
+    hi = firsts.size - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if firsts[mid] <= i:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(device=True)
+def _piece_key(pieces, row):
+    return (uint64(pieces[row + P_KEY_HI]) << uint64(32)) | uint64(pieces[row + P_KEY_LO])
+
+
+@cuda.jit(cache=True)
+def table_range_keys(x, chunks, keys):
+    """Block j reduces chunk j of the frame (``x[chunks[2j]:chunks[2j + 1]]``, never empty)
+    to its min and max order keys, ``keys[2j]`` and ``keys[2j + 1]``."""
+    j = cuda.blockIdx.x
+    lo, hi = _block_range(x, chunks[2 * j], chunks[2 * j + 1])
+    if cuda.threadIdx.x == 0:
+        keys[2 * j] = lo
+        keys[2 * j + 1] = hi
+
+
+@cuda.jit(cache=True)
+def table_finish_ranges(keys, buckets, lohi, out, status):
+    """Thread b: bucket b's (lo, hi) from its chunks' keys into ``lohi`` and, as float32
+    bytes, into the frame ``out`` at its pair's position; flags as ``finish_ranges``."""
+    b = cuda.grid(1)
+    if b >= buckets.size // BUCKET_COLUMNS:
+        return
+    row = b * BUCKET_COLUMNS
+    first = buckets[row + B_FIRST]
+    lo_key = int32(_I32_MAX)
+    hi_key = int32(_I32_MIN)
+    for c in range(first, first + buckets[row + B_CHUNKS]):
+        lo_key = min(lo_key, keys[2 * c])
+        hi_key = max(hi_key, keys[2 * c + 1])
+    ok, lo, hi = _range_of_keys(lo_key, hi_key, status)
+    if ok:
+        lohi[2 * b] = lo
+        lohi[2 * b + 1] = hi
+        at = buckets[row + B_AT]
+        _store_f32(out, at, lo)
+        _store_f32(out, at + 4, hi)
+
+
+@cuda.jit(cache=True)
+def table_pack(x, firsts, pieces, lohi, out, status):
+    """Thread i works for piece e (``firsts[e] <= i < firsts[e + 1]``) of the frame: a
+    UNIFORM piece's thread j is pack_blocks' thread j, then pack_tail's; a FLOAT32 piece's
+    stores value j (flagging NaN/inf, as ``store_float32``)."""
+    i = cuda.grid(1)
+    if i >= firsts[firsts.size - 1]:
+        return
+    e = _piece_of(firsts, i)
+    j = i - firsts[e]
+    row = e * PIECE_COLUMNS
+    offset = pieces[row + P_OFFSET]
+    xe = x[offset:offset + pieces[row + P_SIZE]]
+    at = pieces[row + P_CODES]
+    if pieces[row + P_KIND] == FLOAT32:
+        v = xe[j]
+        if not math.isfinite(v):
+            status[ERR_NONFINITE] = 1
+        _store_f32(out, at + 4 * j, v)
+        return
+    bits = pieces[row + P_BITS]
+    levels = pieces[row + P_LEVELS]
+    bucket = pieces[row + P_BUCKET]
+    stochastic = pieces[row + P_STOCHASTIC] != 0
+    key = _piece_key(pieces, row)
+    scales = lohi[2 * pieces[row + P_PAIRS]:]
+    groups = (xe.size // BLOCK) * GROUPS
+    if j < groups:
+        _pack_group(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j)
+    else:
+        _pack_tail_byte(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j - groups)
+
+
+@cuda.jit(cache=True)
+def table_load_pairs(src, buckets, lohi, status):
+    """Thread b reads bucket b's (lo, hi) pair from the frame ``src`` (``load_pairs``)."""
+    b = cuda.grid(1)
+    if b < buckets.size // BUCKET_COLUMNS:
+        _load_pair(src, buckets[b * BUCKET_COLUMNS + B_AT], lohi, b, status)
+
+
+@cuda.jit(cache=True)
+def table_unpack(src, firsts, pieces, lohi, out, op, status):
+    """Thread i works for piece e of the frame ``src`` (as ``table_pack``), writing (WRITE)
+    or adding (ADD) into ``out[offset:offset + size]``: a UNIFORM piece's thread j is
+    unpack_blocks' thread j, then unpack_tail's; a FLOAT32 piece's loads value j."""
+    i = cuda.grid(1)
+    if i >= firsts[firsts.size - 1]:
+        return
+    e = _piece_of(firsts, i)
+    j = i - firsts[e]
+    row = e * PIECE_COLUMNS
+    offset = pieces[row + P_OFFSET]
+    n = pieces[row + P_SIZE]
+    oute = out[offset:offset + n]
+    at = pieces[row + P_CODES]
+    if pieces[row + P_KIND] == FLOAT32:
+        _store(oute, j, _load_f32(src, at + 4 * j), op == ADD)
+        return
+    bits = pieces[row + P_BITS]
+    levels = pieces[row + P_LEVELS]
+    bucket = pieces[row + P_BUCKET]
+    scales = lohi[2 * pieces[row + P_PAIRS]:]
+    groups = (n // BLOCK) * GROUPS
+    if j < groups:
+        _unpack_group(UNIFORM, src, at, bits, levels, bucket, scales, oute, op, status, j)
+    else:
+        _unpack_tail_code(UNIFORM, src, at, bits, levels, bucket, scales, oute, n, op, status, j - groups)
 
 
 def blocks(n: int, threads: int = THREADS) -> int:

@@ -1,0 +1,171 @@
+"""A frame's pieces in a fixed number of kernel launches, whatever their number (CGX's
+shape): the encode reduces every bucket's range (one launch over the frame's chunks),
+finishes the ranges into the frame (one over its buckets) and packs every piece's codes
+(one over all their threads); the decode reads every pair (one launch) and writes or adds
+every piece (one). The per-piece twins (:mod:`.codecs`) take five or six launches a piece
+to encode and two or three to decode.
+
+A frame goes by table where each of its pieces is a :class:`~.codecs.DeviceUniform` (any
+bits) or a :class:`~.codecs.DeviceFloat32` piece (:func:`tabled`); its bytes are the
+per-piece twins' and the host codecs', byte for byte (tests/test_device_table.py).
+:class:`FrameTable` is the host's half: each piece's header and the int64 table the
+kernels read; :class:`TableKernels` launches them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..base import Header
+from ..checks import bucket_layout
+from . import kernels as k
+from . import codecs as device_codecs
+from .codecs import DeviceFloat32, DeviceUniform, ScratchArrays
+
+__all__ = ["FrameTable", "TableKernels", "tabled"]
+
+
+def tabled(twins) -> bool:
+    """Whether a frame of pieces with these device twins can go by table."""
+    return all(type(twin) in (DeviceUniform, DeviceFloat32) for twin in twins)
+
+
+class FrameTable:
+    """One frame's pieces, as the table kernels read them: a row per non-empty piece
+    (``kernels.P_*``), a row per bucket of its UNIFORM pieces (``kernels.B_*``), the encode's
+    chunks of those buckets, and each piece's first thread. Offsets are into the flat values
+    the frame encodes (or decodes into); positions are bytes of the whole frame."""
+
+    def __init__(self, encode: bool):
+        #: Whether the table encodes (its threads, chunks) or decodes.
+        self.encode = encode
+        self._pieces: list[list[int]] = []
+        self._threads: list[int] = []
+        self._buckets: list[np.ndarray] = []
+        self._chunks: list[np.ndarray] = []
+        self._bucket_count = self._chunk_count = 0
+
+    def add_encode(self, twin, offset: int, size: int, payload_at: int) -> Header:
+        """Add the piece ``values[offset:offset + size]`` encoded by ``twin`` with its
+        payload at byte ``payload_at``; return its header. The codec's RNG stream is drawn
+        here, as the twin's own encode draws it."""
+        assert self.encode
+        codec = twin.codec
+        if size == 0:
+            fields = twin._empty_fields()
+            return Header(codec.wire_id, *fields[:4], 0, fields[4])
+        if isinstance(twin, DeviceFloat32):
+            self._add_float32(offset, size, payload_at)
+            return Header(codec.wire_id, 0, 0, 0, 0, size, 4 * size)
+        from ..uniform import FLAG_STOCHASTIC, payload_size
+        bucket_size = codec.bucket_size or 0
+        seed, counter = codec._next_stream() if codec.stochastic else (0, 0)
+        self._add_uniform(offset, size, codec.bits, bucket_size, payload_at, codec.stochastic,
+                          k.stream_key(seed, counter))
+        return Header(codec.wire_id, codec.bits, FLAG_STOCHASTIC if codec.stochastic else 0, bucket_size, 0, size,
+                      payload_size(size, codec.bits, bucket_size))
+
+    def add_decode(self, twin, header: Header, offset: int, payload_at: int) -> None:
+        """Add a piece of ``twin``'s codec, of a checked ``header``, whose payload is at byte
+        ``payload_at`` and whose values go to ``values[offset:offset + n]``."""
+        assert not self.encode
+        if header.n == 0:
+            return
+        if isinstance(twin, DeviceFloat32):
+            self._add_float32(offset, header.n, payload_at)
+        else:
+            self._add_uniform(offset, header.n, header.bits, header.param_a, payload_at, False, 0)
+
+    def _add_float32(self, offset: int, size: int, at: int) -> None:
+        row = [0] * k.PIECE_COLUMNS
+        row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_CODES] = k.FLOAT32, offset, size, at
+        self._pieces.append(row)
+        self._threads.append(size)
+
+    def _add_uniform(self, offset: int, size: int, bits: int, bucket_size: int, at: int, stochastic: bool,
+                     key: int) -> None:
+        bucket, nb = bucket_layout(bucket_size, size)
+        row = [0] * k.PIECE_COLUMNS
+        row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_BITS] = k.UNIFORM, offset, size, bits
+        row[k.P_LEVELS], row[k.P_BUCKET], row[k.P_STOCHASTIC] = (1 << bits) - 1, bucket, int(stochastic)
+        row[k.P_KEY_HI], row[k.P_KEY_LO] = key >> 32, key & 0xFFFFFFFF
+        row[k.P_CODES], row[k.P_PAIRS] = at + 8 * nb, self._bucket_count
+        self._pieces.append(row)
+        tail = size % k.BLOCK
+        self._threads.append((size // k.BLOCK) * k.GROUPS + ((tail * bits + 7) // 8 if self.encode else tail))
+        buckets = np.zeros((nb, k.BUCKET_COLUMNS), np.int64)
+        buckets[:, k.B_AT] = at + 8 * np.arange(nb)
+        if self.encode:  # each bucket's chunks of CHUNK values, as range_keys splits them
+            starts = (np.arange(nb)[:, None] * bucket + np.arange(-(-min(bucket, size) // k.CHUNK))[None, :] * k.CHUNK)
+            stops = np.minimum(np.minimum(starts + k.CHUNK, (np.arange(nb)[:, None] + 1) * bucket), size)
+            kept = starts < stops
+            counts = kept.sum(axis=1)
+            buckets[:, k.B_CHUNKS] = counts
+            buckets[:, k.B_FIRST] = self._chunk_count + np.concatenate(([0], np.cumsum(counts)[:-1]))
+            self._chunks.append(offset + np.stack([starts[kept], stops[kept]], axis=1).ravel())
+            self._chunk_count += int(counts.sum())
+        self._buckets.append(buckets.ravel())
+        self._bucket_count += nb
+
+    @property
+    def threads(self) -> int:
+        """The pack (encode) or unpack (decode) launch's threads."""
+        return sum(self._threads)
+
+    def sections(self) -> dict[str, tuple[int, int]]:
+        """Each section's (start, stop) in :meth:`array`: firsts, pieces, buckets, chunks."""
+        sizes = {"firsts": len(self._threads) + 1, "pieces": k.PIECE_COLUMNS * len(self._pieces),
+                 "buckets": k.BUCKET_COLUMNS * self._bucket_count, "chunks": 2 * self._chunk_count}
+        out, start = {}, 0
+        for name, size in sizes.items():
+            out[name] = (start, start + size)
+            start += size
+        return out
+
+    def array(self) -> np.ndarray:
+        """The table as one int64 array (the kernels get slices of its device copy)."""
+        firsts = np.concatenate(([0], np.cumsum(self._threads, dtype=np.int64)))
+        parts = [firsts, np.asarray(self._pieces, np.int64).ravel(), *self._buckets, *self._chunks]
+        return np.concatenate([np.asarray(part, np.int64) for part in parts])
+
+
+class TableKernels:
+    """Hyperparameters: the stream source (as a device codec's: a callable asked at every
+    launch). State: the scratch arrays of the ranges (grown as needed)."""
+
+    def __init__(self, cuda, stream):
+        self.cuda = cuda
+        self._stream_source = stream
+        self.scratch = ScratchArrays(cuda)
+
+    def _sections(self, table: FrameTable, device_table):
+        return {name: device_table[start:stop] for name, (start, stop) in table.sections().items()}
+
+    def encode(self, table: FrameTable, device_table, values, out, status) -> None:
+        """Launch the frame's encode: ``values`` (device float32, flat), ``out`` (the device
+        frame), ``device_table`` (``table.array()`` on the device); flags into ``status``."""
+        assert table.encode
+        t, stream = self._sections(table, device_table), self._stream_source()
+        chunks, buckets = table._chunk_count, table._bucket_count
+        lohi = self.scratch.array("lohi", 2 * buckets, np.float32, stream)
+        if chunks:
+            keys = self.scratch.array("keys", 2 * chunks, np.int32, stream)
+            device_codecs.launch_kernel(k.table_range_keys, chunks, stream, values, t["chunks"], keys)
+            device_codecs.launch_kernel(k.table_finish_ranges, k.blocks(buckets), stream, keys, t["buckets"], lohi, out, status)
+        if table.threads:
+            device_codecs.launch_kernel(k.table_pack, k.blocks(table.threads), stream, values, t["firsts"], t["pieces"], lohi,
+                          out, status)
+
+    def decode(self, table: FrameTable, device_table, frame, out, accumulate: bool, status) -> None:
+        """Launch the frame's decode: ``frame`` (the device frame), into (or, with
+        ``accumulate``, onto) ``out`` (device float32, flat); flags into ``status``; as a
+        device codec's ``launch_decode``, ``out`` is not to be used before they are read."""
+        assert not table.encode
+        t, stream = self._sections(table, device_table), self._stream_source()
+        lohi = self.scratch.array("lohi_in", 2 * table._bucket_count, np.float32, stream)
+        if table._bucket_count:
+            device_codecs.launch_kernel(k.table_load_pairs, k.blocks(table._bucket_count), stream, frame, t["buckets"], lohi,
+                          status)
+        if table.threads:
+            device_codecs.launch_kernel(k.table_unpack, k.blocks(table.threads), stream, frame, t["firsts"], t["pieces"], lohi,
+                          out, k.ADD if accumulate else k.WRITE, status)

@@ -1,0 +1,153 @@
+"""A frame's pieces by table (mpigrad/codecs/device/table.py): three launches encode a frame
+of uniform (any bits, buckets, rounding) and float32 pieces into the host codecs' bytes,
+whatever the number of pieces; two decode one, writing or adding, with the host's values;
+a corrupted pair or a NaN is flagged as the per-piece twins flag it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpigrad.codecs import HEADER_SIZE, get_codec
+from mpigrad.codecs.base import header_bytes
+from mpigrad.codecs.device import device_codec, load_cuda
+from mpigrad.codecs.device import kernels as k
+from mpigrad.codecs.device.counters import snapshot
+from mpigrad.codecs.device.table import FrameTable, TableKernels, tabled
+
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered in:RuntimeWarning")]
+
+cuda = load_cuda()
+
+#: A frame's pieces: (codec config, size). Sizes cross a full block of 4096 codes and a
+#: tail, several buckets and chunks (k.CHUNK values), a bucket straddling blocks.
+PIECES = [
+    ({"id": "uniform", "bits": 3}, 4200),
+    ({"id": "fp32"}, 37),
+    ({"id": "uniform", "bits": 1, "bucket_size": 1000}, 2 * k.CHUNK + 5),
+    ({"id": "uniform", "bits": 2, "rounding": "stochastic", "seed": 11, "bucket_size": 700}, 1500),
+    ({"id": "uniform", "bits": 8, "bucket_size": 3000}, 8300),
+    ({"id": "fp32"}, 1),
+    ({"id": "uniform", "bits": 7, "rounding": "stochastic", "seed": 3}, 1),
+]
+
+
+def gradient(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-8, 2, n))).astype(np.float32)
+    x[::97] = 0.0
+    return x
+
+
+def layout(pieces):
+    """The codecs, the pieces' offsets in the flat values and their frame positions."""
+    codecs = [get_codec(config) for config, _ in pieces]
+    offsets = np.concatenate(([0], np.cumsum([n for _, n in pieces])))
+    return codecs, offsets
+
+
+def host_frames(codecs, offsets, x) -> list[np.ndarray]:
+    """Each piece's host frame."""
+    return [codec.encode(x[offsets[i]:offsets[i + 1]]) for i, codec in enumerate(codecs)]
+
+
+def host_frame(codecs, offsets, x) -> np.ndarray:
+    """The pieces' host frames one after another (as a compressor lays them out)."""
+    return np.concatenate(host_frames(codecs, offsets, x))
+
+
+def table_encode(codecs, offsets, x):
+    """The frame by table, its launches and its headers."""
+    twins = [device_codec(codec) for codec in codecs]
+    assert tabled(twins)
+    table, pos, headers = FrameTable(encode=True), 0, []
+    for i, twin in enumerate(twins):
+        header = table.add_encode(twin, int(offsets[i]), int(offsets[i + 1] - offsets[i]), pos + HEADER_SIZE)
+        headers.append((pos, header))
+        pos += HEADER_SIZE + header.payload_len
+    out = cuda.device_array(pos, np.uint8)
+    status = cuda.to_device(np.zeros(k.STATUS_SLOTS, np.int32))
+    before = snapshot()
+    TableKernels(cuda, cuda.default_stream).encode(table, cuda.to_device(table.array()), cuda.to_device(x), out,
+                                                   status)
+    launches = (snapshot() - before).launches
+    frame = out.copy_to_host()
+    for start, header in headers:
+        frame[start:start + HEADER_SIZE] = header_bytes(header)
+    return frame, launches, status.copy_to_host()
+
+
+def test_a_frame_by_table_is_the_host_codecs_frames_in_three_launches():
+    codecs, offsets = layout(PIECES)
+    host = [get_codec(config) for config, _ in PIECES]
+    x = gradient(int(offsets[-1]), 0)
+    expected = host_frame(host, offsets, x)
+    frame, launches, status = table_encode(codecs, offsets, x)
+    assert not status.any()
+    assert frame.tobytes() == expected.tobytes()
+    assert launches == 3
+    # The stochastic codecs drew their next stream, as the host's: the next frame too.
+    expected, (frame, _, _) = host_frame(host, offsets, x), table_encode(codecs, offsets, x)
+    assert frame.tobytes() == expected.tobytes()
+
+
+def test_one_piece_and_many_pieces_take_the_same_launches():
+    for pieces in (PIECES[:1], PIECES * 3):
+        codecs, offsets = layout(pieces)
+        x = gradient(int(offsets[-1]), 1)
+        expected = host_frame([get_codec(config) for config, _ in pieces], offsets, x)
+        frame, launches, _ = table_encode(codecs, offsets, x)
+        assert frame.tobytes() == expected.tobytes() and launches == 3
+
+
+def table_decode(codecs, offsets, pieces, start, accumulate):
+    """``pieces`` (each piece's frame) decoded by table from their concatenation."""
+    twins = [device_codec(codec) for codec in codecs]
+    table, pos = FrameTable(encode=False), 0
+    for i, (twin, piece) in enumerate(zip(twins, pieces)):
+        table.add_decode(twin, twin.check(piece), int(offsets[i]), pos + HEADER_SIZE)
+        pos += piece.size
+    frame = np.concatenate(pieces)
+    out = cuda.to_device(start)
+    status = cuda.to_device(np.zeros(k.STATUS_SLOTS, np.int32))
+    before = snapshot()
+    TableKernels(cuda, cuda.default_stream).decode(table, cuda.to_device(table.array()), cuda.to_device(frame),
+                                                   out, accumulate, status)
+    return out.copy_to_host(), (snapshot() - before).launches, status.copy_to_host()
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_frame_decodes_by_table_into_the_host_values_in_two_launches(accumulate):
+    codecs, offsets = layout(PIECES)
+    x = gradient(int(offsets[-1]), 2)
+    pieces = host_frames(codecs, offsets, x)
+    start = gradient(x.size, 3)
+    expected = start.copy()
+    for i, (codec, piece) in enumerate(zip(codecs, pieces)):
+        codec.decode(piece, out=expected[offsets[i]:offsets[i + 1]], accumulate=accumulate)
+    values, launches, status = table_decode(codecs, offsets, pieces, start, accumulate)
+    assert not status.any() and launches == 2
+    assert values.tobytes() == expected.tobytes()
+
+
+def test_a_nan_and_a_corrupted_pair_are_flagged():
+    codecs, offsets = layout(PIECES)
+    x = gradient(int(offsets[-1]), 4)
+    x[offsets[2] + 5] = np.nan
+    _, _, status = table_encode(codecs, offsets, x)
+    assert status[k.ERR_NONFINITE] == 1
+    x[offsets[2] + 5] = 1.0
+    x[offsets[1]] = np.inf  # a float32 piece's
+    _, _, status = table_encode(codecs, offsets, x)
+    assert status[k.ERR_NONFINITE] == 1
+    pieces = host_frames(codecs, offsets, gradient(int(offsets[-1]), 5))
+    pieces[2][HEADER_SIZE + 4:HEADER_SIZE + 8] = np.array([-1e30], np.float32).view(np.uint8)  # hi below lo
+    _, _, status = table_decode(codecs, offsets, pieces, np.zeros(x.size, np.float32), False)
+    assert status[k.ERR_BAD_SCALE] == 1
+
+
+def test_only_uniform_and_float32_frames_go_by_table():
+    assert tabled([device_codec(get_codec({"id": "uniform"})), device_codec(get_codec({"id": "fp32"}))])
+    assert not tabled([device_codec(get_codec({"id": "uniform"})), device_codec(get_codec({"id": "fp16"}))])
+    assert not tabled([device_codec(get_codec({"id": "sign"}))])
