@@ -309,7 +309,8 @@ def test_device_codecs_take_torch_cuda_tensors_without_a_copy():
 def test_the_gpus_geometry_runs_in_the_simulator_with_the_hosts_frames():
     """MPIGRAD_DEVICE_THREADS=256: the GPU's 256-thread blocks and 8192-element chunks in the
     simulator (whose default is 32 and 1024), so that a bucket of several GPU chunks runs in
-    CI: the frames and the decoded sums are the host codec's, byte for byte."""
+    CI, per codec and by table: the frames and the decoded sums are the host codec's, byte
+    for byte."""
     import json
     import subprocess
     import sys
@@ -322,7 +323,8 @@ def test_the_gpus_geometry_runs_in_the_simulator_with_the_hosts_frames():
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert lines[0] == {"threads": 256, "chunk": 8192}
-    assert len(lines) == 6 and all(line["frame"] and line["decoded"] for line in lines[1:]), lines
+    assert len(lines) == 7 and all(line["frame"] and line["decoded"] for line in lines[1:]), lines
+    assert lines[-1]["config"] == "table" and not any(lines[-1]["status"])   # a frame of both uniform cases
 
 
 def test_a_bad_thread_count_is_refused_in_one_line_before_mpi_starts():

@@ -28,8 +28,7 @@ from ..codecs import CodecError, HEADER_SIZE
 from ..codecs.base import header_bytes
 from ..codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
 from ..codecs.device.counters import copied, launched, synchronized
-from ..codecs.device.table import FrameTable, TableKernels, tabled
-from ..feedback import ErrorFeedback
+from ..feedback import ErrorFeedback, FeedbackError
 from .compressor import GradientCompressor
 from .layout import Shard
 from .wire.messages import FrameHeader
@@ -260,20 +259,34 @@ def check_decodes(replica) -> None:
 
 
 class DeviceFeedback:
-    """The error memory of :class:`~mpigrad.feedback.ErrorFeedback` in device tensors, with
-    the same float operations (so the same memory, bit for bit) and the same state_dict."""
+    """The error memory of :class:`~mpigrad.feedback.ErrorFeedback` in device memory, with
+    the same float operations (so the same memory, bit for bit) and the same state_dict.
+    Hyperparameters: the host memory's mode and decay, the pieces (their places in the flat
+    gradient). State: the memory and the compensated gradient, each one flat device tensor
+    laid out as the gradient (the table kernels compensate and remember in place), and the
+    keys compensated so far, in order (the host memory's keys)."""
 
-    def __init__(self, host: ErrorFeedback, device: torch.device):
+    def __init__(self, host: ErrorFeedback, device: torch.device, pieces):
         self.mode, self.decay, self.device = host.mode, host.decay, device
-        self.errors: dict[int, torch.Tensor] = {}
-        self.compensated: dict[int, torch.Tensor] = {}
+        self.places = {p.index: (p.offset, p.size) for p in pieces if p.quantized}
+        total = max((offset + size for offset, size in self.places.values()), default=0)
+        #: e, and p = g + decay * e, where the gradient's pieces are.
+        self.memory = torch.zeros(total, dtype=torch.float32, device=device)
+        self.compensated = torch.empty(total, dtype=torch.float32, device=device)
+        self.used: dict[int, None] = {}
+
+    def error(self, key: int) -> torch.Tensor:
+        offset, size = self.places[key]
+        return self.memory[offset:offset + size]
+
+    def remembered(self, key: int) -> None:
+        """Record that ``key``'s memory is in use (compensated and updated by the table kernels)."""
+        self.used.setdefault(key, None)
 
     def compensate(self, key: int, g: torch.Tensor) -> torch.Tensor:
-        error = self.errors.get(key)
-        if error is None:
-            error = self.errors[key] = torch.zeros_like(g)
-            self.compensated[key] = torch.empty_like(g)
-        p = self.compensated[key]
+        offset, size = self.places[key]
+        self.remembered(key)
+        error, p = self.memory[offset:offset + size], self.compensated[offset:offset + size]
         launched("torch", 1 if self.decay == 1.0 else 2)
         if self.decay == 1.0:
             torch.add(g, error, out=p)
@@ -285,19 +298,25 @@ class DeviceFeedback:
     def update(self, key: int, p: torch.Tensor, decoded: torch.Tensor) -> None:
         launched("torch", 1 if self.mode == "residual" else 2)
         if self.mode == "residual":
-            torch.sub(p, decoded, out=self.errors[key])
+            torch.sub(p, decoded, out=self.error(key))
         else:
-            torch.mul(p, decoded == 0, out=self.errors[key])
+            torch.mul(p, decoded == 0, out=self.error(key))
 
     def state_dict(self) -> dict:
         return {"mode": self.mode, "decay": self.decay,
-                "memory": {key: e.cpu().numpy().copy() for key, e in self.errors.items()}}
+                "memory": {key: self.error(key).cpu().numpy().copy() for key in self.used}}
 
     def load_state_dict(self, state: dict) -> None:
         host = ErrorFeedback(self.mode, self.decay)
         host.load_state_dict(state)  # its checks
-        self.errors = {key: torch.from_numpy(host.error(key).copy()).to(self.device) for key in host.keys()}
-        self.compensated = {key: torch.empty_like(e) for key, e in self.errors.items()}
+        self.memory.zero_()
+        self.used = {}
+        for key in host.keys():
+            if key not in self.places or host.error(key).size != self.places[key][1]:
+                raise FeedbackError(f"error feedback memory {key!r}: not a quantized piece of this layout, or "
+                                    "not its size")
+            self.error(key).copy_(torch.from_numpy(host.error(key).copy()))
+            self.remembered(key)
 
 
 class DeviceGradientCompressor:
@@ -316,7 +335,7 @@ class DeviceGradientCompressor:
             raise CodecError("; ".join(reasons))
         self.host, self.device = host, device
         self.pieces = host.pieces
-        self.feedback = DeviceFeedback(host.feedback, device) if host.feedback is not None else None
+        self.feedback = DeviceFeedback(host.feedback, device, host.pieces) if host.feedback is not None else None
         self.cuda = load_cuda()
         self._twins: dict[int, object] = {}
         self.status = status if status is not None else DeviceStatus(self.cuda, device)
@@ -335,7 +354,10 @@ class DeviceGradientCompressor:
         #: A frame whose pieces are all uniform or float32 goes by table (a fixed number of
         #: launches per frame: :mod:`mpigrad.codecs.device.table`), unless error feedback
         #: decodes each piece of it.
-        self._tables = TableKernels(self.cuda, self._current_stream)
+        from ..codecs.device import kernels, table  # numba's CUDA: only where a device path is built
+
+        self._kernels, self._table = kernels, table
+        self._tables = table.TableKernels(self.cuda, self._current_stream)
         self._table_buffers: dict = {}
         self._host_table_buffers: dict = {}
 
@@ -420,7 +442,7 @@ class DeviceGradientCompressor:
         pos = FrameHeader.size(len(shard.pieces))
         codecs = [host.codec_for(piece, bits[piece.layer]) for piece in shard.pieces]
         twins = [self._twin(codec) for codec in codecs]
-        if self.feedback is None and tabled(twins):
+        if self._table.tabled(twins, [piece.quantized and self.feedback is not None for piece in shard.pieces]):
             headers, pos = self._queue_table_encode(grad, shard, codecs, twins, frame_view, pos)
         else:
             headers, pos = self._queue_piece_encodes(grad, shard, codecs, twins, frame_view, pos)
@@ -433,20 +455,27 @@ class DeviceGradientCompressor:
     def _queue_table_encode(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):
         """Queue the frame's kernels by table (three launches, whatever its pieces); return
         the pieces' (position, header) and the frame's length."""
-        table, headers, calls = FrameTable(encode=True), [], self.host.calls
+        table, headers, calls, feedback = self._table.FrameTable(encode=True), [], self.host.calls, self.feedback
+        k = self._kernels
+        mode = {None: k.NO_FEEDBACK, "residual": k.RESIDUAL, "accumulate": k.ACCUMULATE}[feedback and feedback.mode]
         for piece, codec, twin in zip(shard.pieces, codecs, twins):
             if piece.quantized:
                 codec.calls = calls[piece.index]
-            header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE)
-            if piece.quantized:
+                header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE, mode,
+                                          feedback.decay if feedback else 1.0)
                 calls[piece.index] = codec.calls
+                if feedback:
+                    feedback.remembered(piece.index)
+            else:
+                header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE)
             headers.append((pos, header))
             pos += HEADER_SIZE + header.payload_len
         device_table = self._device_table(table, (shard.server, shard.bucket))
-        self._tables.encode(table, device_table, self._view(grad), frame_view, self.status.slots)
+        memory = (self._view(feedback.memory), self._view(feedback.compensated)) if feedback else (None, None)
+        self._tables.encode(table, device_table, self._view(grad), frame_view, self.status.slots, *memory)
         return headers, pos
 
-    def _device_table(self, table: FrameTable, key):
+    def _device_table(self, table, key):
         """An encode's ``table`` on the device (int64, a numba view), through the pinned
         buffer of ``key`` and one asynchronous copy (the encode waits before its next use)."""
         array = table.array()
@@ -496,7 +525,7 @@ class DeviceGradientCompressor:
             checked.append((piece, twin, twin.check(buf)))
         twins = [twin for _, twin, _ in checked]
         first = FrameHeader.size(len(shard.pieces))
-        table = FrameTable(encode=False) if tabled(twins) else None
+        table = self._table.FrameTable(encode=False) if self._table.tabled(twins) else None
         if table is not None:
             pos = first
             for piece, twin, header in checked:

@@ -459,17 +459,35 @@ def pack_blocks(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos
     TERNGRAD (bits 2, levels 1) or QSGD (levels s) codes."""
     g = cuda.grid(1)
     if g < (x.size // BLOCK) * GROUPS:
-        _pack_group(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, g)
+        _pack_group(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, g, x, NO_FEEDBACK)
 
 
 @cuda.jit(device=True)
-def _pack_group(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, g):
-    """pack_blocks' thread ``g``."""
+def _remember(kind, code, x, i, bucket, scales, levels, bits, memory, feedback):
+    """The error memory of value ``i`` after it was coded as ``code``: RESIDUAL x - decoded,
+    ACCUMULATE x where decoded is 0 (else x * 0), as the host's ``ErrorFeedback.update``."""
+    v = _value(kind, code, i, bucket, scales, levels, bits)
+    p = x[i]
+    if feedback == RESIDUAL:
+        memory[i] = _fadd(p, -v)
+    elif v == np.float32(0.0):
+        memory[i] = p
+    else:
+        memory[i] = _fmul(p, np.float32(0.0))
+
+
+@cuda.jit(device=True)
+def _pack_group(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, g, memory, feedback):
+    """pack_blocks' thread ``g``; with ``feedback`` (not NO_FEEDBACK) it also sets the error
+    memory of the values it codes (``_remember``)."""
     k = g // GROUPS
     m = g - k * GROUPS
     word = uint64(0)
     for j in range(8):
-        c = _code(kind, x, k * BLOCK + j * GROUPS + m, bucket, scales, levels, bits, stochastic, key)
+        i = k * BLOCK + j * GROUPS + m
+        c = _code(kind, x, i, bucket, scales, levels, bits, stochastic, key)
+        if feedback != NO_FEEDBACK:
+            _remember(kind, c, x, i, bucket, scales, levels, bits, memory, feedback)
         word |= uint64(c) << uint64(bits * j)
     base = pos + k * bits * GROUPS + m
     for p in range(bits):
@@ -481,12 +499,13 @@ def pack_tail(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos):
     """The codes after the last full block, MSB-first: thread t writes byte t."""
     t = cuda.grid(1)
     if t < ((x.size % BLOCK) * bits + 7) // 8:
-        _pack_tail_byte(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, t)
+        _pack_tail_byte(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, t, x, NO_FEEDBACK)
 
 
 @cuda.jit(device=True)
-def _pack_tail_byte(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, t):
-    """pack_tail's thread ``t``."""
+def _pack_tail_byte(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos, t, memory, feedback):
+    """pack_tail's thread ``t``; with ``feedback``, it sets the error memory of each value
+    whose first bit is in its byte."""
     start = (x.size // BLOCK) * BLOCK
     count = x.size - start
     byte = 0
@@ -501,6 +520,8 @@ def _pack_tail_byte(kind, x, bucket, bits, levels, scales, stochastic, key, out,
             c = _code(kind, x, start + e, bucket, scales, levels, bits, stochastic, key)
             e_cached = e
         r = p - e * bits
+        if r == 0 and feedback != NO_FEEDBACK:
+            _remember(kind, c, x, start + e, bucket, scales, levels, bits, memory, feedback)
         byte |= ((c >> (bits - 1 - r)) & 1) << (7 - q)
     out[pos + (start // BLOCK) * bits * GROUPS + t] = np.uint8(byte)
 
@@ -648,17 +669,25 @@ def load_float16(src, pos, table, out, accumulate):
 # ---- a frame's pieces by table: a fixed number of launches per frame ------------------------
 #: The piece table's kind beside the codes' (UNIFORM): float32 values, 4 bytes each.
 FLOAT32 = 4
+#: Error feedback's modes in the table (``mpigrad.feedback``): none, e = p - decoded, e = p
+#: where decoded is 0.
+NO_FEEDBACK, RESIDUAL, ACCUMULATE = 0, 1, 2
 #: The piece table's columns (int64, a row per piece): its kind; its offset and size in the
 #: flat values; bits, levels, bucket, stochastic rounding and its RNG key (two 32-bit
 #: halves) of a UNIFORM piece; the byte position of its codes (FLOAT32: its values) in the
-#: frame; the index of its first bucket among the frame's (its (lo, hi) pairs in ``lohi``).
+#: frame; the index of its first bucket among the frame's (its (lo, hi) pairs in ``lohi``);
+#: its error feedback (an encode's) and the bits of its float32 decay.
 (P_KIND, P_OFFSET, P_SIZE, P_BITS, P_LEVELS, P_BUCKET, P_STOCHASTIC, P_KEY_HI, P_KEY_LO, P_CODES,
- P_PAIRS) = range(11)
-PIECE_COLUMNS = 11
+ P_PAIRS, P_FEEDBACK, P_DECAY) = range(13)
+PIECE_COLUMNS = 13
 #: The bucket table's columns (int64, a row per bucket of the frame's UNIFORM pieces): its
 #: first chunk and chunk count in the chunk table (encode), the byte position of its pair.
 B_FIRST, B_CHUNKS, B_AT = range(3)
 BUCKET_COLUMNS = 3
+#: The chunk table's columns (an encode's, a row per chunk): its values' start and stop in
+#: the flat values, its piece's row.
+C_START, C_STOP, C_PIECE = range(3)
+CHUNK_COLUMNS = 3
 
 
 @cuda.jit(device=True)
@@ -680,12 +709,33 @@ def _piece_key(pieces, row):
     return (uint64(pieces[row + P_KEY_HI]) << uint64(32)) | uint64(pieces[row + P_KEY_LO])
 
 
+@cuda.jit(device=True)
+def _compensate(g, memory, p, start, stop, decay_bits):
+    """This thread's values of ``p[start:stop]`` = g + e (decay 1) or e * decay + g, as the
+    host's ``ErrorFeedback.compensate`` (the same thread reads them in ``_block_range``)."""
+    decay = _as_float(int32(decay_bits))
+    for i in range(start + cuda.threadIdx.x, stop, THREADS):
+        if decay == np.float32(1.0):
+            p[i] = _fadd(g[i], memory[i])
+        else:
+            p[i] = _fadd(_fmul(memory[i], decay), g[i])
+
+
 @cuda.jit(cache=True)
-def table_range_keys(x, chunks, keys):
-    """Block j reduces chunk j of the frame (``x[chunks[2j]:chunks[2j + 1]]``, never empty)
-    to its min and max order keys, ``keys[2j]`` and ``keys[2j + 1]``."""
+def table_range_keys(g, memory, compensated, chunks, pieces, keys):
+    """Block j reduces chunk j of the frame (the flat values ``[start, stop)`` of its chunk
+    row, never empty) to its min and max order keys, ``keys[2j]`` and ``keys[2j + 1]``: of
+    ``g``, or, where its piece has error feedback, of ``compensated``, which it writes first
+    (g compensated with the error ``memory``)."""
     j = cuda.blockIdx.x
-    lo, hi = _block_range(x, chunks[2 * j], chunks[2 * j + 1])
+    start = chunks[j * CHUNK_COLUMNS + C_START]
+    stop = chunks[j * CHUNK_COLUMNS + C_STOP]
+    row = chunks[j * CHUNK_COLUMNS + C_PIECE] * PIECE_COLUMNS
+    x = g
+    if pieces[row + P_FEEDBACK] != NO_FEEDBACK:
+        _compensate(g, memory, compensated, start, stop, pieces[row + P_DECAY])
+        x = compensated
+    lo, hi = _block_range(x, start, stop)
     if cuda.threadIdx.x == 0:
         keys[2 * j] = lo
         keys[2 * j + 1] = hi
@@ -715,10 +765,12 @@ def table_finish_ranges(keys, buckets, lohi, out, status):
 
 
 @cuda.jit(cache=True)
-def table_pack(x, firsts, pieces, lohi, out, status):
+def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     """Thread i works for piece e (``firsts[e] <= i < firsts[e + 1]``) of the frame: a
-    UNIFORM piece's thread j is pack_blocks' thread j, then pack_tail's; a FLOAT32 piece's
-    stores value j (flagging NaN/inf, as ``store_float32``)."""
+    UNIFORM piece's thread j is pack_blocks' thread j, then pack_tail's, coding ``g`` or,
+    with error feedback, ``compensated`` (``table_range_keys`` wrote it) and setting the
+    error ``memory`` of what it codes; a FLOAT32 piece's stores value j of ``g`` (flagging
+    NaN/inf, as ``store_float32``)."""
     i = cuda.grid(1)
     if i >= firsts[firsts.size - 1]:
         return
@@ -726,7 +778,10 @@ def table_pack(x, firsts, pieces, lohi, out, status):
     j = i - firsts[e]
     row = e * PIECE_COLUMNS
     offset = pieces[row + P_OFFSET]
-    xe = x[offset:offset + pieces[row + P_SIZE]]
+    stop = offset + pieces[row + P_SIZE]
+    feedback = pieces[row + P_FEEDBACK]
+    xe = compensated[offset:stop] if feedback != NO_FEEDBACK else g[offset:stop]
+    me = memory[offset:stop]
     at = pieces[row + P_CODES]
     if pieces[row + P_KIND] == FLOAT32:
         v = xe[j]
@@ -742,9 +797,10 @@ def table_pack(x, firsts, pieces, lohi, out, status):
     scales = lohi[2 * pieces[row + P_PAIRS]:]
     groups = (xe.size // BLOCK) * GROUPS
     if j < groups:
-        _pack_group(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j)
+        _pack_group(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j, me, feedback)
     else:
-        _pack_tail_byte(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j - groups)
+        _pack_tail_byte(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j - groups, me,
+                        feedback)
 
 
 @cuda.jit(cache=True)

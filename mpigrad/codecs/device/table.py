@@ -25,9 +25,12 @@ from .codecs import DeviceFloat32, DeviceUniform, ScratchArrays
 __all__ = ["FrameTable", "TableKernels", "tabled"]
 
 
-def tabled(twins) -> bool:
-    """Whether a frame of pieces with these device twins can go by table."""
-    return all(type(twin) in (DeviceUniform, DeviceFloat32) for twin in twins)
+def tabled(twins, remembered=None) -> bool:
+    """Whether a frame of pieces with these device twins can go by table; ``remembered``
+    (one bool per piece) marks those with error feedback, which must be uniform ones."""
+    remembered = remembered or [False] * len(twins)
+    return all(type(twin) is DeviceUniform or (type(twin) is DeviceFloat32 and not fed)
+               for twin, fed in zip(twins, remembered))
 
 
 class FrameTable:
@@ -45,10 +48,12 @@ class FrameTable:
         self._chunks: list[np.ndarray] = []
         self._bucket_count = self._chunk_count = 0
 
-    def add_encode(self, twin, offset: int, size: int, payload_at: int) -> Header:
+    def add_encode(self, twin, offset: int, size: int, payload_at: int, feedback: int = k.NO_FEEDBACK,
+                   decay: float = 1.0) -> Header:
         """Add the piece ``values[offset:offset + size]`` encoded by ``twin`` with its
-        payload at byte ``payload_at``; return its header. The codec's RNG stream is drawn
-        here, as the twin's own encode draws it."""
+        payload at byte ``payload_at``, with error ``feedback`` (``kernels.RESIDUAL`` or
+        ``ACCUMULATE``: a uniform piece's) at ``decay``; return its header. The codec's RNG
+        stream is drawn here, as the twin's own encode draws it."""
         assert self.encode
         codec = twin.codec
         if size == 0:
@@ -61,7 +66,7 @@ class FrameTable:
         bucket_size = codec.bucket_size or 0
         seed, counter = codec._next_stream() if codec.stochastic else (0, 0)
         self._add_uniform(offset, size, codec.bits, bucket_size, payload_at, codec.stochastic,
-                          k.stream_key(seed, counter))
+                          k.stream_key(seed, counter), feedback, decay)
         return Header(codec.wire_id, codec.bits, FLAG_STOCHASTIC if codec.stochastic else 0, bucket_size, 0, size,
                       payload_size(size, codec.bits, bucket_size))
 
@@ -83,13 +88,14 @@ class FrameTable:
         self._threads.append(size)
 
     def _add_uniform(self, offset: int, size: int, bits: int, bucket_size: int, at: int, stochastic: bool,
-                     key: int) -> None:
+                     key: int, feedback: int = k.NO_FEEDBACK, decay: float = 1.0) -> None:
         bucket, nb = bucket_layout(bucket_size, size)
         row = [0] * k.PIECE_COLUMNS
         row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_BITS] = k.UNIFORM, offset, size, bits
         row[k.P_LEVELS], row[k.P_BUCKET], row[k.P_STOCHASTIC] = (1 << bits) - 1, bucket, int(stochastic)
         row[k.P_KEY_HI], row[k.P_KEY_LO] = key >> 32, key & 0xFFFFFFFF
         row[k.P_CODES], row[k.P_PAIRS] = at + 8 * nb, self._bucket_count
+        row[k.P_FEEDBACK], row[k.P_DECAY] = feedback, int(np.float32(decay).view(np.int32))
         self._pieces.append(row)
         tail = size % k.BLOCK
         self._threads.append((size // k.BLOCK) * k.GROUPS + ((tail * bits + 7) // 8 if self.encode else tail))
@@ -102,7 +108,8 @@ class FrameTable:
             counts = kept.sum(axis=1)
             buckets[:, k.B_CHUNKS] = counts
             buckets[:, k.B_FIRST] = self._chunk_count + np.concatenate(([0], np.cumsum(counts)[:-1]))
-            self._chunks.append(offset + np.stack([starts[kept], stops[kept]], axis=1).ravel())
+            rows = np.full(int(counts.sum()), len(self._pieces) - 1)
+            self._chunks.append(np.stack([offset + starts[kept], offset + stops[kept], rows], axis=1).ravel())
             self._chunk_count += int(counts.sum())
         self._buckets.append(buckets.ravel())
         self._bucket_count += nb
@@ -115,7 +122,7 @@ class FrameTable:
     def sections(self) -> dict[str, tuple[int, int]]:
         """Each section's (start, stop) in :meth:`array`: firsts, pieces, buckets, chunks."""
         sizes = {"firsts": len(self._threads) + 1, "pieces": k.PIECE_COLUMNS * len(self._pieces),
-                 "buckets": k.BUCKET_COLUMNS * self._bucket_count, "chunks": 2 * self._chunk_count}
+                 "buckets": k.BUCKET_COLUMNS * self._bucket_count, "chunks": k.CHUNK_COLUMNS * self._chunk_count}
         out, start = {}, 0
         for name, size in sizes.items():
             out[name] = (start, start + size)
@@ -141,20 +148,24 @@ class TableKernels:
     def _sections(self, table: FrameTable, device_table):
         return {name: device_table[start:stop] for name, (start, stop) in table.sections().items()}
 
-    def encode(self, table: FrameTable, device_table, values, out, status) -> None:
+    def encode(self, table: FrameTable, device_table, values, out, status, memory=None, compensated=None) -> None:
         """Launch the frame's encode: ``values`` (device float32, flat), ``out`` (the device
-        frame), ``device_table`` (``table.array()`` on the device); flags into ``status``."""
+        frame), ``device_table`` (``table.array()`` on the device); flags into ``status``.
+        Pieces with error feedback read and set ``memory`` and write ``compensated`` (device
+        float32, flat, as ``values``: the error memory, and g compensated with it)."""
         assert table.encode
         t, stream = self._sections(table, device_table), self._stream_source()
-        chunks, buckets = table._chunk_count, table._bucket_count
+        memory = values if memory is None else memory
+        compensated = values if compensated is None else compensated
+        chunks, buckets, launch = table._chunk_count, table._bucket_count, device_codecs.launch_kernel
         lohi = self.scratch.array("lohi", 2 * buckets, np.float32, stream)
         if chunks:
             keys = self.scratch.array("keys", 2 * chunks, np.int32, stream)
-            device_codecs.launch_kernel(k.table_range_keys, chunks, stream, values, t["chunks"], keys)
-            device_codecs.launch_kernel(k.table_finish_ranges, k.blocks(buckets), stream, keys, t["buckets"], lohi, out, status)
+            launch(k.table_range_keys, chunks, stream, values, memory, compensated, t["chunks"], t["pieces"], keys)
+            launch(k.table_finish_ranges, k.blocks(buckets), stream, keys, t["buckets"], lohi, out, status)
         if table.threads:
-            device_codecs.launch_kernel(k.table_pack, k.blocks(table.threads), stream, values, t["firsts"], t["pieces"], lohi,
-                          out, status)
+            launch(k.table_pack, k.blocks(table.threads), stream, values, memory, compensated, t["firsts"],
+                   t["pieces"], lohi, out, status)
 
     def decode(self, table: FrameTable, device_table, frame, out, accumulate: bool, status) -> None:
         """Launch the frame's decode: ``frame`` (the device frame), into (or, with
@@ -162,10 +173,10 @@ class TableKernels:
         device codec's ``launch_decode``, ``out`` is not to be used before they are read."""
         assert not table.encode
         t, stream = self._sections(table, device_table), self._stream_source()
-        lohi = self.scratch.array("lohi_in", 2 * table._bucket_count, np.float32, stream)
-        if table._bucket_count:
-            device_codecs.launch_kernel(k.table_load_pairs, k.blocks(table._bucket_count), stream, frame, t["buckets"], lohi,
-                          status)
+        buckets, launch = table._bucket_count, device_codecs.launch_kernel
+        lohi = self.scratch.array("lohi_in", 2 * buckets, np.float32, stream)
+        if buckets:
+            launch(k.table_load_pairs, k.blocks(buckets), stream, frame, t["buckets"], lohi, status)
         if table.threads:
-            device_codecs.launch_kernel(k.table_unpack, k.blocks(table.threads), stream, frame, t["firsts"], t["pieces"], lohi,
-                          out, k.ADD if accumulate else k.WRITE, status)
+            launch(k.table_unpack, k.blocks(table.threads), stream, frame, t["firsts"], t["pieces"], lohi, out,
+                   k.ADD if accumulate else k.WRITE, status)
