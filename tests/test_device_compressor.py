@@ -18,7 +18,7 @@ from mpigrad.runtime.compressor import GradientCompressor
 from mpigrad.runtime.device import DeviceGradientCompressor, device_path
 from mpigrad.runtime.layout import Layout, Segment, pieces_of, plan_shards
 from mpigrad.runtime.wire.messages import FrameHeader
-from mpigrad.feedback import ErrorFeedback
+from mpigrad.feedback import ErrorFeedback, FeedbackError
 
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")]
@@ -182,6 +182,18 @@ def test_checkpoint_state_round_trips():
     g = torch.from_numpy(gradient(4)).to(DEVICE)
     for shard in shards:
         assert np.array_equal(other.encode(g, [3, 3], shard).copy(), device.encode(g, [3, 3], shard))
+    # The state is the host memory's (the keys encoded so far), and one that does not fit the
+    # layout's pieces is refused, not copied into the flat memory.
+    assert state["feedback"]["memory"].keys() == host_state_keys(shards)
+    key = next(iter(state["feedback"]["memory"]))
+    state["feedback"]["memory"][key] = state["feedback"]["memory"][key][:-1]
+    with pytest.raises(FeedbackError, match=f"error feedback memory {key!r}: not a quantized piece of this layout"):
+        other.load_state_dict(state)
+
+
+def host_state_keys(shards) -> set:
+    """The error memory's keys after one encode of every shard: the quantized pieces'."""
+    return {piece.index for shard in shards for piece in shard.pieces if piece.quantized}
 
 
 def test_a_gpu_run_without_a_working_numba_cuda_is_refused_not_run_on_the_host(monkeypatch):
