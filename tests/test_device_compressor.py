@@ -270,6 +270,42 @@ def test_what_a_frame_asks_of_the_host_is_counted():
         encoded.sites
 
 
+def test_resnet18s_frames_take_at_most_4_launches_each_way(monkeypatch):
+    """Issue 46's launch goal, counted on ResNet-18's own layout (min_quantize_size 1000, P = 2
+    colocated, ``--shard-chunk auto``: 11.2 M values, 21 quantized layers cut into pieces),
+    uniform 2-bit with error feedback: every frame of a worker's gradient is encoded in 3
+    launches and decoded in 2 (launches counted, kernels not run: the simulator would take
+    hours over 11 M values; the frames' bytes are the small layouts' tests')."""
+    from mpigrad.codecs.device import codecs as device_codecs
+    from mpigrad.codecs.device.counters import launched, snapshot
+    from mpigrad.models import build_model
+    from mpigrad.runtime.build import piece_bytes
+    from mpigrad.runtime.layout import resolve_chunks
+    from mpigrad.runtime.replica import Replica
+
+    monkeypatch.setattr(device_codecs, "launch_kernel", lambda kernel, *_: launched(kernel=kernel.py_func.__name__))
+    layout = Replica(build_model("resnet18", input_shape=(3, 32, 32), num_classes=10, seed=0), 1000,
+                     torch.device("cpu")).layout
+    assert len(layout.quantized) == 21 and layout.total > 11_000_000
+    codec = get_codec({"id": "uniform", "bits": 2})
+    chunks = resolve_chunks("auto", layout, 2)
+    pieces, shards = pieces_of(layout, chunks), plan_shards(layout, 2, piece_bytes(codec), chunks)
+    assert len([p for p in pieces if p.quantized]) > 21      # auto cut the large layers into pieces
+    compressor = GradientCompressor(pieces, codec, {p.index: p.index for p in pieces if p.quantized},
+                                    ErrorFeedback("residual"))
+    device = DeviceGradientCompressor(compressor, DEVICE)
+    g = torch.zeros(layout.total, device=DEVICE)
+    bits = [2] * len(layout.quantized)
+    for shard in shards:
+        before = snapshot()
+        frame = device.encode(g, bits, shard).copy()
+        encoded = snapshot() - before
+        before = snapshot()
+        device.decode(frame, shard, g, accumulate=True)
+        decoded = snapshot() - before
+        assert (encoded.launches, decoded.launches) == (3, 2), (len(shard.pieces), encoded.sites, decoded.sites)
+
+
 def test_the_device_warm_up_launches_every_kernel_a_run_then_uses():
     """``warmup.warm_up_device`` launches the run's codecs' kernels before iteration 0 (on a
     GPU, where Numba compiles them); a compressor over a layout's pieces then launches none
