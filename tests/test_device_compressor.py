@@ -116,6 +116,22 @@ def test_a_corrupt_frame_is_refused():
         device.decode(frame, shards[0], out)
 
 
+def test_a_piece_whose_header_gives_another_length_is_refused_as_on_the_host():
+    """The kernels write a header's n values where the piece has its own size: a frame whose
+    piece encodes one value more (another layout's) is refused before any launch."""
+    other = Layout((Segment("conv", 0, 5000), Segment("fc", 5000, 4201)), Segment("small layers", 9201, 299), 9500)
+    sender, _, (shard,) = compressors({"id": "uniform", "bits": 4}, servers=1, layout=other)
+    frame = sender.encode(gradient(3), [4, 4], shard).copy()
+    host, device, (ours,) = compressors({"id": "uniform", "bits": 4}, servers=1)
+    with pytest.raises(CodecError) as theirs:
+        host.decode(frame, ours, gradient(0))
+    out = torch.zeros(LAYOUT.total, device=DEVICE)
+    with pytest.raises(CodecError) as mine:
+        device.decode(frame, ours, out, accumulate=True)
+    assert str(mine.value) == str(theirs.value) == "out= holds 4200 elements, buffer encodes 4201"
+    assert not out.any()
+
+
 def test_deferred_decodes_wait_for_nothing_and_their_status_is_read_once():
     """The runtime's compressors (``on_device``) share one status and leave their decodes'
     to ``check_decodes``, once per iteration: a decode then waits for nothing, takes staging

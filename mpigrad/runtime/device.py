@@ -275,6 +275,13 @@ class DeviceFeedback:
         self.compensated = torch.empty(total, dtype=torch.float32, device=device)
         self.used: dict[int, None] = {}
 
+    @property
+    def kernel_mode(self) -> int:
+        """The mode as the table kernels take it (``kernels.RESIDUAL`` or ``ACCUMULATE``)."""
+        from ..codecs.device import kernels
+
+        return kernels.RESIDUAL if self.mode == "residual" else kernels.ACCUMULATE
+
     def error(self, key: int) -> torch.Tensor:
         offset, size = self.places[key]
         return self.memory[offset:offset + size]
@@ -309,12 +316,14 @@ class DeviceFeedback:
     def load_state_dict(self, state: dict) -> None:
         host = ErrorFeedback(self.mode, self.decay)
         host.load_state_dict(state)  # its checks
+        for key in host.keys():  # all checked before any is loaded
+            error = host.error(key)
+            if key not in self.places or error.shape != (self.places[key][1],) or error.dtype != np.float32:
+                raise FeedbackError(f"error feedback memory {key!r}: not a quantized piece of this layout, or "
+                                    "not its size (float32)")
         self.memory.zero_()
         self.used = {}
         for key in host.keys():
-            if key not in self.places or host.error(key).size != self.places[key][1]:
-                raise FeedbackError(f"error feedback memory {key!r}: not a quantized piece of this layout, or "
-                                    "not its size")
             self.error(key).copy_(torch.from_numpy(host.error(key).copy()))
             self.remembered(key)
 
@@ -351,9 +360,9 @@ class DeviceGradientCompressor:
         self._host_staging: dict = {}
         self._scratch = torch.empty(max([p.size for p in self.pieces if p.quantized], default=0),
                                     dtype=torch.float32, device=device)
-        #: A frame whose pieces are all uniform or float32 goes by table (a fixed number of
-        #: launches per frame: :mod:`mpigrad.codecs.device.table`), unless error feedback
-        #: decodes each piece of it.
+        #: A frame whose pieces are all uniform or float32 (and whose pieces with error
+        #: feedback are uniform) goes by table: a fixed number of launches per frame
+        #: (:mod:`mpigrad.codecs.device.table`).
         from ..codecs.device import kernels, table  # numba's CUDA: only where a device path is built
 
         self._kernels, self._table = kernels, table
@@ -456,8 +465,7 @@ class DeviceGradientCompressor:
         """Queue the frame's kernels by table (three launches, whatever its pieces); return
         the pieces' (position, header) and the frame's length."""
         table, headers, calls, feedback = self._table.FrameTable(encode=True), [], self.host.calls, self.feedback
-        k = self._kernels
-        mode = {None: k.NO_FEEDBACK, "residual": k.RESIDUAL, "accumulate": k.ACCUMULATE}[feedback and feedback.mode]
+        mode = feedback.kernel_mode if feedback else self._kernels.NO_FEEDBACK
         for piece, codec, twin in zip(shard.pieces, codecs, twins):
             if piece.quantized:
                 codec.calls = calls[piece.index]
@@ -522,7 +530,10 @@ class DeviceGradientCompressor:
             codec = (self.host.piece_codecs.get(piece.index, self.host.decoder) if piece.quantized
                      else self.host.rest_codec)
             twin = self._twin(codec)
-            checked.append((piece, twin, twin.check(buf)))
+            header = twin.check(buf)
+            if header.n != piece.size:  # the kernels write n values where the piece has its size
+                raise CodecError(f"out= holds {piece.size} elements, buffer encodes {header.n}")
+            checked.append((piece, twin, header))
         twins = [twin for _, twin, _ in checked]
         first = FrameHeader.size(len(shard.pieces))
         table = self._table.FrameTable(encode=False) if self._table.tabled(twins) else None

@@ -226,7 +226,11 @@ class DeviceCodec(ABC):
 class DeviceFloat32(DeviceCodec):
     def _encode_payload(self, x, out, pos, status):
         self._launch(k.store_float32, x.size, x, out, pos, status)
-        return 0, 0, 0, 0, 4 * x.size
+        return self.fields(x.size)
+
+    def fields(self, n: int) -> tuple[int, int, int, int, int]:
+        """The header's (bits, flags, param_a, param_b, payload_len) of ``n`` values."""
+        return 0, 0, 0, 0, 4 * n
 
     def _decode_values(self, header, payload, out, accumulate):
         self._launch(k.load_float32, out.size, payload, 0, out, accumulate)
@@ -331,10 +335,20 @@ class DeviceUniform(_Bucketed):
         lohi = self._array("lohi", 2 * nb, np.float32)
         self._launch(k.finish_ranges, nb, keys, lohi, status)
         self._launch(k.store_scales, 2 * nb, lohi, out[pos:pos + 8 * nb])
-        seed, counter = codec._next_stream() if codec.stochastic else (0, 0)
         self._codes(x, lohi, out, pos + 8 * nb, codec.bits, (1 << codec.bits) - 1, codec.stochastic,
-                    k.stream_key(seed, counter))
+                    self.next_key())
+        return self.fields(n)
+
+    def next_key(self) -> int:
+        """The RNG key of the next encode (the codec's next stream when it rounds
+        stochastically, drawn here; else a fixed key, unused)."""
+        seed, counter = self.codec._next_stream() if self.codec.stochastic else (0, 0)
+        return k.stream_key(seed, counter)
+
+    def fields(self, n: int) -> tuple[int, int, int, int, int]:
+        """The header's (bits, flags, param_a, param_b, payload_len) of ``n`` values."""
         from ..uniform import FLAG_STOCHASTIC, payload_size
+        codec = self.codec
         return (codec.bits, FLAG_STOCHASTIC if codec.stochastic else 0, codec.bucket_size or 0, 0,
                 payload_size(n, codec.bits, codec.bucket_size or 0))
 

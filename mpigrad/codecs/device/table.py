@@ -25,12 +25,12 @@ from .codecs import DeviceFloat32, DeviceUniform, ScratchArrays
 __all__ = ["FrameTable", "TableKernels", "tabled"]
 
 
-def tabled(twins, remembered=None) -> bool:
-    """Whether a frame of pieces with these device twins can go by table; ``remembered``
+def tabled(twins, with_feedback=None) -> bool:
+    """Whether a frame of pieces with these device twins can go by table; ``with_feedback``
     (one bool per piece) marks those with error feedback, which must be uniform ones."""
-    remembered = remembered or [False] * len(twins)
-    return all(type(twin) is DeviceUniform or (type(twin) is DeviceFloat32 and not fed)
-               for twin, fed in zip(twins, remembered))
+    with_feedback = with_feedback or [False] * len(twins)
+    return all(type(twin) is DeviceUniform or (type(twin) is DeviceFloat32 and not feedback)
+               for twin, feedback in zip(twins, with_feedback))
 
 
 class FrameTable:
@@ -46,7 +46,10 @@ class FrameTable:
         self._threads: list[int] = []
         self._buckets: list[np.ndarray] = []
         self._chunks: list[np.ndarray] = []
-        self._bucket_count = self._chunk_count = 0
+        #: The frame's buckets (of its uniform pieces) and, an encode's, their chunks.
+        self.bucket_count = self.chunk_count = 0
+        #: Whether a piece has error feedback (the encode then needs the memory).
+        self.with_feedback = False
 
     def add_encode(self, twin, offset: int, size: int, payload_at: int, feedback: int = k.NO_FEEDBACK,
                    decay: float = 1.0) -> Header:
@@ -55,20 +58,14 @@ class FrameTable:
         ``ACCUMULATE``: a uniform piece's) at ``decay``; return its header. The codec's RNG
         stream is drawn here, as the twin's own encode draws it."""
         assert self.encode
-        codec = twin.codec
-        if size == 0:
-            fields = twin._empty_fields()
-            return Header(codec.wire_id, *fields[:4], 0, fields[4])
-        if isinstance(twin, DeviceFloat32):
+        fields = twin._empty_fields() if size == 0 else twin.fields(size)
+        header = Header(twin.codec.wire_id, *fields[:4], size, fields[4])
+        if size and isinstance(twin, DeviceFloat32):
             self._add_float32(offset, size, payload_at)
-            return Header(codec.wire_id, 0, 0, 0, 0, size, 4 * size)
-        from ..uniform import FLAG_STOCHASTIC, payload_size
-        bucket_size = codec.bucket_size or 0
-        seed, counter = codec._next_stream() if codec.stochastic else (0, 0)
-        self._add_uniform(offset, size, codec.bits, bucket_size, payload_at, codec.stochastic,
-                          k.stream_key(seed, counter), feedback, decay)
-        return Header(codec.wire_id, codec.bits, FLAG_STOCHASTIC if codec.stochastic else 0, bucket_size, 0, size,
-                      payload_size(size, codec.bits, bucket_size))
+        elif size:
+            self._add_uniform(offset, size, twin.codec.bits, twin.codec.bucket_size or 0, payload_at,
+                              twin.codec.stochastic, twin.next_key(), feedback, decay)
+        return header
 
     def add_decode(self, twin, header: Header, offset: int, payload_at: int) -> None:
         """Add a piece of ``twin``'s codec, of a checked ``header``, whose payload is at byte
@@ -94,8 +91,9 @@ class FrameTable:
         row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_BITS] = k.UNIFORM, offset, size, bits
         row[k.P_LEVELS], row[k.P_BUCKET], row[k.P_STOCHASTIC] = (1 << bits) - 1, bucket, int(stochastic)
         row[k.P_KEY_HI], row[k.P_KEY_LO] = key >> 32, key & 0xFFFFFFFF
-        row[k.P_CODES], row[k.P_PAIRS] = at + 8 * nb, self._bucket_count
+        row[k.P_CODES], row[k.P_PAIRS] = at + 8 * nb, self.bucket_count
         row[k.P_FEEDBACK], row[k.P_DECAY] = feedback, int(np.float32(decay).view(np.int32))
+        self.with_feedback |= feedback != k.NO_FEEDBACK
         self._pieces.append(row)
         tail = size % k.BLOCK
         self._threads.append((size // k.BLOCK) * k.GROUPS + ((tail * bits + 7) // 8 if self.encode else tail))
@@ -107,12 +105,12 @@ class FrameTable:
             kept = starts < stops
             counts = kept.sum(axis=1)
             buckets[:, k.B_CHUNKS] = counts
-            buckets[:, k.B_FIRST] = self._chunk_count + np.concatenate(([0], np.cumsum(counts)[:-1]))
+            buckets[:, k.B_FIRST] = self.chunk_count + np.concatenate(([0], np.cumsum(counts)[:-1]))
             rows = np.full(int(counts.sum()), len(self._pieces) - 1)
             self._chunks.append(np.stack([offset + starts[kept], offset + stops[kept], rows], axis=1).ravel())
-            self._chunk_count += int(counts.sum())
+            self.chunk_count += int(counts.sum())
         self._buckets.append(buckets.ravel())
-        self._bucket_count += nb
+        self.bucket_count += nb
 
     @property
     def threads(self) -> int:
@@ -122,7 +120,7 @@ class FrameTable:
     def sections(self) -> dict[str, tuple[int, int]]:
         """Each section's (start, stop) in :meth:`array`: firsts, pieces, buckets, chunks."""
         sizes = {"firsts": len(self._threads) + 1, "pieces": k.PIECE_COLUMNS * len(self._pieces),
-                 "buckets": k.BUCKET_COLUMNS * self._bucket_count, "chunks": k.CHUNK_COLUMNS * self._chunk_count}
+                 "buckets": k.BUCKET_COLUMNS * self.bucket_count, "chunks": k.CHUNK_COLUMNS * self.chunk_count}
         out, start = {}, 0
         for name, size in sizes.items():
             out[name] = (start, start + size)
@@ -153,11 +151,11 @@ class TableKernels:
         frame), ``device_table`` (``table.array()`` on the device); flags into ``status``.
         Pieces with error feedback read and set ``memory`` and write ``compensated`` (device
         float32, flat, as ``values``: the error memory, and g compensated with it)."""
-        assert table.encode
+        assert table.encode and (memory is not None and compensated is not None or not table.with_feedback)
         t, stream = self._sections(table, device_table), self._stream_source()
-        memory = values if memory is None else memory
+        memory = values if memory is None else memory  # not read: no piece has feedback
         compensated = values if compensated is None else compensated
-        chunks, buckets, launch = table._chunk_count, table._bucket_count, device_codecs.launch_kernel
+        chunks, buckets, launch = table.chunk_count, table.bucket_count, device_codecs.launch_kernel
         lohi = self.scratch.array("lohi", 2 * buckets, np.float32, stream)
         if chunks:
             keys = self.scratch.array("keys", 2 * chunks, np.int32, stream)
@@ -173,7 +171,7 @@ class TableKernels:
         device codec's ``launch_decode``, ``out`` is not to be used before they are read."""
         assert not table.encode
         t, stream = self._sections(table, device_table), self._stream_source()
-        buckets, launch = table._bucket_count, device_codecs.launch_kernel
+        buckets, launch = table.bucket_count, device_codecs.launch_kernel
         lohi = self.scratch.array("lohi_in", 2 * buckets, np.float32, stream)
         if buckets:
             launch(k.table_load_pairs, k.blocks(buckets), stream, frame, t["buckets"], lohi, status)
