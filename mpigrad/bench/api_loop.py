@@ -4,8 +4,9 @@ the loop that ``mpigrad bench api`` races against ``mpigrad train`` (docs/api.rs
 Run on every rank: ``mpiexec -n P+1 python -m mpi4py -m mpigrad.bench.api_loop CONFIG.toml``.
 It reads the whole config (``RunConfig.from_sources``) for what the script owns (model, data,
 batch size, rate, optimizer, schedule, augmentation, precision) and builds them as train's
-workers do: the model from the seed, each worker's shard of batches (``ShardSampler``), the
-optimizer by name over the model's parameters, the rate of each iteration from the schedule.
+workers do: the model from the seed, each worker's shard of batches (train's
+:class:`~mpigrad.runtime.recipe.Recipe`), the optimizer by name over the model's parameters,
+the rate of each iteration from the schedule.
 The Session takes the same file for the method and drops the script's keys. The loop is the
 documented one: ``zero_grad``, forward, ``session.backward(loss)``, ``optimizer.step()``.
 With plain SGD it computes train's numbers, so the bench also compares the losses.
@@ -21,15 +22,11 @@ def main(argv: list[str]) -> int:
         print("usage: python -m mpi4py -m mpigrad.bench.api_loop CONFIG.toml", file=sys.stderr)
         return 2
     (config_file,) = argv
-    import numpy as np
-    import torch
-
     import mpigrad
     from mpigrad.config import RunConfig
-    from mpigrad.data import ShardSampler
-    from mpigrad.data.augment import build_augmentation
     from mpigrad.optim import LearningRate, build_torch_optimizer
     from mpigrad.runtime.build import build_config_model, forward_context, load_data, resolve_device
+    from mpigrad.runtime.recipe import Recipe
 
     recipe = RunConfig.from_sources(config_file, {})
     dataset = load_data(recipe)
@@ -42,17 +39,9 @@ def main(argv: list[str]) -> int:
 
     rate = LearningRate(recipe.lr, recipe.lr_schedule, recipe.lr_schedule_opts, recipe.lr_warmup,
                         recipe.lr_scaling, session.workers)
-    sampler = ShardSampler(len(dataset.train_y), session.worker_index, session.workers, recipe.batch_size,
-                           recipe.seed)
-    shard = sampler.shard
-    train_x, train_y = np.ascontiguousarray(dataset.train_x[shard]), np.ascontiguousarray(dataset.train_y[shard])
-    augmentation = build_augmentation(recipe.augment, recipe.augment_opts, dataset)
+    data = Recipe(recipe, session.worker_index + 1, session.workers)
     for m in range(session.iterations):
-        idx = np.searchsorted(shard, sampler.next_batch())
-        batch = train_x[idx]
-        if augmentation is not None:
-            batch = augmentation(batch, recipe.seed, session.worker_index, m)
-        x, y = torch.from_numpy(batch).to(device), torch.from_numpy(train_y[idx]).to(device)
+        x, y = data.batch(m, device)
         for group in optimizer.param_groups:
             group["lr"] = rate.at(m)
         optimizer.zero_grad()

@@ -21,7 +21,7 @@ from .layout import Chunks, Layout, Shard, pieces_of, plan_shards, resolve_chunk
 from .replica import Replica
 
 __all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "bind_rank_device", "base_codec", "broadcast_codec", "load_data", "release_data",
-           "build_config_model", "forward_context", "build_replica", "script_replica", "shard_chunks", "build_shards",
+           "build_config_model", "forward_context", "build_replica", "train_replica", "script_replica", "shard_chunks", "build_shards",
            "build_factor_shards", "build_compressor"]
 
 #: The RNG stream of the servers' re-encode; worker k (1-based) encodes with stream k.
@@ -98,18 +98,25 @@ def forward_context(config: RunConfig, device: torch.device):
 
 
 def build_replica(config: RunConfig, dataset: Dataset, workers: int | None = None, servers: int = 1) -> Replica:
-    """The run's replica; with ``workers`` (a rank that applies updates) its update rule:
-    the run's optimizer over the layout's pieces (those of ``servers`` servers), at the
-    schedule's rates."""
-    replica = Replica(build_config_model(config, dataset), config.min_quantize_size, resolve_device(config.device),
-                      base_codec(config))
+    """The run's replica (its model built by :func:`build_config_model`); with ``workers``
+    (a rank that applies updates) its update rule, as :func:`train_replica` attaches it."""
+    model = build_config_model(config, dataset)
     if workers is not None:
-        cut = shard_chunks(config, replica.layout, servers)
-        pieces = [(piece.offset, piece.size) for piece in pieces_of(replica.layout, cut)]
-        rule = UpdateRule(config.optimizer, config.update_options, pieces, replica.flat, config.lr)
-        rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup,
-                            config.lr_scaling, workers)
-        replica.use_update_rule(rule, rate)
+        return train_replica(config, model, workers, servers)
+    return Replica(model, config.min_quantize_size, resolve_device(config.device), base_codec(config))
+
+
+def train_replica(config: RunConfig, model: torch.nn.Module, workers: int, servers: int = 1) -> Replica:
+    """The replica around ``model`` (the config's) on ``--device``, of a rank that applies the
+    run's updates: the run's optimizer over the layout's pieces (those of ``servers``
+    servers), at the schedule's rates for ``workers`` workers."""
+    replica = Replica(model, config.min_quantize_size, resolve_device(config.device), base_codec(config))
+    cut = shard_chunks(config, replica.layout, servers)
+    pieces = [(piece.offset, piece.size) for piece in pieces_of(replica.layout, cut)]
+    rule = UpdateRule(config.optimizer, config.update_options, pieces, replica.flat, config.lr)
+    rate = LearningRate(config.lr, config.lr_schedule, config.lr_schedule_opts, config.lr_warmup,
+                        config.lr_scaling, workers)
+    replica.use_update_rule(rule, rate)
     return replica
 
 

@@ -9,7 +9,7 @@ Every role (:class:`~.worker.Worker`, :class:`~.server.ShardServer` for ranks 1.
 =============  ==============================  ===========================  ==============================
 phase          worker                          server s > 0                 rank 0
 =============  ==============================  ===========================  ==============================
-``begin``      forward + backward              -                            start the iteration's clock
+``begin``      forward + backward (the loop)   -                            start the iteration's clock
 ``losses``     send LossReport to rank 0       -                            gather the P losses, check them
 ``control``    receive Control (world bcast)   receive Control              policy decides bits; broadcast
 ``gradients``  encode one frame per shard,     receive + decode-add its     the same for shard 0
@@ -84,7 +84,8 @@ PHASES = ("losses", "control", "gradients", "broadcast", "gradients2", "broadcas
 def run_iteration(role, m: int):
     """Run iteration m on this rank (``role.iteration`` is m until its ``end`` moves it on);
     return what the role's ``end`` returns. With ``role.phase_log`` (a
-    :class:`~.phaselog.PhaseLog`), the end of each phase is logged."""
+    :class:`~.phaselog.PhaseLog`), the end of each phase is logged, and the iteration's
+    start unless the loop logged it (a worker's, before its compute)."""
     role.iteration = m
     log = getattr(role, "phase_log", None)
     if log is None:
@@ -92,7 +93,8 @@ def run_iteration(role, m: int):
         for phase in PHASES:
             getattr(role, phase)(m)
         return role.end(m)
-    log.record("start")
+    if "start" not in log.times:  # else recorded by the loop before its batch (recipe.py)
+        log.record("start")
     role.begin(m)
     log.record("begin")
     for phase in PHASES:

@@ -262,7 +262,7 @@ class PipelinedExchange:
         self.t_decode += time.process_time() - start
 
     def _apply_if_complete(self, b: int, parts_left: list[int], update: np.ndarray) -> None:
-        if parts_left[b] or self.worker.script:  # a script's optimizer applies it after backward
+        if parts_left[b] or not self.worker.applies_update:  # a script's optimizer applies it after backward
             return
         replica, lr = self.worker.replica, self.worker.lr
         for part in self.buckets[b]:

@@ -1,12 +1,14 @@
 """A worker of a script's own loop (:class:`mpigrad.Session`): the script computes the loss
 and the gradients and steps its own optimizer; :meth:`ScriptWorker.exchange` runs one
 iteration of the protocol (:mod:`.iteration`) in between, on any channel (MPI, or the
-loopback of the in-process tests)."""
+loopback of the in-process tests). ``mpigrad train``'s workers run the same loop with
+mpigrad's recipe (:mod:`.recipe`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from ..codecs.device.counters import launched, synchronized
 from ..errors import UsageError
 from .iteration import run_iteration
 from .session import RankFailure, deliver_checkpoint, follower_role
@@ -38,18 +40,26 @@ class Exchanged:
 
 class ScriptWorker:
     """A worker role around the script's ``model`` (:class:`~.worker.Worker` with a model),
-    built with rank 0's start-up exchange; :meth:`exchange` takes the script's gradients."""
+    built with rank 0's start-up exchange; :meth:`exchange` takes the script's gradients.
 
-    def __init__(self, config, channel, model):
-        self.config, self.channel, self.model = config, channel, model
+    With a ``recipe`` (:class:`~.recipe.Recipe`: ``mpigrad train``'s worker) the model is
+    the config's and the replica applies the run's update rule in the exchange; its state is
+    the checkpoint's (rank 0 writes the file), and a failure is raised as a
+    :class:`RankFailure` for the launcher to report. Without one (a script's), the decoded
+    average is left in ``.grad``, rank 0 delivers each checkpoint to the first worker, and a
+    failure is reported to rank 0 here, then raised as it came."""
+
+    def __init__(self, config, channel, model, recipe=None):
+        self.config, self.channel, self.model, self.recipe = config, channel, model, recipe
         #: Whether rank 0 was told that this worker leaves (:meth:`leave`, a failure).
         self.reported = False
-        # Built at the first exchange, after the script's backward: the replica points every
-        # .grad at its flat buffer, so the gradients backward made are kept and put back.
+        # A script's is built at its first exchange, after its backward: the replica points
+        # every .grad at its flat buffer, so the gradients backward made are kept and put back.
         made = [p.grad for p in model.parameters()]
-        self.role, start, iterations = follower_role(config, channel, model)
-        for p, grad in zip(model.parameters(), made):
-            p.grad = grad
+        self.role, start, iterations = follower_role(config, channel, model, recipe)
+        if recipe is None:
+            for p, grad in zip(model.parameters(), made):
+                p.grad = grad
         #: The iteration the run starts at (its checkpoint's, when resumed; else 0).
         self.start_iteration = self.role.iteration = start
         if iterations != config.iterations:
@@ -70,11 +80,23 @@ class ScriptWorker:
             raise UsageError("backward() is the pipelined run's (pipeline = true): call loss.backward(), then "
                              "exchange(loss)")
         self._check_open()
-        for view in self.role.replica.grad_views:  # backward accumulates into the flat gradient
-            view.zero_()
+        self.zero_gradients()  # backward accumulates into the flat gradient
         for p, view in zip(self.params, self.role.replica.grad_views):
             p.grad = view
-        return self._run(self.role.iteration, float(loss.detach().item()), cpu, wall, loss)
+        return self._run(self.role.iteration, self.read_loss(loss), cpu, wall, loss)
+
+    def zero_gradients(self) -> None:
+        """Zero the replica's flat gradient, which every parameter's ``.grad`` views."""
+        replica = self.role.replica
+        if replica.codecs_on_device:
+            launched("torch")
+        replica.flat_grad.zero_()
+
+    def read_loss(self, loss) -> float:
+        """The loss tensor's value (on a GPU, a host synchronisation: counted)."""
+        if self.role.replica.codecs_on_device:
+            synchronized("loss read")  # .item() of a device value
+        return float(loss.detach().item())
 
     def _check_open(self) -> None:
         """UsageError for an exchange after the run stopped or past its iterations."""
@@ -112,14 +134,17 @@ class ScriptWorker:
         except (UsageError, PeerTimeout):
             raise
         except Exception as exc:
+            if self.recipe is not None:  # mpigrad train's: the launcher reports it
+                raise RankFailure(exc, self.channel, m) from exc
             self.reported = True
             RankFailure(exc, self.channel, m).report()
             raise
         command = self.role.control_msg.command
         saved = command in (CHECKPOINT_AFTER, STOP_AFTER)
-        if saved:  # every rank's state to rank 0, and the whole to the first worker (session.py)
+        if saved:  # every rank's state to rank 0; a script's, the whole to the first worker (session.py)
             self.channel.gather_object(self.role.state_dict(), f"checkpoint state after iteration {m + 1}")
-            self.state = deliver_checkpoint(self.channel)
+            if self.recipe is None:
+                self.state = deliver_checkpoint(self.channel)
         self.stopped = command == STOP_AFTER
         bits = tuple(int(b) for b in self.role.control_msg.bits)
         return Exchanged(m, loss, bits, m + 1 == self.config.iterations, saved, command == STOP_AFTER)

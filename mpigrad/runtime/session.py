@@ -333,11 +333,12 @@ class RankFailure(RuntimeError):
         self.channel.report_error(self.iteration, str(self))
 
 
-def follower_role(config, channel, model=None):
-    """Build this worker's or shard server's role (around a script's ``model`` when given),
-    load its checkpoint state on resume, and take part in the start-up exchange with rank 0
-    (:func:`run_parameter_server`); return the role, the iteration to start from and rank
-    0's number of iterations."""
+def follower_role(config, channel, model=None, recipe=None):
+    """Build this worker's or shard server's role (a worker's around ``model``, with
+    ``mpigrad train``'s ``recipe`` or a script's without; a shard server's around a script's
+    ``model`` when given), load its checkpoint state on resume, and take part in the start-up
+    exchange with rank 0 (:func:`run_parameter_server`); return the role, the iteration to
+    start from and rank 0's number of iterations."""
     if not channel.is_worker:
         from .server import ShardServer
         role = ShardServer(config, channel, model)
@@ -345,7 +346,7 @@ def follower_role(config, channel, model=None):
             role.load_state_dict(channel.scatter_object(None))
     else:
         from .worker import Worker
-        role = Worker(config, channel, model)
+        role = Worker(config, channel, model, recipe)
         if config.resume:
             role.load_state_dict(*channel.scatter_object(None))
     channel.gather_object((socket.gethostname(), getattr(role, "device_warm_up_s", None)))
@@ -354,9 +355,15 @@ def follower_role(config, channel, model=None):
 
 
 def run_other_rank(config, channel, model=None) -> int:
-    """A worker's or a shard server's session; an error (other than a UsageError) comes out
-    as a :class:`RankFailure` carrying the iteration the role was in (-1 before it existed).
-    ``model``: a script's (a shard server of :class:`mpigrad.Session`)."""
+    """A worker's (``mpigrad train``'s: :func:`.recipe.run_train_worker`) or a shard server's
+    session; an error (other than a UsageError) comes out as a :class:`RankFailure` carrying
+    the iteration the role was in (-1 before it existed). ``model``: a script's (a shard
+    server of :class:`mpigrad.Session`)."""
+    if channel.is_worker:
+        if model is not None:
+            raise UsageError("a script's worker runs its own loop (mpigrad.Session.exchange), not run_other_rank")
+        from .recipe import run_train_worker
+        return run_train_worker(config, channel)
     role = None
     try:
         role, start, _ = follower_role(config, channel, model)

@@ -13,16 +13,12 @@ import torch
 
 from ..codecs import CodecError
 from ..config import RunConfig
-from ..data import ShardSampler
-from ..data.augment import build_augmentation
-from ..codecs.device.counters import launched, synchronized
 from ..feedback import MomentumCorrection
 from ..policies import policy_class
 from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
 from .buffers import BufferSync, ParameterSync, sync_due
 from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_factor_shards, build_replica, build_shards, forward_context, load_data, release_data,
-                    script_replica)
+                    build_factor_shards, build_shards, script_replica, train_replica)
 from .device import check_decodes, finite, on_device
 from .faults import Fault
 from .phaselog import PhaseLog
@@ -35,37 +31,27 @@ from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TA
 
 
 class Worker(FollowerRole):
-    """A worker's role. Built from the config (``mpigrad train``: its data shard, its model,
-    its update rule), or around a script's ``model`` (:class:`mpigrad.Session`): then the
-    script computes loss and gradient and applies the update with its own optimizer; the
-    worker exchanges the gradient (``begin`` takes the loss from :meth:`take_computed`) and
-    leaves the decoded average in the model's ``.grad`` (``end`` applies nothing)."""
+    """A worker's role around ``model``, whose loss and gradient the loop that drives it
+    computes (:class:`~.script.ScriptWorker`; ``begin`` takes the loss from
+    :meth:`take_computed`). With a ``recipe`` (``mpigrad train``: the model is the config's,
+    the data the recipe's) the replica applies the run's update rule (``end``, or the
+    pipeline bucket by bucket) and the checkpoint holds the model and the sampler; without
+    one (a script's, :class:`mpigrad.Session`) the script's optimizer applies the update:
+    the decoded average is left in the model's ``.grad``."""
 
-    def __init__(self, config: RunConfig, channel: Channel, model: torch.nn.Module | None = None):
-        self.config, self.channel = config, channel
+    def __init__(self, config: RunConfig, channel: Channel, model: torch.nn.Module, recipe=None):
+        self.config, self.channel, self.recipe = config, channel, recipe
         self.rank = channel.rank
         self.servers = channel.servers
         self.server_ranks = channel.server_ranks
         #: 1-based worker number: its data shard and RNG stream, whatever the layout.
         self.number = channel.workers.index(self.rank) + 1
         workers = len(channel.workers)
-        #: Whether a script's loop computes and updates (the model given), not this role.
-        self.script = model is not None
         self.computed_ahead: tuple[float, float, float] | None = None
-        if self.script:
-            self.sampler = self.augmentation = None
-            self.replica = script_replica(config, model)
-        else:
-            dataset = load_data(config)
-            self.sampler = ShardSampler(len(dataset.train_y), self.number - 1, workers, config.batch_size,
-                                        config.seed)
-            # Keep only this worker's shard (sorted global indices -> rows of the copy).
-            self.shard = self.sampler.shard
-            self.train_x = np.ascontiguousarray(dataset.train_x[self.shard])
-            self.train_y = np.ascontiguousarray(dataset.train_y[self.shard])
-            self.augmentation = build_augmentation(config.augment, config.augment_opts, dataset)
-            self.replica = build_replica(config, dataset, workers, self.servers)
-            release_data()  # the shard is a copy: let the full dataset go
+        self.replica = (script_replica(config, model) if recipe is None
+                        else train_replica(config, model, workers, self.servers))
+        #: Whether the replica applies the update (the run's rule), not the script's optimizer.
+        self.applies_update = self.replica.rule is not None
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec, self.servers)
         compressor = build_compressor(config, self.replica.layout, codec, self.number, self.servers)
@@ -123,49 +109,20 @@ class Worker(FollowerRole):
             self.pipeline_buffers: dict = {}
             self.backward_report = BackwardReport.buffer(len(self.pipeline.buckets), self.servers)
 
-    def _compute(self, m: int) -> tuple[float, float, float]:
-        """Forward and backward on iteration ``m``'s batch, augmented if the run asks
-        (pipelined: forward only, the loss tensor kept for backward in ``gradients``);
-        return (loss, CPU s, wall s)."""
-        cpu, wall = time.process_time(), time.perf_counter()
-        idx = np.searchsorted(self.shard, self.sampler.next_batch())
-        device = self.replica.device
-        batch = self.train_x[idx]
-        if self.augmentation is not None:
-            batch = self.augmentation(batch, self.config.seed, self.number - 1, m)
-        x = torch.from_numpy(batch).to(device)
-        y = torch.from_numpy(self.train_y[idx]).to(device)
-        model = self.replica.model
-        if self.replica.codecs_on_device:
-            launched("torch")  # the gradient's zeroing
-        self.replica.flat_grad.zero_()
-        with forward_context(self.config, device):
-            loss = model.loss(model(x), y, self.config.loss_weight_decay)
-        if self.pipeline is not None:
-            self.loss_tensor = loss
-        else:
-            loss.backward()
-        if self.replica.codecs_on_device:
-            synchronized("loss read")  # .item() of a device value
-        return loss.item(), time.process_time() - cpu, time.perf_counter() - wall
-
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------
     def begin(self, m: int) -> None:
         #: This iteration's learning rate (the pipelined iteration applies buckets at it).
         self.lr = self.replica.lr(m, self.config.lr)
-        if self.script:
-            self.computed, self.computed_ahead = self.computed_ahead, None
-            if self.computed is None:
-                raise RuntimeError(f"iteration {m} began without the script's loss (Worker.take_computed)")
-            if self.pipeline is not None:  # backward runs in ``gradients``, bucket by bucket
-                self.loss_tensor, self.script_loss = self.script_loss, None
-        else:
-            self.computed = self._compute(m)
+        self.computed, self.computed_ahead = self.computed_ahead, None
+        if self.computed is None:
+            raise RuntimeError(f"iteration {m} began without the loop's loss (Worker.take_computed)")
+        if self.pipeline is not None:  # backward runs in ``gradients``, bucket by bucket
+            self.loss_tensor, self.script_loss = self.script_loss, None
 
     def take_computed(self, loss: float, cpu: float, wall: float, tensor: torch.Tensor | None = None) -> None:
-        """The script's loss of the coming iteration and the CPU and wall seconds its step
-        took (a script's worker: ``begin`` reports them in place of its own compute); in a
-        pipelined run the loss ``tensor`` too, on which ``gradients`` runs backward."""
+        """The loop's loss of the coming iteration and the CPU and wall seconds its compute
+        took (``begin`` reports them); in a pipelined run the loss ``tensor`` too, on which
+        ``gradients`` runs backward."""
         self.computed_ahead = (loss, cpu, wall)
         self.script_loss = tensor
 
@@ -386,7 +343,7 @@ class Worker(FollowerRole):
 
     def end(self, m: int) -> bool:
         check_decodes(self.replica)  # the device path's deferred decodes, read once, before the update
-        if self.script:  # the script's optimizer applies it: the average where .grad is read
+        if not self.applies_update:  # the script's optimizer applies it: the average where .grad is read
             self.replica.update_to_gradient()
         elif self.pipeline is None:  # pipelined: applied bucket by bucket
             self.replica.step(self.lr)
@@ -399,8 +356,8 @@ class Worker(FollowerRole):
 
     def state_dict(self) -> dict:
         state = {"compressor": self.compressor.state_dict()}
-        if self.sampler is not None:
-            state["sampler"] = self.sampler.state_dict()
+        if self.recipe is not None:
+            state["sampler"] = self.recipe.state_dict()
         if self.serves is not None:
             state["server_compressor"] = self.server_compressor.state_dict()
         if self.lowrank is not None:
@@ -413,14 +370,14 @@ class Worker(FollowerRole):
         return state
 
     def load_state_dict(self, state: dict, replica_state: dict) -> None:
-        if self.sampler is not None:
-            self.sampler.load_state_dict(state["sampler"])
+        if self.recipe is not None:
+            self.recipe.load_state_dict(state["sampler"])
         self.compressor.load_state_dict(state["compressor"])
         if self.serves is not None:
             self.server_compressor.load_state_dict(state["server_compressor"])
         if self.lowrank is not None:
             self.lowrank.load_state_dict(state["lowrank"])
-        if not self.script:  # a script's model is the script's to load
+        if self.recipe is not None:  # a script's model is the script's to load
             self.replica.load_state_dict(replica_state)
         self.replica.load_update_state_dict(state.get("update"))
         if self.momentum is not None:
