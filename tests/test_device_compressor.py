@@ -479,3 +479,56 @@ def test_a_workers_frames_for_every_shard_wait_for_the_device_once():
         want = host.encode_shards(g, [3, 2], shards)
         assert all(np.array_equal(ours, theirs) for ours, theirs in zip(frames, want)), it
     assert device.state_dict()["calls"] == host.state_dict()["calls"]
+
+
+class _Unfinished:
+    """A CUDA event the device has not reached yet, until it is waited for."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_queued_frames_are_the_encodes_and_ask_no_wait_until_taken():
+    """``queue_shards`` (a pipelined backward's hooks): the frames, RNG draws and error memory
+    of ``encode_shards``, with no synchronisation when queued; taken before the device is
+    done they are refused, ``wait`` is the one synchronisation, and a non-finite gradient's
+    flag comes out of ``frames()`` as the encode's CodecError."""
+    from mpigrad.codecs.device.counters import snapshot
+
+    config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}
+    host, device, shards = compressors(config, "residual", layout=SMALL)
+    for it in range(2):
+        g = gradient(it)[:SMALL.total].copy()
+        before = snapshot()
+        queued = device.queue_shards(torch.from_numpy(g).to(DEVICE), [3, 2], shards)
+        assert (snapshot() - before).synchronizations == 0
+        if DEVICE.type != "cuda":  # the simulator ran them at the call: an event not yet reached
+            assert queued.event is None and queued.ready()
+            queued.event = _Unfinished()
+        with pytest.raises(RuntimeError, match="before the device did them"):
+            queued.frames()
+        before = snapshot()
+        queued.wait()
+        queued.wait()  # done: no second wait
+        counted = snapshot() - before
+        assert counted.synchronizations == counted.sites["sync: frames after backward"] == 1, counted.sites
+        frames = [frame.copy() for frame in queued.frames()]
+        want = host.encode_shards(g, [3, 2], shards)
+        assert all(np.array_equal(ours, theirs) for ours, theirs in zip(frames, want)), it
+    assert device.state_dict()["calls"] == host.state_dict()["calls"]
+    g = gradient(5)[:SMALL.total].copy()
+    g[310] = np.nan
+    queued = device.queue_shards(torch.from_numpy(g).to(DEVICE), [3, 2], shards)
+    queued.wait()
+    with pytest.raises(CodecError) as ours:
+        queued.frames()
+    with pytest.raises(CodecError) as theirs:
+        host.encode_shards(g, [3, 2], shards)
+    assert str(ours.value) == str(theirs.value)
+    assert not device.status.slots.copy_to_host().any()  # cleared with the error, as a wait clears them

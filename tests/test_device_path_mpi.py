@@ -31,8 +31,10 @@ TINY = ["--model-opt", "fc_sizes=[32,32]", "--model-opt", "conv_channels=4", "--
 TIMED = ("wall_time", "sim_time", "t_")
 
 
-def run(tmp_path, env, name, *extra, device=True):
+def run(tmp_path, env, name, *extra, device=True, phase_log=None):
     env = dict(env)
+    if phase_log is not None:
+        env["MPIGRAD_PHASE_LOG"] = str(phase_log)
     if ON_GPU:
         extra = ("--device", "cuda", "--share-gpu", *extra)
         if not device:
@@ -69,7 +71,8 @@ def assert_same_run(device, host):
                                      "bucket_size=128", "--momentum-correction", "0.9"]),
 ])
 def test_the_device_path_trains_as_the_host_path_does(tmp_path, mpi_env, name, extra):
-    result, device = run(tmp_path, mpi_env, name, *extra)
+    pipelined = "--pipeline" in extra
+    result, device = run(tmp_path, mpi_env, name, *extra, phase_log=tmp_path / "phases" if pipelined else None)
     where = "on the GPU" if ON_GPU else "in Numba's CUDA simulator"
     assert f"codecs: {where} (Numba CUDA kernels): gradients encoded and updates decoded in " \
         "device memory, the packed frames staged through pinned host memory" in result.stdout, result.stdout
@@ -81,6 +84,18 @@ def test_the_device_path_trains_as_the_host_path_does(tmp_path, mpi_env, name, e
     assert "device warm-up" not in host_result.stdout
     assert device.complete and len(device.steps) == 3
     assert_same_run(device, host)
+    if pipelined and not ON_GPU:
+        # No wait inside backward: each bucket's frames are queued from its hook and sent once
+        # the device has done them (here, the simulator, at once; on a GPU the one wait after
+        # backward is "frames after backward"). The gradients phase's one synchronisation is
+        # the re-encode of the worker's own bucket's average, after backward (TINY: one bucket
+        # per shard). Before, every bucket's frames waited in its hook.
+        from mpigrad.bench.device import last_iteration_counts
+
+        counts = last_iteration_counts(tmp_path / "phases")
+        for rank in (1, 2):
+            syncs = {site: n for site, n in counts[rank]["gradients"]["sites"].items() if site.startswith("sync")}
+            assert syncs == {"sync: frame and status": 1}, (rank, counts[rank])
 
 
 #: What one iteration of the colocated path asks of the host (P = 2, uniform 3-bit with error

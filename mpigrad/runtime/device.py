@@ -195,6 +195,8 @@ class DeviceStatus:
         self.slots = cuda.to_device(self._zeros)
         #: The slots read back, in pinned memory: the copy is asynchronous, waited for once.
         self._host = cuda.pinned_array(k.STATUS_SLOTS, np.int32)
+        #: Pinned slots of the reads queued without a wait (:meth:`queue_read`), by key.
+        self._reads: dict = {}
         self.pending: list = []
         self.reads = 0
 
@@ -215,11 +217,43 @@ class DeviceStatus:
             stream.synchronize()
         self.reads += 1
         pending, self.pending = self.pending, []
+        self._raise_flags(status, twins, pending)
+
+    def queue_read(self, key):
+        """Queue the slots' copy into the pinned buffer of ``key`` (its own: reads of several
+        keys may be in flight) behind everything queued on the current stream, and an event
+        after it; return (that buffer, the event: None under the simulator, where everything
+        ran at the call). :meth:`settle` reads it once the event has completed."""
+        host = self._reads.get(key)
+        if host is None:
+            host = self._reads[key] = self.cuda.pinned_array(len(self._zeros), np.int32)
+        copied("to_host", self._zeros.nbytes)
+        stream = self.stream()
+        self.slots.copy_to_host(host, stream=stream)
+        if simulated():
+            return host, None
+        event = self.cuda.event(timing=False)
+        event.record(stream)
+        return host, event
+
+    def settle(self, host, twins, pending) -> None:
+        """A queued read's slots (:meth:`queue_read`, its event completed): CodecError as
+        :meth:`wait` raises, ``pending`` being the decodes queued before it. It counts as no
+        read of the status (``reads``, ``pending`` unchanged): decodes queued after it are
+        left to the next :meth:`wait`."""
+        if host.any():
+            self._raise_flags(host, twins, pending)
+
+    def _raise_flags(self, status, twins, pending) -> None:
+        """Nothing where ``status`` (the slots as read) is clear; else queue the slots
+        cleared and raise CodecError in the words of the first of ``pending`` (a decode's
+        flag, or no frame just queued) or of ``twins``."""
         if not status.any():
             return
         flags = status.copy()
         copied("to_device", self._zeros.nbytes)
-        self.slots.copy_to_device(self._zeros, stream=stream)
+        self.slots.copy_to_device(self._zeros, stream=self.stream())
+        self.pending = [twin for twin in self.pending if twin not in pending]
         if pending and (flags[self._decode_slots].any() or not twins):  # a decode's flag
             try:
                 pending[0].raise_status(flags)
@@ -426,18 +460,27 @@ class DeviceGradientCompressor:
         memory), with one wait for the device for them all: every shard's kernels and copies
         are queued first (each shard has its own buffers), then the status covers them all
         (and any decode queued before, whose error it raises first)."""
+        queued = self._queue_shards(grad, bits, shards)
+        self.status.wait([twin for _, _, twins in queued for twin in twins])
+        return _host_frames(queued)
+
+    def queue_shards(self, grad: torch.Tensor, bits: list[int], shards) -> "QueuedFrames":
+        """:meth:`encode_shards` without the wait: their kernels and copies queued, with the
+        status slots' copy and an event behind them (:meth:`DeviceStatus.queue_read`, one
+        pinned read buffer per first shard: at most one queue of it in flight); the frames
+        come from :meth:`QueuedFrames.frames`. A pipelined backward queues each bucket from
+        its hook and sends it once its event has completed, so that no hook waits."""
+        queued = self._queue_shards(grad, bits, shards)
+        pending = list(self.status.pending)
+        host, event = self.status.queue_read((shards[0].server, shards[0].bucket))
+        return QueuedFrames(self.status, queued, host, event, pending)
+
+    def _queue_shards(self, grad: torch.Tensor, bits: list[int], shards) -> list:
         try:
-            queued = [self._queue_encode(grad, bits, shard) for shard in shards]
+            return [self._queue_encode(grad, bits, shard) for shard in shards]
         except BaseException:
             self.status.clear()
             raise
-        self.status.wait([twin for _, _, twins in queued for twin in twins])
-        frames = []
-        for out, headers, _ in queued:
-            for start, header in headers:
-                out[start:start + HEADER_SIZE] = header_bytes(header)
-            frames.append(out[:FrameHeader.write(out, [HEADER_SIZE + h.payload_len for _, h in headers])])
-        return frames
 
     def _queue_encode(self, grad: torch.Tensor, bits: list[int], shard: Shard):
         """Queue the kernels writing ``shard``'s frame and its asynchronous copy into the
@@ -599,6 +642,44 @@ class DeviceGradientCompressor:
         _without_feedback(self.host, lambda host: host.load_state_dict(rest))
         if self.feedback is not None:
             self.feedback.load_state_dict(state["feedback"])
+
+
+def _host_frames(queued) -> list[np.ndarray]:
+    """The host frames of ``queued`` encodes (``_queue_encode``'s), their copies complete:
+    each piece's header and the frame's lengths written in front of the packed bytes."""
+    frames = []
+    for out, headers, _ in queued:
+        for start, header in headers:
+            out[start:start + HEADER_SIZE] = header_bytes(header)
+        frames.append(out[:FrameHeader.write(out, [HEADER_SIZE + h.payload_len for _, h in headers])])
+    return frames
+
+
+class QueuedFrames:
+    """Frames queued on the device (:meth:`DeviceGradientCompressor.queue_shards`): their
+    kernels, their copies into pinned memory and the status slots' copy, with an event
+    after them (None under the simulator: done at the call)."""
+
+    def __init__(self, status: DeviceStatus, queued: list, host_slots, event, pending: list):
+        self.status, self.queued, self.host_slots, self.event, self.pending = status, queued, host_slots, event, pending
+
+    def ready(self) -> bool:
+        """Whether the device has done them (asks the event; no synchronisation)."""
+        return self.event is None or self.event.query()
+
+    def wait(self, site: str = "frames after backward") -> None:
+        """Wait for them (a synchronisation, counted at ``site``) unless :meth:`ready`."""
+        if not self.ready():
+            synchronized(site)
+            self.event.synchronize()
+
+    def frames(self) -> list[np.ndarray]:
+        """The host frames, once :meth:`ready` (or waited for); CodecError where the status
+        read behind them is flagged, as :meth:`DeviceStatus.wait` raises."""
+        if not self.ready():
+            raise RuntimeError("QueuedFrames.frames() before the device did them: wait() first")
+        self.status.settle(self.host_slots, [twin for _, _, twins in self.queued for twin in twins], self.pending)
+        return _host_frames(self.queued)
 
 
 def _without_feedback(host: GradientCompressor, call):

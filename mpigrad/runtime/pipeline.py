@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..codecs import CodecError
-from .device import finite
+from .device import QueuedFrames, finite
 from .layout import pipeline_buckets
 from .wire import TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, error_frame, is_error_frame
 from .wire.channel import Backoff
@@ -69,6 +69,10 @@ class PipelinedExchange:
         self.sends: list = []
         self.local: dict[int, np.ndarray] = {}
         self.sent = [[0] * len(self.worker.shards) for _ in range(B)]
+        #: Buckets queued on the device and not yet sent, in order: (bucket, parts, gradient,
+        #: QueuedFrames, or error frames where the queue refused) (the device path; the host
+        #: path encodes and sends at once).
+        self.in_flight: list = []
         self.encode_seconds = 0.0
         #: CPU and wall seconds of the work run inside backward that is not backward's (the
         #: encodes, taking the Control, posting the receives), kept out of its times.
@@ -82,7 +86,7 @@ class PipelinedExchange:
         for b in range(B):  # parameters backward did not reach (no gradient): their buckets now
             if not self.ready[b]:
                 self._mark(b)
-        self._flush()
+        self._flush(drain=True)
         return (time.process_time() - self.cpu0 - self.aside_cpu,
                 time.perf_counter() - self.wall0 - self.aside_wall)
 
@@ -104,14 +108,26 @@ class PipelinedExchange:
         self.ready_cpu[b] = time.process_time() - self.cpu0 - self.aside_cpu
         self.ready_wall[b] = time.perf_counter() - self.wall0 - self.aside_wall
 
-    def _flush(self) -> None:
-        """Encode and send every produced bucket whose predecessors have gone, in order."""
+    def _flush(self, drain: bool = False) -> None:
+        """Encode every produced bucket whose predecessors have been encoded, in order, and
+        send those done (on the device path, those whose queued frames the device has done;
+        with ``drain``, after backward, all of them, waiting once for the last)."""
         cpu, wall = time.process_time(), time.perf_counter()
         while self.next_bucket < len(self.buckets) and self.ready[self.next_bucket]:
             if self.next_bucket == 0:
                 self._start_receiving()
             self._send(self.next_bucket)
             self.next_bucket += 1
+        queued = [item[3] for item in self.in_flight if isinstance(item[3], QueuedFrames)]
+        if drain and queued:
+            queued[-1].wait()  # the stream runs them in order: the last done, all are
+        while self.in_flight and (not isinstance(self.in_flight[0][3], QueuedFrames) or self.in_flight[0][3].ready()):
+            b, parts, grad, frames = self.in_flight.pop(0)
+            if isinstance(frames, QueuedFrames):
+                start = time.process_time()
+                frames = self._encoded(parts, grad, frames.frames)
+                self.encode_seconds += time.process_time() - start
+            self._post(b, frames)
         self.aside_cpu += time.process_time() - cpu
         self.aside_wall += time.perf_counter() - wall
 
@@ -150,17 +166,37 @@ class PipelinedExchange:
         return buf
 
     def _send(self, b: int) -> None:
+        """Encode bucket b's frames and send them; on the device path, queue them
+        (``queue_shards``: no wait inside backward) for :meth:`_flush` to send when done."""
         w = self.worker
         start = time.process_time()
         parts = [(s, part) for s, part in enumerate(self.buckets[b]) if part is not None]
         grad = w.replica.codec_gradient([p for _, part in parts for p in part.pieces])  # this bucket's only
+        shards, bits = [part for _, part in parts], w.control_msg.bits
+        queue = getattr(w.compressor, "queue_shards", None)
+        if queue is not None:
+            self.in_flight.append((b, parts, grad, self._encoded(parts, grad, lambda: queue(grad, bits, shards))))
+            self.encode_seconds += time.process_time() - start
+            return
+        frames = self._encoded(parts, grad, lambda: [w.compressor.encode(grad, bits, part) for part in shards])
+        self.encode_seconds += time.process_time() - start
+        self._post(b, frames)
+
+    @staticmethod
+    def _encoded(parts, grad, encode):
+        """``encode()``'s result; where it refuses (CodecError) a gradient that is not finite,
+        an error frame per part, as (shard, frame) pairs (what :meth:`_post` takes)."""
         try:
-            frames = [(s, w.compressor.encode(grad, w.control_msg.bits, part)) for s, part in parts]
+            result = encode()
         except CodecError:
             if all(finite(grad[p.offset:p.offset + p.size]) for _, part in parts for p in part.pieces):
                 raise
-            frames = [(s, error_frame()) for s, _ in parts]
-        self.encode_seconds += time.process_time() - start
+            return [(s, error_frame()) for s, _ in parts]
+        return result if isinstance(result, QueuedFrames) else [(s, frame) for (s, _), frame in zip(parts, result)]
+
+    def _post(self, b: int, frames) -> None:
+        """Send bucket b's frames ((shard, frame) pairs) to their servers; keep this worker's own."""
+        w = self.worker
         for s, frame in frames:
             self.sent[b][s] = frame.size
         self.local.update((b, frame) for s, frame in frames if s == w.serves)
