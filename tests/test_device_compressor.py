@@ -286,12 +286,17 @@ def test_what_a_frame_asks_of_the_host_is_counted():
         encoded.sites
 
 
-def test_resnet18s_frames_take_at_most_4_launches_each_way(monkeypatch):
+@pytest.mark.parametrize("config, feedback, launches", [
+    ({"id": "uniform", "bits": 2}, ErrorFeedback("residual"), (3, 2)),
+    ({"id": "fp16"}, None, (1, 1)),   # float pieces only: one pass each way (DDP's fp16 hook's peer)
+])
+def test_resnet18s_frames_take_at_most_4_launches_each_way(monkeypatch, config, feedback, launches):
     """Issue 46's launch goal, counted on ResNet-18's own layout (min_quantize_size 1000, P = 2
     colocated, ``--shard-chunk auto``: 11.2 M values, 21 quantized layers cut into pieces),
     uniform 2-bit with error feedback: every frame of a worker's gradient is encoded in 3
-    launches and decoded in 2 (launches counted, kernels not run: the simulator would take
-    hours over 11 M values; the frames' bytes are the small layouts' tests')."""
+    launches and decoded in 2; fp16 in 1 and 1, where it took a launch per piece each way
+    (launches counted, kernels not run: the simulator would take hours over 11 M values; the
+    frames' bytes are the small layouts' tests')."""
     from mpigrad.codecs.device import codecs as device_codecs
     from mpigrad.codecs.device.counters import launched, snapshot
     from mpigrad.models import build_model
@@ -303,12 +308,11 @@ def test_resnet18s_frames_take_at_most_4_launches_each_way(monkeypatch):
     layout = Replica(build_model("resnet18", input_shape=(3, 32, 32), num_classes=10, seed=0), 1000,
                      torch.device("cpu")).layout
     assert len(layout.quantized) == 21 and layout.total > 11_000_000
-    codec = get_codec({"id": "uniform", "bits": 2})
+    codec = get_codec(config)
     chunks = resolve_chunks("auto", layout, 2)
     pieces, shards = pieces_of(layout, chunks), plan_shards(layout, 2, piece_bytes(codec), chunks)
     assert len([p for p in pieces if p.quantized]) > 21      # auto cut the large layers into pieces
-    compressor = GradientCompressor(pieces, codec, {p.index: p.index for p in pieces if p.quantized},
-                                    ErrorFeedback("residual"))
+    compressor = GradientCompressor(pieces, codec, {p.index: p.index for p in pieces if p.quantized}, feedback)
     device = DeviceGradientCompressor(compressor, DEVICE)
     g = torch.zeros(layout.total, device=DEVICE)
     bits = [2] * len(layout.quantized)
@@ -319,7 +323,7 @@ def test_resnet18s_frames_take_at_most_4_launches_each_way(monkeypatch):
         before = snapshot()
         device.decode(frame, shard, g, accumulate=True)
         decoded = snapshot() - before
-        assert (encoded.launches, decoded.launches) == (3, 2), (len(shard.pieces), encoded.sites, decoded.sites)
+        assert (encoded.launches, decoded.launches) == launches, (len(shard.pieces), encoded.sites, decoded.sites)
 
 
 def test_the_device_warm_up_launches_every_kernel_a_run_then_uses():

@@ -64,7 +64,7 @@ def assert_same_run(device, host):
 
 
 @pytest.mark.parametrize("name, extra", [
-    ("pipelined-fp16", ["--servers", "colocated", "--pipeline", "--codec", "fp16"]),   # frames piece by piece
+    ("pipelined-fp16", ["--servers", "colocated", "--pipeline", "--codec", "fp16"]),   # float frames by table
     ("pipelined-uniform-feedback", ["--servers", "colocated", "--pipeline", "--codec", "uniform", "--bits", "3",
                                     "--codec-opt", "rounding=stochastic", "--error-feedback", "residual"]),  # by table
     ("one-server-uniform-momentum", ["--servers", "1", "--codec", "uniform", "--bits", "4", "--codec-opt",

@@ -1,5 +1,5 @@
 """A frame's pieces by table (mpigrad/codecs/device/table.py): three launches encode a frame
-of uniform (any bits, buckets, rounding) and float32 pieces into the host codecs' bytes,
+of uniform (any bits, buckets, rounding), float32 and fp16 pieces into the host codecs' bytes,
 whatever the number of pieces; two decode one, writing or adding, with the host's values;
 a corrupted pair or a NaN is flagged as the per-piece twins flag it."""
 
@@ -30,6 +30,8 @@ PIECES = [
     ({"id": "uniform", "bits": 8, "bucket_size": 3000}, 8300),
     ({"id": "fp32"}, 1),
     ({"id": "uniform", "bits": 7, "rounding": "stochastic", "seed": 3}, 1),
+    ({"id": "fp16"}, 3000),   # normal, subnormal and zero halves (the gradient's scales span e^-8..e^2)
+    ({"id": "fp16"}, 1),
 ]
 
 
@@ -152,7 +154,32 @@ def test_a_nan_and_a_corrupted_pair_are_flagged():
     assert status[k.ERR_BAD_SCALE] == 1
 
 
-def test_only_uniform_and_float32_frames_go_by_table():
+def test_a_half_beyond_its_range_is_flagged_as_the_per_piece_kernel_flags_it():
+    pieces = [({"id": "fp16"}, 40), ({"id": "fp32"}, 3)]
+    codecs, offsets = layout(pieces)
+    x = gradient(int(offsets[-1]), 6)
+    x[7] = 7e4  # beyond +-65504: a range error, not a non-finite one
+    _, _, status = table_encode(codecs, offsets, x)
+    assert status[k.ERR_RANGE] == 1 and status[k.ERR_NONFINITE] == 0
+    x[7] = -np.inf
+    _, _, status = table_encode(codecs, offsets, x)
+    assert status[k.ERR_RANGE] == 1 and status[k.ERR_NONFINITE] == 1
+
+
+def test_a_frame_of_float_pieces_takes_one_launch_each_way():
+    pieces = [({"id": "fp16"}, 700), ({"id": "fp32"}, 9), ({"id": "fp16"}, 5)]
+    codecs, offsets = layout(pieces)
+    x = gradient(int(offsets[-1]), 7)
+    frame, launches, status = table_encode(codecs, offsets, x)
+    assert frame.tobytes() == host_frame(codecs, offsets, x).tobytes() and launches == 1 and not status.any()
+    values, launches, status = table_decode(codecs, offsets, host_frames(codecs, offsets, x),
+                                            np.zeros(x.size, np.float32), False)
+    expected = np.concatenate([codec.decode(piece) for codec, piece in zip(codecs, host_frames(codecs, offsets, x))])
+    assert values.tobytes() == expected.tobytes() and launches == 1 and not status.any()
+
+
+def test_only_uniform_and_float_frames_go_by_table():
     assert tabled([device_codec(get_codec({"id": "uniform"})), device_codec(get_codec({"id": "fp32"}))])
-    assert not tabled([device_codec(get_codec({"id": "uniform"})), device_codec(get_codec({"id": "fp16"}))])
+    assert tabled([device_codec(get_codec({"id": "uniform"})), device_codec(get_codec({"id": "fp16"}))])
     assert not tabled([device_codec(get_codec({"id": "sign"}))])
+    assert not tabled([device_codec(get_codec({"id": "fp16"}))], with_feedback=[True])  # the memory: uniform's

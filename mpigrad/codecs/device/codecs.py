@@ -236,12 +236,26 @@ class DeviceFloat32(DeviceCodec):
         self._launch(k.load_float32, out.size, payload, 0, out, accumulate)
 
 
-class DeviceFloat16(DeviceCodec):
-    _tables: dict = {}
+def half_table(cuda):
+    """The host's table of every half's float32 (``HALF_TO_FLOAT``) on the device, copied once
+    per ``cuda`` (a process's, or the simulator's)."""
+    table = _HALF_TABLES.get(id(cuda))
+    if table is None:
+        table = _HALF_TABLES[id(cuda)] = cuda.to_device(HALF_TO_FLOAT)
+    return table
 
+
+_HALF_TABLES: dict = {}
+
+
+class DeviceFloat16(DeviceCodec):
     def _encode_payload(self, x, out, pos, status):
         self._launch(k.store_float16, x.size, x, out, pos, status)
-        return 0, 0, 0, 0, 2 * x.size
+        return self.fields(x.size)
+
+    def fields(self, n: int) -> tuple[int, int, int, int, int]:
+        """The header's (bits, flags, param_a, param_b, payload_len) of ``n`` values."""
+        return 0, 0, 0, 0, 2 * n
 
     def _raise_status(self, status):
         if status[k.ERR_RANGE] and not status[k.ERR_NONFINITE]:
@@ -249,10 +263,7 @@ class DeviceFloat16(DeviceCodec):
         super()._raise_status(status)
 
     def _decode_values(self, header, payload, out, accumulate):
-        table = self._tables.get(id(self.cuda))
-        if table is None:
-            table = self._tables[id(self.cuda)] = self.cuda.to_device(HALF_TO_FLOAT)
-        self._launch(k.load_float16, out.size, payload, 0, table, out, accumulate)
+        self._launch(k.load_float16, out.size, payload, 0, half_table(self.cuda), out, accumulate)
 
 
 class _Bucketed(DeviceCodec):

@@ -624,9 +624,15 @@ def store_float16(x, out, pos, status):
     """The host's ``half.narrow``, bit for bit: round to nearest even; flag values whose
     half is not finite (ERR_RANGE; ERR_NONFINITE too for NaN/inf input)."""
     i = cuda.grid(1)
-    if i >= x.size:
-        return
-    f = uint32(_as_int(x[i]))
+    if i < x.size:
+        _store_half(out, pos + 2 * i, _narrow_half(x[i], status))
+
+
+@cuda.jit(device=True)
+def _narrow_half(v, status):
+    """The half (as uint32) of float32 ``v``, as the host's ``half.narrow``; flags as
+    ``store_float16``."""
+    f = uint32(_as_int(v))
     sign = (f >> uint32(16)) & uint32(0x8000)
     f &= uint32(0x7FFFFFFF)
     if f >= uint32(0x477FF000):
@@ -652,9 +658,19 @@ def store_float16(x, out, pos, status):
             h += uint32(1)
     else:
         h = uint32(0)
-    h |= sign
-    out[pos + 2 * i] = np.uint8(h & uint32(0xFF))
-    out[pos + 2 * i + 1] = np.uint8(h >> uint32(8))
+    return h | sign
+
+
+@cuda.jit(device=True)
+def _store_half(out, pos, h):
+    out[pos] = np.uint8(h & uint32(0xFF))
+    out[pos + 1] = np.uint8(h >> uint32(8))
+
+
+@cuda.jit(device=True)
+def _load_half(src, pos, halves):
+    """The float32 of the half at byte ``pos`` of ``src``, from the host's table of all halves."""
+    return halves[int32(src[pos]) | (int32(src[pos + 1]) << 8)]
 
 
 @cuda.jit(cache=True)
@@ -662,13 +678,13 @@ def load_float16(src, pos, table, out, accumulate):
     """out[i] = (or +=) the float32 of half i, from the host's table of all halves."""
     i = cuda.grid(1)
     if i < out.size:
-        h = int32(src[pos + 2 * i]) | (int32(src[pos + 2 * i + 1]) << 8)
-        _store(out, i, table[h], accumulate)
+        _store(out, i, _load_half(src, pos + 2 * i, table), accumulate)
 
 
 # ---- a frame's pieces by table: a fixed number of launches per frame ------------------------
-#: The piece table's kind beside the codes' (UNIFORM): float32 values, 4 bytes each.
-FLOAT32 = 4
+#: The piece table's kinds beside the codes' (UNIFORM): float32 values, 4 bytes each, and
+#: half-precision ones (fp16), 2 bytes each.
+FLOAT32, FLOAT16 = 4, 5
 #: Error feedback's modes in the table (``mpigrad.feedback``): none, e = p - decoded, e = p
 #: where decoded is 0.
 NO_FEEDBACK, RESIDUAL, ACCUMULATE = 0, 1, 2
@@ -770,7 +786,7 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     UNIFORM piece's thread j is pack_blocks' thread j, then pack_tail's, coding ``g`` or,
     with error feedback, ``compensated`` (``table_range_keys`` wrote it) and setting the
     error ``memory`` of what it codes; a FLOAT32 piece's stores value j of ``g`` (flagging
-    NaN/inf, as ``store_float32``)."""
+    NaN/inf, as ``store_float32``), a FLOAT16 piece's its half (as ``store_float16``)."""
     i = cuda.grid(1)
     if i >= firsts[firsts.size - 1]:
         return
@@ -788,6 +804,9 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
         if not math.isfinite(v):
             status[ERR_NONFINITE] = 1
         _store_f32(out, at + 4 * j, v)
+        return
+    if pieces[row + P_KIND] == FLOAT16:
+        _store_half(out, at + 2 * j, _narrow_half(xe[j], status))
         return
     bits = pieces[row + P_BITS]
     levels = pieces[row + P_LEVELS]
@@ -812,10 +831,11 @@ def table_load_pairs(src, buckets, lohi, status):
 
 
 @cuda.jit(cache=True)
-def table_unpack(src, firsts, pieces, lohi, out, op, status):
+def table_unpack(src, firsts, pieces, lohi, halves, out, op, status):
     """Thread i works for piece e of the frame ``src`` (as ``table_pack``), writing (WRITE)
     or adding (ADD) into ``out[offset:offset + size]``: a UNIFORM piece's thread j is
-    unpack_blocks' thread j, then unpack_tail's; a FLOAT32 piece's loads value j."""
+    unpack_blocks' thread j, then unpack_tail's; a FLOAT32 piece's loads value j, a FLOAT16
+    piece's half j (``halves``: the host's table of every half's float32)."""
     i = cuda.grid(1)
     if i >= firsts[firsts.size - 1]:
         return
@@ -828,6 +848,9 @@ def table_unpack(src, firsts, pieces, lohi, out, op, status):
     at = pieces[row + P_CODES]
     if pieces[row + P_KIND] == FLOAT32:
         _store(oute, j, _load_f32(src, at + 4 * j), op == ADD)
+        return
+    if pieces[row + P_KIND] == FLOAT16:
+        _store(oute, j, _load_half(src, at + 2 * j, halves), op == ADD)
         return
     bits = pieces[row + P_BITS]
     levels = pieces[row + P_LEVELS]

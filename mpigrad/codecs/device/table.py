@@ -6,7 +6,8 @@ every piece (one). The per-piece twins (:mod:`.codecs`) take five or six launche
 to encode and two or three to decode.
 
 A frame goes by table where each of its pieces is a :class:`~.codecs.DeviceUniform` (any
-bits) or a :class:`~.codecs.DeviceFloat32` piece (:func:`tabled`); its bytes are the
+bits), a :class:`~.codecs.DeviceFloat32` or a :class:`~.codecs.DeviceFloat16` piece
+(:func:`tabled`; a frame of float pieces only takes one launch each way); its bytes are the
 per-piece twins' and the host codecs', byte for byte (tests/test_device_table.py).
 :class:`FrameTable` is the host's half: each piece's header and the int64 table the
 kernels read; :class:`TableKernels` launches them.
@@ -20,7 +21,7 @@ from ..base import Header
 from ..checks import bucket_layout
 from . import kernels as k
 from . import codecs as device_codecs
-from .codecs import DeviceFloat32, DeviceUniform, ScratchArrays
+from .codecs import DeviceFloat16, DeviceFloat32, DeviceUniform, ScratchArrays, half_table
 
 __all__ = ["FrameTable", "TableKernels", "tabled"]
 
@@ -29,8 +30,12 @@ def tabled(twins, with_feedback=None) -> bool:
     """Whether a frame of pieces with these device twins can go by table; ``with_feedback``
     (one bool per piece) marks those with error feedback, which must be uniform ones."""
     with_feedback = with_feedback or [False] * len(twins)
-    return all(type(twin) is DeviceUniform or (type(twin) is DeviceFloat32 and not feedback)
+    return all(type(twin) is DeviceUniform or (type(twin) in _FLOATS and not feedback)
                for twin, feedback in zip(twins, with_feedback))
+
+
+#: The float twins' kinds in the table.
+_FLOATS = {DeviceFloat32: k.FLOAT32, DeviceFloat16: k.FLOAT16}
 
 
 class FrameTable:
@@ -60,8 +65,8 @@ class FrameTable:
         assert self.encode
         fields = twin._empty_fields() if size == 0 else twin.fields(size)
         header = Header(twin.codec.wire_id, *fields[:4], size, fields[4])
-        if size and isinstance(twin, DeviceFloat32):
-            self._add_float32(offset, size, payload_at)
+        if size and type(twin) in _FLOATS:
+            self._add_float(_FLOATS[type(twin)], offset, size, payload_at)
         elif size:
             self._add_uniform(offset, size, twin.codec.bits, twin.codec.bucket_size or 0, payload_at,
                               twin.codec.stochastic, twin.next_key(), feedback, decay)
@@ -73,14 +78,14 @@ class FrameTable:
         assert not self.encode
         if header.n == 0:
             return
-        if isinstance(twin, DeviceFloat32):
-            self._add_float32(offset, header.n, payload_at)
+        if type(twin) in _FLOATS:
+            self._add_float(_FLOATS[type(twin)], offset, header.n, payload_at)
         else:
             self._add_uniform(offset, header.n, header.bits, header.param_a, payload_at, False, 0)
 
-    def _add_float32(self, offset: int, size: int, at: int) -> None:
+    def _add_float(self, kind: int, offset: int, size: int, at: int) -> None:
         row = [0] * k.PIECE_COLUMNS
-        row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_CODES] = k.FLOAT32, offset, size, at
+        row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_CODES] = kind, offset, size, at
         self._pieces.append(row)
         self._threads.append(size)
 
@@ -176,5 +181,5 @@ class TableKernels:
         if buckets:
             launch(k.table_load_pairs, k.blocks(buckets), stream, frame, t["buckets"], lohi, status)
         if table.threads:
-            launch(k.table_unpack, k.blocks(table.threads), stream, frame, t["firsts"], t["pieces"], lohi, out,
-                   k.ADD if accumulate else k.WRITE, status)
+            launch(k.table_unpack, k.blocks(table.threads), stream, frame, t["firsts"], t["pieces"], lohi,
+                   half_table(self.cuda), out, k.ADD if accumulate else k.WRITE, status)
