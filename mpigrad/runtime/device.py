@@ -18,7 +18,9 @@ Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import os
 
 import numpy as np
@@ -403,6 +405,10 @@ class DeviceGradientCompressor:
         self._tables = table.TableKernels(self.cuda, self._current_stream)
         self._table_buffers: dict = {}
         self._host_table_buffers: dict = {}
+        #: Each shard's encode tables by its codecs (the last TEMPLATES_PER_SHARD used), and
+        #: the one its device table buffer holds.
+        self._templates: dict = {}
+        self._device_tables: dict = {}
 
     @property
     def calls(self) -> list[int]:
@@ -506,14 +512,40 @@ class DeviceGradientCompressor:
 
     def _queue_table_encode(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):
         """Queue the frame's kernels by table (three launches, whatever its pieces); return
-        the pieces' (position, header) and the frame's length."""
+        the pieces' (position, header) and the frame's length. The table of a shard at given
+        codecs (bits) is built once (:class:`EncodeTemplate`); a later frame only draws each
+        stochastic piece's next RNG key into it, and copies to the device no more than the
+        piece rows that hold those keys."""
+        key = (shard.server, shard.bucket)
+        templates = self._templates.setdefault(key, collections.OrderedDict())
+        ident = tuple(map(id, codecs))
+        template = templates.get(ident)
+        if template is None:
+            template = templates[ident] = self._build_template(shard, codecs, twins, pos)
+            if len(templates) > TEMPLATES_PER_SHARD:
+                templates.popitem(last=False)
+        else:
+            templates.move_to_end(ident)
+            template.draw(self.host.calls, self.feedback)
+        feedback = self.feedback
+        device_table = self._device_table(template, key)
+        memory = (self._view(feedback.memory), self._view(feedback.compensated)) if feedback else (None, None)
+        self._tables.encode(template.table, device_table, self._view(grad), frame_view, self.status.slots, *memory)
+        return template.headers, template.end
+
+    def _build_template(self, shard: Shard, codecs, twins, pos: int) -> "EncodeTemplate":
+        """The table of ``shard``'s frame at ``codecs``, its keys drawn for this frame (the
+        RNG counters and the error memory's record advanced as every encode advances them)."""
         table, headers, calls, feedback = self._table.FrameTable(encode=True), [], self.host.calls, self.feedback
         mode = feedback.kernel_mode if feedback else self._kernels.NO_FEEDBACK
+        draws = []
         for piece, codec, twin in zip(shard.pieces, codecs, twins):
             if piece.quantized:
                 codec.calls = calls[piece.index]
+                keys = table.key_count
                 header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE, mode,
                                           feedback.decay if feedback else 1.0)
+                draws.append((piece.index, codec, twin, keys if table.key_count > keys else None))
                 calls[piece.index] = codec.calls
                 if feedback:
                     feedback.remembered(piece.index)
@@ -521,20 +553,25 @@ class DeviceGradientCompressor:
                 header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE)
             headers.append((pos, header))
             pos += HEADER_SIZE + header.payload_len
-        device_table = self._device_table(table, (shard.server, shard.bucket))
-        memory = (self._view(feedback.memory), self._view(feedback.compensated)) if feedback else (None, None)
-        self._tables.encode(table, device_table, self._view(grad), frame_view, self.status.slots, *memory)
-        return headers, pos
+        draws = [(index, codec, twin, None if i is None else table.key_slot(i)) for index, codec, twin, i in draws]
+        return EncodeTemplate(table, table.array(), headers, pos, draws)
 
-    def _device_table(self, table, key):
-        """An encode's ``table`` on the device (int64, a numba view), through the pinned
-        buffer of ``key`` and one asynchronous copy (the encode waits before its next use)."""
-        array = table.array()
+    def _device_table(self, template: "EncodeTemplate", key):
+        """An encode's table on the device (int64, a numba view), through the pinned buffer
+        of ``key`` and one asynchronous copy (the encode waits before its next use): the
+        whole table, or where the device buffer of ``key`` holds this template's already,
+        only its piece rows, and only if a key changed."""
+        array, table = template.array, template.table
         pinned = self._pinned_buffer(self._host_table_buffers, key, array.nbytes)
-        pinned[:array.nbytes].numpy()[:] = array.view(np.uint8)
         device = self._device_buffer(self._table_buffers, key, array.nbytes)
-        copied("to_device", array.nbytes)
-        device[:array.nbytes].copy_(pinned[:array.nbytes], non_blocking=True)
+        start, stop = 0, array.size
+        if self._device_tables.get(key) is template:
+            start, stop = table.sections()["pieces"] if template.stochastic else (0, 0)
+        self._device_tables[key] = template
+        if stop > start:
+            pinned[8 * start:8 * stop].numpy()[:] = array[start:stop].view(np.uint8)
+            copied("to_device", 8 * (stop - start))
+            device[8 * start:8 * stop].copy_(pinned[8 * start:8 * stop], non_blocking=True)
         return self._view(device[:array.nbytes].view(torch.int64))
 
     def _queue_piece_encodes(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):
@@ -642,6 +679,41 @@ class DeviceGradientCompressor:
         _without_feedback(self.host, lambda host: host.load_state_dict(rest))
         if self.feedback is not None:
             self.feedback.load_state_dict(state["feedback"])
+
+
+#: Encode tables kept per shard: one per choice of bits a policy returns to (a fixed policy
+#: uses one; an adaptive one moves between neighbouring choices).
+TEMPLATES_PER_SHARD = 8
+
+
+@dataclasses.dataclass
+class EncodeTemplate:
+    """A shard's frame table at one choice of codecs (:meth:`DeviceGradientCompressor.
+    _build_template`): the table, its int64 array, the pieces' (position, header), the
+    frame's length, and per quantized piece (its index, codec, twin, and the slot of its RNG
+    key in the array where it rounds stochastically, else None)."""
+
+    table: object
+    array: np.ndarray
+    headers: list
+    end: int
+    draws: list
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether a piece's key changes from frame to frame."""
+        return any(slot is not None for *_, slot in self.draws)
+
+    def draw(self, calls: list[int], feedback) -> None:
+        """The next frame's keys into the array, with the state an encode advances: each
+        quantized piece's RNG counter (``calls``) and the error memory's record of it."""
+        for index, codec, twin, slot in self.draws:
+            codec.calls = calls[index]
+            if slot is not None:
+                self.table.write_key(self.array, slot, twin.next_key())
+            calls[index] = codec.calls
+            if feedback:
+                feedback.remembered(index)
 
 
 def _host_frames(queued) -> list[np.ndarray]:

@@ -55,6 +55,8 @@ class FrameTable:
         self.bucket_count = self.chunk_count = 0
         #: Whether a piece has error feedback (the encode then needs the memory).
         self.with_feedback = False
+        #: The rows of the stochastic UNIFORM pieces (whose RNG key changes every frame).
+        self._key_rows: list[int] = []
 
     def add_encode(self, twin, offset: int, size: int, payload_at: int, feedback: int = k.NO_FEEDBACK,
                    decay: float = 1.0) -> Header:
@@ -95,10 +97,12 @@ class FrameTable:
         row = [0] * k.PIECE_COLUMNS
         row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_BITS] = k.UNIFORM, offset, size, bits
         row[k.P_LEVELS], row[k.P_BUCKET], row[k.P_STOCHASTIC] = (1 << bits) - 1, bucket, int(stochastic)
-        row[k.P_KEY_HI], row[k.P_KEY_LO] = key >> 32, key & 0xFFFFFFFF
+        self.write_key(row, k.P_KEY_HI, key)
         row[k.P_CODES], row[k.P_PAIRS] = at + 8 * nb, self.bucket_count
         row[k.P_FEEDBACK], row[k.P_DECAY] = feedback, int(np.float32(decay).view(np.int32))
         self.with_feedback |= feedback != k.NO_FEEDBACK
+        if stochastic:
+            self._key_rows.append(len(self._pieces))
         self._pieces.append(row)
         tail = size % k.BLOCK
         self._threads.append((size // k.BLOCK) * k.GROUPS + ((tail * bits + 7) // 8 if self.encode else tail))
@@ -116,6 +120,21 @@ class FrameTable:
             self.chunk_count += int(counts.sum())
         self._buckets.append(buckets.ravel())
         self.bucket_count += nb
+
+    @property
+    def key_count(self) -> int:
+        """The stochastic UNIFORM pieces added so far."""
+        return len(self._key_rows)
+
+    def key_slot(self, i: int) -> int:
+        """Where the ``i``-th stochastic UNIFORM piece's RNG key sits in :meth:`array`: its
+        high half (``kernels.P_KEY_HI``), the low half after it. Valid once every piece is in."""
+        return len(self._threads) + 1 + k.PIECE_COLUMNS * self._key_rows[i] + k.P_KEY_HI
+
+    @staticmethod
+    def write_key(array: np.ndarray, slot: int, key: int) -> None:
+        """Put RNG ``key`` (a piece's next stream) at ``slot`` of a table's ``array``."""
+        array[slot], array[slot + 1] = key >> 32, key & 0xFFFFFFFF
 
     @property
     def threads(self) -> int:
