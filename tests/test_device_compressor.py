@@ -548,3 +548,22 @@ def test_queued_frames_are_the_encodes_and_ask_no_wait_until_taken():
         host.encode_shards(g, [3, 2], shards)
     assert str(ours.value) == str(theirs.value)
     assert not device.status.slots.copy_to_host().any()  # cleared with the error, as a wait clears them
+
+
+def test_a_flag_of_one_queued_bucket_is_not_blamed_on_the_next():
+    """Two buckets queued before either is taken (a pipelined backward's hooks, on a GPU): the
+    first's NaN comes out of its own ``frames()``, and the second, finite, gives its frames,
+    the host's (each queued read clears the slots behind it)."""
+    config = {"id": "uniform", "bits": 3}
+    host, device, shards = compressors(config, layout=SMALL)
+    g = gradient(2)[:SMALL.total].copy()
+    bad = g.copy()
+    bad[[p.offset for p in shards[0].pieces if p.quantized][0]] = np.nan
+    first = device.queue_shards(torch.from_numpy(bad).to(DEVICE), [3, 3], [shards[0]])
+    second = device.queue_shards(torch.from_numpy(g).to(DEVICE), [3, 3], [shards[1]])
+    first.wait()
+    second.wait()
+    with pytest.raises(CodecError, match="NaN or infinity"):
+        first.frames()
+    frame, = second.frames()
+    assert np.array_equal(frame, host.encode(g, [3, 3], shards[1]))

@@ -223,15 +223,20 @@ class DeviceStatus:
 
     def queue_read(self, key):
         """Queue the slots' copy into the pinned buffer of ``key`` (its own: reads of several
-        keys may be in flight) behind everything queued on the current stream, and an event
-        after it; return (that buffer, the event: None under the simulator, where everything
-        ran at the call). :meth:`settle` reads it once the event has completed."""
+        keys may be in flight) behind everything queued on the current stream, then the
+        slots cleared (unless decodes wait for a read), so that the next queued read covers
+        only what is queued after this one, and an event; return (that buffer, the event:
+        None under the simulator, where everything ran at the call). :meth:`settle` reads it
+        once the event has completed."""
         host = self._reads.get(key)
         if host is None:
             host = self._reads[key] = self.cuda.pinned_array(len(self._zeros), np.int32)
         copied("to_host", self._zeros.nbytes)
         stream = self.stream()
         self.slots.copy_to_host(host, stream=stream)
+        if not self.pending:
+            copied("to_device", self._zeros.nbytes)
+            self.slots.copy_to_device(self._zeros, stream=stream)
         if simulated():
             return host, None
         event = self.cuda.event(timing=False)
@@ -240,9 +245,10 @@ class DeviceStatus:
 
     def settle(self, host, twins, pending) -> None:
         """A queued read's slots (:meth:`queue_read`, its event completed): CodecError as
-        :meth:`wait` raises, ``pending`` being the decodes queued before it. It counts as no
-        read of the status (``reads``, ``pending`` unchanged): decodes queued after it are
-        left to the next :meth:`wait`."""
+        :meth:`wait` raises, ``pending`` being the decodes queued before it. A clear read
+        counts as no read of the status (``reads`` and ``pending`` unchanged: decodes queued
+        after it are left to the next :meth:`wait`); a flagged one clears the slots and
+        forgets the pending decodes, as a flagged wait does (the run ends with the error)."""
         if host.any():
             self._raise_flags(host, twins, pending)
 
@@ -255,7 +261,7 @@ class DeviceStatus:
         flags = status.copy()
         copied("to_device", self._zeros.nbytes)
         self.slots.copy_to_device(self._zeros, stream=self.stream())
-        self.pending = [twin for twin in self.pending if twin not in pending]
+        self.pending = []
         if pending and (flags[self._decode_slots].any() or not twins):  # a decode's flag
             try:
                 pending[0].raise_status(flags)
@@ -560,18 +566,19 @@ class DeviceGradientCompressor:
         """An encode's table on the device (int64, a numba view), through the pinned buffer
         of ``key`` and one asynchronous copy (the encode waits before its next use): the
         whole table, or where the device buffer of ``key`` holds this template's already,
-        only its piece rows, and only if a key changed."""
+        only its section of piece rows (which holds the keys), and only if a key changed."""
         array, table = template.array, template.table
         pinned = self._pinned_buffer(self._host_table_buffers, key, array.nbytes)
         device = self._device_buffer(self._table_buffers, key, array.nbytes)
         start, stop = 0, array.size
         if self._device_tables.get(key) is template:
             start, stop = table.sections()["pieces"] if template.stochastic else (0, 0)
-        self._device_tables[key] = template
+        self._device_tables.pop(key, None)  # until the copy is queued
         if stop > start:
             pinned[8 * start:8 * stop].numpy()[:] = array[start:stop].view(np.uint8)
             copied("to_device", 8 * (stop - start))
             device[8 * start:8 * stop].copy_(pinned[8 * start:8 * stop], non_blocking=True)
+        self._device_tables[key] = template
         return self._view(device[:array.nbytes].view(torch.int64))
 
     def _queue_piece_encodes(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):

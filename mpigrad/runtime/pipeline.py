@@ -5,8 +5,10 @@ A *bucket* is a run of one quantized layer's pieces on one shard (up to
 ``layout.BUCKET_ELEMENTS``), or the small layers' pieces on one shard; buckets go in the order backward produces
 them, last layer first (:func:`~.layout.pipeline_buckets`). The worker sends its loss after the forward pass and
 runs backward with a post-accumulate-grad hook on every parameter; when a bucket's last
-gradient is in (and every earlier bucket has gone), it takes the Control (rank 0 chose the
-bits meanwhile), encodes the bucket's frame for each shard and posts the sends. After
+gradient is in (and every earlier bucket has been encoded), it takes the Control (rank 0
+chose the bits meanwhile), encodes the bucket's frame for each shard and posts the sends (on
+the device path: queues the encode, and posts the sends from a later hook, in bucket order,
+once the device has done it, or after backward: no hook waits for the device). After
 backward it serves its shard bucket by bucket: as soon as every worker's frame of a bucket
 is in, it adds them in rank order, averages, re-encodes and sends the average to the other
 workers; it decodes every shard's average of a bucket as it arrives and applies the update
@@ -111,16 +113,17 @@ class PipelinedExchange:
     def _flush(self, drain: bool = False) -> None:
         """Encode every produced bucket whose predecessors have been encoded, in order, and
         send those done (on the device path, those whose queued frames the device has done;
-        with ``drain``, after backward, all of them, waiting once for the last)."""
+        with ``drain``, after backward, all of them, waiting for those not done)."""
         cpu, wall = time.process_time(), time.perf_counter()
         while self.next_bucket < len(self.buckets) and self.ready[self.next_bucket]:
             if self.next_bucket == 0:
                 self._start_receiving()
             self._send(self.next_bucket)
             self.next_bucket += 1
-        queued = [item[3] for item in self.in_flight if isinstance(item[3], QueuedFrames)]
-        if drain and queued:
-            queued[-1].wait()  # the stream runs them in order: the last done, all are
+        if drain:  # the last first: on one stream the others are then done, and need no wait
+            for item in reversed(self.in_flight):
+                if isinstance(item[3], QueuedFrames):
+                    item[3].wait()
         while self.in_flight and (not isinstance(self.in_flight[0][3], QueuedFrames) or self.in_flight[0][3].ready()):
             b, parts, grad, frames = self.in_flight.pop(0)
             if isinstance(frames, QueuedFrames):

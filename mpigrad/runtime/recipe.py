@@ -63,7 +63,7 @@ def run_train_worker(config: RunConfig, channel) -> int:
     report to rank 0."""
     from .script import ScriptWorker
 
-    m = -1
+    worker = None
     try:
         recipe = Recipe(config, channel.workers.index(channel.rank) + 1, len(channel.workers))
         model = build_config_model(config, load_data(config))
@@ -76,14 +76,13 @@ def run_train_worker(config: RunConfig, channel) -> int:
                 log.record("start")  # before the batch: the phase "begin" is the compute
             cpu, wall = time.process_time(), time.perf_counter()
             x, y = recipe.batch(m, replica.device)
+            worker.zero_gradients()
+            with forward_context(config, replica.device):
+                loss = model.loss(model(x), y, config.loss_weight_decay)
             if config.pipeline:  # backward runs in the exchange, bucket by bucket
-                with forward_context(config, replica.device):
-                    loss = model.loss(model(x), y, config.loss_weight_decay)
-                step = worker.backward(loss, time.process_time() - cpu, time.perf_counter() - wall)
+                value = worker.read_loss(loss)
+                step = worker.backward_read(loss, value, time.process_time() - cpu, time.perf_counter() - wall)
             else:
-                worker.zero_gradients()
-                with forward_context(config, replica.device):
-                    loss = model.loss(model(x), y, config.loss_weight_decay)
                 loss.backward()
                 value = worker.read_loss(loss)
                 step = worker.exchange(value, time.process_time() - cpu, time.perf_counter() - wall)
@@ -93,4 +92,4 @@ def run_train_worker(config: RunConfig, channel) -> int:
     except (UsageError, PeerTimeout, RankFailure):  # a silent peer (rank 0 itself, often): nobody to report to
         raise
     except Exception as exc:
-        raise RankFailure(exc, channel, m) from exc
+        raise RankFailure(exc, channel, worker.iteration if worker is not None else -1) from exc

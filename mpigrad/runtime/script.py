@@ -83,7 +83,16 @@ class ScriptWorker:
         self.zero_gradients()  # backward accumulates into the flat gradient
         for p, view in zip(self.params, self.role.replica.grad_views):
             p.grad = view
-        return self._run(self.role.iteration, self.read_loss(loss), cpu, wall, loss)
+        return self.backward_read(loss, self.read_loss(loss), cpu, wall)
+
+    def backward_read(self, loss, value: float, cpu: float, wall: float) -> Exchanged:
+        """:meth:`backward` for a loop that zeroed the gradients (:meth:`zero_gradients`)
+        before its forward pass and read the loss's ``value`` (:meth:`read_loss`) before
+        timing its compute (``mpigrad train``'s), every ``.grad`` a view of the flat gradient."""
+        if self.role.pipeline is None:
+            raise UsageError("backward_read() is the pipelined run's (pipeline = true)")
+        self._check_open()
+        return self._run(self.role.iteration, value, cpu, wall, loss)
 
     def zero_gradients(self) -> None:
         """Zero the replica's flat gradient, which every parameter's ``.grad`` views."""

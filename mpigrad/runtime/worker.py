@@ -50,8 +50,8 @@ class Worker(FollowerRole):
         self.computed_ahead: tuple[float, float, float] | None = None
         self.replica = (script_replica(config, model) if recipe is None
                         else train_replica(config, model, workers, self.servers))
-        #: Whether the replica applies the update (the run's rule), not the script's optimizer.
-        self.applies_update = self.replica.rule is not None
+        #: Whether the replica applies the update (train's rule), not the script's optimizer.
+        self.applies_update = recipe is not None
         codec = base_codec(config)
         self.shards = build_shards(config, self.replica.layout, codec, self.servers)
         compressor = build_compressor(config, self.replica.layout, codec, self.number, self.servers)
