@@ -236,19 +236,18 @@ def test_trace_map_takes_a_scripts_run_whose_rate_is_the_scripts(tmp_path):
 @pytest.mark.parametrize("servers, pipeline", [(1, False), ("colocated", True)])
 def test_mpigrad_trains_workers_run_the_librarys_loop(tmp_path, monkeypatch, servers, pipeline):
     """One path (issue 45 item 4): each of ``mpigrad train``'s workers exchanges every
-    iteration through the ScriptWorker a script's Session drives (``exchange``, or
-    ``backward`` when pipelined), with no compute of the Worker's own."""
+    iteration through the ScriptWorker a script's Session drives (its ``exchange``, or
+    pipelined ``backward_read``, the part of ``backward`` after the loss is read), with no
+    compute of the Worker's own."""
     calls = {}
-    name = "backward" if pipeline else "exchange"
-    original = getattr(ScriptWorker, name)
+    original = ScriptWorker._run
 
-    def counted(self, *args):
+    def counted(self, m, *args):
         assert self.recipe is not None  # train's: its recipe, its update rule
-        record = original(self, *args)
-        calls.setdefault(self.channel.rank, []).append(record.iteration)
-        return record
+        calls.setdefault(self.channel.rank, []).append(m)
+        return original(self, m, *args)
 
-    monkeypatch.setattr(ScriptWorker, name, counted)
+    monkeypatch.setattr(ScriptWorker, "_run", counted)
     trace = _train(tmp_path, servers, "train.h5", pipeline)
     assert calls == {1: list(range(6)), 2: list(range(6))}
     assert trace.status == "complete" and list(trace.steps["iteration"]) == list(range(6))
