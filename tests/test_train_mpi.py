@@ -47,10 +47,13 @@ def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
 
 
 def test_network_model_charges_bytes_over_bandwidth(tmp_path, mpi_env):
+    """Also: the trace's directory (two levels, not there before) is created."""
     result, trace = train(tmp_path, mpi_env, "--iterations", "5", "--policy", "fixed", "--bits", "8",
                           "--bandwidth", "8Mbps", "--latency", "1ms", "--compute-time", "0", "--cost-model", "none",
-                          "--control", "paper")  # every message on the clock (ahead: tests/test_control_ahead.py)
+                          "--control", "paper",  # every message on the clock (ahead: tests/test_control_ahead.py)
+                          name="runs/quick/run.h5")
     assert result.returncode == 0, result.stderr
+    assert load(trace).complete
     # 8 Mbit/s is 1 MB/s; the start-up lines say so in both units.
     assert "network: 1MB/s (8Mbit/s) per link, latency 1ms per message" in result.stdout, result.stdout
     steps = load(trace).steps
@@ -61,11 +64,8 @@ def test_network_model_charges_bytes_over_bandwidth(tmp_path, mpi_env):
     np.testing.assert_allclose(np.diff(steps["sim_time"]), steps["t_comm"].iloc[1:], rtol=1e-9)
 
 
-def test_the_trace_directory_is_created(tmp_path, mpi_env):
-    trace = tmp_path / "runs" / "quick" / "run.h5"
-    result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "2"], mpi_env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert load(trace).complete
+def test_a_trace_directory_that_is_a_file_is_refused(tmp_path, mpi_env):
+    """(That a missing directory is created: test_network_model_charges_bytes_over_bandwidth.)"""
     (tmp_path / "file").write_text("not a directory")
     result = run_mpi(3, ["train", "--trace", str(tmp_path / "file" / "run.h5"), "--iterations", "2"],
                      mpi_env, timeout=120)
