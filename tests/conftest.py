@@ -26,6 +26,13 @@ if os.environ.get("MPIGRAD_TEST_GPU") != "1":
 for _variable in ("COLUMNS", "LINES"):
     os.environ.pop(_variable, None)
 
+# Bytecode is written (into __pycache__, which git ignores) even where PYTHONDONTWRITEBYTECODE
+# is set, as on some CI images: there, every rank of every real run compiled mpigrad's modules
+# from source (0.2 to 0.3 CPU-seconds a process, over 600 processes a run) and each xdist worker
+# rewrote every test module anew (some 10 s). The real runs inherit this environment.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 
 def load_script(path: Path, name: str):
     """The example script at ``path`` imported as module ``name`` (registered in sys.modules,
