@@ -1,6 +1,8 @@
 """Run under mpiexec: every rank checks BufferSync's result on a ResNet-20's BatchNorm buffers.
 
-Argument: the number of servers S (ranks 0..S-1; the others are workers)."""
+Arguments: one or more numbers of servers S (ranks 0..S-1; the others are workers), each
+checked on a fresh model and a channel over its own duplicate of the world communicator.
+Each rank prints ``servers S: rank R: ok`` (or ``MISMATCH``) per S and exits 1 if any failed."""
 
 import sys
 
@@ -12,30 +14,38 @@ from mpigrad.models import build_model
 from mpigrad.runtime.buffers import BufferSync
 from mpigrad.runtime.wire.mpi import MpiChannel
 
-comm = MPI.COMM_WORLD
-servers = int(sys.argv[1])
-channel = MpiChannel(comm, servers, timeout=60)
-rank = comm.Get_rank()
-model = build_model("resnet20", input_shape=(1, 8, 8), num_classes=10, seed=0)
-bn = model.stages[1][0].bn2
-with torch.no_grad():
-    if rank:  # each rank's statistics differ (a shard server's too); rank 0 keeps the initial ones
-        for b in model.buffers():
-            b.fill_(7 if not b.is_floating_point() else 0)
-        bn.running_mean.copy_(torch.arange(32.0) * rank)
-        bn.running_var.fill_(np.float32(0.1) * rank)
-sync = BufferSync(model, channel)
-assert sync.size == 1395, sync.size
-sync.run(0)
-ranks = np.arange(servers, comm.Get_size())  # the workers: the only ranks averaged
-expected_var = np.float32(np.mean(np.float32(0.1) * ranks.astype(np.float64)))
-ok = (torch.equal(bn.running_mean, torch.arange(32.0) * float(ranks.mean()))
-      and bool((bn.running_var == torch.tensor(expected_var)).all())
-      and all(int(m.num_batches_tracked) == 7 for m in model.modules() if hasattr(m, "num_batches_tracked")))
-plain = BufferSync(build_model("resnet20", input_shape=(1, 8, 8), num_classes=10, norm="group"), channel)
-plain.run(0)  # no buffers: returns at once on every rank, nothing sent
-crcs = comm.gather(b"".join(b.numpy().tobytes() for b in model.buffers()), root=0)
-if rank == 0:
-    ok = ok and len(set(crcs)) == 1
-print(f"rank {rank}: {'ok' if ok and plain.size == 0 else 'MISMATCH'}", flush=True)
-sys.exit(0 if ok else 1)
+
+def check(comm, servers: int) -> bool:
+    """BufferSync with ``servers`` servers leaves every rank with the workers' average."""
+    channel = MpiChannel(comm, servers, timeout=60)
+    rank = comm.Get_rank()
+    model = build_model("resnet20", input_shape=(1, 8, 8), num_classes=10, seed=0)
+    bn = model.stages[1][0].bn2
+    with torch.no_grad():
+        if rank:  # each rank's statistics differ (a shard server's too); rank 0 keeps the initial ones
+            for b in model.buffers():
+                b.fill_(7 if not b.is_floating_point() else 0)
+            bn.running_mean.copy_(torch.arange(32.0) * rank)
+            bn.running_var.fill_(np.float32(0.1) * rank)
+    sync = BufferSync(model, channel)
+    assert sync.size == 1395, sync.size
+    sync.run(0)
+    ranks = np.arange(servers, comm.Get_size())  # the workers: the only ranks averaged
+    expected_var = np.float32(np.mean(np.float32(0.1) * ranks.astype(np.float64)))
+    ok = (torch.equal(bn.running_mean, torch.arange(32.0) * float(ranks.mean()))
+          and bool((bn.running_var == torch.tensor(expected_var)).all())
+          and all(int(m.num_batches_tracked) == 7 for m in model.modules() if hasattr(m, "num_batches_tracked")))
+    plain = BufferSync(build_model("resnet20", input_shape=(1, 8, 8), num_classes=10, norm="group"), channel)
+    plain.run(0)  # no buffers: returns at once on every rank, nothing sent
+    crcs = comm.gather(b"".join(b.numpy().tobytes() for b in model.buffers()), root=0)
+    if rank == 0:
+        ok = ok and len(set(crcs)) == 1
+    return ok and plain.size == 0
+
+
+results = []
+for servers in map(int, sys.argv[1:]):
+    ok = check(MPI.COMM_WORLD.Dup(), servers)
+    print(f"servers {servers}: rank {MPI.COMM_WORLD.Get_rank()}: {'ok' if ok else 'MISMATCH'}", flush=True)
+    results.append(ok)
+sys.exit(0 if all(results) else 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,11 +156,24 @@ def rank_pids(trace) -> dict[int, int]:
     return found
 
 
+def assert_every_flushed_row(killed, at_least: int) -> None:
+    """``killed``, the trace of a run whose writer (rank 0) was SIGKILLed, holds the rows
+    written before the kill, in order and whole. Each evaluation and checkpoint (every 10
+    iterations) writes every row kept so far, and between them the rows go out in batches of
+    7 (--trace-flush), so the file ends after row 10k or 10k + 7."""
+    assert killed.status == "running" and not killed.complete
+    rows = len(killed.steps)
+    assert rows >= at_least and rows % 10 in (0, 7), rows
+    assert list(killed.steps["iteration"]) == list(range(rows))
+    assert np.isfinite(killed.steps["loss"]).all()
+
+
 @pytest.mark.each_mpi
 @pytest.mark.parametrize("victim", [2, 0])
 def test_sigkill_of_a_rank_loses_at_most_one_interval(tmp_path, mpi_env, straight, victim):
     """SIGKILL one rank mid-run; --resume continues from the newest periodic checkpoint and
-    the finished trace equals the straight run's: no iteration missing or repeated."""
+    the finished trace equals the straight run's: no iteration missing or repeated. Killing
+    rank 0, the writer, leaves a trace with every row flushed before the kill."""
     trace = tmp_path / "killed.h5"
     process = start(trace, mpi_env, "--checkpoint-every", "10")
     wait_for_line(process, "iter  45/120")  # so the checkpoint after iteration 40 exists
@@ -171,6 +185,9 @@ def test_sigkill_of_a_rank_loses_at_most_one_interval(tmp_path, mpi_env, straigh
     reached = max([45] + [int(line.split()[1].split("/")[0]) for line in out.splitlines()
                           if line.startswith("iter")])  # the last progress line before the kill
     assert checkpoint.exists(tmp_path / "killed.h5.ckpt")
+    if victim == 0:
+        assert_every_flushed_row(load(trace), at_least=40)  # the checkpoint after iteration 40 flushed
+
 
     resumed = run_mpi(3, ["train", "--trace", str(trace), *RUN, "--resume", "--checkpoint-every", "10"],
                       mpi_env)
@@ -181,36 +198,24 @@ def test_sigkill_of_a_rank_loses_at_most_one_interval(tmp_path, mpi_env, straigh
     assert not checkpoint.exists(tmp_path / "killed.h5.ckpt")  # a finished run leaves none
 
 
-def test_resume_with_a_different_config_is_refused(tmp_path, mpi_env):
-    trace = tmp_path / "run.h5"
-    process = start(trace, mpi_env)
-    wait_for_line(process, "iter  10/120")
-    os.killpg(process.pid, signal.SIGUSR1)
-    assert finish(process)[0] == EXIT_REQUEUE
-    before = (tmp_path / "run.h5.ckpt").read_bytes()
-    result = run_mpi(3, ["train", "--trace", str(trace), *RUN, "--resume", "--lr", "0.5"], mpi_env)
+def test_resume_with_a_different_config_is_refused(tmp_path, mpi_env, deadline_run):
+    """A checkpoint resumes only the configuration and world size that wrote it; a refused
+    resume leaves the checkpoint as it was. On a copy of the walltime run's stop."""
+    assert deadline_run[0].returncode == EXIT_REQUEUE, deadline_run[0].stderr
+    source = deadline_run[1]
+    for name in (source.name, source.name + ".ckpt", source.name + ".ckpt.prev"):
+        if (source.parent / name).exists():
+            shutil.copy(source.parent / name, tmp_path / name)
+    trace = tmp_path / source.name
+    before = (tmp_path / "deadline.h5.ckpt").read_bytes()
+    result = run_mpi(3, ["train", "--trace", str(trace), *DEADLINE_RUN, "--resume", "--lr", "0.5"],
+                     mpi_env)
     assert result.returncode == 2
     assert "from a different configuration (lr: 0.01 -> 0.5)" in result.stderr
-    result = run_mpi(4, ["train", "--trace", str(trace), *RUN, "--resume"], mpi_env)
+    result = run_mpi(4, ["train", "--trace", str(trace), *DEADLINE_RUN, "--resume"], mpi_env)
     assert result.returncode == 2
     assert "written by 3 ranks, this run has 4" in result.stderr
-    assert (tmp_path / "run.h5.ckpt").read_bytes() == before
-
-
-def test_sigkill_leaves_a_trace_with_every_flushed_row(tmp_path, mpi_env):
-    trace = tmp_path / "killed.h5"
-    process = start(trace, mpi_env)
-    wait_for_line(process, "iter  30/120")
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate(timeout=30)
-    tr = load(trace)
-    assert tr.status == "running" and not tr.complete
-    # Rows reach the file at each flush (every 7 iterations) and each evaluation (every 10,
-    # where the eval row is written with the steps before it): at least rows 0..27 made it,
-    # in order and whole, and the file ends at one of those points.
-    assert len(tr.steps) >= 28 and (len(tr.steps) % 7 == 0 or len(tr.steps) % 10 == 0)
-    assert list(tr.steps["iteration"]) == list(range(len(tr.steps)))
-    assert np.isfinite(tr.steps["loss"]).all()
+    assert (tmp_path / "deadline.h5.ckpt").read_bytes() == before
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
@@ -259,14 +264,22 @@ def test_two_checkpoints_kept_and_a_damaged_newest_falls_back(tmp_path, damage):
         checkpoint.load(path, ident)
 
 
+DEADLINE_RUN = [*SMALL_RUN, "--iterations", "100000", "--walltime", "10s"]
+
+
+@pytest.fixture(scope="module")
+def deadline_run(tmp_path_factory, mpi_env):
+    """A run stopped by its --walltime deadline: its result and its trace's path."""
+    trace = tmp_path_factory.mktemp("deadline") / "deadline.h5"
+    return run_mpi(3, ["train", "--trace", str(trace), *DEADLINE_RUN], mpi_env), trace
+
+
 @pytest.mark.each_mpi
-def test_walltime_deadline_stops_at_a_boundary_with_a_checkpoint(tmp_path, mpi_env):
-    trace = tmp_path / "deadline.h5"
-    result = run_mpi(3, ["train", "--trace", str(trace), *SMALL_RUN, "--iterations", "100000",
-                         "--walltime", "10s"], mpi_env)
+def test_walltime_deadline_stops_at_a_boundary_with_a_checkpoint(deadline_run):
+    result, trace = deadline_run
     assert result.returncode == EXIT_REQUEUE, result.stderr + result.stdout[-2000:]
     assert "walltime deadline near: stopped after iteration" in result.stdout
     assert result.stderr == ""  # every rank finalized cleanly: no MPI_Abort noise
     tr = load(trace)
     assert tr.status == "stopped" and 1 <= len(tr.steps) < 100000
-    assert (tmp_path / "deadline.h5.ckpt").exists()
+    assert trace.with_name("deadline.h5.ckpt").exists()

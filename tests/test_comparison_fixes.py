@@ -63,13 +63,25 @@ def train(tmp_path, env, *extra, ranks=3, name="run.h5", timeout=240):
     return result, trace
 
 
+#: Adaptive from 2 bits on whole layers (relative error 0.01), with checksums on the way.
+ADAPTIVE_RUN = ["--iterations", "12", "--policy", "adaptive", "--bits", "2",
+                "--policy-opt", "threshold=0.01", "--policy-opt", "sample_size=0",
+                "--policy-opt", "interval=5", "--checksum-every", "4", "--shard-chunk", "0"]
+
+
+@pytest.fixture(scope="module")
+def adaptive_one_server(tmp_path_factory, mpi_env):
+    """ADAPTIVE_RUN with one server: its result and trace. With one server ``--shard-chunk 0``
+    cuts as ``auto`` does (whole layers), and Adaptive does not read the clock the checksum
+    gathers are kept off."""
+    return train(tmp_path_factory.mktemp("adaptive"), mpi_env, *ADAPTIVE_RUN, name="s1.h5")
+
+
 @pytest.mark.mpi
-def test_adaptive_sees_the_raw_average_and_moves_its_bits(tmp_path, mpi_env):
-    # Whole layers, relative error 0.01: 2-bit error on raw gradients is far above it, so
-    # Adaptive must leave 2 bits. Fed the re-quantized broadcast it measured 0 and stayed.
-    result, trace = train(tmp_path, mpi_env, "--iterations", "12", "--policy", "adaptive", "--bits", "2",
-                          "--policy-opt", "threshold=0.01", "--policy-opt", "sample_size=0",
-                          "--policy-opt", "interval=5")
+def test_adaptive_sees_the_raw_average_and_moves_its_bits(adaptive_one_server):
+    # 2-bit error on raw gradients is far above 0.01, so Adaptive must leave 2 bits. Fed the
+    # re-quantized broadcast it measured 0 and stayed.
+    result, trace = adaptive_one_server
     assert result.returncode == 0, result.stderr
     tr = load(trace)
     errors = tr.array("policy", "error")           # (decisions x layers, bits 2..8)
@@ -99,15 +111,13 @@ def test_broadcast_codec_sets_the_bytes_down_and_replicas_agree(tmp_path, mpi_en
 
 
 @pytest.mark.mpi
-def test_two_servers_carry_the_observed_average_and_norm_ratio_bit_for_bit(tmp_path, mpi_env):
+def test_two_servers_carry_the_observed_average_and_norm_ratio_bit_for_bit(tmp_path, mpi_env,
+                                                                         adaptive_one_server):
     # fc1 and fc2 land on different servers: Adaptive on rank 0 decides from both layers'
     # raw average (message 6 from server 1) and norm_ratio from both servers' ||g||^2, so
     # the traces match the one-server run exactly.
-    args = ["--iterations", "12", "--policy", "adaptive", "--bits", "2", "--policy-opt", "threshold=0.01",
-            "--policy-opt", "sample_size=0", "--policy-opt", "interval=5", "--checksum-every", "4",
-            "--shard-chunk", "0"]
-    one, trace_one = train(tmp_path, mpi_env, *args, name="s1.h5")
-    two, trace_two = train(tmp_path, mpi_env, *args, "--servers", "2", name="s2.h5", ranks=4)
+    one, trace_one = adaptive_one_server
+    two, trace_two = train(tmp_path, mpi_env, *ADAPTIVE_RUN, "--servers", "2", name="s2.h5", ranks=4)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     a, b = load(trace_one), load(trace_two)
     assert (b.servers.filter(like="bytes_in").to_numpy() > 0).all()

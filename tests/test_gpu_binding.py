@@ -54,18 +54,30 @@ def test_the_pip_mpi_says_it_is_not_cuda_aware():
     assert why in ("MPIX_Query_cuda_support() returned 0", "MPIX_GPU_query_support(CUDA) set 0 (return code 0)")
 
 
+@pytest.fixture(scope="module")
+def gpu_table_config_run(tmp_path_factory, mpi_env):
+    """examples/gpu/resnet18.toml (which sets neither ``tf32`` nor ``device``) trained one
+    small step on the CPU, colocated: its result and trace."""
+    from conftest import REPO, run_mpi
+
+    trace = tmp_path_factory.mktemp("gpu-table") / "t.h5"
+    result = run_mpi(3, ["train", "--config", str(REPO / "examples" / "gpu" / "resnet18.toml"), "--iterations", "1",
+                         "--batch-size", "2", "--servers", "colocated", "--trace", str(trace)], mpi_env)
+    return result, trace
+
+
 @pytest.mark.mpi
-def test_a_run_records_its_device_and_what_tf32_torch_used(tmp_path, mpi_env):
+def test_a_run_records_its_device_and_what_tf32_torch_used(tmp_path, mpi_env, gpu_table_config_run):
     from conftest import SMALL_RUN, run_mpi
     from mpigrad.trace import load
 
-    traces = {}
-    for setting in ("default", "off"):
-        traces[setting] = tmp_path / f"{setting}.h5"
-        result = run_mpi(3, ["train", "--trace", str(traces[setting]), *SMALL_RUN, "--iterations", "1",
-                             "--tf32", setting], mpi_env)
-        assert result.returncode == 0, result.stderr
-    default, off = (load(traces[s]).attrs for s in ("default", "off"))
+    result, trace = gpu_table_config_run  # the default setting
+    assert result.returncode == 0, result.stderr
+    off_trace = tmp_path / "off.h5"
+    result = run_mpi(3, ["train", "--trace", str(off_trace), *SMALL_RUN, "--iterations", "1", "--tf32", "off"],
+                     mpi_env)
+    assert result.returncode == 0, result.stderr
+    default, off = load(trace).attrs, load(off_trace).attrs
     assert default["device"] == "cpu" and default["workers_device"] == "cpu"
     # torch's own defaults: TF32 off for matmuls, on for cuDNN convolutions
     assert default["tf32"] == {"setting": "default", "matmul": False, "cudnn_conv": True}
@@ -80,7 +92,7 @@ def test_a_bad_tf32_setting_is_refused():
 
 
 @pytest.mark.mpi
-def test_the_gpu_table_script_runs_configs_train_takes(tmp_path, mpi_env):
+def test_the_gpu_table_script_runs_configs_train_takes(gpu_table_config_run):
     """examples/gpu/table.sh (issue 34's table on a GPU node): bash parses it, every layout it
     runs passes train's checks on its config, and the config trains (one small step on the
     CPU here: the script itself needs a GPU)."""
@@ -88,7 +100,7 @@ def test_the_gpu_table_script_runs_configs_train_takes(tmp_path, mpi_env):
     import shlex
     import subprocess
 
-    from conftest import REPO, run_mpi
+    from conftest import REPO
     from mpigrad.config import RunConfig
     from mpigrad.runtime.checks import check_options
 
@@ -103,6 +115,5 @@ def test_the_gpu_table_script_runs_configs_train_takes(tmp_path, mpi_env):
                      "codec": words[words.index("--codec") + 1],
                      "bits": int(words[words.index("--bits") + 1]) if "--bits" in words else None}
         check_options(RunConfig.from_sources(config, overrides))
-    result = run_mpi(3, ["train", "--config", config, "--iterations", "1", "--batch-size", "2", "--servers", "colocated",
-                         "--trace", str(tmp_path / "t.h5")], mpi_env)
+    result, _ = gpu_table_config_run
     assert result.returncode == 0, result.stderr

@@ -42,15 +42,20 @@ def test_a_diverged_replica_is_still_caught_with_batchnorm(tmp_path, mpi_env):
             in result.stderr), result.stderr
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_buffer_sync_leaves_every_rank_with_the_workers_average(mpi_env, servers):
-    command = mpiexec(4, [sys.executable, "-m", "mpi4py", str(REPO / "tests" / "buffer_sync_ranks.py"),
-               str(servers)])
+@pytest.fixture(scope="module")
+def buffer_sync_checks(mpi_env):
+    """tests/buffer_sync_ranks.py on 4 ranks, with 1 then 2 servers in the same mpiexec."""
+    command = mpiexec(4, [sys.executable, "-m", "mpi4py", str(REPO / "tests" / "buffer_sync_ranks.py"), "1", "2"])
     try:
-        result = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         pytest.fail("buffer synchronisation hung")
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_buffer_sync_leaves_every_rank_with_the_workers_average(buffer_sync_checks, servers):
+    result = buffer_sync_checks
     assert result.returncode == 0, result.stdout + result.stderr
     # mpiexec may interleave the ranks' lines
-    assert sorted(re.findall(r"rank \d+: (?:ok|MISMATCH)", result.stdout)) == [f"rank {r}: ok" for r in range(4)]
-
+    assert (sorted(re.findall(rf"servers {servers}: rank \d+: (?:ok|MISMATCH)", result.stdout))
+            == [f"servers {servers}: rank {r}: ok" for r in range(4)]), result.stdout

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import h5py
 import numpy as np
 import pytest
@@ -46,12 +49,24 @@ def test_training_run_learns_and_traces_every_iteration(tmp_path, mpi_env):
     assert tr.checksums.filter(like="checksum").nunique(axis=1).eq(1).all()
 
 
-def test_network_model_charges_bytes_over_bandwidth(tmp_path, mpi_env):
+#: fp32 frames (lossless: test_fp32_run_is_exactly_sgd_on_the_averaged_gradient) on a modelled
+#: 8 Mbit/s star with 1 ms latency, every message on the clock (--control paper; ahead:
+#: tests/test_control_ahead.py). The network flags move only the clock, not the parameters.
+FP32_SEED, FP32_LR, FP32_STEPS = 5, 0.05, 6
+FP32_RUN = ["--codec", "fp32", "--policy", "fixed", "--iterations", str(FP32_STEPS), "--seed", str(FP32_SEED),
+            "--lr", str(FP32_LR), "--checksum-every", "5", "--bandwidth", "8Mbps", "--latency", "1ms",
+            "--compute-time", "0", "--cost-model", "none", "--control", "paper"]
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory, mpi_env):
+    """FP32_RUN's result and trace, the trace in a two-level directory not there before."""
+    return train(tmp_path_factory.mktemp("fp32"), mpi_env, *FP32_RUN, name="runs/quick/run.h5")
+
+
+def test_network_model_charges_bytes_over_bandwidth(fp32_run):
     """Also: the trace's directory (two levels, not there before) is created."""
-    result, trace = train(tmp_path, mpi_env, "--iterations", "5", "--policy", "fixed", "--bits", "8",
-                          "--bandwidth", "8Mbps", "--latency", "1ms", "--compute-time", "0", "--cost-model", "none",
-                          "--control", "paper",  # every message on the clock (ahead: tests/test_control_ahead.py)
-                          name="runs/quick/run.h5")
+    result, trace = fp32_run
     assert result.returncode == 0, result.stderr
     assert load(trace).complete
     # 8 Mbit/s is 1 MB/s; the start-up lines say so in both units.
@@ -122,9 +137,6 @@ def test_bad_options_fail_before_work_with_one_line(tmp_path, mpi_env, args, mes
 
 def test_bad_options_are_refused_before_torch_and_mpi_start():
     """What makes a refusal fast: neither torch nor MPI is imported to check the options."""
-    import subprocess
-    import sys
-
     probe = ("import sys\nfrom mpigrad.cli import main\ncode = main(sys.argv[1:])\n"
              "print(code, 'torch' in sys.modules, 'mpi4py.MPI' in sys.modules)")
     for args in (["--codec", "nope"], ["--policy", "schedule"], ["--bandwidth", "fast"], ["--bandwidth", "10"],
@@ -136,9 +148,6 @@ def test_bad_options_are_refused_before_torch_and_mpi_start():
 
 
 def test_help_lists_the_registered_codecs_and_policies():
-    import subprocess
-    import sys
-
     from mpigrad.codecs import available as codecs
     from mpigrad.policies import available as policies
 
@@ -163,6 +172,18 @@ def test_world_size_must_match_slurm_ntasks(tmp_path, mpi_env):
     assert "SLURM_NTASKS" in result.stderr
 
 
+#: A worker raises at iteration 3; rank 0's --timeout is long enough that the worker's error
+#: report (message 8), not the timeout, ends the run.
+RAISE_RUN = ["--iterations", "50", "--timeout", "20", "--trace-flush", "2"]
+
+
+@pytest.fixture(scope="module")
+def worker_that_raises(tmp_path_factory, mpi_env):
+    """RAISE_RUN with rank 2 raising at iteration 3: its result and trace."""
+    env = dict(mpi_env, MPIGRAD_INJECT_FAULT="raise:2:3")
+    return train(tmp_path_factory.mktemp("raise"), env, *RAISE_RUN, timeout=90)
+
+
 @pytest.mark.parametrize("fault, message", [
     ("raise:2:3", "rank 2: error: injected fault at iteration 3"),
     ("nan-loss:1:4", "worker rank 1 computed a non-finite loss (nan) at iteration 4"),
@@ -170,9 +191,12 @@ def test_world_size_must_match_slurm_ntasks(tmp_path, mpi_env):
     ("hang:1:3", "worker rank(s) 1 sent no loss for iteration 3 within 5 s"),
 ])
 @pytest.mark.each_mpi
-def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, message):
-    env = dict(mpi_env, MPIGRAD_INJECT_FAULT=fault)
-    result, trace = train(tmp_path, env, "--iterations", "50", "--timeout", "5", timeout=90)
+def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, request, fault, message):
+    if fault == "raise:2:3":  # the run test_a_rank_that_raises_has_rank_0_close_the_trace_failed reads
+        result, trace = request.getfixturevalue("worker_that_raises")
+    else:
+        env = dict(mpi_env, MPIGRAD_INJECT_FAULT=fault)
+        result, trace = train(tmp_path, env, "--iterations", "50", "--timeout", "5", timeout=90)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
     # MPI_Abort SIGKILLs rank 0, so its trace stays marked as running; it still opens,
@@ -196,12 +220,15 @@ def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, fault, messag
     ("raise:1:3", 4, ["--servers", "2"], "server rank 1 failed at iteration 3: injected fault at iteration 3"),
     ("raise:1:3", 3, ["--servers", "colocated"], "worker rank 1 failed at iteration 3: injected fault at iteration 3"),
 ])
-def test_a_rank_that_raises_has_rank_0_close_the_trace_failed(tmp_path, mpi_env, fault, ranks, extra, named):
+def test_a_rank_that_raises_has_rank_0_close_the_trace_failed(tmp_path, mpi_env, request, fault, ranks, extra,
+                                                              named):
     """The failed rank sends rank 0 an error report (message 8): rank 0 names it, closes the
     trace "failed" with the rows before it, and ends the run (no trace left "running")."""
-    env = dict(mpi_env, MPIGRAD_INJECT_FAULT=fault)
-    result, trace = train(tmp_path, env, "--iterations", "50", "--timeout", "20", "--trace-flush", "2",
-                          *extra, ranks=ranks, timeout=90)
+    if (fault, extra) == ("raise:2:3", []):
+        result, trace = request.getfixturevalue("worker_that_raises")
+    else:
+        env = dict(mpi_env, MPIGRAD_INJECT_FAULT=fault)
+        result, trace = train(tmp_path, env, *RAISE_RUN, *extra, ranks=ranks, timeout=90)
     assert result.returncode != 0
     assert f"rank 0: error: {named}" in result.stderr, result.stderr
     tr = load(trace)
@@ -211,7 +238,7 @@ def test_a_rank_that_raises_has_rank_0_close_the_trace_failed(tmp_path, mpi_env,
         assert f.attrs["status"] == "failed"
 
 
-def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(tmp_path, mpi_env):
+def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(fp32_run):
     """With lossless fp32 frames, 2 workers equal one process stepping on the mean gradient."""
     import zlib
 
@@ -221,9 +248,8 @@ def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(tmp_path, mpi_env):
     from mpigrad.models import build_model
     from mpigrad.runtime.replica import Replica
 
-    seed, lr, steps = 5, 0.05, 6
-    result, trace = train(tmp_path, mpi_env, "--codec", "fp32", "--policy", "fixed", "--iterations",
-                          str(steps), "--seed", str(seed), "--lr", str(lr), "--checksum-every", "5")
+    seed, lr, steps = FP32_SEED, FP32_LR, FP32_STEPS
+    result, trace = fp32_run
     assert result.returncode == 0, result.stderr
     recorded = load(trace).checksums.set_index("iteration")
 
@@ -267,8 +293,9 @@ def test_a_worker_that_dies_ends_the_run_instead_of_hanging(tmp_path, mpi_env):
     # mpiexec killed rank 0 too: the trace stays "running" with its writer's mark, and
     # `mpigrad trace repair` (what the jobscripts run after a failed launch) closes it.
     assert load(trace).status == "running"
-    repaired = run_mpi(1, ["trace", "repair", str(trace), "--error", f"mpiexec exit {result.returncode}"],
-                       mpi_env, timeout=60)
+    repaired = subprocess.run([sys.executable, "-m", "mpigrad", "trace", "repair", str(trace), "--error",
+                               f"mpiexec exit {result.returncode}"], env=mpi_env, capture_output=True,
+                              text=True, timeout=60)
     assert repaired.returncode == 0, repaired.stderr
     assert "status 'failed', last iteration 1" in repaired.stdout  # rows 0, 1 flushed before iteration 3
     with h5py.File(trace, "r") as f:
