@@ -1,7 +1,6 @@
 """The one rule for which layers are quantized, shared by the replica and the launch check."""
 
 import pytest
-import torch
 
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -200,7 +200,8 @@ def test_failures_end_every_rank_with_a_message(tmp_path, mpi_env, request, faul
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
     # MPI_Abort SIGKILLs rank 0, so its trace stays marked as running; it still opens,
-    # with every row up to the last flush (none here: the run died before the first flush).
+    # with every row up to the last flush (none where the run died before the first flush;
+    # raise:2:3's rank 0 closes it "failed" with rows 0..2 first).
     if trace.exists():
         tr = load(trace)
         assert not tr.complete and tr.status in ("failed", "running")

@@ -211,7 +211,7 @@ class PipelinedExchange:
         """Serve this worker's shard and take every shard's average, bucket by bucket, as the
         frames arrive; apply each bucket's update once all of it is in."""
         w = self.worker
-        m, me, channel, agg = self.m, w.serves, w.channel, w.aggregator
+        m, channel = self.m, w.channel
         bits = w.control_msg.bits
         update = w.replica.codec_update
         ranks = channel.workers

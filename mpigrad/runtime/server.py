@@ -695,7 +695,7 @@ class ParameterServer:
             clocks.resume()
 
     def end(self, m: int) -> IterationRecord:
-        it, P = self.it, self.workers
+        it = self.it
         if not self.colocated:
             if not self.script:  # a script's optimizer is the workers' alone
                 self.replica.apply_update(self.update, self.lr)

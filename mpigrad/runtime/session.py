@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import h5py
-import numpy as np
 from mpi4py import MPI
 
 from ..codecs import get_codec
