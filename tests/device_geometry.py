@@ -1,7 +1,7 @@
 """Run by tests/test_device_codecs.py in a subprocess with MPIGRAD_DEVICE_THREADS=256 (the
 GPU's block, and its 8192-element chunks) under Numba's CUDA simulator: each device codec
 encodes a gradient whose buckets span several chunks, and decodes and adds it, and so does a
-frame of the two uniform cases by table (mpigrad.codecs.device.table); prints one JSON line
+frame of the uniform, QSGD and TernGrad cases by table (mpigrad.codecs.device.table); prints one JSON line
 per case saying whether the frame and the decoded values are the host codec's."""
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def main() -> None:
         twin.decode(got, device_view(cuda, out), accumulate=True)
         print(json.dumps({"config": config, "n": n, "frame": bool(np.array_equal(got, want)),
                           "decoded": bool(np.array_equal(out.numpy(), decoded))}), flush=True)
-    table_case(cuda, CASES[:2])
+    table_case(cuda, CASES[:4])
 
 
 def table_case(cuda, cases) -> None:
-    """The uniform cases' pieces as one frame, by table: encoded, then decoded and added."""
+    """The cases' pieces as one frame, by table: encoded, then decoded and added."""
     sizes = [n for _, n in cases]
     offsets = np.concatenate(([0], np.cumsum(sizes)))
     x = (np.random.default_rng(7).standard_normal(int(offsets[-1])) * 0.01).astype(np.float32)

@@ -324,7 +324,7 @@ def test_the_gpus_geometry_runs_in_the_simulator_with_the_hosts_frames():
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert lines[0] == {"threads": 256, "chunk": 8192}
     assert len(lines) == 7 and all(line["frame"] and line["decoded"] for line in lines[1:]), lines
-    assert lines[-1]["config"] == "table" and not any(lines[-1]["status"])   # a frame of both uniform cases
+    assert lines[-1]["config"] == "table" and not any(lines[-1]["status"])   # a frame of the uniform, QSGD and TernGrad cases
 
 
 def test_a_bad_thread_count_is_refused_in_one_line_before_mpi_starts():

@@ -1,7 +1,8 @@
 """A frame's pieces by table (mpigrad/codecs/device/table.py): three launches encode a frame
-of uniform (any bits, buckets, rounding), float32 and fp16 pieces into the host codecs' bytes,
-whatever the number of pieces; two decode one, writing or adding, with the host's values;
-a corrupted pair or a NaN is flagged as the per-piece twins flag it."""
+of uniform (any bits, buckets, rounding), sign, TernGrad, QSGD, float32 and fp16 pieces into
+the per-piece twins' bytes (the host codecs' where scales come from ranges), whatever the
+number of pieces; two decode one, writing or adding, with the host's values; a corrupted
+scale, a code the format forbids or a NaN is flagged as the per-piece twins flag it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,25 @@ PIECES = [
     ({"id": "fp16"}, 3000),   # normal, subnormal and zero halves (the gradient's scales span e^-8..e^2)
     ({"id": "fp16"}, 1),
 ]
+
+
+#: Sign, TernGrad and QSGD pieces beside uniform and float32 ones: scales from sums (sign's
+#: mean |x|, TernGrad's clip, QSGD's l2 norm) and from ranges (unclipped TernGrad, QSGD's
+#: max norm), buckets of several chunks, tails, a bucket straddling a block's end.
+SCALED = [
+    ({"id": "sign", "bucket_size": 1000}, 2 * k.CHUNK + 5),
+    ({"id": "terngrad", "seed": 9}, 1300),                                   # clip 2.5
+    ({"id": "uniform", "bits": 3, "bucket_size": 300}, 700),
+    ({"id": "terngrad", "clip": 0, "bucket_size": 700, "seed": 2}, 1500),
+    ({"id": "qsgd", "bits": 3, "norm": "l2", "bucket_size": 2000, "seed": 4}, 4500),  # a full block
+    ({"id": "fp32"}, 7),
+    ({"id": "qsgd", "bits": 4, "seed": 5}, 37),                              # max norm
+    ({"id": "qsgd", "levels": 5, "bucket_size": 1000, "seed": 6}, 2 * k.CHUNK + 1),
+    ({"id": "sign"}, 1),
+]
+#: The pieces whose device frames are the host's bit for bit (scales from ranges, or none).
+EXACT = [config["id"] in ("uniform", "fp32") or config.get("norm") == "max" or config.get("clip") == 0
+         or (config["id"] == "qsgd" and "norm" not in config) for config, _ in SCALED]
 
 
 def gradient(n: int, seed: int) -> np.ndarray:
@@ -125,8 +145,9 @@ def table_decode(codecs, offsets, pieces, start, accumulate):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_a_frame_decodes_by_table_into_the_host_values_in_two_launches(accumulate):
-    codecs, offsets = layout(PIECES)
+@pytest.mark.parametrize("kinds", ["uniform and float", "sign, terngrad and qsgd"])
+def test_a_frame_decodes_by_table_into_the_host_values_in_two_launches(kinds, accumulate):
+    codecs, offsets = layout(PIECES if kinds == "uniform and float" else SCALED)
     x = gradient(int(offsets[-1]), 2)
     pieces = host_frames(codecs, offsets, x)
     start = gradient(x.size, 3)
@@ -178,8 +199,53 @@ def test_a_frame_of_float_pieces_takes_one_launch_each_way():
     assert values.tobytes() == expected.tobytes() and launches == 1 and not status.any()
 
 
-def test_only_uniform_and_float_frames_go_by_table():
+def test_bucketed_and_float_frames_go_by_table_and_feedback_only_on_bucketed_pieces():
     assert tabled([device_codec(get_codec({"id": "uniform"})), device_codec(get_codec({"id": "fp32"}))])
     assert tabled([device_codec(get_codec({"id": "uniform"})), device_codec(get_codec({"id": "fp16"}))])
-    assert not tabled([device_codec(get_codec({"id": "sign"}))])
-    assert not tabled([device_codec(get_codec({"id": "fp16"}))], with_feedback=[True])  # the memory: uniform's
+    assert tabled([device_codec(get_codec({"id": codec})) for codec in ("sign", "terngrad", "qsgd", "fp32")],
+                  with_feedback=[True, True, True, False])
+    assert not tabled([device_codec(get_codec({"id": "fp16"}))], with_feedback=[True])  # the memory: bucketed
+
+
+def twin_frames(codecs, offsets, x) -> list[np.ndarray]:
+    """Each piece's frame from its per-piece device twin."""
+    frames = []
+    for i, codec in enumerate(codecs):
+        twin = device_codec(codec)
+        out = cuda.device_array(twin.max_encoded_size(int(offsets[i + 1] - offsets[i])), np.uint8)
+        size = twin.encode(cuda.to_device(x[offsets[i]:offsets[i + 1]]), out)
+        frames.append(out.copy_to_host()[:size])
+    return frames
+
+
+def test_sign_terngrad_and_qsgd_pieces_by_table_are_their_twins_frames_in_three_launches():
+    codecs, offsets = layout(SCALED)
+    twins, host = [get_codec(config) for config, _ in SCALED], [get_codec(config) for config, _ in SCALED]
+    for frame_number in range(2):  # the second frame: each stochastic piece's next stream
+        x = gradient(int(offsets[-1]), 10 + frame_number)
+        expected = twin_frames(twins, offsets, x)
+        frame, launches, status = table_encode(codecs, offsets, x)
+        assert not status.any() and launches == 3
+        assert frame.tobytes() == np.concatenate(expected).tobytes()
+        for i, (piece, theirs) in enumerate(zip(expected, host_frames(host, offsets, x))):
+            if EXACT[i]:
+                assert piece.tobytes() == theirs.tobytes(), SCALED[i]
+
+
+@pytest.mark.parametrize("piece, damage, flag", [
+    (1, "code", k.ERR_BAD_CODE),     # a TernGrad code 3
+    (7, "code", k.ERR_BAD_CODE),     # a QSGD level above s = 5
+    (0, "scale", k.ERR_BAD_SCALE),   # a negative sign scale
+    (4, "scale", k.ERR_BAD_SCALE),   # a NaN QSGD scale
+])
+def test_a_code_or_scale_the_format_forbids_is_flagged_by_table(piece, damage, flag):
+    codecs, offsets = layout(SCALED)
+    pieces = host_frames(codecs, offsets, gradient(int(offsets[-1]), 14))
+    frame = pieces[piece]
+    if damage == "scale":
+        frame[HEADER_SIZE:HEADER_SIZE + 4] = np.array([-1.0 if piece == 0 else np.nan], np.float32).view(np.uint8)
+    else:  # the last byte of the codes (the tail's codes, MSB first): all ones
+        frame[-1] = 0xFF
+    _, _, status = table_decode(codecs, offsets, pieces, np.zeros(int(offsets[-1]), np.float32), False)
+    assert status[flag] == 1
+    assert status.sum() == 1

@@ -402,8 +402,9 @@ class DeviceGradientCompressor:
         self._host_staging: dict = {}
         self._scratch = torch.empty(max([p.size for p in self.pieces if p.quantized], default=0),
                                     dtype=torch.float32, device=device)
-        #: A frame whose pieces are all uniform, float32 or fp16 (and whose pieces with error
-        #: feedback are uniform) goes by table: a fixed number of launches per frame
+        #: A frame whose pieces are all bucketed (uniform, sign, TernGrad, QSGD), float32 or
+        #: fp16 (and whose pieces with error feedback are bucketed) goes by table: a fixed
+        #: number of launches per frame
         #: (:mod:`mpigrad.codecs.device.table`).
         from ..codecs.device import kernels, table  # numba's CUDA: only where a device path is built
 

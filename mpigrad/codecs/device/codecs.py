@@ -371,15 +371,20 @@ class DeviceSign(_Bucketed):
     kind = k.SIGN
 
     def _encode_payload(self, x, out, pos, status):
-        codec, n = self.codec, x.size
+        n = x.size
         bucket, nb, chunks = self._chunks(n)
         partials = self._sums(x, bucket, nb, chunks, True, status)
         scales = self._array("scales", nb, np.float32)
         self._launch(k.finish_means, nb, partials, chunks, bucket, n, scales)
         self._launch(k.store_scales, nb, scales, out[pos:pos + 4 * nb])
         self._codes(x, scales, out, pos + 4 * nb, 1)
+        return self.fields(n)
+
+    def fields(self, n: int) -> tuple[int, int, int, int, int]:
+        """The header's (bits, flags, param_a, param_b, payload_len) of ``n`` values."""
         from ..sign import payload_size
-        return 1, 0, codec.bucket_size or 0, 0, payload_size(n, codec.bucket_size or 0)
+        bucket_size = self.codec.bucket_size or 0
+        return 1, 0, bucket_size, 0, payload_size(n, bucket_size)
 
 
 class _MaxScaled(_Bucketed):
@@ -396,25 +401,49 @@ class _MaxScaled(_Bucketed):
         self._launch(k.finish_scales, nb, kind, keys, partials, chunks, bucket, n, float(clip), scales, status)
         return scales
 
-    def _scaled_codes(self, x, out, pos, status, kind, clip, bits, levels):
-        """Scales, then the codes drawn from the codec's next stream; the payload's length."""
-        scales = self._scales(x, kind, clip, status)
+    # The codec's, read at each encode: ``finish_scales``' kind, the clip, the codes' bits
+    # and levels (also what the frame tables take).
+    scale_kind: int
+    clip: float
+    bits: int
+    levels: int
+
+    def next_key(self) -> int:
+        """The RNG key of the next encode: the codec's next stream, drawn here."""
+        seed, counter = self.codec._next_stream()
+        return k.stream_key(seed, counter)
+
+    def _encode_payload(self, x, out, pos, status):
+        scales = self._scales(x, self.scale_kind, self.clip, status)
         nb = scales.size
         self._launch(k.store_scales, nb, scales, out[pos:pos + 4 * nb])
-        seed, counter = self.codec._next_stream()
-        self._codes(x, scales, out, pos + 4 * nb, bits, levels, True, k.stream_key(seed, counter))
-        return 4 * nb + (x.size * bits + 7) // 8
+        self._codes(x, scales, out, pos + 4 * nb, self.bits, self.levels, True, self.next_key())
+        return self.fields(x.size)
+
+    def _payload_size(self, n: int) -> int:
+        return 4 * bucket_layout(self.codec.bucket_size or 0, n)[1] + (n * self.bits + 7) // 8
 
 
 class DeviceTernGrad(_MaxScaled):
     kind = k.TERNGRAD
+    levels = 1
 
-    def _encode_payload(self, x, out, pos, status):
+    @property
+    def bits(self) -> int:
         from ..terngrad import BITS
-        codec = self.codec
-        kind = k.SCALE_CLIPPED if codec.clip > 0 else k.SCALE_MAX_ABS
-        size = self._scaled_codes(x, out, pos, status, kind, codec.clip, BITS, 1)
-        return BITS, 0, codec.bucket_size or 0, 0, size
+        return BITS
+
+    @property
+    def clip(self) -> float:
+        return float(self.codec.clip)
+
+    @property
+    def scale_kind(self) -> int:
+        return k.SCALE_CLIPPED if self.codec.clip > 0 else k.SCALE_MAX_ABS
+
+    def fields(self, n: int) -> tuple[int, int, int, int, int]:
+        """The header's (bits, flags, param_a, param_b, payload_len) of ``n`` values."""
+        return self.bits, 0, self.codec.bucket_size or 0, 0, self._payload_size(n)
 
     def _codes_may_be_bad(self, header):
         return True  # a code 3
@@ -431,13 +460,25 @@ class DeviceQSGD(_MaxScaled):
             raise CodecError(reason)
         super().__init__(codec, stream)
 
-    def _encode_payload(self, x, out, pos, status):
+    clip = 0.0
+
+    @property
+    def bits(self) -> int:
+        return self.codec.bits
+
+    @property
+    def levels(self) -> int:
+        return self.codec.levels
+
+    @property
+    def scale_kind(self) -> int:
+        return k.SCALE_L2 if self.codec.norm == "l2" else k.SCALE_MAX_ABS
+
+    def fields(self, n: int) -> tuple[int, int, int, int, int]:
+        """The header's (bits, flags, param_a, param_b, payload_len) of ``n`` values."""
         from ..qsgd import FLAG_L2
-        codec = self.codec
-        l2 = codec.norm == "l2"
-        size = self._scaled_codes(x, out, pos, status, k.SCALE_L2 if l2 else k.SCALE_MAX_ABS, 0.0,
-                                  codec.bits, codec.levels)
-        return codec.bits, FLAG_L2 if l2 else 0, codec.bucket_size or 0, codec.levels, size
+        flags = FLAG_L2 if self.scale_kind == k.SCALE_L2 else 0
+        return self.bits, flags, self.codec.bucket_size or 0, self.levels, self._payload_size(n)
 
     def check(self, frame):
         from ..qsgd import FLAG_ELIAS

@@ -89,6 +89,9 @@ if SIMULATOR:
 
     def _as_int(value):
         return np.float32(value).view(np.int32)
+
+    def _as_double(bits):
+        return np.int64(bits).view(np.float64)
 else:  # pragma: no cover - needs a GPU
     from numba.cuda import libdevice
 
@@ -123,6 +126,10 @@ else:  # pragma: no cover - needs a GPU
     @cuda.jit(device=True)
     def _as_int(value):
         return libdevice.float_as_int(value)
+
+    @cuda.jit(device=True)
+    def _as_double(bits):
+        return libdevice.longlong_as_double(bits)
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -264,30 +271,25 @@ def finish_ranges(keys, lohi, status):
         lohi[2 * b + 1] = hi
 
 
-@cuda.jit(cache=True)
-def sum_partials(x, bucket, chunks, absolute, partials, status):
-    """Block j sums, in float64 over its chunk (as ``range_keys`` splits buckets), x (|x|
-    with ``absolute``) into ``partials[2j]`` and x^2 into ``partials[2j + 1]``; flags NaN/inf."""
-    j = cuda.blockIdx.x
+@cuda.jit(device=True)
+def _block_sums(x, start, stop, absolute):
+    """(sum of x (|x| with ``absolute``), sum of x^2, whether a value is NaN/inf) of
+    ``x[start:stop]`` in float64, reduced by the whole block in a fixed order (every thread
+    calls it; thread 0's sums are the block's)."""
     t = cuda.threadIdx.x
-    b = j // chunks
-    start = b * bucket + (j - b * chunks) * CHUNK
-    stop = min(start + CHUNK, (b + 1) * bucket, x.size)
     s = 0.0
     q = 0.0
-    bad = 0
+    bad = False
     for i in range(start + t, stop, THREADS):
         v = np.float64(x[i])
         if not math.isfinite(v):
-            bad = 1
+            bad = True
         s += abs(v) if absolute else v
         q += v * v  # exact in float64: a fused multiply-add rounds it the same
     sums = cuda.shared.array(THREADS, np.float64)
     squares = cuda.shared.array(THREADS, np.float64)
     sums[t] = s
     squares[t] = q
-    if bad:
-        status[ERR_NONFINITE] = 1
     cuda.syncthreads()
     step = THREADS // 2
     while step > 0:
@@ -296,17 +298,32 @@ def sum_partials(x, bucket, chunks, absolute, partials, status):
             squares[t] += squares[t + step]
         cuda.syncthreads()
         step //= 2
-    if t == 0:
-        partials[2 * j] = sums[0]
-        partials[2 * j + 1] = squares[0]
+    return sums[0], squares[0], bad
+
+
+@cuda.jit(cache=True)
+def sum_partials(x, bucket, chunks, absolute, partials, status):
+    """Block j sums, in float64 over its chunk (as ``range_keys`` splits buckets), x (|x|
+    with ``absolute``) into ``partials[2j]`` and x^2 into ``partials[2j + 1]``; flags NaN/inf."""
+    j = cuda.blockIdx.x
+    b = j // chunks
+    start = b * bucket + (j - b * chunks) * CHUNK
+    stop = min(start + CHUNK, (b + 1) * bucket, x.size)
+    s, q, bad = _block_sums(x, start, stop, absolute)
+    if bad:
+        status[ERR_NONFINITE] = 1
+    if cuda.threadIdx.x == 0:
+        partials[2 * j] = s
+        partials[2 * j + 1] = q
 
 
 @cuda.jit(device=True)
-def _bucket_sum(partials, b, chunks, which):
-    """Bucket b's sum (``which`` 0) or sum of squares (1), from its chunks' partials in order."""
+def _bucket_sum(partials, first, chunks, which):
+    """A bucket's sum (``which`` 0) or sum of squares (1), from the partials of its
+    ``chunks`` chunks from chunk ``first``, in order."""
     s = 0.0
-    for c in range(chunks):
-        s += partials[2 * (b * chunks + c) + which]
+    for c in range(first, first + chunks):
+        s += partials[2 * c + which]
     return s
 
 
@@ -317,40 +334,48 @@ def finish_means(partials, chunks, bucket, n, scales):
     if b >= scales.size:
         return
     count = min(bucket, n - b * bucket)
-    scales[b] = np.float32(_bucket_sum(partials, b, chunks, 0) / count)
+    scales[b] = np.float32(_bucket_sum(partials, b * chunks, chunks, 0) / count)
 
 
-@cuda.jit(cache=True)
-def finish_scales(kind, keys, partials, chunks, bucket, n, clip, scales, status):
-    """Each bucket's scale from its ``range_keys`` (flagging NaN/inf, as the host's
-    ``max_abs_bits`` does) and, for SCALE_L2 / SCALE_CLIPPED, its ``sum_partials``:
-    max |x| (SCALE_MAX_ABS, bit for bit: the larger magnitude of the bucket's min and max),
-    float32(sqrt(sum x^2)) (SCALE_L2; ERR_RANGE beyond float32), or TernGrad's
-    min(max |x|, float32(clip * std)) with the host's float64 operations (SCALE_CLIPPED)."""
-    b = cuda.grid(1)
-    if b >= scales.size:
-        return
-    lo_key = keys[2 * b]
-    hi_key = keys[2 * b + 1]
+@cuda.jit(device=True)
+def _scale_of(kind, lo_key, hi_key, partials, first, chunks, count, clip, status):
+    """(ok, scale) of a bucket of ``count`` values from its min and max order keys (not ok,
+    flagging NaN/inf, as the host's ``max_abs_bits`` does) and, for SCALE_L2 / SCALE_CLIPPED,
+    the sum partials of its ``chunks`` chunks from ``first``: max |x| (SCALE_MAX_ABS, bit for
+    bit: the larger magnitude of the bucket's min and max), float32(sqrt(sum x^2)) (SCALE_L2;
+    ERR_RANGE beyond float32), or TernGrad's min(max |x|, float32(clip * std)) with the
+    host's float64 operations (SCALE_CLIPPED)."""
     if lo_key < _F32_MIN_KEY or hi_key > _F32_MAX_KEY:
         status[ERR_NONFINITE] = 1
-        return
+        return False, np.float32(0.0)
     top = max(_order_key(lo_key) & int32(_I32_MAX), _order_key(hi_key) & int32(_I32_MAX))
     scale = _as_float(top)
     if kind == SCALE_L2:
-        scale = np.float32(math.sqrt(_bucket_sum(partials, b, chunks, 1)))
+        scale = np.float32(math.sqrt(_bucket_sum(partials, first, chunks, 1)))
         if not math.isfinite(scale):
             status[ERR_RANGE] = 1
-            return
+            return False, scale
     elif kind == SCALE_CLIPPED:
-        count = min(bucket, n - b * bucket)
-        mean = _bucket_sum(partials, b, chunks, 0) / count
-        var = _dadd(_bucket_sum(partials, b, chunks, 1) / count, -_dmul(mean, mean))
+        mean = _bucket_sum(partials, first, chunks, 0) / count
+        var = _dadd(_bucket_sum(partials, first, chunks, 1) / count, -_dmul(mean, mean))
         if var > 0.0:
             clipped = np.float32(_dmul(clip, math.sqrt(var)))
             if clipped < scale:
                 scale = clipped
-    scales[b] = scale
+    return True, scale
+
+
+@cuda.jit(cache=True)
+def finish_scales(kind, keys, partials, chunks, bucket, n, clip, scales, status):
+    """Each bucket's scale (``_scale_of``) from its ``range_keys`` and, for SCALE_L2 /
+    SCALE_CLIPPED, its ``sum_partials``."""
+    b = cuda.grid(1)
+    if b >= scales.size:
+        return
+    ok, scale = _scale_of(kind, keys[2 * b], keys[2 * b + 1], partials, b * chunks, chunks,
+                          min(bucket, n - b * bucket), clip, status)
+    if ok:
+        scales[b] = scale
 
 
 @cuda.jit(cache=True)
@@ -682,24 +707,28 @@ def load_float16(src, pos, table, out, accumulate):
 
 
 # ---- a frame's pieces by table: a fixed number of launches per frame ------------------------
-#: The piece table's kinds beside the codes' (UNIFORM): float32 values, 4 bytes each, and
-#: half-precision ones (fp16), 2 bytes each.
+#: The piece table's kinds beside the codes' (UNIFORM, SIGN, TERNGRAD, QSGD): float32
+#: values, 4 bytes each, and half-precision ones (fp16), 2 bytes each.
 FLOAT32, FLOAT16 = 4, 5
 #: Error feedback's modes in the table (``mpigrad.feedback``): none, e = p - decoded, e = p
 #: where decoded is 0.
 NO_FEEDBACK, RESIDUAL, ACCUMULATE = 0, 1, 2
 #: The piece table's columns (int64, a row per piece): its kind; its offset and size in the
 #: flat values; bits, levels, bucket, stochastic rounding and its RNG key (two 32-bit
-#: halves) of a UNIFORM piece; the byte position of its codes (FLOAT32: its values) in the
-#: frame; the index of its first bucket among the frame's (its (lo, hi) pairs in ``lohi``);
-#: its error feedback (an encode's) and the bits of its float32 decay.
+#: halves) of a bucketed piece (UNIFORM, SIGN, TERNGRAD, QSGD); the byte position of its
+#: codes (FLOAT32: its values) in the frame; the index of its first bucket among the
+#: frame's (its scales in ``lohi``: a UNIFORM piece's (lo, hi) pairs, the others' one scale
+#: per bucket, from the same place); its error feedback (an encode's) and the bits of its
+#: float32 decay; the ``finish_scales`` kind of a TERNGRAD or QSGD piece and the bits of
+#: its float64 clip.
 (P_KIND, P_OFFSET, P_SIZE, P_BITS, P_LEVELS, P_BUCKET, P_STOCHASTIC, P_KEY_HI, P_KEY_LO, P_CODES,
- P_PAIRS, P_FEEDBACK, P_DECAY) = range(13)
-PIECE_COLUMNS = 13
-#: The bucket table's columns (int64, a row per bucket of the frame's UNIFORM pieces): its
-#: first chunk and chunk count in the chunk table (encode), the byte position of its pair.
-B_FIRST, B_CHUNKS, B_AT = range(3)
-BUCKET_COLUMNS = 3
+ P_PAIRS, P_FEEDBACK, P_DECAY, P_SCALE, P_CLIP) = range(15)
+PIECE_COLUMNS = 15
+#: The bucket table's columns (int64, a row per bucket of the frame's bucketed pieces): its
+#: first chunk and chunk count in the chunk table (encode), the byte position of its scale
+#: (pair), its piece's row.
+B_FIRST, B_CHUNKS, B_AT, B_PIECE = range(4)
+BUCKET_COLUMNS = 4
 #: The chunk table's columns (an encode's, a row per chunk): its values' start and stop in
 #: the flat values, its piece's row.
 C_START, C_STOP, C_PIECE = range(3)
@@ -737,12 +766,26 @@ def _compensate(g, memory, p, start, stop, decay_bits):
             p[i] = _fadd(_fmul(memory[i], decay), g[i])
 
 
+@cuda.jit(device=True)
+def _sums_needed(pieces, row):
+    """Whether the piece of table row ``row`` takes its scales from sums (SIGN's mean |x|,
+    TernGrad's clip, QSGD's l2 norm), and whether of |x|."""
+    kind = pieces[row + P_KIND]
+    if kind == SIGN:
+        return True, True
+    if kind == TERNGRAD or kind == QSGD:
+        return pieces[row + P_SCALE] != SCALE_MAX_ABS, False
+    return False, False
+
+
 @cuda.jit(cache=True)
-def table_range_keys(g, memory, compensated, chunks, pieces, keys):
+def table_range_keys(g, memory, compensated, chunks, pieces, keys, partials):
     """Block j reduces chunk j of the frame (the flat values ``[start, stop)`` of its chunk
-    row, never empty) to its min and max order keys, ``keys[2j]`` and ``keys[2j + 1]``: of
-    ``g``, or, where its piece has error feedback, of ``compensated``, which it writes first
-    (g compensated with the error ``memory``)."""
+    row, never empty) to its min and max order keys, ``keys[2j]`` and ``keys[2j + 1]``, and
+    where its piece's scales need them, to its float64 sums, ``partials[2j]`` (x, or |x|)
+    and ``partials[2j + 1]`` (x^2), as ``sum_partials``: of ``g``, or, where its piece has
+    error feedback, of ``compensated``, which it writes first (g compensated with the error
+    ``memory``)."""
     j = cuda.blockIdx.x
     start = chunks[j * CHUNK_COLUMNS + C_START]
     stop = chunks[j * CHUNK_COLUMNS + C_STOP]
@@ -755,35 +798,64 @@ def table_range_keys(g, memory, compensated, chunks, pieces, keys):
     if cuda.threadIdx.x == 0:
         keys[2 * j] = lo
         keys[2 * j + 1] = hi
+    needed, absolute = _sums_needed(pieces, row)
+    if needed:  # the same for the whole block: every thread reduces
+        s, q, _ = _block_sums(x, start, stop, absolute)  # NaN/inf: flagged from the keys
+        if cuda.threadIdx.x == 0:
+            partials[2 * j] = s
+            partials[2 * j + 1] = q
 
 
 @cuda.jit(cache=True)
-def table_finish_ranges(keys, buckets, lohi, out, status):
-    """Thread b: bucket b's (lo, hi) from its chunks' keys into ``lohi`` and, as float32
-    bytes, into the frame ``out`` at its pair's position; flags as ``finish_ranges``."""
+def table_finish_ranges(keys, partials, buckets, pieces, lohi, out, status):
+    """Thread b: bucket b's scales from its chunks' keys (and sums) into ``lohi`` and, as
+    float32 bytes, into the frame ``out`` at their position: a UNIFORM bucket's (lo, hi),
+    flagged as ``finish_ranges``; a SIGN bucket's mean |x| (``finish_means``; NaN/inf
+    flagged from the keys); a TERNGRAD or QSGD bucket's scale (``_scale_of``)."""
     b = cuda.grid(1)
     if b >= buckets.size // BUCKET_COLUMNS:
         return
     row = b * BUCKET_COLUMNS
     first = buckets[row + B_FIRST]
+    chunks = buckets[row + B_CHUNKS]
     lo_key = int32(_I32_MAX)
     hi_key = int32(_I32_MIN)
-    for c in range(first, first + buckets[row + B_CHUNKS]):
+    for c in range(first, first + chunks):
         lo_key = min(lo_key, keys[2 * c])
         hi_key = max(hi_key, keys[2 * c + 1])
-    ok, lo, hi = _range_of_keys(lo_key, hi_key, status)
+    at = buckets[row + B_AT]
+    piece = buckets[row + B_PIECE] * PIECE_COLUMNS
+    kind = pieces[piece + P_KIND]
+    if kind == UNIFORM:
+        ok, lo, hi = _range_of_keys(lo_key, hi_key, status)
+        if ok:
+            lohi[2 * b] = lo
+            lohi[2 * b + 1] = hi
+            _store_f32(out, at, lo)
+            _store_f32(out, at + 4, hi)
+        return
+    local = b - pieces[piece + P_PAIRS]
+    bucket = pieces[piece + P_BUCKET]
+    count = min(bucket, pieces[piece + P_SIZE] - local * bucket)
+    if kind == SIGN:
+        if lo_key < _F32_MIN_KEY or hi_key > _F32_MAX_KEY:
+            status[ERR_NONFINITE] = 1
+            return
+        ok = True
+        scale = np.float32(_bucket_sum(partials, first, chunks, 0) / count)
+    else:
+        clip = _as_double(pieces[piece + P_CLIP])
+        ok, scale = _scale_of(pieces[piece + P_SCALE], lo_key, hi_key, partials, first, chunks, count, clip,
+                              status)
     if ok:
-        lohi[2 * b] = lo
-        lohi[2 * b + 1] = hi
-        at = buckets[row + B_AT]
-        _store_f32(out, at, lo)
-        _store_f32(out, at + 4, hi)
+        lohi[2 * pieces[piece + P_PAIRS] + local] = scale
+        _store_f32(out, at, scale)
 
 
 @cuda.jit(cache=True)
 def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     """Thread i works for piece e (``firsts[e] <= i < firsts[e + 1]``) of the frame: a
-    UNIFORM piece's thread j is pack_blocks' thread j, then pack_tail's, coding ``g`` or,
+    bucketed piece's thread j is pack_blocks' thread j, then pack_tail's, coding ``g`` or,
     with error feedback, ``compensated`` (``table_range_keys`` wrote it) and setting the
     error ``memory`` of what it codes; a FLOAT32 piece's stores value j of ``g`` (flagging
     NaN/inf, as ``store_float32``), a FLOAT16 piece's its half (as ``store_float16``)."""
@@ -808,6 +880,7 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     if pieces[row + P_KIND] == FLOAT16:
         _store_half(out, at + 2 * j, _narrow_half(xe[j], status))
         return
+    kind = pieces[row + P_KIND]
     bits = pieces[row + P_BITS]
     levels = pieces[row + P_LEVELS]
     bucket = pieces[row + P_BUCKET]
@@ -816,25 +889,37 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     scales = lohi[2 * pieces[row + P_PAIRS]:]
     groups = (xe.size // BLOCK) * GROUPS
     if j < groups:
-        _pack_group(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j, me, feedback)
+        _pack_group(kind, xe, bucket, bits, levels, scales, stochastic, key, out, at, j, me, feedback)
     else:
-        _pack_tail_byte(UNIFORM, xe, bucket, bits, levels, scales, stochastic, key, out, at, j - groups, me,
+        _pack_tail_byte(kind, xe, bucket, bits, levels, scales, stochastic, key, out, at, j - groups, me,
                         feedback)
 
 
 @cuda.jit(cache=True)
-def table_load_pairs(src, buckets, lohi, status):
-    """Thread b reads bucket b's (lo, hi) pair from the frame ``src`` (``load_pairs``)."""
+def table_load_pairs(src, buckets, pieces, lohi, status):
+    """Thread b reads bucket b's scales from the frame ``src`` into ``lohi`` where
+    ``table_finish_ranges`` puts them: a UNIFORM bucket's (lo, hi) pair (``load_pairs``),
+    another's scale (``load_scales``)."""
     b = cuda.grid(1)
-    if b < buckets.size // BUCKET_COLUMNS:
-        _load_pair(src, buckets[b * BUCKET_COLUMNS + B_AT], lohi, b, status)
+    if b >= buckets.size // BUCKET_COLUMNS:
+        return
+    at = buckets[b * BUCKET_COLUMNS + B_AT]
+    piece = buckets[b * BUCKET_COLUMNS + B_PIECE] * PIECE_COLUMNS
+    if pieces[piece + P_KIND] == UNIFORM:
+        _load_pair(src, at, lohi, b, status)
+        return
+    v = _load_f32(src, at)
+    lohi[2 * pieces[piece + P_PAIRS] + b - pieces[piece + P_PAIRS]] = v
+    if not (math.isfinite(v) and v >= 0):
+        status[ERR_BAD_SCALE] = 1
 
 
 @cuda.jit(cache=True)
 def table_unpack(src, firsts, pieces, lohi, halves, out, op, status):
     """Thread i works for piece e of the frame ``src`` (as ``table_pack``), writing (WRITE)
-    or adding (ADD) into ``out[offset:offset + size]``: a UNIFORM piece's thread j is
-    unpack_blocks' thread j, then unpack_tail's; a FLOAT32 piece's loads value j, a FLOAT16
+    or adding (ADD) into ``out[offset:offset + size]``: a bucketed piece's thread j is
+    unpack_blocks' thread j, then unpack_tail's (flagging, as CHECK does, a TernGrad or
+    QSGD code the format cannot hold); a FLOAT32 piece's loads value j, a FLOAT16
     piece's half j (``halves``: the host's table of every half's float32)."""
     i = cuda.grid(1)
     if i >= firsts[firsts.size - 1]:
@@ -852,15 +937,22 @@ def table_unpack(src, firsts, pieces, lohi, halves, out, op, status):
     if pieces[row + P_KIND] == FLOAT16:
         _store(oute, j, _load_half(src, at + 2 * j, halves), op == ADD)
         return
+    kind = pieces[row + P_KIND]
     bits = pieces[row + P_BITS]
     levels = pieces[row + P_LEVELS]
     bucket = pieces[row + P_BUCKET]
     scales = lohi[2 * pieces[row + P_PAIRS]:]
     groups = (n // BLOCK) * GROUPS
+    # TernGrad's and QSGD's codes can hold what the format forbids: flagged as they are used.
+    check = kind == TERNGRAD or kind == QSGD
     if j < groups:
-        _unpack_group(UNIFORM, src, at, bits, levels, bucket, scales, oute, op, status, j)
+        if check:
+            _unpack_group(kind, src, at, bits, levels, bucket, scales, oute, CHECK, status, j)
+        _unpack_group(kind, src, at, bits, levels, bucket, scales, oute, op, status, j)
     else:
-        _unpack_tail_code(UNIFORM, src, at, bits, levels, bucket, scales, oute, n, op, status, j - groups)
+        if check:
+            _unpack_tail_code(kind, src, at, bits, levels, bucket, scales, oute, n, CHECK, status, j - groups)
+        _unpack_tail_code(kind, src, at, bits, levels, bucket, scales, oute, n, op, status, j - groups)
 
 
 def blocks(n: int, threads: int = THREADS) -> int:

@@ -1,16 +1,19 @@
 """A frame's pieces in a fixed number of kernel launches, whatever their number (CGX's
-shape): the encode reduces every bucket's range (one launch over the frame's chunks),
-finishes the ranges into the frame (one over its buckets) and packs every piece's codes
-(one over all their threads); the decode reads every pair (one launch) and writes or adds
-every piece (one). The per-piece twins (:mod:`.codecs`) take five or six launches a piece
-to encode and two or three to decode.
+shape): the encode reduces every chunk of every bucket to its range and, where the scales
+need them, its sums (one launch over the frame's chunks), finishes the scales into the
+frame (one over its buckets) and packs every piece's codes (one over all their threads);
+the decode reads every scale (one launch) and writes or adds every piece (one). The
+per-piece twins (:mod:`.codecs`) take five or six launches a piece to encode and two or
+three to decode.
 
-A frame goes by table where each of its pieces is a :class:`~.codecs.DeviceUniform` (any
-bits), a :class:`~.codecs.DeviceFloat32` or a :class:`~.codecs.DeviceFloat16` piece
-(:func:`tabled`; a frame of float pieces only takes one launch each way); its bytes are the
-per-piece twins' and the host codecs', byte for byte (tests/test_device_table.py).
-:class:`FrameTable` is the host's half: each piece's header and the int64 table the
-kernels read; :class:`TableKernels` launches them.
+A frame goes by table where each of its pieces is a bucketed piece
+(:class:`~.codecs.DeviceUniform`, any bits, :class:`~.codecs.DeviceSign`,
+:class:`~.codecs.DeviceTernGrad` or :class:`~.codecs.DeviceQSGD`), a
+:class:`~.codecs.DeviceFloat32` or a :class:`~.codecs.DeviceFloat16` piece (:func:`tabled`;
+a frame of float pieces only takes one launch each way); its bytes are the per-piece
+twins', byte for byte, which are the host codecs' where the scales come from ranges
+(tests/test_device_table.py). :class:`FrameTable` is the host's half: each piece's header
+and the int64 table the kernels read; :class:`TableKernels` launches them.
 """
 
 from __future__ import annotations
@@ -21,16 +24,21 @@ from ..base import Header
 from ..checks import bucket_layout
 from . import kernels as k
 from . import codecs as device_codecs
-from .codecs import DeviceFloat16, DeviceFloat32, DeviceUniform, ScratchArrays, half_table
+from .codecs import (DeviceFloat16, DeviceFloat32, DeviceQSGD, DeviceSign, DeviceTernGrad, DeviceUniform,
+                     ScratchArrays, half_table)
 
 __all__ = ["FrameTable", "TableKernels", "tabled"]
+
+#: The twins whose pieces have bucket scales and fixed-width codes.
+_BUCKETED = (DeviceUniform, DeviceSign, DeviceTernGrad, DeviceQSGD)
 
 
 def tabled(twins, with_feedback=None) -> bool:
     """Whether a frame of pieces with these device twins can go by table; ``with_feedback``
-    (one bool per piece) marks those with error feedback, which must be uniform ones."""
+    (one bool per piece) marks those with error feedback, which must be bucketed ones
+    (uniform, sign, TernGrad, QSGD)."""
     with_feedback = with_feedback or [False] * len(twins)
-    return all(type(twin) is DeviceUniform or (type(twin) in _FLOATS and not feedback)
+    return all(type(twin) in _BUCKETED or (type(twin) in _FLOATS and not feedback)
                for twin, feedback in zip(twins, with_feedback))
 
 
@@ -40,7 +48,7 @@ _FLOATS = {DeviceFloat32: k.FLOAT32, DeviceFloat16: k.FLOAT16}
 
 class FrameTable:
     """One frame's pieces, as the table kernels read them: a row per non-empty piece
-    (``kernels.P_*``), a row per bucket of its UNIFORM pieces (``kernels.B_*``), the encode's
+    (``kernels.P_*``), a row per bucket of its bucketed pieces (``kernels.B_*``), the encode's
     chunks of those buckets, and each piece's first thread. Offsets are into the flat values
     the frame encodes (or decodes into); positions are bytes of the whole frame."""
 
@@ -55,7 +63,9 @@ class FrameTable:
         self.bucket_count = self.chunk_count = 0
         #: Whether a piece has error feedback (the encode then needs the memory).
         self.with_feedback = False
-        #: The rows of the stochastic UNIFORM pieces (whose RNG key changes every frame).
+        #: Whether a piece's scales need the sums of its values (an encode's partials).
+        self.sums = False
+        #: The rows of the stochastic pieces (whose RNG key changes every frame).
         self._key_rows: list[int] = []
 
     def add_encode(self, twin, offset: int, size: int, payload_at: int, feedback: int = k.NO_FEEDBACK,
@@ -70,8 +80,7 @@ class FrameTable:
         if size and type(twin) in _FLOATS:
             self._add_float(_FLOATS[type(twin)], offset, size, payload_at)
         elif size:
-            self._add_uniform(offset, size, twin.codec.bits, twin.codec.bucket_size or 0, payload_at,
-                              twin.codec.stochastic, twin.next_key(), feedback, decay)
+            self._add_bucketed(twin, offset, size, twin.codec.bucket_size or 0, payload_at, feedback, decay)
         return header
 
     def add_decode(self, twin, header: Header, offset: int, payload_at: int) -> None:
@@ -83,7 +92,7 @@ class FrameTable:
         if type(twin) in _FLOATS:
             self._add_float(_FLOATS[type(twin)], offset, header.n, payload_at)
         else:
-            self._add_uniform(offset, header.n, header.bits, header.param_a, payload_at, False, 0)
+            self._add_bucketed(twin, offset, header.n, header.param_a, payload_at, header=header)
 
     def _add_float(self, kind: int, offset: int, size: int, at: int) -> None:
         row = [0] * k.PIECE_COLUMNS
@@ -91,23 +100,39 @@ class FrameTable:
         self._pieces.append(row)
         self._threads.append(size)
 
-    def _add_uniform(self, offset: int, size: int, bits: int, bucket_size: int, at: int, stochastic: bool,
-                     key: int, feedback: int = k.NO_FEEDBACK, decay: float = 1.0) -> None:
+    def _add_bucketed(self, twin, offset: int, size: int, bucket_size: int, at: int,
+                      feedback: int = k.NO_FEEDBACK, decay: float = 1.0, header: Header | None = None) -> None:
+        """A bucketed piece's rows: an encode's from ``twin``'s codec (its RNG key drawn, as
+        the twin's encode draws it), a decode's from its ``header``."""
         bucket, nb = bucket_layout(bucket_size, size)
-        row = [0] * k.PIECE_COLUMNS
-        row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_BITS] = k.UNIFORM, offset, size, bits
-        row[k.P_LEVELS], row[k.P_BUCKET], row[k.P_STOCHASTIC] = (1 << bits) - 1, bucket, int(stochastic)
+        kind, row = twin.kind, [0] * k.PIECE_COLUMNS
+        if header is not None:
+            bits, levels, stochastic, key = header.bits, twin._levels(header), False, 0
+        elif kind == k.UNIFORM:
+            bits, stochastic = twin.codec.bits, twin.codec.stochastic
+            levels, key = (1 << bits) - 1, twin.next_key()
+        elif kind == k.SIGN:
+            bits, levels, stochastic, key = 1, 1, False, 0
+        else:  # TernGrad, QSGD: stochastic rounding, always
+            bits, levels, stochastic, key = twin.bits, twin.levels, True, twin.next_key()
+            row[k.P_SCALE] = twin.scale_kind
+            row[k.P_CLIP] = int(np.float64(twin.clip).view(np.int64))
+        row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_BITS] = kind, offset, size, bits
+        row[k.P_LEVELS], row[k.P_BUCKET], row[k.P_STOCHASTIC] = levels, bucket, int(stochastic)
         self.write_key(row, k.P_KEY_HI, key)
-        row[k.P_CODES], row[k.P_PAIRS] = at + 8 * nb, self.bucket_count
+        scale_bytes = 4 * twin.scale_floats
+        row[k.P_CODES], row[k.P_PAIRS] = at + scale_bytes * nb, self.bucket_count
         row[k.P_FEEDBACK], row[k.P_DECAY] = feedback, int(np.float32(decay).view(np.int32))
         self.with_feedback |= feedback != k.NO_FEEDBACK
+        self.sums |= kind == k.SIGN or kind in (k.TERNGRAD, k.QSGD) and row[k.P_SCALE] != k.SCALE_MAX_ABS
         if stochastic:
             self._key_rows.append(len(self._pieces))
         self._pieces.append(row)
         tail = size % k.BLOCK
         self._threads.append((size // k.BLOCK) * k.GROUPS + ((tail * bits + 7) // 8 if self.encode else tail))
         buckets = np.zeros((nb, k.BUCKET_COLUMNS), np.int64)
-        buckets[:, k.B_AT] = at + 8 * np.arange(nb)
+        buckets[:, k.B_AT] = at + scale_bytes * np.arange(nb)
+        buckets[:, k.B_PIECE] = len(self._pieces) - 1
         if self.encode:  # each bucket's chunks of CHUNK values, as range_keys splits them
             starts = (np.arange(nb)[:, None] * bucket + np.arange(-(-min(bucket, size) // k.CHUNK))[None, :] * k.CHUNK)
             stops = np.minimum(np.minimum(starts + k.CHUNK, (np.arange(nb)[:, None] + 1) * bucket), size)
@@ -123,11 +148,12 @@ class FrameTable:
 
     @property
     def key_count(self) -> int:
-        """The stochastic UNIFORM pieces added so far."""
+        """The stochastic pieces added so far (uniform's with stochastic rounding, TernGrad's,
+        QSGD's)."""
         return len(self._key_rows)
 
     def key_slot(self, i: int) -> int:
-        """Where the ``i``-th stochastic UNIFORM piece's RNG key sits in :meth:`array`: its
+        """Where the ``i``-th stochastic piece's RNG key sits in :meth:`array`: its
         high half (``kernels.P_KEY_HI``), the low half after it. Valid once every piece is in."""
         return len(self._threads) + 1 + k.PIECE_COLUMNS * self._key_rows[i] + k.P_KEY_HI
 
@@ -183,8 +209,11 @@ class TableKernels:
         lohi = self.scratch.array("lohi", 2 * buckets, np.float32, stream)
         if chunks:
             keys = self.scratch.array("keys", 2 * chunks, np.int32, stream)
-            launch(k.table_range_keys, chunks, stream, values, memory, compensated, t["chunks"], t["pieces"], keys)
-            launch(k.table_finish_ranges, k.blocks(buckets), stream, keys, t["buckets"], lohi, out, status)
+            partials = self.scratch.array("partials", 2 * chunks if table.sums else 2, np.float64, stream)
+            launch(k.table_range_keys, chunks, stream, values, memory, compensated, t["chunks"], t["pieces"], keys,
+                   partials)
+            launch(k.table_finish_ranges, k.blocks(buckets), stream, keys, partials, t["buckets"], t["pieces"], lohi,
+                   out, status)
         if table.threads:
             launch(k.table_pack, k.blocks(table.threads), stream, values, memory, compensated, t["firsts"],
                    t["pieces"], lohi, out, status)
@@ -198,7 +227,7 @@ class TableKernels:
         buckets, launch = table.bucket_count, device_codecs.launch_kernel
         lohi = self.scratch.array("lohi_in", 2 * buckets, np.float32, stream)
         if buckets:
-            launch(k.table_load_pairs, k.blocks(buckets), stream, frame, t["buckets"], lohi, status)
+            launch(k.table_load_pairs, k.blocks(buckets), stream, frame, t["buckets"], t["pieces"], lohi, status)
         if table.threads:
             launch(k.table_unpack, k.blocks(table.threads), stream, frame, t["firsts"], t["pieces"], lohi,
                    half_table(self.cuda), out, k.ADD if accumulate else k.WRITE, status)
