@@ -110,7 +110,7 @@ def warm_up_device(codecs: list[Codec], device) -> float:
 
 
 def _warm_up_table(cuda, device, twins, n: int) -> None:
-    """A frame of one piece of ``n`` values per twin (uniform, float32, fp16) encoded, decoded and
+    """A frame of one piece of ``n`` values per twin (bucketed, float32, fp16) encoded, decoded and
     decoded-added by table (:mod:`mpigrad.codecs.device.table`): its five kernels launched."""
     import numpy as np
     import torch
