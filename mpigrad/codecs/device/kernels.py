@@ -908,8 +908,9 @@ def table_load_pairs(src, buckets, pieces, lohi, status):
     if pieces[piece + P_KIND] == UNIFORM:
         _load_pair(src, at, lohi, b, status)
         return
+    first = pieces[piece + P_PAIRS]  # the piece's first bucket: its scales from lohi[2 * first]
     v = _load_f32(src, at)
-    lohi[2 * pieces[piece + P_PAIRS] + b - pieces[piece + P_PAIRS]] = v
+    lohi[2 * first + (b - first)] = v
     if not (math.isfinite(v) and v >= 0):
         status[ERR_BAD_SCALE] = 1
 
@@ -943,8 +944,9 @@ def table_unpack(src, firsts, pieces, lohi, halves, out, op, status):
     bucket = pieces[row + P_BUCKET]
     scales = lohi[2 * pieces[row + P_PAIRS]:]
     groups = (n // BLOCK) * GROUPS
-    # TernGrad's and QSGD's codes can hold what the format forbids: flagged as they are used.
-    check = kind == TERNGRAD or kind == QSGD
+    # Codes the format forbids (TernGrad's 3; QSGD levels above s, where s leaves room for
+    # them: the twins' _codes_may_be_bad), flagged in a pass of their own before the values.
+    check = kind == TERNGRAD or (kind == QSGD and levels < (1 << (bits - 1)) - 1)
     if j < groups:
         if check:
             _unpack_group(kind, src, at, bits, levels, bucket, scales, oute, CHECK, status, j)

@@ -63,8 +63,6 @@ class FrameTable:
         self.bucket_count = self.chunk_count = 0
         #: Whether a piece has error feedback (the encode then needs the memory).
         self.with_feedback = False
-        #: Whether a piece's scales need the sums of its values (an encode's partials).
-        self.sums = False
         #: The rows of the stochastic pieces (whose RNG key changes every frame).
         self._key_rows: list[int] = []
 
@@ -124,7 +122,6 @@ class FrameTable:
         row[k.P_CODES], row[k.P_PAIRS] = at + scale_bytes * nb, self.bucket_count
         row[k.P_FEEDBACK], row[k.P_DECAY] = feedback, int(np.float32(decay).view(np.int32))
         self.with_feedback |= feedback != k.NO_FEEDBACK
-        self.sums |= kind == k.SIGN or kind in (k.TERNGRAD, k.QSGD) and row[k.P_SCALE] != k.SCALE_MAX_ABS
         if stochastic:
             self._key_rows.append(len(self._pieces))
         self._pieces.append(row)
@@ -209,7 +206,8 @@ class TableKernels:
         lohi = self.scratch.array("lohi", 2 * buckets, np.float32, stream)
         if chunks:
             keys = self.scratch.array("keys", 2 * chunks, np.int32, stream)
-            partials = self.scratch.array("partials", 2 * chunks if table.sums else 2, np.float64, stream)
+            # Written only for the chunks whose scales are sums (kernels._sums_needed).
+            partials = self.scratch.array("partials", 2 * chunks, np.float64, stream)
             launch(k.table_range_keys, chunks, stream, values, memory, compensated, t["chunks"], t["pieces"], keys,
                    partials)
             launch(k.table_finish_ranges, k.blocks(buckets), stream, keys, partials, t["buckets"], t["pieces"], lohi,
