@@ -13,7 +13,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpigrad.runtime.wire import PeerTimeout
+from mpigrad.runtime.wire import PeerTimeout, ReceiveBuffers
 from mpigrad.runtime.wire.mpi import MpiChannel
 
 TAG = 42
@@ -23,7 +23,7 @@ rank = comm.Get_rank()
 channel = MpiChannel(comm, 1, timeout=2.0)
 comm.Barrier()
 if rank == 0:
-    buffers = {1: np.empty(0, np.uint8), 2: np.empty(0, np.uint8)}
+    buffers = ReceiveBuffers([1, 2])
     received = []
     try:
         for source, _ in channel.frames([1, 2], TAG, buffers,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpigrad.runtime.broadcast import broadcast_frames
-from mpigrad.runtime.wire import FrameError, FrameLength
+from mpigrad.runtime.wire import FrameError, FrameLength, ReceiveBuffers
 from mpigrad.runtime.wire.loopback import LoopbackChannel
 from mpigrad.trace import load
 from test_runtime_loopback import run
@@ -83,7 +83,7 @@ class _Wire:
 
 def test_a_length_that_differs_from_the_computed_size_is_a_frame_error():
     lengths = {0: FrameLength.buffer(), 1: FrameLength.buffer()}
-    buffers = {0: np.empty(0, np.uint8), 1: np.empty(0, np.uint8)}
+    buffers = ReceiveBuffers([0, 1])
     frames = broadcast_frames(_Wire({0: 100, 1: 60}, known=[0]), [0, 1], [100, None], lengths, buffers, None,
                               lambda: "")
     assert [f.size for f in frames.values()] == [100, 60]  # server 1's size came first
@@ -94,5 +94,5 @@ def test_a_length_that_differs_from_the_computed_size_is_a_frame_error():
 def test_a_server_whose_frame_is_not_the_size_its_codecs_fix_stops_before_sending():
     wire = _Wire({})
     with pytest.raises(FrameError, match="server 1 encoded a frame of 10 bytes where its codecs fix 12"):
-        broadcast_frames(wire, [1], {1: 12}, {1: FrameLength.buffer()}, {}, (1, np.zeros(8 + 10, np.uint8)), lambda: "")
+        broadcast_frames(wire, [1], {1: 12}, {1: FrameLength.buffer()}, ReceiveBuffers(), (1, np.zeros(8 + 10, np.uint8)), lambda: "")
     assert wire.calls == []

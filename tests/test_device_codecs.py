@@ -383,7 +383,19 @@ def test_every_device_kernel_compiles_to_ptx_for_ampere_and_hopper_without_float
     monkeypatch.setattr(device_codecs, "launch_kernel", recording)
     import torch
 
-    warm_up_device([get_codec(c) for c in CONFIGS + SIGN_CONFIGS + SCALED_CONFIGS], torch.device("cpu"))
+    codecs = [get_codec(c) for c in CONFIGS + SIGN_CONFIGS + SCALED_CONFIGS]
+    warm_up_device(codecs, torch.device("cpu"))   # the runtime's: the table kernels
+    from mpigrad.codecs.device import host_only
+    from mpigrad.runtime.device import device_view
+
+    for codec in codecs:                            # the twins' own, per piece
+        if not host_only(codec):
+            twin = device_codec(codec)
+            x, out = torch.linspace(-1.0, 1.0, 37), torch.zeros(37)
+            frame = torch.empty(twin.max_encoded_size(37), dtype=torch.uint8)
+            host = frame[:twin.encode(device_view(cuda, x), device_view(cuda, frame))].numpy()
+            twin.decode(host, device_view(cuda, out))
+            twin.decode(host, device_view(cuda, out), accumulate=True)
     names = {json.loads(item)[0] for item in launches}
     from mpigrad.codecs.device import kernels
     every = {name for name, value in vars(kernels).items() if type(value).__name__ == "FakeCUDAKernel"

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .wire import Channel, FrameError, FrameLength
+from .wire import Channel, FrameError, FrameLength, ReceiveBuffers
 
 
 def broadcast_widths(bits: list[int], fixed: int | None) -> list[int]:
@@ -31,11 +31,11 @@ def frame_sizes(compressor, shards, bits: list[int]) -> list[int | None]:
 
 
 def broadcast_frames(channel: Channel, groups: list[int], sizes, lengths: dict[int, np.ndarray],
-                     buffers: dict[int, np.ndarray], own: tuple[int, np.ndarray] | None,
+                     buffers: ReceiveBuffers, own: tuple[int, np.ndarray] | None,
                      describe: Callable[[], str]) -> dict[int, np.ndarray]:
     """Take part in the broadcast of server s's frame for each s in ``groups`` (group s, its
-    root server s); return every frame by s, received ones as views of ``buffers[s]`` (grown
-    as needed). ``own``: (s, message) where this rank is server s, the message its
+    root server s); return every frame by s, received ones as views of ``buffers.take(s,
+    size)``. ``own``: (s, message) where this rank is server s, the message its
     ``FrameLength`` then its frame, ``lengths[s]`` holding the frame's size too.
     ``sizes[s]``: the frame size every rank computed, or None (its length is sent first).
     FrameError where this server's frame is not the size its codecs fix (before anything is
@@ -53,10 +53,7 @@ def broadcast_frames(channel: Channel, groups: list[int], sizes, lengths: dict[i
         if own is not None and s == own[0]:
             message = own[1]
         else:
-            size = head + (int(lengths[s][0]) if sizes[s] is None else sizes[s])
-            if buffers[s].size < size:
-                buffers[s] = np.empty(size, np.uint8)
-            message = buffers[s][:size]
+            message = buffers.take(s, head + (int(lengths[s][0]) if sizes[s] is None else sizes[s]))
         messages[s] = message
         items.append((message if sizes[s] is not None else message[head:], s))
     channel.broadcast(items, describe)

@@ -6,7 +6,9 @@ With ``--device cuda`` and codecs that have GPU kernels (:mod:`mpigrad.codecs.de
 of a flat gradient that stays in device memory into a device frame buffer (the error
 memory on the device too), copies the packed bytes, and nothing else, into a pinned host
 frame, and writes the headers there; it decodes a received host frame by copying its bytes
-to the device once (through pinned memory) and adding every piece into a device buffer.
+to the device once, straight from the pinned buffer MPI received it into (:class:`FrameMemory`;
+a frame encoded on the same rank is read where its encode left it), and adding every piece
+into a device buffer.
 The kernels flag their refusals into one status array per rank (:class:`DeviceStatus`), whose
 copy back goes after the frames' kernels and copies on the same stream, all asynchronous: an
 encode waits for the device once (its frame goes on the wire), and the runtime's decodes wait
@@ -70,8 +72,8 @@ def on_device(replica, *compressors) -> list:
     """``compressors`` as the replica's path takes them: on the device path (a replica on a
     GPU, or the simulator asked for), when every codec has kernels and numba-cuda loads,
     their device twins (one per distinct object) with the replica's codec buffers moved to
-    the device, flagging into one :class:`DeviceStatus` (``replica.device_status``) and
-    leaving their decodes' status to :func:`check_decodes`; the host compressors as they
+    the device, flagging into one :class:`DeviceStatus` (``replica.device_status``), their
+    frames in one :class:`FrameMemory` (``replica.frame_memory``), and leaving their decodes' status to :func:`check_decodes`; the host compressors as they
     are where a codec has no kernels (rank 0's ``codecs:`` line says why).
     DeviceUnavailable (one line naming the extra, and ``MPIGRAD_DEVICE_CODECS=host``) where
     every codec has kernels but numba-cuda is missing, broken or sees no device: a run the
@@ -87,10 +89,12 @@ def on_device(replica, *compressors) -> list:
     replica.use_device_codecs()
     if replica.device_status is None:
         replica.device_status = DeviceStatus(load_cuda(), replica.device)
+        replica.frame_memory = FrameMemory(replica.device_status)
     twins: dict[int, DeviceGradientCompressor] = {}
     for c in compressors:
         if id(c) not in twins:
-            twins[id(c)] = DeviceGradientCompressor(c, replica.device, replica.device_status, defer_decode_checks=True)
+            twins[id(c)] = DeviceGradientCompressor(c, replica.device, replica.device_status, defer_decode_checks=True,
+                                                    frame_memory=replica.frame_memory)
     return [twins[id(c)] for c in compressors]
 
 
@@ -300,6 +304,93 @@ def check_decodes(replica) -> None:
         status.check()
 
 
+@dataclasses.dataclass
+class HostBuffer:
+    """One host buffer frames lie in (:class:`FrameMemory`): pinned ``host`` memory, its
+    ``device`` twin (an encode's device frame buffer) or None (a receive buffer), and the
+    last copy queued out of it to the device: the status read count then (``copied_at``,
+    None if none since the buffer was last written) and its event (None under the simulator)."""
+
+    host: torch.Tensor
+    device: torch.Tensor | None
+    copied_at: int | None = None
+    event: object = None
+
+
+class FrameMemory:
+    """The host buffers that frames lie in on one replica's device path, and where else their
+    bytes are, so that a decode copies a frame to the device from where it lies, or not at all
+    (:meth:`DeviceGradientCompressor.decode`):
+
+    - receive buffers (:class:`~.wire.ReceiveBuffers` given this memory) are pinned, so the
+      decode's copy goes to the device straight from them, asynchronously, with no host copy
+      first. MPI must not write one again while that copy is still queued:
+      :meth:`before_write` waits for its event where the status has not been read since (a
+      read synchronises the stream, which covers the copy; the decodes and that read go on
+      one stream, as the staging buffers' rule assumes);
+    - an encode's host frame (a device compressor's pinned frame buffer) still has its
+      payloads in the encode's device frame buffer: a decode on this replica (a colocated
+      server's own worker's frame, a worker's own shard's broadcast) reads them there, and
+      copies nothing. Only the headers are the host's (the decode reads them on the host).
+
+    State: the buffers by key (:class:`HostBuffer`)."""
+
+    def __init__(self, status: "DeviceStatus"):
+        self.status = status
+        self._buffers: dict = {}
+        self._by_address: dict[int, HostBuffer] = {}
+
+    def allocate(self, size: int, key) -> np.ndarray:
+        """A pinned receive buffer of ``size`` bytes for ``key`` (replacing its last one)."""
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=self.status.device.type == "cuda")
+        self._register(key, HostBuffer(host, None))
+        return host.numpy()
+
+    def encoded(self, key, host: torch.Tensor, device: torch.Tensor) -> None:
+        """An encode's pinned host frame buffer for ``key`` and the device frame buffer whose
+        payloads it copies."""
+        known = self._buffers.get(key)
+        if known is None or known.host is not host or known.device is not device:
+            self._register(key, HostBuffer(host, device))
+
+    def _register(self, key, buffer: HostBuffer) -> None:
+        old = self._buffers.get(key)
+        if old is not None and self._by_address.get(old.host.data_ptr()) is old:
+            del self._by_address[old.host.data_ptr()]
+        self._buffers[key] = buffer
+        if buffer.host.numel():  # an empty buffer has no address of its own
+            self._by_address[buffer.host.data_ptr()] = buffer
+
+    def before_write(self, key) -> None:
+        """Before ``key``'s receive buffer is written again: wait for a copy out of it still
+        queued (one synchronisation, counted), where the status was not read since."""
+        buffer = self._buffers[key]
+        if buffer.copied_at is not None and buffer.copied_at == self.status.reads:
+            synchronized("receive buffer reused before the status read")
+            if buffer.event is not None:
+                buffer.event.synchronize()
+        buffer.copied_at = buffer.event = None
+
+    def locate(self, frame: np.ndarray) -> tuple[HostBuffer, int] | None:
+        """The buffer ``frame`` lies in and its offset there, or None (memory of no buffer here)."""
+        address = frame.__array_interface__["data"][0]
+        buffer = self._by_address.get(address)
+        if buffer is not None and frame.size <= buffer.host.numel():
+            return buffer, 0
+        for buffer in self._buffers.values():  # a frame behind its length (a broadcast's message)
+            start = buffer.host.data_ptr()
+            if buffer.host.numel() and start <= address and address + frame.size <= start + buffer.host.numel():
+                return buffer, address - start
+        return None
+
+    def copied_out(self, buffer: HostBuffer, stream) -> None:
+        """A copy out of ``buffer`` was queued on ``stream``: :meth:`before_write` waits for it."""
+        buffer.copied_at = self.status.reads
+        if not simulated():
+            buffer.event = self.status.cuda.event(timing=False)
+            buffer.event.record(stream)
+
+
 class DeviceFeedback:
     """The error memory of :class:`~mpigrad.feedback.ErrorFeedback` in device memory, with
     the same float operations (so the same memory, bit for bit) and the same state_dict.
@@ -332,25 +423,6 @@ class DeviceFeedback:
         """Record that ``key``'s memory is in use (compensated and updated by the table kernels)."""
         self.used.setdefault(key, None)
 
-    def compensate(self, key: int, g: torch.Tensor) -> torch.Tensor:
-        offset, size = self.places[key]
-        self.remembered(key)
-        error, p = self.memory[offset:offset + size], self.compensated[offset:offset + size]
-        launched("torch", 1 if self.decay == 1.0 else 2)
-        if self.decay == 1.0:
-            torch.add(g, error, out=p)
-        else:
-            torch.mul(error, np.float32(self.decay).item(), out=p)
-            p.add_(g)
-        return p
-
-    def update(self, key: int, p: torch.Tensor, decoded: torch.Tensor) -> None:
-        launched("torch", 1 if self.mode == "residual" else 2)
-        if self.mode == "residual":
-            torch.sub(p, decoded, out=self.error(key))
-        else:
-            torch.mul(p, decoded == 0, out=self.error(key))
-
     def state_dict(self) -> dict:
         return {"mode": self.mode, "decay": self.decay,
                 "memory": {key: self.error(key).cpu().numpy().copy() for key in self.used}}
@@ -373,14 +445,16 @@ class DeviceFeedback:
 class DeviceGradientCompressor:
     """Hyperparameters: the host compressor it mirrors (pieces, codec configs and
     instances, RNG counters: its ``state_dict`` is the host one's), the device, the
-    :class:`DeviceStatus` its frames flag into (its own unless given) and whether a decode
+    :class:`DeviceStatus` its frames flag into (its own unless given), whether a decode
     leaves its status to a later read (``defer_decode_checks``: the runtime's, which reads it
-    once per iteration, :func:`check_decodes`). State: each codec instance's device twin, the
-    device error memory, the device and pinned frame buffers. ``encode``/``decode`` take
-    device tensors and host frames."""
+    once per iteration, :func:`check_decodes`) and the :class:`FrameMemory` of its host frames
+    (its own unless given: the runtime's compressors share the replica's, so that a decode
+    finds the frames the others encoded and the receive buffers). State: each codec
+    instance's device twin, the device error memory, the device and pinned frame buffers.
+    ``encode``/``decode`` take device tensors and host frames."""
 
     def __init__(self, host: GradientCompressor, device: torch.device, status: DeviceStatus | None = None,
-                 defer_decode_checks: bool = False):
+                 defer_decode_checks: bool = False, frame_memory: FrameMemory | None = None):
         reasons = host_reasons(compressor_codecs(host))
         if reasons:
             raise CodecError("; ".join(reasons))
@@ -391,6 +465,7 @@ class DeviceGradientCompressor:
         self._twins: dict[int, object] = {}
         self.status = status if status is not None else DeviceStatus(self.cuda, device)
         self.defer_decode_checks = defer_decode_checks
+        self.frame_memory = frame_memory if frame_memory is not None else FrameMemory(self.status)
         #: Decodes per shard since the status was last read (its ``reads`` at ``_slots_read``):
         #: each takes a pinned staging buffer of its own, which the host may not rewrite
         #: before that read (``_staging_key``).
@@ -400,11 +475,7 @@ class DeviceGradientCompressor:
         self._staging: dict = {}
         self._host_frames: dict = {}
         self._host_staging: dict = {}
-        self._scratch = torch.empty(max([p.size for p in self.pieces if p.quantized], default=0),
-                                    dtype=torch.float32, device=device)
-        #: A frame whose pieces are all bucketed (uniform, sign, TernGrad, QSGD), float32 or
-        #: fp16 (and whose pieces with error feedback are bucketed) goes by table: a fixed
-        #: number of launches per frame
+        #: Every frame goes by table: a fixed number of launches, whatever its pieces
         #: (:mod:`mpigrad.codecs.device.table`).
         from ..codecs.device import kernels, table  # numba's CUDA: only where a device path is built
 
@@ -434,9 +505,12 @@ class DeviceGradientCompressor:
         return twin
 
     def _buffers(self, key, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device frame buffer of ``key`` and its pinned host twin, grown as needed."""
-        return (self._device_buffer(self._device_frames, key, capacity),
-                self._pinned_buffer(self._host_frames, key, capacity))
+        """The device frame buffer of ``key`` and its pinned host twin, grown as needed (the
+        pair known to :attr:`frame_memory`)."""
+        device, host = (self._device_buffer(self._device_frames, key, capacity),
+                        self._pinned_buffer(self._host_frames, key, capacity))
+        self.frame_memory.encoded((id(self), key), host, device)
+        return device, host
 
     def _pinned_buffer(self, buffers: dict, key, capacity: int) -> torch.Tensor:
         """A host buffer of at least ``capacity`` bytes in pinned memory (a GPU's copies to
@@ -507,10 +581,7 @@ class DeviceGradientCompressor:
         pos = FrameHeader.size(len(shard.pieces))
         codecs = [host.codec_for(piece, bits[piece.layer]) for piece in shard.pieces]
         twins = [self._twin(codec) for codec in codecs]
-        if self._table.tabled(twins, [piece.quantized and self.feedback is not None for piece in shard.pieces]):
-            headers, pos = self._queue_table_encode(grad, shard, codecs, twins, frame_view, pos)
-        else:
-            headers, pos = self._queue_piece_encodes(grad, shard, codecs, twins, frame_view, pos)
+        headers, pos = self._queue_table_encode(grad, shard, codecs, twins, frame_view, pos)
         copied("to_host", pos)
         # The packed bytes, and nothing else, into pinned memory: asynchronous on a GPU,
         # waited for with the status.
@@ -582,29 +653,6 @@ class DeviceGradientCompressor:
         self._device_tables[key] = template
         return self._view(device[:array.nbytes].view(torch.int64))
 
-    def _queue_piece_encodes(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):
-        """Queue the frame's kernels piece by piece (each twin's own launches, the error
-        memory's compensation and decode); return the pieces' (position, header) and the
-        frame's length."""
-        host, headers = self.host, []
-        for piece, codec, twin in zip(shard.pieces, codecs, twins):
-            g = grad[piece.offset:piece.offset + piece.size]
-            if not piece.quantized:
-                header = twin.launch_encode(self._view(g), frame_view, pos + HEADER_SIZE, self.status.slots)
-            else:
-                p = self.feedback.compensate(piece.index, g) if self.feedback else g
-                codec.calls = host.calls[piece.index]
-                header = twin.launch_encode(self._view(p), frame_view, pos + HEADER_SIZE, self.status.slots)
-                host.calls[piece.index] = codec.calls
-                if self.feedback:
-                    decoded = self._scratch[:piece.size]
-                    payload = frame_view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
-                    twin.launch_decode(header, payload, self._view(decoded), False, self.status.slots)
-                    self.feedback.update(piece.index, p, decoded)
-            headers.append((pos, header))
-            pos += HEADER_SIZE + header.payload_len
-        return headers, pos
-
     def decode(self, frame: np.ndarray, shard: Shard, out: torch.Tensor, *, accumulate: bool = False) -> float:
         """Decode ``shard``'s host frame into the flat device ``out`` (or add to it); return
         the sender's encode seconds. As the host compressor's: a caller that gets an error
@@ -624,36 +672,37 @@ class DeviceGradientCompressor:
             checked.append((piece, twin, header))
         twins = [twin for _, twin, _ in checked]
         first = FrameHeader.size(len(shard.pieces))
-        table = self._table.FrameTable(encode=False) if self._table.tabled(twins) else None
-        if table is not None:
-            pos = first
-            for piece, twin, header in checked:
-                table.add_decode(twin, header, piece.offset, pos + HEADER_SIZE)
-                pos += HEADER_SIZE + header.payload_len
-            array = table.array().view(np.uint8)
-        # The table follows the frame (8-byte aligned) in its staging: one copy for both.
-        at = -(-frame.size // 8) * 8
-        size = at + array.size if table is not None else frame.size
+        table, pos = self._table.FrameTable(encode=False), first
+        for piece, twin, header in checked:
+            table.add_decode(twin, header, piece.offset, pos + HEADER_SIZE)
+            pos += HEADER_SIZE + header.payload_len
+        array = table.array().view(np.uint8)
+        # The device staging: the frame, then its table (8-byte aligned); only the table where
+        # the frame's payloads are on the device already (an encode's on this replica).
+        located = self.frame_memory.locate(frame)
+        buffer, offset = located if located is not None else (None, 0)
+        resident = buffer is not None and buffer.device is not None
+        at = 0 if resident else -(-frame.size // 8) * 8
+        size = at + array.size
         # One device buffer per shard (the stream orders its reuse); a pinned one per frame.
         staging = self._device_buffer(self._staging, (shard.server, shard.bucket), size)
-        pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), size)
-        pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
-        if table is not None:
-            pinned[at:size].numpy()[:] = array
-        copied("to_device", size)
-        staging[:size].copy_(pinned[:size], non_blocking=True)  # waited for with the status
-        view = self._view(staging)
+        staged = 0  # where the bytes staged through pinned memory begin
+        if buffer is not None and not resident:  # received into pinned memory: copied from there
+            copied("to_device", frame.size)
+            staging[:frame.size].copy_(buffer.host[offset:offset + frame.size], non_blocking=True)
+            self.frame_memory.copied_out(buffer, self._current_stream())
+            staged = at
+        if size > staged:  # pinned[i] goes to staging[staged + i]
+            pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), size - staged)
+            if buffer is None:
+                pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
+            pinned[at - staged:size - staged].numpy()[:] = array
+            copied("to_device", size - staged)
+            staging[staged:size].copy_(pinned[:size - staged], non_blocking=True)  # waited for with the status
+        view = self._view(buffer.device[offset:offset + frame.size] if resident else staging)
         try:
-            if table is not None:
-                self._tables.decode(table, self._view(staging[at:size].view(torch.int64)), view, self._view(out),
-                                    accumulate, self.status.slots)
-            else:
-                pos = first
-                for piece, twin, header in checked:
-                    payload = view[pos + HEADER_SIZE:pos + HEADER_SIZE + header.payload_len]
-                    twin.launch_decode(header, payload, self._view(out[piece.offset:piece.offset + piece.size]),
-                                       accumulate, self.status.slots)
-                    pos += HEADER_SIZE + header.payload_len
+            self._tables.decode(table, self._view(staging[at:size].view(torch.int64)), view, self._view(out),
+                                accumulate, self.status.slots)
         except BaseException:  # the copy out of the pinned buffer may still run: let it end first
             self.status.clear()
             raise

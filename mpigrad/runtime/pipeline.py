@@ -162,11 +162,7 @@ class PipelinedExchange:
         self.avg_recv = channel.start_recv(items, TAG_BCAST)
 
     def _buffer(self, key, capacity: int) -> np.ndarray:
-        buffers = self.worker.pipeline_buffers
-        buf = buffers.get(key)
-        if buf is None or buf.size < capacity:
-            buf = buffers[key] = np.empty(capacity, np.uint8)
-        return buf
+        return self.worker.pipeline_buffers.take(key, capacity)
 
     def _send(self, b: int) -> None:
         """Encode bucket b's frames and send them; on the device path, queue them

@@ -89,6 +89,8 @@ class Replica:
         self.update_device: torch.Tensor | None = None
         #: The status its device compressors flag into (runtime/device.py ``on_device``), else None.
         self.device_status = None
+        #: The host buffers its device compressors' frames lie in (runtime/device.py ``FrameMemory``), else None.
+        self.frame_memory = None
 
     def use_device_codecs(self) -> None:
         """From now on the codecs read ``flat_grad`` and write ``update_device`` where they

@@ -43,7 +43,8 @@ from .tracing import close_seconds
 from .stopping import StopFlag
 from .lowrank import LowRank
 from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, TAG_SETTINGS, WORLD,
-                   BackwardReport, Channel, Control, FrameError, FrameLength, LossReport, ServerReport, is_error_frame)
+                   BackwardReport, Channel, Control, FrameError, FrameLength, LossReport, ReceiveBuffers, ServerReport,
+                   is_error_frame)
 
 
 class TrainingError(RuntimeError):
@@ -71,7 +72,8 @@ class ShardAggregator:
                          else torch.zeros(total, dtype=torch.float32, device=device))
         self.quantized = [piece for piece in shard.pieces if piece.quantized]
         self.average = np.empty(sum(piece.size for piece in self.quantized), np.float32)
-        self.recv_buffers = {rank: np.empty(0, np.uint8) for rank in self.workers}
+        #: The workers' frames: in pinned memory the device decode copies from, on the device path.
+        self.recv_buffers = ReceiveBuffers(self.workers, getattr(decoder, "frame_memory", None))
         self.frame_len = FrameLength.buffer()
         #: A server that broadcasts to its group (rank 0, ``ShardServer``; colocated workers
         #: send point to point): after a whole-shard ``encode``, the broadcast's message,
@@ -309,7 +311,7 @@ class ShardServer(FollowerRole):
     def _broadcast(self, m: int, agg: ShardAggregator, transform=None) -> float:
         t_encode = agg.encode(self.bits, transform)
         sizes = {self.rank: agg.broadcast_size(self.bits)}
-        broadcast_frames(self.channel, [self.rank], sizes, {self.rank: agg.frame_len}, {}, (self.rank, agg.message),
+        broadcast_frames(self.channel, [self.rank], sizes, {self.rank: agg.frame_len}, ReceiveBuffers(), (self.rank, agg.message),
                          _stalled(m))
         self.bytes_out += agg.frame.size + FrameLength.NBYTES
         return t_encode
@@ -460,7 +462,7 @@ class ParameterServer:
         self.report_rows = (ServerReport.buffer(self.workers, max(self.n_layers, 1), len(self.remote_shards))
                             if self.remote_shards else None)
         self.lengths = {s: FrameLength.buffer() for s in range(1, self.servers)}
-        self.frames = {s: np.empty(0, np.uint8) for s in range(1, self.servers)}
+        self.frames = ReceiveBuffers(range(1, self.servers))
         self.start_iteration = 0
         self.session_started = time.perf_counter()
         #: Rank 0's CPU time in its iterations this session (its own work: receiving, the

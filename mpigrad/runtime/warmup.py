@@ -68,21 +68,19 @@ _device_warmed: frozenset[str] | None = None
 
 def warm_up_device(codecs: list[Codec], device) -> float:
     """Launch every device kernel of ``codecs`` (those with device twins, ``DEVICE_CODECS``)
-    on ``device`` before the first iteration: encode, decode and decode-add of a short array
-    and of one longer than a chunk (under the simulator, where nothing compiles and a
-    simulated thread is slow, the short one only: it launches every kernel too), the calls
-    the device path makes, so that Numba compiles them (or loads them
+    on ``device`` before the first iteration: a frame of one piece per codec encoded,
+    decoded and decoded-added by table, of a short piece and of one
+    longer than a chunk (under the simulator, where nothing compiles and a simulated thread
+    is slow, the short one only: it launches every kernel too), the calls the device path
+    makes, so that Numba compiles them (or loads them
     from its cache) here and not inside an iteration. Each worker runs its own, in parallel
     (each on its GPU); returns the seconds it took. :func:`late_device_kernels` then names
     any kernel first launched after it."""
     global _device_warmed
-    import torch
-
     from ..codecs.device import device_codec, host_only, load_cuda
     from ..codecs.device.counters import kernels_launched
     from ..codecs.device.kernels import CHUNK, SIMULATOR
-    from ..codecs.device.table import tabled
-    from .device import current_stream, device_view, synchronize
+    from .device import current_stream, synchronize
 
     began = time.perf_counter()
     cuda = load_cuda()
@@ -91,19 +89,9 @@ def warm_up_device(codecs: list[Codec], device) -> float:
     for codec in codecs:
         if host_only(codec):
             continue
-        twin = device_codec(codec, lambda: current_stream(cuda, device))
-        twins.append(twin)
-        for n in sizes:
-            x = torch.linspace(-1.0, 1.0, n, dtype=torch.float32, device=device)
-            frame = torch.empty(twin.max_encoded_size(n), dtype=torch.uint8, device=device)
-            length = twin.encode(device_view(cuda, x), device_view(cuda, frame))
-            host = frame[:length].cpu().numpy()
-            out = torch.zeros(n, dtype=torch.float32, device=device)
-            twin.decode(host, device_view(cuda, out))
-            twin.decode(host, device_view(cuda, out), accumulate=True)
-    by_table = [twin for twin in twins if tabled([twin])]
-    for n in sizes if by_table else ():
-        _warm_up_table(cuda, device, by_table, n)
+        twins.append(device_codec(codec, lambda: current_stream(cuda, device)))
+    for n in sizes if twins else ():
+        _warm_up_table(cuda, device, twins, n)
     synchronize(device)
     _device_warmed = kernels_launched()
     return time.perf_counter() - began

@@ -491,8 +491,13 @@ def pack_blocks(kind, x, bucket, bits, levels, scales, stochastic, key, out, pos
 def _remember(kind, code, x, i, bucket, scales, levels, bits, memory, feedback):
     """The error memory of value ``i`` after it was coded as ``code``: RESIDUAL x - decoded,
     ACCUMULATE x where decoded is 0 (else x * 0), as the host's ``ErrorFeedback.update``."""
-    v = _value(kind, code, i, bucket, scales, levels, bits)
-    p = x[i]
+    _set_memory(x[i], _value(kind, code, i, bucket, scales, levels, bits), memory, i, feedback)
+
+
+@cuda.jit(device=True)
+def _set_memory(p, v, memory, i, feedback):
+    """``memory[i]`` after ``p`` was coded and decodes to ``v``: RESIDUAL p - v, ACCUMULATE p
+    where v is 0 (else p * 0), as the host's ``ErrorFeedback.update``."""
     if feedback == RESIDUAL:
         memory[i] = _fadd(p, -v)
     elif v == np.float32(0.0):
@@ -687,6 +692,23 @@ def _narrow_half(v, status):
 
 
 @cuda.jit(device=True)
+def _widen_half(h):
+    """The float32 of the half ``h`` (as uint32), exactly: the host's table of every half
+    (``_load_half``) computed, for an encode's error memory, which has no table."""
+    e = (h >> uint32(10)) & uint32(0x1F)
+    m = h & uint32(0x3FF)
+    if e == uint32(0):  # zero or subnormal: m * 2^-24, exact in float32
+        v = _fmul(np.float32(m), np.float32(5.9604644775390625e-08))
+        return -v if h & uint32(0x8000) else v
+    if e == uint32(0x1F):
+        bits = uint32(0x7F800000) | (m << uint32(13))
+    else:
+        bits = ((e + uint32(112)) << uint32(23)) | (m << uint32(13))
+    v = _as_float(int32(bits))
+    return -v if h & uint32(0x8000) else v
+
+
+@cuda.jit(device=True)
 def _store_half(out, pos, h):
     out[pos] = np.uint8(h & uint32(0xFF))
     out[pos + 1] = np.uint8(h >> uint32(8))
@@ -858,7 +880,8 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     bucketed piece's thread j is pack_blocks' thread j, then pack_tail's, coding ``g`` or,
     with error feedback, ``compensated`` (``table_range_keys`` wrote it) and setting the
     error ``memory`` of what it codes; a FLOAT32 piece's stores value j of ``g`` (flagging
-    NaN/inf, as ``store_float32``), a FLOAT16 piece's its half (as ``store_float16``)."""
+    NaN/inf, as ``store_float32``), a FLOAT16 piece's its half (as ``store_float16``), each,
+    with error feedback, of g compensated (written to ``compensated``) and setting its memory."""
     i = cuda.grid(1)
     if i >= firsts[firsts.size - 1]:
         return
@@ -871,16 +894,25 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     xe = compensated[offset:stop] if feedback != NO_FEEDBACK else g[offset:stop]
     me = memory[offset:stop]
     at = pieces[row + P_CODES]
-    if pieces[row + P_KIND] == FLOAT32:
-        v = xe[j]
-        if not math.isfinite(v):
-            status[ERR_NONFINITE] = 1
-        _store_f32(out, at + 4 * j, v)
-        return
-    if pieces[row + P_KIND] == FLOAT16:
-        _store_half(out, at + 2 * j, _narrow_half(xe[j], status))
-        return
     kind = pieces[row + P_KIND]
+    if kind == FLOAT32 or kind == FLOAT16:
+        v = g[offset + j]
+        if feedback != NO_FEEDBACK:  # compensated here: a float piece has no range pass
+            decay = _as_float(int32(pieces[row + P_DECAY]))
+            v = _fadd(v, me[j]) if decay == np.float32(1.0) else _fadd(_fmul(me[j], decay), v)
+            xe[j] = v
+        if kind == FLOAT32:
+            if not math.isfinite(v):
+                status[ERR_NONFINITE] = 1
+            _store_f32(out, at + 4 * j, v)
+            decoded = v
+        else:
+            h = _narrow_half(v, status)
+            _store_half(out, at + 2 * j, h)
+            decoded = _widen_half(h)
+        if feedback != NO_FEEDBACK:
+            _set_memory(v, decoded, me, j, feedback)
+        return
     bits = pieces[row + P_BITS]
     levels = pieces[row + P_LEVELS]
     bucket = pieces[row + P_BUCKET]

@@ -6,13 +6,13 @@ the decode reads every scale (one launch) and writes or adds every piece (one). 
 per-piece twins (:mod:`.codecs`) take five or six launches a piece to encode and two or
 three to decode.
 
-A frame goes by table where each of its pieces is a bucketed piece
-(:class:`~.codecs.DeviceUniform`, any bits, :class:`~.codecs.DeviceSign`,
-:class:`~.codecs.DeviceTernGrad` or :class:`~.codecs.DeviceQSGD`), a
-:class:`~.codecs.DeviceFloat32` or a :class:`~.codecs.DeviceFloat16` piece (:func:`tabled`;
-a frame of float pieces only takes one launch each way); its bytes are the per-piece
-twins', byte for byte, which are the host codecs' where the scales come from ranges
-(tests/test_device_table.py). :class:`FrameTable` is the host's half: each piece's header
+Every device twin's pieces go by table: a bucketed piece (:class:`~.codecs.DeviceUniform`,
+any bits, :class:`~.codecs.DeviceSign`, :class:`~.codecs.DeviceTernGrad` or
+:class:`~.codecs.DeviceQSGD`), a :class:`~.codecs.DeviceFloat32` or a
+:class:`~.codecs.DeviceFloat16` piece, with or without error feedback (a frame of float
+pieces only takes one launch each way); its bytes are the per-piece twins', byte for
+byte, which are the host codecs' where the scales come from ranges
+(tests/test_device_table.py), and so is the error memory it sets. :class:`FrameTable` is the host's half: each piece's header
 and the int64 table the kernels read; :class:`TableKernels` launches them.
 """
 
@@ -24,23 +24,9 @@ from ..base import Header
 from ..checks import bucket_layout
 from . import kernels as k
 from . import codecs as device_codecs
-from .codecs import (DeviceFloat16, DeviceFloat32, DeviceQSGD, DeviceSign, DeviceTernGrad, DeviceUniform,
-                     ScratchArrays, half_table)
+from .codecs import DeviceFloat16, DeviceFloat32, ScratchArrays, half_table
 
-__all__ = ["FrameTable", "TableKernels", "tabled"]
-
-#: The twins whose pieces have bucket scales and fixed-width codes.
-_BUCKETED = (DeviceUniform, DeviceSign, DeviceTernGrad, DeviceQSGD)
-
-
-def tabled(twins, with_feedback=None) -> bool:
-    """Whether a frame of pieces with these device twins can go by table; ``with_feedback``
-    (one bool per piece) marks those with error feedback, which must be bucketed ones
-    (uniform, sign, TernGrad, QSGD)."""
-    with_feedback = with_feedback or [False] * len(twins)
-    return all(type(twin) in _BUCKETED or (type(twin) in _FLOATS and not feedback)
-               for twin, feedback in zip(twins, with_feedback))
-
+__all__ = ["FrameTable", "TableKernels"]
 
 #: The float twins' kinds in the table.
 _FLOATS = {DeviceFloat32: k.FLOAT32, DeviceFloat16: k.FLOAT16}
@@ -76,7 +62,7 @@ class FrameTable:
         fields = twin._empty_fields() if size == 0 else twin.fields(size)
         header = Header(twin.codec.wire_id, *fields[:4], size, fields[4])
         if size and type(twin) in _FLOATS:
-            self._add_float(_FLOATS[type(twin)], offset, size, payload_at)
+            self._add_float(_FLOATS[type(twin)], offset, size, payload_at, feedback, decay)
         elif size:
             self._add_bucketed(twin, offset, size, twin.codec.bucket_size or 0, payload_at, feedback, decay)
         return header
@@ -92,9 +78,12 @@ class FrameTable:
         else:
             self._add_bucketed(twin, offset, header.n, header.param_a, payload_at, header=header)
 
-    def _add_float(self, kind: int, offset: int, size: int, at: int) -> None:
+    def _add_float(self, kind: int, offset: int, size: int, at: int, feedback: int = k.NO_FEEDBACK,
+                   decay: float = 1.0) -> None:
         row = [0] * k.PIECE_COLUMNS
         row[k.P_KIND], row[k.P_OFFSET], row[k.P_SIZE], row[k.P_CODES] = kind, offset, size, at
+        row[k.P_FEEDBACK], row[k.P_DECAY] = feedback, int(np.float32(decay).view(np.int32))
+        self.with_feedback |= feedback != k.NO_FEEDBACK
         self._pieces.append(row)
         self._threads.append(size)
 

@@ -101,6 +101,37 @@ def group_members(group, servers: int, size: int, colocated: bool = False) -> li
     return [group, *([0] if group else []), *workers]
 
 
+class ReceiveBuffers:
+    """Byte buffers that variable-size messages are received into, by key (a source rank, a
+    bucket's), each reused and replaced by a larger one when a message does not fit.
+
+    ``memory`` decides where a buffer lives and when the host may write it again: None for
+    plain NumPy memory; on the device path the replica's pinned host memory, which a
+    decode copies to the device straight from, with no host copy (runtime/device.py
+    ``FrameMemory``: ``allocate(size, key)``, and ``before_write(key)``, which waits until
+    no copy out of the buffer is still queued)."""
+
+    def __init__(self, keys=(), memory=None):
+        self.memory = memory
+        self._buffers: dict = {}
+        for key in keys:
+            self.take(key, 0)
+
+    def take(self, key, size: int) -> np.ndarray:
+        """The first ``size`` bytes of ``key``'s buffer (grown as needed), free to be written now."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.size < size:
+            buffer = self._buffers[key] = (np.empty(size, np.uint8) if self.memory is None
+                                           else self.memory.allocate(size, (id(self), key)))
+        elif self.memory is not None:
+            self.memory.before_write((id(self), key))
+        return buffer[:size]
+
+    def __getitem__(self, key) -> np.ndarray:
+        """``key``'s whole buffer, as last taken."""
+        return self._buffers[key]
+
+
 class Channel(ABC):
     """One rank's end of the run's communication. ``timeout`` bounds every wait.
     ``servers`` is the number of shards S; ``colocated`` whether workers serve them."""
@@ -168,11 +199,11 @@ class Channel(ABC):
         """Receive fixed-size messages into each ``(buffer, source)``."""
 
     @abstractmethod
-    def frames(self, sources: list[int], tag: int, buffers: dict[int, np.ndarray],
+    def frames(self, sources: list[int], tag: int, buffers: ReceiveBuffers,
                describe: Callable[[list[int]], str]) -> Iterator[tuple[int, np.ndarray]]:
         """Yield ``(source, view)`` for one variable-size message from each source, in
-        arrival order. ``buffers[source]`` is reused and replaced by a larger one when a
-        message does not fit; a view stays valid until the next call for that source."""
+        arrival order, received into ``buffers.take(source, size)``; a view stays valid
+        until the next call for that source."""
 
     @abstractmethod
     def broadcast(self, items: list[tuple[np.ndarray, Any]], describe: Callable[[], str]) -> None:

@@ -110,11 +110,10 @@ class LoopbackChannel(Channel):
         while waiting:
             (source, _), data = self.box.take_any([(s, tag) for s in sorted(waiting)], self.timeout,
                                                   lambda: describe(sorted(waiting)))
-            if buffers[source].size < data.size:
-                buffers[source] = np.empty(data.size, np.uint8)
-            buffers[source][:data.size] = data
+            view = buffers.take(source, data.size)
+            view[:] = data
             waiting.discard(source)
-            yield source, buffers[source][:data.size]
+            yield source, view
 
     def has_message(self, source: int, tag: int) -> bool:
         with self.box.cond:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from mpi4py import MPI
 
-from .channel import WORLD, Backoff, Channel, PeerFailed
+from .channel import WORLD, Backoff, Channel, PeerFailed, ReceiveBuffers
 from .messages import TAG_ERROR, TAG_OBJECT, ErrorReport, FrameError
 
 #: How long a failed rank's error report may take to leave (it is small: sent eagerly).
@@ -149,28 +149,26 @@ class MpiChannel(Channel):
         (the lab named ranks 1 and 2 for node 2's downed link). The timeout restarts whenever
         a frame starts or completes."""
         waiting = set(sources)  # frames not complete
-        receiving: dict[int, tuple[Any, int]] = {}  # started: source -> (request, bytes)
+        receiving: dict[int, tuple[Any, np.ndarray]] = {}  # started: source -> (request, its buffer)
         status = MPI.Status()
         backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
         while waiting:
             done = [source for source, (request, _) in receiving.items() if request.Test()]
             for source in done:
-                count = receiving.pop(source)[1]
+                view = receiving.pop(source)[1]
                 waiting.discard(source)
                 backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
-                yield source, buffers[source][:count]
+                yield source, view
             if done:
                 continue
             if len(receiving) < len(waiting) and self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
                 source, count = status.Get_source(), status.Get_count(MPI.BYTE)
                 if source not in waiting or source in receiving:
                     raise RuntimeError(f"rank {self.rank}: a second message with tag {tag} from rank {source}")
-                if buffers[source].size < count:
-                    buffers[source] = np.empty(count, np.uint8)
+                view = buffers.take(source, count)
                 # Not a blocking Recv: a link that fails while the message crosses would hang it
                 # past every timeout (the lab saw it: rank 0 silent, the workers timing out).
-                receiving[source] = (self.comm.Irecv([buffers[source], count, MPI.BYTE], source=source, tag=tag),
-                                     count)
+                receiving[source] = (self.comm.Irecv([view, count, MPI.BYTE], source=source, tag=tag), view)
                 backoff = Backoff(self.timeout, lambda: describe(sorted(waiting)))
                 continue
             started = time.process_time()
@@ -196,7 +194,7 @@ class MpiChannel(Channel):
             return None
         others = list(range(1, self.size))
         gathered = [obj] + [None] * len(others)
-        buffers = {rank: np.empty(0, np.uint8) for rank in others}
+        buffers = ReceiveBuffers()
         describe = lambda pending: f"rank(s) {', '.join(map(str, pending))} sent no {what}"  # noqa: E731
         for source, view in self.frames(others, TAG_OBJECT, buffers, describe):
             gathered[source] = pickle.loads(view)
@@ -207,8 +205,7 @@ class MpiChannel(Channel):
             self._send_objects([(objs[rank], rank) for rank in range(1, self.size)],
                                "set-up data did not reach rank(s) {}")
             return objs[0]
-        buffers = {0: np.empty(0, np.uint8)}
-        _, view = next(self.frames([0], TAG_OBJECT, buffers, lambda pending: "rank 0 sent no set-up data"))
+        _, view = next(self.frames([0], TAG_OBJECT, ReceiveBuffers(), lambda pending: "rank 0 sent no set-up data"))
         return pickle.loads(view)
 
     def bcast_object(self, obj):
