@@ -73,8 +73,9 @@ def on_device(replica, *compressors) -> list:
     GPU, or the simulator asked for), when every codec has kernels and numba-cuda loads,
     their device twins (one per distinct object) with the replica's codec buffers moved to
     the device, flagging into one :class:`DeviceStatus` (``replica.device_status``), their
-    frames in one :class:`FrameMemory` (``replica.frame_memory``), and leaving their decodes' status to :func:`check_decodes`; the host compressors as they
-    are where a codec has no kernels (rank 0's ``codecs:`` line says why).
+    frames in one :class:`FrameMemory` (``replica.frame_memory``), and leaving their
+    decodes' status to :func:`check_decodes`; the host compressors as they are where a codec
+    has no kernels (rank 0's ``codecs:`` line says why).
     DeviceUnavailable (one line naming the extra, and ``MPIGRAD_DEVICE_CODECS=host``) where
     every codec has kernels but numba-cuda is missing, broken or sees no device: a run the
     user expects on the GPU is refused rather than silently run many times slower on the
@@ -93,8 +94,8 @@ def on_device(replica, *compressors) -> list:
     twins: dict[int, DeviceGradientCompressor] = {}
     for c in compressors:
         if id(c) not in twins:
-            twins[id(c)] = DeviceGradientCompressor(c, replica.device, replica.device_status, defer_decode_checks=True,
-                                                    frame_memory=replica.frame_memory)
+            twins[id(c)] = DeviceGradientCompressor(c, replica.device, replica.device_status,
+                                                    defer_decode_checks=True, frame_memory=replica.frame_memory)
     return [twins[id(c)] for c in compressors]
 
 
@@ -304,12 +305,13 @@ def check_decodes(replica) -> None:
         status.check()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class HostBuffer:
     """One host buffer frames lie in (:class:`FrameMemory`): pinned ``host`` memory, its
     ``device`` twin (an encode's device frame buffer) or None (a receive buffer), and the
     last copy queued out of it to the device: the status read count then (``copied_at``,
-    None if none since the buffer was last written) and its event (None under the simulator)."""
+    None if none since the buffer was last written) and the event recorded behind it (the
+    buffer's one, made at its first copy; None under the simulator)."""
 
     host: torch.Tensor
     device: torch.Tensor | None
@@ -369,7 +371,7 @@ class FrameMemory:
             synchronized("receive buffer reused before the status read")
             if buffer.event is not None:
                 buffer.event.synchronize()
-        buffer.copied_at = buffer.event = None
+        buffer.copied_at = None
 
     def locate(self, frame: np.ndarray) -> tuple[HostBuffer, int] | None:
         """The buffer ``frame`` lies in and its offset there, or None (memory of no buffer here)."""
@@ -387,7 +389,8 @@ class FrameMemory:
         """A copy out of ``buffer`` was queued on ``stream``: :meth:`before_write` waits for it."""
         buffer.copied_at = self.status.reads
         if not simulated():
-            buffer.event = self.status.cuda.event(timing=False)
+            if buffer.event is None:
+                buffer.event = self.status.cuda.event(timing=False)
             buffer.event.record(stream)
 
 
@@ -659,7 +662,12 @@ class DeviceGradientCompressor:
         must not use ``out``. The frame's header and lengths are checked here; its payload's
         scales and codes by the kernels, whose status this call waits for, or with
         ``defer_decode_checks`` leaves to the next read of :attr:`status` (an encode's wait,
-        or :func:`check_decodes`): ``out`` is then to be used only after that read."""
+        or :func:`check_decodes`): ``out`` is then to be used only after that read.
+        Where ``frame`` lies in memory :attr:`frame_memory` knows, the device reads it from
+        there: from a pinned receive buffer, which is then to be written again only through
+        its ``ReceiveBuffers.take``; from an encode's host frame, whose payloads are read in
+        the encode's device frame buffer, so that a change the host made to them after the
+        encode is not seen (only the headers, read on the host, are the host frame's)."""
         encode_seconds, buffers = FrameHeader.read(frame, len(shard.pieces))
         checked = []
         for piece, buf in zip(shard.pieces, buffers):

@@ -311,8 +311,8 @@ class ShardServer(FollowerRole):
     def _broadcast(self, m: int, agg: ShardAggregator, transform=None) -> float:
         t_encode = agg.encode(self.bits, transform)
         sizes = {self.rank: agg.broadcast_size(self.bits)}
-        broadcast_frames(self.channel, [self.rank], sizes, {self.rank: agg.frame_len}, ReceiveBuffers(), (self.rank, agg.message),
-                         _stalled(m))
+        broadcast_frames(self.channel, [self.rank], sizes, {self.rank: agg.frame_len}, ReceiveBuffers(),
+                         (self.rank, agg.message), _stalled(m))
         self.bytes_out += agg.frame.size + FrameLength.NBYTES
         return t_encode
 

@@ -19,8 +19,9 @@ fixed sequential order that no parallel reduction reproduces: the float32 scale 
 in its last bit, rarely, and the codes agree wherever the scales do). qsgd's variable-length
 (Elias) coding, mcgq, powersgd and plugins have no twin (:func:`host_only` says why), and
 run on the host. A frame of several
-pieces, all uniform, float32 or fp16, can go through a fixed number of launches whatever its
-pieces (:mod:`.table`: 3 to encode, error memory included, 2 to decode). Importing this
+pieces of these codecs goes through a fixed number of launches whatever its pieces
+(:mod:`.table`: at most 3 to encode, error memory included, 2 to decode); the runtime's
+device path encodes and decodes every frame so. Importing this
 package needs nothing beyond mpigrad; :func:`load_cuda` imports ``numba.cuda`` and refuses in one line, naming the
 extra, where it is missing or broken. Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run
 in Numba's CUDA simulator (how CI tests them, without a GPU).

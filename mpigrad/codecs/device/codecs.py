@@ -145,14 +145,6 @@ class DeviceCodec(ABC):
         fields = self._encode_payload(x, out, pos, status) if x.size else self._empty_fields()
         return Header(self.codec.wire_id, *fields[:4], x.size, fields[4])
 
-    def launch_decode(self, header: Header, payload, out, accumulate: bool, status) -> None:
-        """Launch the kernels checking the scales of a checked ``header``'s device payload
-        (flags in ``status``) and decoding it into ``out``, all at once: a caller that finds
-        a flag afterwards must not use ``out`` (:meth:`decode` checks before it writes)."""
-        if header.n:
-            self._check_scales(header, payload, status)
-            self._decode_values(header, payload, out, accumulate)
-
     def decode(self, frame: np.ndarray, out, *, accumulate: bool = False) -> None:
         """Decode a frame held on the host (validated there: header, CRC, lengths) into
         device float32 ``out``, or with ``accumulate`` add to it; only the payload is

@@ -881,7 +881,8 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
     with error feedback, ``compensated`` (``table_range_keys`` wrote it) and setting the
     error ``memory`` of what it codes; a FLOAT32 piece's stores value j of ``g`` (flagging
     NaN/inf, as ``store_float32``), a FLOAT16 piece's its half (as ``store_float16``), each,
-    with error feedback, of g compensated (written to ``compensated``) and setting its memory."""
+    with error feedback, of g compensated with its memory (not written to ``compensated``),
+    then setting that memory."""
     i = cuda.grid(1)
     if i >= firsts[firsts.size - 1]:
         return
@@ -900,7 +901,6 @@ def table_pack(g, memory, compensated, firsts, pieces, lohi, out, status):
         if feedback != NO_FEEDBACK:  # compensated here: a float piece has no range pass
             decay = _as_float(int32(pieces[row + P_DECAY]))
             v = _fadd(v, me[j]) if decay == np.float32(1.0) else _fadd(_fmul(me[j], decay), v)
-            xe[j] = v
         if kind == FLOAT32:
             if not math.isfinite(v):
                 status[ERR_NONFINITE] = 1

@@ -12,8 +12,9 @@ any bits, :class:`~.codecs.DeviceSign`, :class:`~.codecs.DeviceTernGrad` or
 :class:`~.codecs.DeviceFloat16` piece, with or without error feedback (a frame of float
 pieces only takes one launch each way); its bytes are the per-piece twins', byte for
 byte, which are the host codecs' where the scales come from ranges
-(tests/test_device_table.py), and so is the error memory it sets. :class:`FrameTable` is the host's half: each piece's header
-and the int64 table the kernels read; :class:`TableKernels` launches them.
+(tests/test_device_table.py), and so is the error memory it sets. :class:`FrameTable` is
+the host's half: each piece's header and the int64 table the kernels read;
+:class:`TableKernels` launches them.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class FrameTable:
                    decay: float = 1.0) -> Header:
         """Add the piece ``values[offset:offset + size]`` encoded by ``twin`` with its
         payload at byte ``payload_at``, with error ``feedback`` (``kernels.RESIDUAL`` or
-        ``ACCUMULATE``: a uniform piece's) at ``decay``; return its header. The codec's RNG
+        ``ACCUMULATE``) at ``decay``; return its header. The codec's RNG
         stream is drawn here, as the twin's own encode draws it."""
         assert self.encode
         fields = twin._empty_fields() if size == 0 else twin.fields(size)
@@ -207,8 +208,8 @@ class TableKernels:
 
     def decode(self, table: FrameTable, device_table, frame, out, accumulate: bool, status) -> None:
         """Launch the frame's decode: ``frame`` (the device frame), into (or, with
-        ``accumulate``, onto) ``out`` (device float32, flat); flags into ``status``; as a
-        device codec's ``launch_decode``, ``out`` is not to be used before they are read."""
+        ``accumulate``, onto) ``out`` (device float32, flat); flags into ``status``, all at
+        once: ``out`` is not to be used before they are read (and found clear)."""
         assert not table.encode
         t, stream = self._sections(table, device_table), self._stream_source()
         buckets, launch = table.bucket_count, device_codecs.launch_kernel

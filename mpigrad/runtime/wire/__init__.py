@@ -8,7 +8,8 @@ from .messages import (CHECKPOINT_AFTER, CONTINUE, STATUS_NONFINITE_LOSS, STATUS
                        Control, ErrorReport, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
                        error_frame, is_error_frame)
 
-__all__ = ["WORLD", "Channel", "PeerFailed", "PeerTimeout", "ReceiveBuffers", "CHECKPOINT_AFTER", "CONTINUE", "STATUS_NONFINITE_LOSS",
+__all__ = ["WORLD", "Channel", "PeerFailed", "PeerTimeout", "ReceiveBuffers",
+           "CHECKPOINT_AFTER", "CONTINUE", "STATUS_NONFINITE_LOSS",
            "STATUS_OK", "STOP_AFTER", "TAG_AVERAGE", "TAG_BACKWARD", "TAG_BCAST", "TAG_BUFFERS", "TAG_ERROR", "TAG_FACTORS", "TAG_GRAD", "TAG_SETTINGS",
            "TAG_LOSS", "TAG_PARAMS", "TAG_REPORT", "BackwardReport", "BufferStats", "Control", "ErrorReport", "FrameError", "FrameHeader", "FrameLength", "LossReport",
            "ServerReport", "error_frame", "is_error_frame"]
