@@ -700,13 +700,13 @@ class DeviceGradientCompressor:
             staging[:frame.size].copy_(buffer.host[offset:offset + frame.size], non_blocking=True)
             self.frame_memory.copied_out(buffer, self._current_stream())
             staged = at
-        if size > staged:  # pinned[i] goes to staging[staged + i]
-            pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), size - staged)
-            if buffer is None:
-                pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
-            pinned[at - staged:size - staged].numpy()[:] = array
-            copied("to_device", size - staged)
-            staging[staged:size].copy_(pinned[:size - staged], non_blocking=True)  # waited for with the status
+        # The rest through a pinned staging buffer: pinned[i] goes to staging[staged + i].
+        pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), size - staged)
+        if buffer is None:
+            pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
+        pinned[at - staged:size - staged].numpy()[:] = array
+        copied("to_device", size - staged)
+        staging[staged:size].copy_(pinned[:size - staged], non_blocking=True)  # waited for with the status
         view = self._view(buffer.device[offset:offset + frame.size] if resident else staging)
         try:
             self._tables.decode(table, self._view(staging[at:size].view(torch.int64)), view, self._view(out),

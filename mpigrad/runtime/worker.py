@@ -72,7 +72,7 @@ class Worker(FollowerRole):
         self.loss_buf = LossReport.buffer()
         self.control_msg = Control(len(self.replica.layout.quantized))
         self.lengths = [FrameLength.buffer() for _ in range(self.servers)]
-        self.frames = ReceiveBuffers(range(self.servers), getattr(self.broadcast_decoder, "frame_memory", None))
+        self.frames = ReceiveBuffers(range(self.servers), self.replica.frame_memory)
         self.broadcast_bits = broadcast_codec(config)[1]
         self.iteration = 0
         self.fault = Fault.from_environment(self.rank)
@@ -99,14 +99,14 @@ class Worker(FollowerRole):
             self.report = ServerReport.buffer(workers, max(self.n_layers, 1))
             # PowerSGD's policies read the workers' setting errors, not the average (message 11)
             self.send_average = policy_class(config.policy).uses_gradients and not codec.two_rounds
-            self.bcast_buffers = ReceiveBuffers(channel.workers, getattr(self.broadcast_decoder, "frame_memory", None))
+            self.bcast_buffers = ReceiveBuffers(channel.workers, self.replica.frame_memory)
             if self.lowrank is not None:  # this shard's factors, one aggregator per round
                 from .server import factor_aggregators
                 self.factor_aggregators = factor_aggregators(config, channel, self.lowrank, self.serves)
         #: The pipelined iteration (--pipeline, colocated servers), else None.
         self.pipeline = PipelinedExchange(self) if config.pipeline else None
         if self.pipeline is not None:
-            self.pipeline_buffers = ReceiveBuffers(memory=getattr(self.broadcast_decoder, "frame_memory", None))
+            self.pipeline_buffers = ReceiveBuffers(memory=self.replica.frame_memory)
             self.backward_report = BackwardReport.buffer(len(self.pipeline.buckets), self.servers)
 
     # ---- the phases of one iteration (order: iteration.py) ----------------------------------
