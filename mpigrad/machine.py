@@ -16,8 +16,8 @@ import platform
 import sys
 from collections.abc import Mapping
 
-__all__ = ["cpu_model", "cpu_signature", "torch_cpu_capability", "mpi_library_version", "mpi_implementation",
-           "fingerprint", "FINGERPRINT_KEYS"]
+__all__ = ["cpu_model", "cpu_signature", "torch_cpu_capability", "mpi_library_version", "mpi_library_line",
+           "mpi_implementation", "fingerprint", "FINGERPRINT_KEYS"]
 
 #: What must match for two runs of one seed to be expected bit for bit alike.
 FINGERPRINT_KEYS = ("cpu", "cpu_signature", "torch_cpu_capability", "torch", "numpy", "numba")
@@ -77,6 +77,14 @@ def mpi_library_version(mpi=None) -> str | None:
     if mpi is None:
         return None
     return mpi.Get_library_version().replace("\x00", "").strip()
+
+
+def mpi_library_line(library: str | None) -> str:
+    """The first line of an MPI library string with its runs of spaces collapsed, for one-line
+    reports: ``MPICH Version: 5.0.2`` for MPICH's ``MPICH Version:      5.0.2``; ``unknown``
+    for None or an empty string."""
+    lines = (library or "").splitlines()
+    return " ".join(lines[0].split()) if lines and lines[0].strip() else "unknown"
 
 
 def mpi_implementation(library: str | None) -> str:

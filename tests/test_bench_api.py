@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mpigrad.bench.api import bench_config, losses_equal
+from mpigrad.bench.api import bench_config, losses_equal, verdict
 from mpigrad.config import RunConfig, dump_toml, load_toml
 from mpigrad.errors import UsageError
 
@@ -75,3 +75,14 @@ def test_bench_api_races_the_loop_against_train_and_finds_the_same_losses(mpi_en
     assert report["losses"].startswith("equal to the last bit (every worker's, all 8 iterations)")
     assert len(report["pairs"]) == 1 and report["train_ms"] > 0 and report["loop_ms"] > 0
     assert report["ratio"] == pytest.approx(report["loop_ms"] / report["train_ms"])
+
+
+@pytest.mark.quick
+def test_the_goal_gets_a_verdict_only_outside_the_pairs_spread():
+    # The 2-core machine's pairs spread 0.70-1.64x around a 1.02x goal: met in one run,
+    # missed in the next, if the median alone decided.
+    assert verdict([0.70, 0.83, 1.64], 1.02).startswith("no verdict: the pairs' spread 0.700-1.640x straddles it")
+    assert verdict([0.95, 0.99, 1.01], 1.02) == "met"
+    assert verdict([1.03, 1.10, 1.2], 1.02) == "missed"
+    assert verdict([1.02, 1.021], 1.02).startswith("no verdict")
+    assert verdict([0.9], 1.02).startswith("no verdict: one pair shows no spread")

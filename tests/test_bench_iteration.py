@@ -19,6 +19,7 @@ def test_bench_iteration_runs_the_chosen_model(mpi_env):
         pytest.fail("bench iteration did not finish")
     assert result.returncode == 0, result.stderr
     assert "resnet20 on synthetic 3x32x32" in result.stdout
+    assert "of it polls = the part of it spent polling" in result.stdout and "x S=1 = that over" in result.stdout
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["model"] == "resnet20" and [r["workers"] for r in report["results"]] == [1, 1]
     assert [r["servers"] for r in report["results"]] == [1, "colocated"]

@@ -732,6 +732,7 @@ def test_bench_codecs_cli(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("uniform", "sign"))]
     assert len(rows) == 7 and "np.copyto" in out
+    assert "acc ns/el = decode added into a running sum" in out and "dec+add ns/el = the same sum unfused" in out
     sign_bits = float(next(r for r in rows if r.startswith("sign")).split()[2])
     assert sign_bits == pytest.approx(8 * (HEADER_SIZE + 4 + 625) / 5000, abs=1e-3)
     assert cli_main(["bench", "codecs", "--codecs", "nope"]) == 2

@@ -295,3 +295,10 @@ def test_a_world_of_one_rank_is_warned_about_with_rank_0_named_as_train_names_it
 
     assert _warnings([], 1, 1) == ["world size 1: mpigrad train needs at least 2 ranks (rank 0 is the scheduler, "
                                    "and the server unless --servers colocated; the others train)"]
+
+
+def test_an_mpi_library_string_is_one_line_with_single_spaces():
+    from mpigrad.machine import mpi_library_line
+
+    assert mpi_library_line("MPICH Version:      5.0.2\nMPICH Release date: unreleased") == "MPICH Version: 5.0.2"
+    assert mpi_library_line(None) == "unknown" and mpi_library_line("") == "unknown"

@@ -19,6 +19,12 @@ import numpy as np
 
 from ..errors import UsageError
 
+#: What the table's less obvious columns mean, printed under its header.
+COLUMNS_KEY = ("key: enc/dec ns/el = ns per float32 element; x copy = that time over np.copyto's; "
+               "acc ns/el = decode added into a running sum (decode(buf, out, accumulate=True), as the "
+               "server sums the workers' frames); dec+add ns/el = the same sum unfused (decode into a scratch "
+               "array, then np.add); twin enc/dec = speed-up over the codec's NumPy twin")
+
 #: Configurations benchmarked per codec id; a registered codec with a twin and no entry
 #: here is benchmarked with its default config. ``"levels": "sqrt"`` means s = sqrt(n).
 BENCH_CONFIGS: dict[str, list[dict[str, Any]]] = {
@@ -87,6 +93,7 @@ def _codec_table(args: argparse.Namespace, chosen: list[str]) -> None:
     columns = ("codec config", "bits/el", "enc ns/el", "enc GB/s", "x copy", "dec ns/el", "dec GB/s",
                "x copy", "acc ns/el", "dec+add ns/el", "twin enc", "twin dec")
     print(_row(columns))
+    print(COLUMNS_KEY)
     for codec_id in chosen:
         for raw in BENCH_CONFIGS.get(codec_id, [{}]):
             config = {"id": codec_id, **raw}

@@ -31,6 +31,13 @@ from ..config import COLOCATED, parse_rate, parse_servers
 from ..errors import UsageError
 from ..mpiexec import mpiexec_command
 
+#: What the table's less obvious columns mean, printed under its header.
+COLUMNS_KEY = ("key: rank0 CPU ms = rank 0's CPU time per iteration; of it polls = the part of it spent "
+               "polling while waiting for messages (grows with the time waited); server CPU ms = the busiest "
+               "server's decode + re-encode CPU per iteration; x S=1 = that over the same P's one-server run "
+               "in this invocation (- if none); overhead wall/sim = (encode + decode + policy + trace) over "
+               "the iteration, on the wall clock and on the simulated clock at --bandwidth")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts P (default 1,2,4,8)")
@@ -64,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
               f"{'server CPU ms':>14} {'x S=1':>6} {'policy ms':>10} {'trace us':>9} {'overhead wall':>14} "
               f"{'overhead sim':>13}")
     print(header)
+    print(COLUMNS_KEY)
     results = []
     with tempfile.TemporaryDirectory(prefix="mpigrad-bench-") as tmp:
         for p, servers in [(p, s) for p in counts for s in server_counts]:
