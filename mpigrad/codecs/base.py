@@ -25,7 +25,6 @@ validate every length inside their payload before handing it to a kernel.
 
 from __future__ import annotations
 
-import inspect
 import json
 import struct
 import zlib
@@ -35,7 +34,8 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from .. import options
-from ..plugins import _describe, call_factory, is_plugin, load_factory
+from ..plugins import _describe, call_factory, is_plugin
+from ..registry import Registry
 
 __all__ = [
     "Codec", "CodecError", "FusedCodec", "Header", "PluginFault", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
@@ -130,14 +130,26 @@ def header_bytes(h: Header) -> np.ndarray:
     return out
 
 
-_REGISTRY: dict[str, type["Codec"]] = {}
-_BY_WIRE_ID: dict[int, type["Codec"]] = {}
-#: Plugin classes loaded in this process, by their own codec_id and by their wire id; kept
-#: apart from the registry (``available()`` and ``--help`` list mpigrad's codecs only).
-_PLUGINS: dict[str, type["Codec"]] = {}
-_PLUGINS_BY_WIRE_ID: dict[int, type["Codec"]] = {}
+def _admit_codec(spec: str, cls: type["Codec"]) -> None:
+    """A codec plugin's own checks, after the registry's (``Registry.admit``): a wire id in
+    the plugins' range, a declared error bound, and the header's methods left as they are."""
+    wire_id = cls.__dict__.get("wire_id")
+    if isinstance(wire_id, bool) or not isinstance(wire_id, int) or wire_id not in PLUGIN_WIRE_IDS:
+        raise CodecError(f"codec {spec} must set wire_id to a number of its own in 128..255, the plugins' "
+                         f"range (1..127 are mpigrad's codecs), got {wire_id!r}")
+    if cls.error_bound is Codec.error_bound:
+        raise CodecError(f"codec {spec} must declare error_bound(x), a bound on max |decode(encode(x)) - x| "
+                         "that its load check holds it to")
+    sealed = [name for name in _SEALED if getattr(cls, name) is not getattr(Codec, name)]
+    if sealed:
+        raise CodecError(f"codec {spec} overrides {', '.join(sealed)}: the header and its checks live there; "
+                         "implement _encode_payload and _decode_payload instead")
+
+
 #: Plugin configs (less the seed) whose instances passed ``contract.check_contract``.
 _CHECKED: set[str] = set()
+#: Methods a plugin inherits as they are: the header, its checks and the wire id live there.
+_SEALED = ("encode", "decode", "max_encoded_size")
 
 
 def register_codec(cls: type["Codec"]) -> type["Codec"]:
@@ -149,66 +161,20 @@ def register_codec(cls: type["Codec"]) -> type["Codec"]:
         raise ValueError(f"codec {cls.__name__}: wire id {cls.wire_id!r} is not in 1..127, the range of "
                          "mpigrad's own codecs (a codec of your own is a plugin, package.module:Class, "
                          "with a wire id in 128..255)")
-    for table, key in ((_REGISTRY, cls.codec_id), (_BY_WIRE_ID, cls.wire_id)):
-        if key in table and table[key] is not cls:
-            raise ValueError(f"codec key {key!r} registered twice ({table[key].__name__}, {cls.__name__})")
-        table[key] = cls
-    return cls
+    return CODECS.register(cls)
 
 
 def available() -> list[str]:
     """Sorted ids of the registered codecs (plugins are not listed)."""
-    return sorted(_REGISTRY)
+    return CODECS.names()
 
 
 def codec_class(codec_id: str) -> type["Codec"]:
     """The class of a registered id, of a plugin ``package.module:Class`` (loaded and checked
-    by ``_plugin_class``), or of a loaded plugin's own ``codec_id`` (what its ``get_config``
-    says, so ``get_codec(c.get_config())`` and ``with_bits`` work in a process that loaded it)."""
-    if is_plugin(codec_id):
-        return _plugin_class(codec_id)
-    try:
-        return _REGISTRY[codec_id] if codec_id in _REGISTRY else _PLUGINS[codec_id]
-    except (KeyError, TypeError):
-        raise CodecError(f"unknown codec {codec_id!r}; available: {', '.join(available())} "
-                         "(or a codec of your own: package.module:Class)") from None
-
-
-#: Methods a plugin inherits as they are: the header, its checks and the wire id live there.
-_SEALED = ("encode", "decode", "max_encoded_size")
-
-
-def _plugin_class(spec: str) -> type["Codec"]:
-    """Load ``spec`` and check the class (one line, CodecError, for each breach); register
-    it under its own codec_id and wire id for this process."""
-    cls = load_factory(spec, CodecError)
-    if not (isinstance(cls, type) and issubclass(cls, Codec)):
-        what = f"the class {cls.__qualname__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
-        raise CodecError(f"codec {spec} is {what}, not a subclass of mpigrad.codecs.Codec")
-    codec_id = cls.__dict__.get("codec_id")
-    if not isinstance(codec_id, str) or not codec_id or is_plugin(codec_id):
-        raise CodecError(f"codec {spec} must set codec_id = \"a-name-of-its-own\" (no ':')")
-    wire_id = cls.__dict__.get("wire_id")
-    if isinstance(wire_id, bool) or not isinstance(wire_id, int) or wire_id not in PLUGIN_WIRE_IDS:
-        raise CodecError(f"codec {spec} must set wire_id to a number of its own in 128..255, the plugins' "
-                         f"range (1..127 are mpigrad's codecs), got {wire_id!r}")
-    if inspect.isabstract(cls):
-        raise CodecError(f"codec {spec} does not implement {', '.join(sorted(cls.__abstractmethods__))}")
-    if cls.error_bound is Codec.error_bound:
-        raise CodecError(f"codec {spec} must declare error_bound(x), a bound on max |decode(encode(x)) - x| "
-                         "that its load check holds it to")
-    sealed = [name for name in _SEALED if getattr(cls, name) is not getattr(Codec, name)]
-    if sealed:
-        raise CodecError(f"codec {spec} overrides {', '.join(sealed)}: the header and its checks live there; "
-                         "implement _encode_payload and _decode_payload instead")
-    for table, key, what in ((_REGISTRY, codec_id, "codec_id"), (_PLUGINS, codec_id, "codec_id"),
-                             (_PLUGINS_BY_WIRE_ID, wire_id, "wire_id")):
-        taken = table.get(key, cls)
-        if taken is not cls:
-            raise CodecError(f"codec {spec}: {what} {key!r} is taken by {taken.__module__}.{taken.__qualname__}")
-    _PLUGINS[codec_id] = cls
-    _PLUGINS_BY_WIRE_ID[wire_id] = cls
-    return cls
+    by the registry, ``Registry.admit``, and ``_admit_codec``), or of a loaded plugin's own
+    ``codec_id`` (what its ``get_config`` says, so ``get_codec(c.get_config())`` and
+    ``with_bits`` work in a process that loaded it)."""
+    return CODECS.lookup(codec_id)
 
 
 def get_codec(config: dict[str, Any]) -> "Codec":
@@ -223,7 +189,7 @@ def get_codec(config: dict[str, Any]) -> "Codec":
     codec_id = params.pop("id")
     cls = codec_class(codec_id)
     options.check_keys(f"codec {codec_id!r}", params, options.keyword_names(cls), error=CodecError)
-    if _PLUGINS.get(cls.codec_id) is not cls:
+    if not CODECS.is_loaded_plugin(cls):
         try:
             return cls(**params)
         except TypeError as exc:
@@ -241,7 +207,7 @@ def get_codec(config: dict[str, Any]) -> "Codec":
 
 def wire_owner(wire_id: int) -> type["Codec"] | None:
     """The class, built-in or loaded plugin, that writes ``wire_id`` (None: none known here)."""
-    return _BY_WIRE_ID.get(wire_id) or _PLUGINS_BY_WIRE_ID.get(wire_id)
+    return CODECS.by("wire_id", wire_id)
 
 
 class Codec(ABC):
@@ -394,7 +360,7 @@ class Codec(ABC):
         except CodecError:
             raise
         except Exception as exc:
-            if _PLUGINS.get(self.codec_id) is not type(self):
+            if not CODECS.is_loaded_plugin(type(self)):
                 raise
             raise PluginFault(self, "encode", exc) from exc
         _write_header(out, header, self.checksum)
@@ -433,7 +399,7 @@ class Codec(ABC):
         except CodecError:
             raise
         except Exception as exc:
-            if _PLUGINS.get(self.codec_id) is not type(self):
+            if not CODECS.is_loaded_plugin(type(self)):
                 raise
             raise PluginFault(self, "decode", exc) from exc
         return out
@@ -491,6 +457,13 @@ class FusedCodec(Codec):
 
     def _accumulate_payload(self, header: Header, payload: np.ndarray, out: np.ndarray) -> None:
         self._decode(header, payload, out, True)
+
+
+#: mpigrad's codecs by codec_id and wire_id (``register_codec``); plugins loaded in this
+#: process apart from them (``available()`` and ``--help`` list mpigrad's codecs only).
+CODECS: Registry[Codec] = Registry("codec", CodecError, id_attr="codec_id", keys=("wire_id",), base=Codec,
+                                   base_name="mpigrad.codecs.Codec", admission=_admit_codec,
+                                   plugin_hint=" (or a codec of your own: package.module:Class)")
 
 def _as_float32_vector(x: Any) -> np.ndarray:
     """float32 C-contiguous 1-D view or copy of ``x``; CodecError for anything else."""

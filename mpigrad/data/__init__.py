@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from ..options import check_keys, keyword_names
 from ..plugins import call_factory, is_plugin, load_factory
+from ..registry import Registry
 from .cifar10 import load_cifar10
 from .datasets import DataError, Dataset
 from .digits import load_digits
@@ -30,12 +31,11 @@ from .teacher import make_teacher
 
 __all__ = ["Dataset", "DataError", "ShardSampler", "available_datasets", "load_dataset"]
 
-_LOADERS: dict[str, Callable[..., Dataset]] = {
-    "digits": load_digits,
-    "cifar10": load_cifar10,
-    "synthetic": make_synthetic,
-    "teacher": make_teacher,
-}
+#: The built-in data sets by name; a plugin is a factory (``package.module:factory``).
+DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset", DataError)
+for _name, _loader in (("digits", load_digits), ("cifar10", load_cifar10), ("synthetic", make_synthetic),
+                       ("teacher", make_teacher)):
+    DATASETS.register(_loader, _name)
 
 
 #: What every loader and factory is given besides the user's data options.
@@ -44,7 +44,7 @@ _CONTRACT = ("data_dir", "seed")
 
 def available_datasets() -> list[str]:
     """Sorted names accepted by ``load_dataset``."""
-    return sorted(_LOADERS)
+    return DATASETS.names()
 
 
 def load_dataset(name: str, data_dir=None, seed: int = 0, **options: Any) -> Dataset:
@@ -57,11 +57,7 @@ def load_dataset(name: str, data_dir=None, seed: int = 0, **options: Any) -> Dat
             raise DataError(f"data factory {name} returned {type(dataset).__name__}, "
                             "expected an mpigrad.data.Dataset")
         return dataset
-    try:
-        loader = _LOADERS[name]
-    except (KeyError, TypeError):
-        raise DataError(f"unknown dataset {name!r}; available: {', '.join(available_datasets())}, "
-                        "or package.module:factory") from None
+    loader = DATASETS.lookup(name)
     check_keys(f"dataset {name!r}", options, keyword_names(loader, exclude=_CONTRACT), error=DataError)
     try:
         inspect.signature(loader).bind(data_dir=data_dir, seed=seed, **options)

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..options import check_keys, keyword_names
 from ..plugins import call_factory, is_plugin, load_factory
+from ..registry import Registry
 from .base import Classifier, ModelError, check_int, check_ints
 from .cnn import DEFAULT_WEIGHT_DECAY, PaperCNN
 from .resnet import ResNet18, ResNet20
@@ -38,16 +39,16 @@ __all__ = ["ModelError", "build_model", "check_model", "available_models", "Clas
            "ResNet20", "ResNet18", "PluginModel", "DEFAULT_WEIGHT_DECAY"]
 
 
-_BUILDERS: dict[str, Callable[..., nn.Module]] = {
-    PaperCNN.model_id: PaperCNN,
-    ResNet20.model_id: ResNet20,
-    ResNet18.model_id: ResNet18,
-}
+#: The built-in models by name; a plugin is a factory (``package.module:factory``), built
+#: by ``_build_plugin``.
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model", ModelError)
+for _builder in (PaperCNN, ResNet20, ResNet18):
+    MODELS.register(_builder, _builder.model_id)
 
 
 def available_models() -> list[str]:
     """Sorted names accepted by ``build_model`` (besides ``package.module:factory``)."""
-    return sorted(_BUILDERS)
+    return MODELS.names()
 
 
 def build_model(name: str, *, seed: int | None = None, **options: Any) -> nn.Module:
@@ -56,11 +57,7 @@ def build_model(name: str, *, seed: int | None = None, **options: Any) -> nn.Mod
         torch.manual_seed(seed)
     if is_plugin(name):
         return _build_plugin(name, seed, options)
-    try:
-        builder = _BUILDERS[name]
-    except (KeyError, TypeError):
-        raise ModelError(f"unknown model {name!r}; available: {', '.join(available_models())}, "
-                         "or package.module:factory") from None
+    builder = MODELS.lookup(name)
     check_keys(f"model {name!r}", [k for k in options if k not in _CONTRACT],
                keyword_names(builder, exclude=_CONTRACT), error=ModelError)
     try:

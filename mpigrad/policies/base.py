@@ -27,7 +27,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import options
-from ..plugins import call_factory, is_plugin, load_factory
+from ..plugins import call_factory, is_plugin
+from ..registry import Registry
 
 __all__ = [
     "Policy", "PeriodicPolicy", "PolicyError", "Observation", "SettingCosts", "BITS_LIMITS", "register_policy", "get_policy",
@@ -90,52 +91,21 @@ class Observation:
         options.check_int("observation last_bytes", self.last_bytes, 0, error=PolicyError)
 
 
-_REGISTRY: dict[str, type["Policy"]] = {}
-#: Plugin classes loaded in this process, by their own policy_id.
-_PLUGINS: dict[str, type["Policy"]] = {}
-
-
 def register_policy(cls: type["Policy"]) -> type["Policy"]:
     """Class decorator: make ``cls`` reachable through ``get_policy({"id": cls.policy_id})``."""
-    if cls.policy_id in _REGISTRY and _REGISTRY[cls.policy_id] is not cls:
-        raise ValueError(f"policy id {cls.policy_id!r} registered twice")
-    _REGISTRY[cls.policy_id] = cls
-    return cls
+    return POLICIES.register(cls)
 
 
 def available() -> list[str]:
     """Sorted ids of the registered policies."""
-    return sorted(_REGISTRY)
+    return POLICIES.names()
 
 
 def policy_class(policy_id: str) -> type["Policy"]:
     """The class of a registered id, of a plugin ``package.module:Class`` (loaded and checked
-    by ``_plugin_class``), or of a loaded plugin's own ``policy_id`` (what its ``get_config``
-    says). Plugins are not listed by ``available()``."""
-    if is_plugin(policy_id):
-        return _plugin_class(policy_id)
-    try:
-        return _REGISTRY[policy_id] if policy_id in _REGISTRY else _PLUGINS[policy_id]
-    except (KeyError, TypeError):
-        raise PolicyError(f"unknown policy {policy_id!r}; available: {', '.join(available())} "
-                          "(or a class of your own: package.module:Class)") from None
-
-
-def _plugin_class(spec: str) -> type["Policy"]:
-    cls = load_factory(spec, PolicyError)
-    if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        what = f"the class {cls.__qualname__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
-        raise PolicyError(f"policy {spec} is {what}, not a subclass of mpigrad.policies.Policy")
-    policy_id = cls.__dict__.get("policy_id")
-    if not isinstance(policy_id, str) or not policy_id or is_plugin(policy_id):
-        raise PolicyError(f"policy {spec} must set policy_id = \"a-name-of-its-own\" (no ':')")
-    if inspect.isabstract(cls):
-        raise PolicyError(f"policy {spec} does not implement {', '.join(sorted(cls.__abstractmethods__))}")
-    taken = _REGISTRY.get(policy_id) or _PLUGINS.get(policy_id, cls)
-    if taken is not cls:
-        raise PolicyError(f"policy {spec}: policy_id {policy_id!r} is taken by {taken.__module__}.{taken.__qualname__}")
-    _PLUGINS[policy_id] = cls
-    return cls
+    by the registry, ``Registry.admit``), or of a loaded plugin's own ``policy_id`` (what its
+    ``get_config`` says). Plugins are not listed by ``available()``."""
+    return POLICIES.lookup(policy_id)
 
 
 def policy_options(policy_id: str) -> dict[str, Any]:
@@ -361,6 +331,13 @@ class Policy(ABC):
         if state:
             raise PolicyError(f"policy {self.policy_id!r} is stateless; got state keys {sorted(state)}")
 
+
+
+#: mpigrad's policies by policy_id (``register_policy``); plugins loaded in this process
+#: apart from them (``available()`` lists mpigrad's policies only).
+POLICIES: Registry[Policy] = Registry("policy", PolicyError, id_attr="policy_id", base=Policy,
+                                      base_name="mpigrad.policies.Policy",
+                                      plugin_hint=" (or a class of your own: package.module:Class)")
 
 class PeriodicPolicy(Policy):
     """A policy that re-decides every ``self.interval`` iterations from the observed gradients.
