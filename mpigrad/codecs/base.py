@@ -1,4 +1,4 @@
-"""Codec base class, wire header and registry.
+"""Codec base class and registry; the wire header they write is :mod:`.header`'s.
 
 Every encoded buffer is a fixed 40-byte header followed by a codec payload::
 
@@ -26,108 +26,23 @@ validate every length inside their payload before handing it to a kernel.
 from __future__ import annotations
 
 import json
-import struct
-import zlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .. import options
-from ..plugins import _describe, call_factory, is_plugin
+from ..plugins import call_factory, is_plugin
 from ..registry import Registry
+from .contract import check_contract
+from .header import (BUILTIN_WIRE_IDS, FORMAT_VERSION, HEADER_SIZE, MAX_ELEMENTS, PLUGIN_WIRE_IDS, CodecError,
+                     Header, PluginFault, _write_header, header_bytes, read_header)
 
 __all__ = [
     "Codec", "CodecError", "FusedCodec", "Header", "PluginFault", "HEADER_SIZE", "FORMAT_VERSION", "MAX_ELEMENTS",
     "register_codec", "get_codec", "available", "codec_class", "read_header", "header_bytes", "BUILTIN_WIRE_IDS",
     "PLUGIN_WIRE_IDS",
 ]
-
-FORMAT_VERSION = 1
-MAGIC = b"MG"
-HEADER_SIZE = 40
-MAX_ELEMENTS = 2**34
-_HEADER = struct.Struct("<2sBBBBBBIIQQI")
-_CRC = struct.Struct("<I")
-_FLAG_PAYLOAD_CRC = 0x01
-#: Wire ids of mpigrad's own codecs (``register_codec``) and of codecs loaded as plugins
-#: (``package.module:Class``): disjoint, so a plugin's buffer is never taken for a built-in's.
-BUILTIN_WIRE_IDS = range(1, 128)
-PLUGIN_WIRE_IDS = range(128, 256)
-assert _HEADER.size + _CRC.size == HEADER_SIZE
-
-
-class CodecError(ValueError):
-    """A buffer or input that a codec cannot accept; the message says what is wrong."""
-
-
-class PluginFault(CodecError):
-    """An exception other than CodecError from a plugin's own code in ``encode`` or
-    ``decode``, as one line naming the plugin; ``cause`` is that exception in words."""
-
-    def __init__(self, codec: "Codec", what: str, exc: BaseException):
-        cls = type(codec)
-        self.cause = _describe(exc)
-        super().__init__(f"codec {cls.__module__}:{cls.__qualname__}: {what} raised {self.cause}")
-
-
-class Header(NamedTuple):
-    wire_id: int
-    bits: int
-    flags: int
-    param_a: int
-    param_b: int
-    n: int
-    payload_len: int
-
-
-def read_header(buf: np.ndarray) -> Header:
-    """Parse and validate the header of ``buf`` (1-D uint8); raise CodecError if bad."""
-    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
-        raise CodecError("encoded buffer must be a 1-D numpy uint8 array")
-    if buf.size < HEADER_SIZE:
-        raise CodecError(f"buffer of {buf.size} bytes is shorter than the {HEADER_SIZE}-byte header")
-    raw = buf[:HEADER_SIZE].tobytes()
-    (magic, version, wire_id, bits, flags, hflags, reserved, param_a, param_b, n,
-     payload_len, payload_crc) = _HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise CodecError("not an mpigrad codec buffer (bad magic bytes)")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"unsupported buffer format version {version} (this mpigrad reads {FORMAT_VERSION})")
-    (header_crc,) = _CRC.unpack_from(raw, _HEADER.size)
-    if zlib.crc32(raw[:_HEADER.size]) != header_crc:
-        raise CodecError("corrupted buffer header (header CRC mismatch)")
-    if reserved != 0 or hflags & ~_FLAG_PAYLOAD_CRC:
-        raise CodecError("corrupted buffer header (reserved bits set)")
-    if n > MAX_ELEMENTS:
-        raise CodecError(f"element count {n} exceeds the limit of {MAX_ELEMENTS}")
-    if payload_len != buf.size - HEADER_SIZE:
-        raise CodecError(
-            f"truncated or padded buffer: header announces {payload_len} payload bytes, "
-            f"buffer holds {buf.size - HEADER_SIZE}")
-    if hflags & _FLAG_PAYLOAD_CRC:
-        if zlib.crc32(buf[HEADER_SIZE:]) != payload_crc:
-            raise CodecError("corrupted payload (payload CRC mismatch)")
-    elif payload_crc != 0:
-        raise CodecError("corrupted buffer header (CRC field set without its flag)")
-    return Header(wire_id, bits, flags, param_a, param_b, n, payload_len)
-
-
-def _write_header(out: np.ndarray, h: Header, with_crc: bool) -> None:
-    payload_crc = zlib.crc32(out[HEADER_SIZE:HEADER_SIZE + h.payload_len]) if with_crc else 0
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, h.wire_id, h.bits, h.flags,
-                        _FLAG_PAYLOAD_CRC if with_crc else 0, 0, h.param_a, h.param_b,
-                        h.n, h.payload_len, payload_crc)
-    out[:_HEADER.size] = np.frombuffer(head, np.uint8)
-    out[_HEADER.size:HEADER_SIZE] = np.frombuffer(_CRC.pack(zlib.crc32(head)), np.uint8)
-
-
-def header_bytes(h: Header) -> np.ndarray:
-    """The 40 bytes of header ``h``, without a payload CRC (the device codecs write their
-    payload on the GPU and this header on the host)."""
-    out = np.zeros(HEADER_SIZE, np.uint8)
-    _write_header(out, h, False)
-    return out
 
 
 def _admit_codec(spec: str, cls: type["Codec"]) -> None:
@@ -198,8 +113,6 @@ def get_codec(config: dict[str, Any]) -> "Codec":
     key = json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}",
                       **{k: v for k, v in params.items() if k != "seed"}}, sort_keys=True, default=repr)
     if key not in _CHECKED:
-        from .contract import check_contract
-
         check_contract(call_factory(name, cls, params, CodecError), name)
         _CHECKED.add(key)
     return call_factory(name, cls, params, CodecError)

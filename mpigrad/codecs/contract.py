@@ -22,12 +22,15 @@ one CodecError line naming the codec and what it did:
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ..plugins import _describe
-from .base import HEADER_SIZE, Codec, CodecError, PluginFault, _write_header, read_header
+from .header import HEADER_SIZE, CodecError, PluginFault, _write_header, read_header
+
+if TYPE_CHECKING:
+    from .base import Codec
 
 __all__ = ["check_contract", "contract_vectors"]
 
