@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import time
 
 from . import __version__
 from .errors import UsageError
+from .mpiexec import launch_rank
 
 COMMANDS = {
     "train": ("mpigrad.runtime.launch", "train a CNN data-parallel over MPI (run under mpiexec/srun)"),
@@ -26,17 +26,6 @@ COMMANDS = {
 }
 
 
-#: Environment variables through which MPI launchers tell a process its rank.
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-
-
-def launch_rank() -> int:
-    """This process's MPI rank as the launcher announced it (0 when not launched by MPI)."""
-    for name in RANK_VARIABLES:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 #: Seconds a rank other than 0 waits before it exits on a usage error. Under mpiexec every

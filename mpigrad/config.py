@@ -139,6 +139,10 @@ class RunConfig:
     #: (file, bits) where a policy or codec on the command line replaced a config file's
     #: method and with it the file's ``bits`` (``from_sources``), else None: rank 0 says so.
     replaced_bits: ClassVar[tuple[str, int] | None] = None
+    #: Lines rank 0 prints before the run (set by from_sources; not options, not in to_dict):
+    #: what the command line changed in a config file's values besides replacing them
+    #: (a ``--data`` that drops the file's ``data_dir``).
+    notes: ClassVar[tuple[str, ...]] = ()
 
     def norm_due(self, m: int) -> bool:
         """Whether iteration m records ``norm_ratio`` (and computes the energies behind it)."""
@@ -147,10 +151,23 @@ class RunConfig:
     # ---- construction -------------------------------------------------------------
     @classmethod
     def from_sources(cls, config_file: str | None, overrides: dict[str, Any]) -> "RunConfig":
-        """Defaults, then the TOML file, then non-None ``overrides`` (already typed)."""
+        """Defaults, then the TOML file, then non-None ``overrides`` (already typed).
+
+        A file's ``data_dir`` goes with the file's ``data``: a ``data`` override naming another
+        data set (``--data digits`` on a CIFAR-10 config) drops it, unless ``data_dir`` is
+        overridden too, and ``notes`` says so. A schedule whose length is the run's
+        (``SCHEDULE_LENGTH``: CosineAnnealingLR's ``T_max``, OneCycleLR's ``total_steps``)
+        gets ``iterations`` where its options leave it out (``schedule_length_options``)."""
         values: dict[str, Any] = {}
         if config_file:
             values.update({k: coerce(k, v) for k, v in load_toml(config_file).items()})
+        notes = []
+        data = overrides.get("data")
+        if (data is not None and overrides.get("data_dir") is None and values.get("data_dir") is not None
+                and data != values.get("data", _FIELDS["data"].default)):
+            notes.append(f"mpigrad: note: {config_file}'s data_dir = {values['data_dir']!r} went with its data "
+                         f"{values.get('data', _FIELDS['data'].default)!r}, which --data {data} replaced: dropped")
+            del values["data_dir"]
         given = set(values)
         for key, value in overrides.items():
             if value is None:
@@ -175,6 +192,10 @@ class RunConfig:
             raise UsageError(str(exc)) from None
         if config.lr is None:
             config.lr = DEFAULT_LR.get(config.data, 0.2)
+        if isinstance(config.lr_schedule, str) and isinstance(config.lr_schedule_opts, dict):
+            config.lr_schedule_opts = schedule_length_options(config.lr_schedule, config.lr_schedule_opts,
+                                                              config.iterations)
+        config.notes = tuple(notes)
         ranks = declared_ranks(config_file) if config_file else None
         if ranks is not None:
             config.declared_ranks = (config_file, ranks)
@@ -384,6 +405,24 @@ AUTOCAST = ("none", "bf16")
 
 #: ``weight_decay_in`` choices.
 WEIGHT_DECAY_IN = ("loss", "optimizer")
+
+
+#: The schedules whose length is a number of iterations with no default of torch's that fits
+#: a run (lower-case names, as ``--lr-schedule`` matches them): the option that gets the run's
+#: ``iterations`` where none of the options after it is given (``schedule_length_options``).
+#: LinearLR, ConstantLR and PolynomialLR keep torch's default of 5 iterations.
+SCHEDULE_LENGTH = {"cosineannealinglr": ("T_max",), "onecyclelr": ("total_steps", "epochs")}
+
+
+def schedule_length_options(schedule: str, opts: dict[str, Any], iterations: int) -> dict[str, Any]:
+    """``opts`` of ``schedule`` with its length (``SCHEDULE_LENGTH``) set to ``iterations``
+    where the options give none: the schedule is stepped once per iteration from iteration 0,
+    the warm-up's ramp multiplying its first rates, so a cosine of ``T_max = iterations``
+    reaches ``eta_min`` at the run's end. Other schedules' options are returned as given."""
+    names = SCHEDULE_LENGTH.get(schedule.lower())
+    if not names or any(name in opts for name in names):
+        return opts
+    return {**opts, names[0]: iterations}
 
 
 def update_options(values: dict[str, Any]) -> dict[str, Any]:

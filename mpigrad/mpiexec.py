@@ -19,7 +19,19 @@ from pathlib import Path
 from .errors import UsageError
 from .machine import mpi_implementation
 
-__all__ = ["find_mpiexec", "mpiexec_flavour", "launch_flags", "mpiexec_command"]
+__all__ = ["find_mpiexec", "mpiexec_flavour", "launch_flags", "mpiexec_command", "launch_rank", "RANK_VARIABLES"]
+
+#: Environment variables through which MPI launchers tell a process its rank.
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def launch_rank() -> int:
+    """This process's MPI rank as the launcher announced it (0 when not launched by MPI)."""
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def find_mpiexec(explicit: str | None = None) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .options import check_keys, keyword_names
+from .options import check_keys, check_values, keyword_names
 from .plugins import call_factory, is_plugin, load_factory
 
 __all__ = ["OptimizerError", "OPTIMIZERS", "SCALINGS", "optimizer_class", "schedule_class", "check_recipe",
@@ -68,7 +68,7 @@ def schedule_class(name: str):
 
     choices = {n.lower(): n for n, c in vars(schedulers).items()
                if inspect.isclass(c) and issubclass(c, schedulers.LRScheduler) and c is not schedulers.LRScheduler
-               and n not in ("SequentialLR", "ChainedScheduler", "LambdaLR", "MultiplicativeLR", "ReduceLROnPlateau")}
+               and not n.startswith("_") and n not in ("SequentialLR", "ChainedScheduler", "LambdaLR", "MultiplicativeLR", "ReduceLROnPlateau")}
     if name.lower() not in choices:
         raise OptimizerError(f"unknown lr schedule {name!r}; choose from {', '.join(sorted(choices.values()))}, "
                              "or a plugin package.module:factory")
@@ -88,7 +88,9 @@ def is_plain(optimizer: str, options: dict[str, Any]) -> bool:
 
 def build_torch_optimizer(name: str, params, lr: float, options: dict[str, Any]) -> torch.optim.Optimizer:
     """``name``'s optimizer over ``params`` at ``lr`` with ``options``: OptimizerError (one
-    line) for an option its class does not take (naming those it does) or a value it refuses."""
+    line) for an option its class does not take (naming those it does), a value of another kind
+    than its parameter's (``check_values``: ``nesterov must be true or false, got 'yes'``) or
+    a value it refuses."""
     cls = optimizer_class(name)
     if is_plugin(name):
         optimizer = call_factory(name, cls, {"params": params, "lr": lr, **options}, OptimizerError)
@@ -98,6 +100,7 @@ def build_torch_optimizer(name: str, params, lr: float, options: dict[str, Any])
         return optimizer
     valid = keyword_names(cls, exclude=_OWN)
     check_keys(f"optimizer {name!r}", options, valid, error=OptimizerError)
+    check_values(f"optimizer {name!r}", cls, options, error=OptimizerError)
     if valid and "fused" in valid and not {"fused", "foreach"} & set(options):
         # One fused pass per step: torch's CPU default runs Adam's update as a dozen passes,
         # 43 against 4 ms for 8.8M parameters on one thread (docs/training.rst).
@@ -105,7 +108,14 @@ def build_torch_optimizer(name: str, params, lr: float, options: dict[str, Any])
     try:
         return cls(params, lr=lr, **options)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise OptimizerError(f"optimizer {name!r}: {exc}") from None
+        raise OptimizerError(f"optimizer {name!r}: {first_line(exc)}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (torch's signature dumps run to 20 lines), or its
+    type's name where it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(":") if text else type(exc).__name__
 
 
 class LearningRate:
@@ -136,10 +146,11 @@ class LearningRate:
             else:
                 check_keys(f"lr schedule {schedule!r}", options, keyword_names(cls, exclude=_OWN),
                            error=OptimizerError)
+                check_values(f"lr schedule {schedule!r}", cls, options, error=OptimizerError)
                 try:
                     self.scheduler = cls(self._stand_in, **options)
                 except (TypeError, ValueError, KeyError) as exc:
-                    raise OptimizerError(f"lr schedule {schedule!r}: {exc}") from None
+                    raise OptimizerError(f"lr schedule {schedule!r}: {first_line(exc)}") from None
         self.iteration = 0
         self._recent: dict[int, float] = {}
 
@@ -249,11 +260,20 @@ def recipe_description(config) -> str:
 
 def check_recipe(optimizer: str, options: dict[str, Any], schedule: str | None, schedule_opts: dict[str, Any],
                  warmup: int, scaling: str) -> None:
-    """OptimizerError (one line) for a recipe that cannot be built: built once on a stand-in
-    parameter, before any rank starts."""
-    build_torch_optimizer(optimizer, [torch.zeros(2)], 0.1, options)
+    """OptimizerError (one line, naming the optimizer or schedule) for a recipe that cannot be
+    built or used, before any rank starts: the options' values are checked against their
+    parameters' kinds (``check_values``), the optimizer is built on a stand-in parameter and
+    takes one step on a stand-in gradient (torch checks some options only in its step, e.g.
+    the fused kernels' arguments), and the schedule is built and stepped twice."""
+    param = torch.zeros(2)
+    built = build_torch_optimizer(optimizer, [param], 0.1, options)
+    param.grad = torch.full_like(param, 0.5)
+    try:
+        built.step()
+    except Exception as exc:  # noqa: BLE001 - whatever the step raises, the run would die of it
+        raise OptimizerError(f"optimizer {optimizer!r}: its first step fails: {first_line(exc)}") from None
     rate = LearningRate(0.1, schedule, schedule_opts, warmup, scaling)
     try:
         rate.at(2)  # some schedules check their options only when stepped
-    except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:
-        raise OptimizerError(f"lr schedule {schedule!r}: {exc}") from None
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, IndexError, AttributeError) as exc:
+        raise OptimizerError(f"lr schedule {schedule!r}: {first_line(exc)}") from None

@@ -67,6 +67,8 @@ EXCLUDED = [
     (r"^(sbatch|srun|salloc|squeue|scontrol|sacct|scancel|exit)\b", _SLURM),
     (r"^tail -f mpigrad-sweep", _SLURM),
     (r"^mpigrad data (fetch|verify) cifar10 data/cifar10$|^mpigrad data verify data/cifar10$", _CIFAR),
+    (r"^mpigrad train --check --config examples/paper-12nodes/mqgrad\.toml$",
+     _CIFAR + "; tests/test_train_check.py checks that config with --data digits"),
     (r"runs/paper-1[28]nodes", _GRID),
     (r"^python examples/compare/run\.py", _COMPARISON),
     (r"^python examples/compare/lowrank\.py", "the low-rank comparison: 40 runs, 30 to 60 minutes on a shared 2-core machine "

@@ -3,6 +3,8 @@
 Launch with ``mpiexec -n P+1 python -m mpi4py -m mpigrad train [options]`` (or ``srun``):
 rank 0 is the parameter server, ranks 1..P are workers. ``python -m mpi4py`` makes an
 uncaught exception abort every rank instead of leaving the others hanging.
+``mpigrad train --check [--ranks N] [options]`` checks a job in one process, without MPI
+(``checks.check_job``), and exits 0 with a short report or 2 with one line.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = RegistryHelpFormatter
     g = parser.add_argument_group("run")
     g.add_argument("--config", metavar="FILE", help="TOML file whose keys mirror these options")
+    g.add_argument("--check", action="store_true", help="check the job and exit, in this one process, without "
+                   "mpiexec (on a login node, before it queues): the options, the trace path, the data, model, "
+                   "layout and optimizer, and the world of --ranks N ranks (else SLURM_NTASKS, else the config's "
+                   "'# ranks' line); prints a short report and exits 0, or one line and exits 2")
+    g.add_argument("--ranks", type=int, metavar="N", help="with --check: the world size to check the job for "
+                   "(the N of mpiexec -n N)")
     g.add_argument("--iterations", type=int, help=f"SGD iterations (default {d.iterations})")
     g.add_argument("--batch-size", type=int, help=f"per-worker batch size (default {d.batch_size})")
     g.add_argument("--lr", type=float, help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic and teacher)")
@@ -188,7 +196,7 @@ class RegistryHelpFormatter(argparse.HelpFormatter):
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = {key: value for key, value in vars(args).items()
-                 if key not in ("config",) and not key.endswith("_opt")}
+                 if key not in ("config", "check", "ranks") and not key.endswith("_opt")}
     for name in ("model", "data", "augment", "codec", "policy", "optimizer", "lr_schedule"):
         overrides[f"{name}_opts"] = parse_assignments(getattr(args, f"{name}_opt"), f"--{name.replace('_', '-')}-opt")
     return RunConfig.from_sources(args.config, overrides)
@@ -198,11 +206,20 @@ def run(args: argparse.Namespace) -> int:
     """Check the options before MPI, torch or data start (every rank alike, so a bad option
     ends each rank with exit 2 and one line from rank 0, fast); then launch checks and work."""
     started = time.monotonic()
+    if getattr(args, "ranks", None) is not None and not getattr(args, "check", False):
+        raise UsageError("--ranks goes with --check (a launched run's world size is mpiexec's -n)")
     config = config_from_args(args)
     export_thread_variables(threads_per_rank(config.threads))  # before Numba's pool starts
-    from .checks import check_options
+    if getattr(args, "check", False):
+        return check_only(config, args.ranks)
+    from ..mpiexec import launch_rank
+    from .checks import check_options, check_trace
 
     check_options(config)  # UsageError: cli prints it (rank 0 only) and exits 2
+    check_trace(config)  # a directory, or an existing trace without --force
+    if launch_rank() == 0:
+        for note in config.notes:
+            print(note, flush=True)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -229,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
         _abort(comm, EXIT_USAGE)
     except Exception as exc:  # noqa: BLE001 - every rank must end, not hang
+        from ..trace.writer import TraceExists
+        if isinstance(exc, TraceExists):  # another run took the trace path after the launch checks
+            print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
+            _abort(comm, EXIT_USAGE)  # a clash, as the launch checks refuse it: not a failure
         if os.environ.get("MPIGRAD_DEBUG"):
             traceback.print_exc()
         print(f"mpigrad train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
@@ -237,6 +258,21 @@ def run(args: argparse.Namespace) -> int:
             exc.report()  # rank 0 closes the trace "failed" and ends the run (returns if it does not)
         _abort(comm, EXIT_FAILURE)
     return EXIT_FAILURE
+
+
+def check_only(config: RunConfig, ranks: int | None) -> int:
+    """``mpigrad train --check``: the config's notes, then ``checks.check_job``'s report on
+    stdout and 0 (UsageError, one line and exit 2 through the cli, on the first problem)."""
+    began = time.monotonic()
+    from .checks import check_job
+
+    for note in config.notes:
+        print(note, flush=True)
+    lines = check_job(config, ranks)
+    for line in lines:
+        print(line)
+    print(f"mpigrad train --check: ok in {time.monotonic() - began:.1f} s (no rank started)", flush=True)
+    return 0
 
 
 def _abort(comm, code: int) -> None:

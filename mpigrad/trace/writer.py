@@ -35,7 +35,7 @@ from .. import __version__, options
 from .attrs import encode_attr, write_attrs
 from .schema import FORMAT_NAME, ROWS_DATASET, SCHEMA_VERSION, TraceError, validate_tables
 
-__all__ = ["TraceWriter", "STATUSES", "repair", "write_closed"]
+__all__ = ["TraceWriter", "TraceExists", "STATUSES", "repair", "write_closed"]
 
 #: Status values ``close`` accepts: a run that finished, one stopped at an iteration
 #: boundary with a checkpoint (to be requeued), one that raised, and one whose writer died
@@ -59,6 +59,12 @@ _COMPRESSION = {"compression": "gzip", "compression_opts": 1}
 _LIBVER = ("v110", "v110")
 
 
+class TraceExists(TraceError):
+    """The trace path is taken: a directory, or a file that exists (without ``force``). The
+    launch checks refuse both before any rank works; a run that meets it at the trace's
+    creation (another run took the path since) exits 2 as they do."""
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
@@ -78,7 +84,7 @@ class TraceWriter:
         self._setup(path, tables, flush_every)
         if not isinstance(config, Mapping):
             raise TraceError(f"config must be a dict, got {type(config).__name__}")
-        options.check_overwrite([self.path], force, error=TraceError)
+        options.check_overwrite([self.path], force, error=TraceExists)
         root = {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION,
                 "mpigrad_version": __version__, "start_time": _now(), "config": dict(config),
                 **_user_attrs(attrs)}
@@ -129,7 +135,7 @@ class TraceWriter:
                     raise TraceError(f"flush_every {self.flush_every} makes {table}/{name} blocks of "
                                      f"{chunk} bytes; at most {_LIVE_CHUNK_BYTES_MAX} (HDF5's chunk limit)")
         if self.path.is_dir():
-            raise TraceError(f"{self.path} is a directory, not a trace file")
+            raise TraceExists(f"{self.path} is a directory, not a trace file")
         if not self.path.parent.is_dir():
             raise TraceError(f"cannot create {self.path}: folder {self.path.parent} does not exist")
         self._file: h5py.File | None = None

@@ -1,0 +1,83 @@
+"""``mpigrad train --check`` (issue 64 item 12): the job checked in one process, without
+mpiexec, before it queues: a short report and exit 0, or one line and exit 2; no trace,
+checkpoint or folder written either way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+
+PAPER = REPO / "examples" / "paper-12nodes" / "fix2.toml"
+
+
+def check(tmp_path, *argv: str, **environ: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_", "HYDRA_"))}
+    env.update(environ)
+    return subprocess.run([sys.executable, "-m", "mpigrad", "train", "--check", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_good_job_is_reported_and_nothing_is_written(tmp_path):
+    began = time.monotonic()
+    done = check(tmp_path, "--ranks", "3", "--lr-schedule", "CosineAnnealingLR", "--lr-warmup", "20",
+                 "--iterations", "50", "--trace", "runs/a.h5")
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 60
+    lines = done.stdout.splitlines()
+    assert lines[0] == ("model paper-cnn on digits: 9,143,498 parameters, 2 quantized layer(s) holding 98.4% "
+                        "(uniform, mqgrad)")
+    assert lines[1] == "recipe: lr 0.01, sgd CosineAnnealingLR(T_max=50) warm-up 20"
+    assert lines[2] == "world: 3 ranks (--ranks): 1 server rank(s), 2 worker(s)"
+    assert lines[3] == "trace: runs/a.h5 (new), checkpoint runs/a.h5.ckpt"
+    assert lines[-1].startswith("mpigrad train --check: ok in ") and lines[-1].endswith(" s (no rank started)")
+    assert done.stderr == ""
+    assert list(tmp_path.iterdir()) == []  # no trace, no runs/ folder
+
+
+def test_the_paper_config_on_digits_and_its_world(tmp_path):
+    done = check(tmp_path, "--config", str(PAPER), "--data", "digits", "--lr", "0.01")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:4] == [
+        f"mpigrad: note: {PAPER}'s data_dir = 'data/cifar10' went with its data 'cifar10', which --data digits "
+        "replaced: dropped",
+        "model paper-cnn on digits: 9,143,498 parameters, 1 quantized layer(s) holding 96.8% (uniform, fixed)",
+        "recipe: lr 0.01",
+        f"world: 12 ranks ({PAPER}'s '# ranks' line): 1 server rank(s), 11 worker(s)"]
+    done = check(tmp_path, "--config", str(PAPER), "--data", "digits", "--ranks", "3")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"mpigrad train: error: {PAPER} is written for 12 ranks (its '# ranks: 12' "
+                                        "line) but this run has 3: launch with mpiexec -n 12, or edit that line in a copy"]
+
+
+def test_the_world_from_slurm_or_unknown(tmp_path):
+    done = check(tmp_path, "--servers", "2", SLURM_NTASKS="2")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["mpigrad train: error: --servers 2 needs at least 3 MPI ranks (S servers and "
+                                        "at least one worker), this run has 2"]
+    done = check(tmp_path, "--iterations", "5")
+    assert done.returncode == 0, done.stderr
+    assert ("world: size unknown (give --ranks N, or run inside the Slurm job): ranks, servers and --link-bandwidth "
+            "not checked; this run needs at least 2") in done.stdout.splitlines()
+
+
+def test_bad_jobs_are_one_line_and_exit_2(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "old.h5").write_bytes(b"")
+    for argv, line in [
+        (["--optimizer-opt", "nesterov=yes", "--optimizer-opt", "momentum=0.9"],
+         "optimizer 'sgd': nesterov must be true or false, got 'yes'"),
+        (["--trace", "taken", "--force"], "taken is a directory, not a file: give the path of a file (in it or elsewhere)"),
+        (["--trace", "old.h5"], "old.h5 exists; pass --force to overwrite it or --trace to choose another"),
+    ]:
+        done = check(tmp_path, *argv)
+        assert (done.returncode, done.stderr.splitlines(), done.stdout) == (2, [f"mpigrad train: error: {line}"], ""), argv
+    done = subprocess.run([sys.executable, "-m", "mpigrad", "train", "--ranks", "3"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        2, ["mpigrad train: error: --ranks goes with --check (a launched run's world size is mpiexec's -n)"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.h5", "taken"]
