@@ -24,3 +24,9 @@ def __getattr__(name: str):
 
         return UsageError
     raise AttributeError(f"module 'mpigrad' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's globals and the names ``__getattr__`` loads on first use (``__all__``),
+    so that ``dir(mpigrad)`` and tab completion show the API before it is loaded."""
+    return sorted(set(globals()) | set(__all__))

@@ -19,6 +19,7 @@ applies no update (the workers' optimizer is the script's): one protocol, one tr
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 import zlib
@@ -76,6 +77,13 @@ def script_config(config_file: str | None, options: dict[str, Any], model_name: 
     return config, dropped
 
 
+def dropped_note(config_file: str, dropped: list[str]) -> str:
+    """Rank 0's start-up note naming the keys of ``config_file`` that are the script's
+    (``script_config``'s dropped keys), which the run does not use."""
+    verb = "is" if len(dropped) == 1 else "are"
+    return f"mpigrad: note: {config_file}'s {', '.join(dropped)} {verb} the script's in a Session: not used"
+
+
 class Session:
     """One run of a script's own training loop over MPI, with mpigrad's method.
 
@@ -101,6 +109,11 @@ class Session:
     Collective: every rank constructs it with the same arguments. A bad option, a model that
     differs between ranks or an optimizer over other parameters raises :class:`UsageError`
     (one line) on every rank alike, before any work starts.
+
+    From its construction on, an error of mpigrad's own (:func:`one_line_errors`) that ends
+    the script prints as one line, ``mpigrad: rank R: error: MESSAGE`` on stderr, in place of
+    its traceback (``MPIGRAD_DEBUG=1`` keeps the traceback); the process exits non-zero as
+    with any uncaught exception. Other exceptions keep their tracebacks.
     """
 
     def __init__(self, model, config: str | None = None, *, optimizer=None, resume: dict | None = None, comm=None,
@@ -110,6 +123,7 @@ class Session:
         started = time.monotonic()
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
+        install_one_line_errors(self.rank)
         self.model = model
         config_file = config
         self.config, dropped = self._agreed_config(config_file, options, model, optimizer)
@@ -127,8 +141,7 @@ class Session:
         if config.resume:
             self._agree(_resume_state_problem(resume, config, self.comm) if self.rank == 0 else None)
         if dropped and self.rank == 0:
-            print(f"mpigrad: note: {config_file}'s {', '.join(dropped)} are the script's in a "
-                  "Session: not used", flush=True)
+            print(dropped_note(config_file, dropped), flush=True)
         from .runtime.session import open_channel, warm_up_in_turn
         from .runtime.warmup import KernelWatch
 
@@ -149,8 +162,7 @@ class Session:
         self._resume = resume
         self._worker = None  # a worker's ScriptWorker, built at its first exchange (rank 0 serves by then)
         self._done = self._started = False
-        if self.is_worker:
-            atexit.register(self._at_exit)
+        atexit.register(self._at_exit)  # a worker that left the loop early; a serving rank that never served
         self._cpu, self._wall = time.process_time(), time.perf_counter()
 
     def _agreed_config(self, config_file, options, model, optimizer) -> tuple[RunConfig, list[str]]:
@@ -214,22 +226,35 @@ class Session:
     def _worker_role(self):
         """This worker's ScriptWorker, built at its first exchange (with rank 0's start-up
         exchange, which rank 0 answers in :meth:`serve`: so the script may make its own
-        collective calls between constructing the Session and serving)."""
+        collective calls between constructing the Session and serving). The worker waits
+        for it up to the config's ``timeout`` (not the twice that a worker gives rank 0 inside
+        the run), then raises PeerTimeout asking whether rank 0's script calls ``serve()``."""
         if not self.is_worker:
             raise UsageError(f"rank {self.rank} serves: exchange() and backward() are a worker's (use "
                              "session.is_worker)")
         if self._worker is None:
             from .runtime.script import ScriptWorker
+            from .runtime.wire import PeerTimeout
 
             self._started = True
-            self._worker = ScriptWorker(self.config, self._channel, self.model)
+            channel = self._channel
+            in_run, channel.timeout = channel.timeout, self.config.timeout
+            try:
+                self._worker = ScriptWorker(self.config, channel, self.model)
+            except PeerTimeout as exc:
+                raise PeerTimeout(f"{exc}: does the script call session.serve() on rank 0?") from None
+            finally:
+                channel.timeout = in_run
         return self._worker
 
     def exchange(self, loss) -> Exchanged:
         """After ``loss.backward()``: send this worker's gradients and ``loss`` (a tensor or a
         number: what the policy observes and the trace records), receive the decoded average
         of every worker's into each parameter's ``.grad`` (a parameter without a gradient
-        counts as zero). Then step the optimizer. Call it ``iterations`` times per worker."""
+        counts as zero). Then step the optimizer. Call it ``iterations`` times per worker,
+        once per ``loss.backward()``: a second exchange with no gradient accumulated since
+        the last (its average still in ``.grad``) raises UsageError, and rank 0 ends the run
+        naming it. The record's ``loss`` is this worker's own (:class:`Exchanged`)."""
         value = float(loss.detach().item() if hasattr(loss, "detach") else loss)
         cpu, wall = time.process_time() - self._cpu, time.perf_counter() - self._wall
         return self._finished(lambda: self._worker_role().exchange(value, cpu, wall))
@@ -295,8 +320,18 @@ class Session:
     def close(self) -> None:
         """End this rank's part. A worker that has not run every iteration left the loop
         early: rank 0 is told (it ends the run with a line naming the worker and closes the
-        trace "failed"), and UsageError is raised here. Called at exit when not called."""
-        if self._done or not self.is_worker:
+        trace "failed"), and UsageError is raised here. A serving rank (rank 0, a shard
+        server) that never called :meth:`serve` raises UsageError saying so (the workers
+        would wait for it). Called at exit when not called: there a serving rank's refusal
+        ends every rank (MPI_Abort, exit 2) after its line."""
+        if not self.is_worker:
+            ended = self._done
+            self._end()
+            if not (self._started or ended):
+                raise UsageError(f"the script on rank {self.rank} ended without calling session.serve(), which "
+                                 "serves the workers: call it where not session.is_worker")
+            return
+        if self._done:
             self._end()
             return
         self._end()
@@ -313,16 +348,23 @@ class Session:
         atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
-        if not self._done:
-            try:
-                self.close()
-            except UsageError as exc:
-                print(f"mpigrad: rank {self.rank}: error: {exc}", file=sys.stderr, flush=True)
+        if self._done or _uncaught:  # an uncaught exception ends the script: it said why
+            return
+        try:
+            self.close()
+        except UsageError as exc:
+            _say(f"mpigrad: rank {self.rank}: error: {exc}")
+            if not self.is_worker:  # the workers wait for this rank: end them, with this line only
+                time.sleep(0.5)  # the launcher forwards the line before the abort ends its output
+                self.comm.Abort(2)
 
     def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        if error is not None and not self.is_worker:  # the error says what happened, not a missing serve()
+            self._end()
+            return
         if error is not None and not self._done and self.is_worker:
             # The script's error inside the loop: rank 0 names it and closes the trace "failed".
             from .runtime.script import leave_run
@@ -332,6 +374,48 @@ class Session:
             leave_run(self._channel, done, f"{type(error).__name__}: {error}")
             return
         self.close()
+
+
+def one_line_errors() -> tuple[type[BaseException], ...]:
+    """The classes of mpigrad's own errors, each a one-line message: :class:`UsageError`, a
+    silent peer (``PeerTimeout``), a peer's report on rank 0 (``PeerFailed``: "worker rank 2
+    failed at iteration 1: ..."), a rank's failure (``RankFailure``) and a run's
+    (``TrainingError``: a non-finite loss)."""
+    from .runtime.server import TrainingError
+    from .runtime.session import RankFailure
+    from .runtime.wire import PeerFailed, PeerTimeout
+
+    return UsageError, PeerTimeout, PeerFailed, RankFailure, TrainingError
+
+
+#: Whether an exception reached the top of the script since :func:`install_one_line_errors`.
+_uncaught = False
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write (the launcher interleaves the ranks' writes)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def install_one_line_errors(rank: int) -> None:
+    """Install, once per process, a ``sys.excepthook`` that prints an uncaught error of
+    :func:`one_line_errors` as ``mpigrad: rank RANK: error: MESSAGE`` (unless
+    ``MPIGRAD_DEBUG`` is set) and hands every other exception to the hook before it."""
+    previous = sys.excepthook
+    if getattr(previous, "mpigrad_rank", None) is not None:
+        return
+
+    def hook(kind, error, traceback) -> None:
+        global _uncaught
+        _uncaught = True
+        if issubclass(kind, one_line_errors()) and not os.environ.get("MPIGRAD_DEBUG"):
+            _say(f"mpigrad: rank {rank}: error: {error}")
+            return
+        previous(kind, error, traceback)
+
+    hook.mpigrad_rank = rank
+    sys.excepthook = hook
 
 
 def _resume_problem(resume: bool, comm) -> str | None:

@@ -5,6 +5,7 @@ model, random batches, torch's SGD, fp32 on one server and two workers."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,9 @@ import torch.nn.functional as F
 import mpigrad
 
 CASES = ("models-differ", "foreign-optimizer", "no-backward", "leaves-early", "same-batches", "raises",
-         "iterations-differ")
+         "iterations-differ", "exchanges-twice", "no-serve", "serve-late")
+#: The cases where rank 0 never serves: a short timeout, so the workers' wait ends soon.
+NO_SERVE = ("no-serve", "serve-late")
 
 
 def main() -> None:
@@ -29,10 +32,14 @@ def main() -> None:
     optimizer = torch.optim.SGD(other.parameters() if args.case == "foreign-optimizer" and rank == 1
                                 else model.parameters(), lr=0.05)
     session = mpigrad.Session(model, codec="fp32", policy="fixed", iterations=4, trace=args.trace,
-                              optimizer=optimizer, progress_every=0, timeout=60.0)
+                              optimizer=optimizer, progress_every=0, timeout=10.0 if args.case in NO_SERVE else 60.0)
     if args.case == "iterations-differ" and rank == 2:
         session.iterations = 3
     if not session.is_worker:
+        if args.case == "no-serve":
+            return  # the Session says so at exit, and ends every rank
+        if args.case == "serve-late":
+            time.sleep(120)  # longer than the workers' timeout: they give up first, naming serve()
         session.serve()
         print(f"rank {rank}: served", flush=True)
         return
@@ -49,6 +56,8 @@ def main() -> None:
             if not (args.case == "no-backward" and rank == 2 and m == 1):
                 loss.backward()
             session.exchange(loss)
+            if args.case == "exchanges-twice" and rank == 2 and m == 2:
+                session.exchange(loss)  # the same gradients again
             optimizer.step()
     if args.case == "same-batches":
         try:

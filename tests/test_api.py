@@ -12,13 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from mpigrad.api import SCRIPT_KEYS, _model_problem, _optimizer_problem, _resume_problem, script_config
+from mpigrad.api import (SCRIPT_KEYS, Session, _model_problem, _optimizer_problem, _resume_problem, dropped_note,
+                         script_config)
+from mpigrad.codecs import get_codec
 from mpigrad.config import RunConfig
 from mpigrad.data import ShardSampler
 from mpigrad.errors import UsageError
 from mpigrad.runtime.build import build_config_model, load_data
 from mpigrad.runtime.script import ScriptWorker
-from mpigrad.runtime.session import run_other_rank, run_parameter_server
+from mpigrad.runtime.script import Exchanged
+from mpigrad.runtime.session import config_description, run_other_rank, run_parameter_server
 from mpigrad.runtime.stopping import StopFlag
 from mpigrad.runtime.wire.loopback import LoopbackNetwork
 from mpigrad.trace import load
@@ -227,6 +230,10 @@ def test_trace_map_takes_a_scripts_run_whose_rate_is_the_scripts(tmp_path):
 
     trace, _ = _script(tmp_path, 1, "script.h5")
     assert trace.config["lr"] is None
+    # The script's keys are recorded as not used (None), not as train's defaults; its names stay.
+    assert all(trace.config[key] is None for key in SCRIPT_KEYS if key not in ("model", "data", "optimizer"))
+    assert (trace.config["model"], trace.config["optimizer"]) == ("script CNN", "script SGD")
+    assert trace.config["batch_size"] is None and trace.config["codec"] == "uniform"
     [cell] = map_cells([trace], target_loss=100.0, smooth=1)  # reached at once
     assert list(cell.times) == [SCRIPT_RATE] and cell.times[SCRIPT_RATE][5] > 0
     [row] = map_rows([cell])
@@ -251,3 +258,120 @@ def test_mpigrad_trains_workers_run_the_librarys_loop(tmp_path, monkeypatch, ser
     trace = _train(tmp_path, servers, "train.h5", pipeline)
     assert calls == {1: list(range(6)), 2: list(range(6))}
     assert trace.status == "complete" and list(trace.steps["iteration"]) == list(range(6))
+
+
+def test_dir_of_mpigrad_shows_the_api_it_loads_on_first_use():
+    import mpigrad
+
+    assert {"Session", "Exchanged", "UsageError", "EXIT_REQUEUE", "__version__"} <= set(dir(mpigrad))
+    assert "__getattr__" in dir(mpigrad)  # and the module's own globals
+
+
+def test_the_note_on_the_scripts_keys_agrees_with_their_number():
+    assert dropped_note("a.toml", ["batch_size"]) == ("mpigrad: note: a.toml's batch_size is the script's in a "
+                                                      "Session: not used")
+    assert "a.toml's batch_size, lr are the script's" in dropped_note("a.toml", ["batch_size", "lr"])
+
+
+def test_the_config_line_leaves_out_the_bits_a_codec_does_not_take_and_the_scripts_keys():
+    fp32 = RunConfig(codec="fp32", bits=2)
+    assert " bits=" not in f" {config_description(fp32, get_codec({'id': 'fp32'}))}"
+    uniform = RunConfig(codec="uniform", bits=2)
+    assert " bits=2 " in f" {config_description(uniform, get_codec({'id': 'uniform', 'bits': 2}))} "
+    config, _ = script_config(None, {"trace": "t.h5"}, "script Net")
+    line = f" {config_description(config, get_codec({'id': 'uniform', 'bits': 2}), script=True)} "
+    assert " batch_size=" not in line and " lr=" not in line and " model=script Net " in line, line
+    assert " batch_size=32 " in f" {config_description(RunConfig())} "  # train's line keeps them
+
+
+def test_exchanged_counts_iterations_done_as_rank_0_does():
+    record = Exchanged(4, 0.5, (2,), False, True, True)
+    assert record.iteration == 4 and record.iterations_done == 5  # rank 0: "stopped after iteration 5"
+
+
+def _one_worker_run(tmp_path, iterations: int, timeout: float = 20.0):
+    """Rank 0 serving a script's fp32 run of ``iterations`` on the loopback (a thread), and
+    the one worker's ScriptWorker around a small model, built after a first backward."""
+    config, _ = script_config(None, {"codec": "fp32", "policy": "fixed", "iterations": iterations,
+                                     "progress_every": 0, "trace": str(tmp_path / "t.h5")}, "script Linear")
+    net = LoopbackNetwork(2, 1, timeout=timeout)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Linear(6, 3))
+    errors = {}
+
+    def serve():
+        try:
+            run_parameter_server(config, net.channel(0), StopFlag(), ["test"], lambda line: None, model=models[0])
+        except BaseException as exc:  # noqa: BLE001
+            errors[0] = exc
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    model = models[1]
+    x, y = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+
+    def backward() -> float:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.item()
+
+    loss = backward()
+    return ScriptWorker(config, net.channel(1), model), model, backward, loss, thread, errors
+
+
+def test_each_exchange_after_a_backward_is_taken_and_a_loop_past_the_iterations_is_named(tmp_path):
+    """After a backward: into fresh gradients, into gradients zeroed in place, or gradients
+    the script set itself (torch.autograd.grad). Past the run's iterations, the message says
+    what likely happened (the loop runs more steps than session.iterations)."""
+    worker, model, backward, loss, thread, errors = _one_worker_run(tmp_path, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert worker.exchange(loss, 0.0, 0.0).iteration == 0
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # the next backward accumulates into the .grad the exchange left
+    assert worker.exchange(backward(), 0.0, 0.0).iteration == 1
+    optimizer.step()
+    loss = torch.nn.functional.cross_entropy(model(torch.ones(2, 6)), torch.tensor([0, 1]))
+    for p, grad in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+        p.grad = grad  # no backward, but gradients of the script's own
+    assert worker.exchange(loss.item(), 0.0, 0.0).last
+    thread.join(30)
+    assert not errors, errors
+    backward()
+    with pytest.raises(UsageError, match=r"^exchange\(\) called for iteration 4, but the run has 3 \(iterations\): "
+                                         r"the loop runs more steps than session.iterations"):
+        worker.exchange(0.0, 0.0, 0.0)
+
+
+def test_a_second_exchange_without_a_backward_is_refused_at_once(tmp_path):
+    """Not 30 doubled steps later, when the loop runs past the run's iterations: the second
+    exchange of an iteration finds no gradient accumulated since the first and its average
+    still in .grad."""
+    worker, model, backward, loss, thread, errors = _one_worker_run(tmp_path, 60, timeout=2.0)
+    worker.exchange(loss, 0.0, 0.0)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(UsageError) as info:
+        worker.exchange(loss, 0.0, 0.0)
+    assert str(info.value).startswith("exchange() called twice without a backward() in between (iteration 1)")
+    assert "\n" not in str(info.value) and worker.reported  # rank 0 was told
+    thread.join(30)  # rank 0 (on the loopback, which shares no report) waits for the loss, then times out
+
+
+def test_a_serving_rank_that_never_served_is_refused_at_close():
+    session = Session.__new__(Session)
+    session.rank, session.is_worker, session._done, session._started = 0, False, False, False
+    with pytest.raises(UsageError, match=r"^the script on rank 0 ended without calling session.serve\(\)"):
+        session.close()
+    session._done, session._started = False, True  # it served: nothing to say
+    session.close()
+
+
+def test_mpigrads_own_errors_end_a_script_as_one_line_and_others_keep_their_traceback():
+    script = ("import sys; from mpigrad.api import install_one_line_errors; from mpigrad.errors import UsageError; "
+              "install_one_line_errors(3); raise (UsageError('bits must be in 1..32') if sys.argv[1] == 'own' "
+              "else ValueError('the script s own'))")
+    own = subprocess.run([sys.executable, "-c", script, "own"], capture_output=True, text=True)
+    assert own.returncode == 1 and own.stderr == "mpigrad: rank 3: error: bits must be in 1..32\n", own.stderr
+    other = subprocess.run([sys.executable, "-c", script, "other"], capture_output=True, text=True)
+    assert other.returncode == 1 and other.stderr.startswith("Traceback") and "ValueError" in other.stderr

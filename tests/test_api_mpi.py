@@ -61,6 +61,9 @@ def test_the_example_in_float32_gives_ddps_losses_to_the_last_bit(tmp_path, mpi_
     assert mine.returncode == 0, mine.stderr
     assert "model script StripesNet on the script's data" in mine.stdout
     assert "fp32.toml's batch_size, data, eval_every, lr, model, model_opts, weight_decay are the script's" in mine.stdout
+    assert "fp32: nothing quantized" in mine.stdout and "quantized layer(s)" not in mine.stdout
+    config_line = next(line for line in mine.stdout.splitlines() if line.startswith("config: "))
+    assert " bits=" not in config_line and "batch_size=" not in config_line, config_line
     ddp = run_script(2, [EXAMPLE, "--ddp", "--port", free_port(), "--losses", tmp_path / "ddp"], mpi_env)
     assert ddp.returncode == 0, ddp.stderr
     ours, theirs = losses(tmp_path / "mpigrad"), losses(tmp_path / "ddp")
@@ -72,6 +75,7 @@ def test_the_example_in_float32_gives_ddps_losses_to_the_last_bit(tmp_path, mpi_
     for k in range(2):
         np.testing.assert_array_equal(run.workers[f"loss_{k}"].to_numpy(), np.array(ours[k]))
     assert run.config["optimizer"] == "script AdamW" and run.config["codec"] == "fp32"
+    assert run.config["batch_size"] is None and run.config["lr"] is None  # the script's keys: not used by mpigrad
 
 
 #: The example's options in the runs below (MQGrad with error feedback: state to checkpoint).
@@ -123,7 +127,18 @@ MISUSES = {
     "raises": (1, "worker rank 1 failed at iteration 1: ValueError: the script's own bug", "failed"),
     "same-batches": (0, "the 2 workers' losses at iteration 0 are equal to the last bit: do they read the same "
                         "batches?", "complete"),
+    "exchanges-twice": (1, "worker rank 2 failed at iteration 3: exchange() called twice without a backward() in "
+                           "between (iteration 3)", "failed"),
 }
+
+
+def assert_one_line_per_rank(stderr: str, ranks: int = 3) -> list[str]:
+    """mpigrad's errors reached stderr as one line each (``mpigrad: rank R: error: ...``), at
+    most one per rank, and no traceback; the launcher's own abort notice aside. Returns them."""
+    assert "Traceback" not in stderr and 'File "' not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("mpigrad: rank ") and ": error: " in line]
+    assert len(errors) <= ranks and len({line.split(":")[1] for line in errors}) == len(errors), stderr
+    return errors
 
 
 @pytest.mark.parametrize("case", sorted(MISUSES))
@@ -133,6 +148,8 @@ def test_each_misuse_ends_with_a_line_naming_it(tmp_path, mpi_env, case):
     result = run_script(3, [MISUSE, "--case", case, "--trace", trace], mpi_env, timeout=120)
     assert (result.returncode != 0) == bool(code), result.stdout + result.stderr
     assert line in result.stdout + result.stderr
+    errors = assert_one_line_per_rank(result.stderr)
+    assert bool(errors) == bool(code), result.stderr
     if status is None:  # refused on every rank alike, before anything was written
         assert not trace.exists()
         assert (result.stdout + result.stderr).count(line) >= 2, result.stderr
@@ -145,6 +162,23 @@ def test_each_misuse_ends_with_a_line_naming_it(tmp_path, mpi_env, case):
             assert f"rank {rank}: exchange() called for iteration 5, but the run has 4" in result.stdout
     else:
         assert error == line or error.startswith(line), error  # the trace says who and why
+
+
+@pytest.mark.parametrize("case, line", [
+    ("no-serve", "mpigrad: rank 0: error: the script on rank 0 ended without calling session.serve(), which serves "
+                 "the workers"),
+    ("serve-late", "error: rank 0 sent no set-up data within 10 s: does the script call session.serve() on rank 0?"),
+])
+def test_a_rank_0_that_does_not_serve_is_named_within_the_timeout(tmp_path, mpi_env, case, line):
+    """Rank 0's script ends without serve(): rank 0 says so at exit and ends every rank. Rank
+    0 busy elsewhere (asleep for 120 s): each worker gives up after the Session's timeout
+    (10 s), not twice it, asking for serve(). One line per rank, no trace."""
+    trace = tmp_path / "misuse.h5"
+    result = run_script(3, [MISUSE, "--case", case, "--trace", trace], mpi_env, timeout=90)
+    assert result.returncode != 0, result.stdout + result.stderr
+    errors = assert_one_line_per_rank(result.stderr)
+    assert errors and all(line in error for error in errors), result.stderr
+    assert not trace.exists()
 
 
 def start_example(trace, env, *extra) -> subprocess.Popen:

@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict
 
 from ..errors import UsageError
-from ..machine import mpi_implementation, mpi_library_version
+from ..machine import mpi_implementation, mpi_library_line, mpi_library_version
 from .gpu import cuda_aware_mpi, node_of, plan_world, visible_devices
 from .environment import (
     THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
@@ -144,7 +144,7 @@ def _warnings(ranks: list[RankInfo], size: int, threads: int) -> list[str]:
 
 def _format(report: dict) -> str:
     ranks = [RankInfo(**{**info, "cpus": tuple(info["cpus"])}) for info in report["ranks"]]
-    library = " ".join(report["mpi_library"].splitlines()[0].split())
+    library = mpi_library_line(report["mpi_library"])
     slurm = report["slurm"]
     if "SLURM_NTASKS" not in slurm:
         slurm_line = "not under Slurm (SLURM_NTASKS unset)"

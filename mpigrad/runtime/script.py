@@ -21,9 +21,11 @@ __all__ = ["Exchanged", "ScriptWorker", "leave_run"]
 class Exchanged:
     """What one exchange did on this worker."""
 
-    #: The iteration (0-based) whose gradients were exchanged.
+    #: The iteration (0-based: the trace's ``iteration`` column) whose gradients were
+    #: exchanged; :attr:`iterations_done` counts as rank 0's lines do.
     iteration: int
-    #: This worker's loss as it reported it.
+    #: This worker's own loss as it reported it (not the workers' mean: that is rank 0's,
+    #: the trace's ``steps.loss``, which the workers are not sent).
     loss: float
     #: The bits per quantized layer rank 0 chose for the iteration (the policy's Control).
     bits: tuple[int, ...]
@@ -36,6 +38,13 @@ class Exchanged:
     #: Whether the run stops after it (a walltime signal or ``walltime``): the script saves
     #: the checkpoint and exits ``EXIT_REQUEUE`` (75) on every rank.
     stop: bool = False
+
+    @property
+    def iterations_done(self) -> int:
+        """The iterations the run has done after this one (``iteration + 1``): rank 0's count
+        in its lines (``checkpoint after iteration N``, ``stopped after iteration N``) and the
+        ``start_iteration`` of a run resumed from a checkpoint taken here."""
+        return self.iteration + 1
 
 
 class ScriptWorker:
@@ -70,6 +79,30 @@ class ScriptWorker:
         self.state: dict | None = None
         #: Whether rank 0 stopped the run (a walltime signal): no exchange follows.
         self.stopped = False
+        # A script's exchange() checks that a backward ran since the last one (_check_backward):
+        # a hook on each parameter counts the gradients backward accumulated, and the .grad
+        # tensors the last exchange left are kept (None before the first exchange).
+        self._accumulated = 0
+        self._left: list | None = None
+        if recipe is None and self.role.pipeline is None:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._count_accumulation)
+
+    def _count_accumulation(self, param) -> None:
+        self._accumulated += 1
+
+    def _check_backward(self) -> None:
+        """UsageError where no backward ran since the last exchange: no parameter's gradient
+        was accumulated since (its hook did not fire) and every ``.grad`` is still the tensor
+        that exchange left there (or None), holding the average it wrote: exchanging it again
+        would run another iteration on the same gradients. A ``.grad`` the script set
+        itself, or gradients zeroed to None (then no gradient is found), are not refused here."""
+        if self._left is None or self._accumulated:
+            return
+        grads = [p.grad for p in self.params]
+        if any(g is not None for g in grads) and all(g is None or g is left for g, left in zip(grads, self._left)):
+            raise UsageError(f"exchange() called twice without a backward() in between (iteration "
+                             f"{self.role.iteration}): each iteration is one loss.backward(), then one exchange()")
 
     def backward(self, loss, cpu: float, wall: float) -> Exchanged:
         """A pipelined run's (``pipeline``, colocated servers) ``loss.backward()`` and the
@@ -115,23 +148,29 @@ class ScriptWorker:
                              "state and exit 75 (mpigrad.EXIT_REQUEUE) on every rank")
         if m >= self.config.iterations:
             raise UsageError(f"exchange() called for iteration {m + 1}, but the run has {self.config.iterations} "
-                             "(iterations): end the loop there, or raise iterations")
+                             "(iterations): the loop runs more steps than session.iterations; end it there, or set "
+                             "session.iterations to its steps on every rank")
 
     def exchange(self, loss: float, cpu: float, wall: float) -> Exchanged:
         """Iteration ``iteration``: this worker's gradients (each parameter's ``.grad``; a
         missing one counts as zero) and ``loss``, with the CPU and wall seconds the script's
         step took (the clock's compute); the decoded average comes back into ``.grad``.
-        UsageError past the run's iterations; without any gradient, or on a failure, rank 0
-        is told (it names this rank and closes the trace "failed") and the error raised."""
+        UsageError past the run's iterations; without any gradient, a second exchange
+        without a backward in between (:meth:`_check_backward`), or on a failure, rank 0 is
+        told (it names this rank and closes the trace "failed") and the error raised."""
         if self.role.pipeline is not None:
             raise UsageError("pipeline: call session.backward(loss) in place of loss.backward() and exchange(): "
                              "it sends each bucket as backward produces it")
         self._check_open()
         try:
+            if self.recipe is None:
+                self._check_backward()
             self._gather_gradients()
         except UsageError as exc:
             self.leave(str(exc))
             raise
+        if self.recipe is None:
+            self._left, self._accumulated = [p.grad for p in self.params], 0
         return self._run(self.role.iteration, loss, cpu, wall)
 
     def _run(self, m: int, loss: float, cpu: float, wall: float, tensor=None) -> Exchanged:

@@ -16,12 +16,13 @@ from ..codecs import get_codec
 from ..config import format_duration, format_network_value, format_rate
 from ..data.augment import build_augmentation
 from ..errors import UsageError
-from ..machine import mpi_library_version
+from ..machine import mpi_library_line, mpi_library_version
 from ..models import check_model
 from ..trace import network
 from ..options import check_overwrite
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, broadcast_codec, load_data
+from .checks import check_world
 from .environment import check_world_size
 from .stopping import StopFlag
 from .warmup import KernelWatch, late_device_kernels, run_codecs, warm_up
@@ -66,23 +67,8 @@ def check_thread_level(config, provided: int) -> None:
 def _launch_problem(config, size: int, model=None) -> str | None:
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
-        if size < 2:
-            command = "-m mpigrad train" if model is None else "SCRIPT.py"
-            raise UsageError(f"mpigrad {'train ' if model is None else ''}needs at least 2 MPI ranks (rank 0 is the "
-                             "scheduler, and the server unless servers = colocated; the others train): launch with "
-                             f"mpiexec -n P+1 python -m mpi4py {command}")
-        if config.declared_ranks and config.declared_ranks[1] != size:
-            path, ranks = config.declared_ranks
-            raise UsageError(f"{path} is written for {ranks} ranks (its '# ranks: {ranks}' line) but this run "
-                             f"has {size}: launch with mpiexec -n {ranks}, or edit that line in a copy")
+        check_world(config, size, script=model is not None)
         check_thread_level(config, MPI.Query_thread())
-        if size < config.non_worker_ranks() + 1:
-            raise UsageError(f"--servers {config.servers} needs at least {config.non_worker_ranks() + 1} MPI ranks "
-                             f"(S servers and at least one worker), this run has {size}")
-        beyond = sorted(int(rank) for rank in config.link_bandwidth if int(rank) >= size)
-        if beyond:
-            raise UsageError(f"--link-bandwidth names rank(s) {', '.join(map(str, beyond))}, but this run has ranks "
-                             f"0..{size - 1}")
         if model is None:
             dataset = load_data(config)
             build_augmentation(config.augment, config.augment_opts, dataset)  # does this data set take it?
@@ -252,7 +238,8 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
     hosts = [host for host, _ in gathered]
     device_warm_ups = [seconds for _, seconds in gathered if seconds is not None]
     channel.bcast_object((start, config.iterations))
-    trace = RunTrace.open(config, layout=server.replica.layout, workers=server.workers, servers=server.servers,
+    recorded = script_record(config) if script else config  # a script's keys: not used (None)
+    trace = RunTrace.open(recorded, layout=server.replica.layout, workers=server.workers, servers=server.servers,
                           policy_columns=server.policy.record_columns(),
                           data_description=server.data_description, hosts=hosts, argv=argv,
                           resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
@@ -305,6 +292,31 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
         checkpoint.remove(config.checkpoint_path)  # a finished run has nothing to resume
     log(trace.final_summary())
     return 0
+
+
+#: The script's keys a script's trace still records as the config has them: they name the script's.
+_SCRIPT_NAMED = ("model", "data", "optimizer")
+
+
+def script_keys_unused(config: dict) -> dict:
+    """A script's run's config dict (:class:`mpigrad.Session`) as it is recorded: each key
+    the script owns (``mpigrad.api.SCRIPT_KEYS``) None, not used by mpigrad whatever the
+    config file or the defaults said, but ``model``, ``data`` and ``optimizer``, which say
+    ``script NAME``."""
+    from ..api import SCRIPT_KEYS
+
+    return {key: None if key in SCRIPT_KEYS and key not in _SCRIPT_NAMED else value for key, value in config.items()}
+
+
+def script_record(config):
+    """A copy of a script's run's ``config`` whose ``to_dict()`` (what its trace records as
+    its config) is :func:`script_keys_unused`'s; its attributes are the config's, which the
+    trace's other attributes read. The checkpoint's identity keeps the config's own dict."""
+    import copy
+
+    recorded = copy.copy(config)
+    recorded.to_dict = lambda: script_keys_unused(config.to_dict())
+    return recorded
 
 
 def deliver_checkpoint(channel, contents: dict | None = None):
@@ -391,9 +403,10 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None,
         servers = "scheduler, each worker serving a shard (colocated)"
     else:
         servers = "server" if server.servers == 1 else f"{server.servers} servers"
-    log(f"mpigrad {_version()}: {server.workers} workers + {servers}, MPI: {mpi_library_version(MPI).splitlines()[0]}")
-    log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, "
-        f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
+    log(f"mpigrad {_version()}: {server.workers} workers + {servers}, MPI: {mpi_library_line(mpi_library_version(MPI))}")
+    held = ("fp32: nothing quantized" if config.codec == "fp32" else
+            f"{len(layout.quantized)} quantized layer(s) holding {quantized / max(layout.total, 1):.1%}")
+    log(f"model {config.model} on {server.data_description}: {layout.total:,} parameters, {held}")
     if server.buffer_sync.size:
         log(f"model buffers (BatchNorm statistics): {server.buffer_sync.size:,} values, averaged over the "
             "workers after each evaluated iteration, before a checkpoint and at the end")
@@ -425,7 +438,7 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None,
     if device_warm_ups:
         log(f"device warm-up: every device kernel this run can use launched once on each of "
             f"{len(device_warm_ups)} worker(s) before iteration 0, in parallel, {max(device_warm_ups):.1f} s at most")
-    log("config: " + config_description(config))
+    log("config: " + config_description(config, server.codec, script=getattr(server, "script", False)))
 
 
 def waits_description(mode: str, waits: dict[str, list[int]]) -> str:
@@ -446,12 +459,23 @@ def waits_description(mode: str, waits: dict[str, list[int]]) -> str:
 _NETWORK_KEYS = ("bandwidth", "latency", "link_bandwidth")
 
 
-def config_description(config) -> str:
+def config_description(config, codec=None, script: bool = False) -> str:
     """The ``config:`` line: every option but the network's (the ``network:`` line states
-    it), a value with a unit as a user writes it (``compute_time=50ms``)."""
+    it), a value with a unit as a user writes it (``compute_time=50ms``); without ``bits``
+    where the run's ``codec`` takes none (``fp32``, a codec given by its levels), and for a
+    ``script``'s run (:class:`mpigrad.Session`) without the keys the script owns but its
+    model, data and optimizer (rank 0's note names those the config file set)."""
     from ..analysis.labels import format_value
 
-    return " ".join(f"{k}={format_value(v, k)}" for k, v in sorted(config.to_dict().items()) if k not in _NETWORK_KEYS)
+    values = config.to_dict()
+    left_out = set(_NETWORK_KEYS)
+    if codec is not None and not codec.takes_policy_bits:
+        left_out.add("bits")
+    if script:
+        from ..api import SCRIPT_KEYS
+
+        left_out |= set(SCRIPT_KEYS) - set(_SCRIPT_NAMED)
+    return " ".join(f"{k}={format_value(v, k)}" for k, v in sorted(values.items()) if k not in left_out)
 
 
 def shard_description(shards, codec, chunks, setting) -> str:
