@@ -18,7 +18,7 @@ from ..data.augment import build_augmentation
 from ..errors import UsageError
 from ..machine import mpi_library_line, mpi_library_version
 from ..models import check_model
-from ..trace import network
+from ..trace import TraceError, network, root_attrs
 from ..options import check_overwrite
 from . import EXIT_REQUEUE, checkpoint
 from .build import base_codec, broadcast_codec, load_data
@@ -64,6 +64,15 @@ def check_thread_level(config, provided: int) -> None:
                      f"by default; the MPI may be built without thread support): drop --pipeline, or use such an MPI")
 
 
+def _resume_attrs(trace) -> dict:
+    """The root attributes of the trace ``--resume`` continues; UsageError (one line) where it
+    cannot be read."""
+    try:
+        return root_attrs(trace)
+    except TraceError as exc:
+        raise UsageError(f"--resume: {exc}") from None
+
+
 def _launch_problem(config, size: int, model=None) -> str | None:
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
@@ -84,7 +93,7 @@ def _launch_problem(config, size: int, model=None) -> str | None:
                                  "(start a new run with another --trace, or --force without --resume)")
             if model is None and not checkpoint.exists(config.checkpoint_path):  # a script's: its own file
                 raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
-            network.resume_change(trace, network.current(), config.force)  # refused unless --force
+            network.resume_change(trace, _resume_attrs(trace), network.current(), config.force)  # refused unless --force
         else:
             check_overwrite([trace], config.force, error=UsageError, alternative=" or --trace to choose another")
         make_parent_directory(trace, "trace")
@@ -232,7 +241,7 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
         channel.scatter_object([None] + list(state.get("servers", [])) + [(w, replica) for w in state["workers"]])
         log(f"mpigrad: resuming from {path} at iteration {start}")
     # Another network than the trace's was refused in check_launch unless --force: say so.
-    changed = network.resume_change(config.trace, network.current(), force=True) if config.resume else None
+    changed = network.resume_change(config.trace, _resume_attrs(config.trace), network.current(), force=True) if config.resume else None
     # Every rank has built its part once this gather returns: no timeout runs before.
     gathered = channel.gather_object((socket.gethostname(), None))
     hosts = [host for host, _ in gathered]

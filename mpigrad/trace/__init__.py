@@ -11,7 +11,7 @@ The layout is documented in docs/trace.rst.
 """
 
 from .attrs import collect_versions, slurm_ids
-from .reader import Trace, load, method_label, read_raw, writer_mark
+from .reader import Trace, load, method_label, read_raw, root_attrs, writer_mark
 from .schema import (EVAL_COLUMNS, SCHEMA_VERSION, STEPS_COLUMNS, TABLE_NAMES, TraceError,
                      checksum_columns, default_tables, step_columns, workers_columns)
 from .writer import STATUSES, TraceWriter, repair
@@ -20,5 +20,5 @@ __all__ = [
     "TraceWriter", "Trace", "TraceError", "load", "read_raw", "method_label", "SCHEMA_VERSION",
     "STEPS_COLUMNS", "EVAL_COLUMNS", "TABLE_NAMES", "STATUSES", "step_columns",
     "workers_columns", "checksum_columns", "default_tables", "collect_versions", "slurm_ids",
-    "repair", "writer_mark",
+    "repair", "writer_mark", "root_attrs",
 ]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..config import format_network_value
@@ -127,19 +126,12 @@ def details(attrs: Mapping[str, Any]) -> str:
     return f"{words} (the hosts' own network)"
 
 
-def resume_change(path: str | os.PathLike, now: Mapping[str, Any], force: bool = False) -> str | None:
-    """For ``--resume`` of the trace at ``path`` on network ``now``: None when the trace's last
-    session ran on it too; else, with ``force``, a warning line, and without it a UsageError
-    (one line): a resume on another network would mix two networks in one trace unsaid."""
-    from .attrs import read_attrs
-    from .reader import _open
-    from .schema import TraceError
-
-    try:
-        with _open(Path(path)) as f:
-            attrs = read_attrs(f)
-    except TraceError as exc:
-        raise UsageError(f"--resume: {exc}") from None
+def resume_change(path: str | os.PathLike, attrs: Mapping[str, Any], now: Mapping[str, Any],
+                  force: bool = False) -> str | None:
+    """For ``--resume`` of the trace at ``path``, whose root attributes are ``attrs``
+    (``reader.root_attrs``), on network ``now``: None when the trace's last session ran on it
+    too; else, with ``force``, a warning line, and without it a UsageError (one line): a
+    resume on another network would mix two networks in one trace unsaid."""
     before = history(attrs)[-1][1]
     if before == now:
         return None

@@ -3,11 +3,19 @@
 A file is opened normally first, so HDF5 checks it fully (a truncated file is caught there);
 a file still marked as being written (a live writer, or one that was killed) is then
 opened in SWMR-read mode. Only the committed rows of each table are read.
+
+A damaged file (bytes overwritten anywhere) is a ``TraceError`` of one line, never an h5py
+exception: whatever h5py raises while the file is read (``OSError``, ``RuntimeError``,
+``KeyError``, ``ValueError``, ``TypeError``) is turned into one, and the file's global heap
+collections (its text attributes) are checked before any is read, since HDF5 loops forever
+on some damaged ones (``_check_global_heaps``). A block that HDF5 never reads (free space)
+can be damaged without effect: such a file reads as it was written.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,10 +26,11 @@ import h5py
 import numpy as np
 
 from .attrs import read_attrs
+from .network import text
 from .schema import (FORMAT_NAME, ROWS_DATASET, SCHEMA_VERSION, TABLE_NAMES, TraceError, column_spec,
                      flat_names)
 
-__all__ = ["Trace", "load", "read_raw", "method_label"]
+__all__ = ["Trace", "load", "read_raw", "root_attrs", "method_label"]
 
 _TABLE_ORDER = {name: k for k, name in enumerate(TABLE_NAMES)}  # standard tables first
 
@@ -38,32 +47,82 @@ def read_raw(path: str | os.PathLike) -> RawTrace:
     """Attributes, table specs and committed rows (numpy arrays of shape (rows, *shape))."""
     path = Path(path)
     h5file = _open(path)
-    with h5file:
-        try:
-            attrs = read_attrs(h5file)
-        except (ValueError, OSError) as exc:  # undecodable JSON or an unreadable attribute
-            raise TraceError(f"{path}: damaged trace attributes ({_first_line(exc)})") from None
-        if attrs.get("format") != FORMAT_NAME:
-            raise TraceError(f"{path} is an HDF5 file but not an mpigrad trace "
-                             f"(no format={FORMAT_NAME!r} root attribute)")
-        version = attrs.get("schema_version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise TraceError(f"{path}: damaged trace (bad schema_version {version!r})")
-        if version > SCHEMA_VERSION:
-            raise TraceError(f"{path} has trace schema version {version}, newer than this "
-                             f"mpigrad reads ({SCHEMA_VERSION}); upgrade mpigrad")
-        specs, arrays = {}, {}
-        try:
-            names = sorted(h5file, key=lambda name: (_TABLE_ORDER.get(name, len(_TABLE_ORDER)), name))
-            for table in names:
-                group = h5file[table]
-                if isinstance(group, h5py.Group) and "columns" in group.attrs:
-                    specs[table], arrays[table] = _read_table(path, table, group)
-        except (OSError, KeyError, ValueError) as exc:
-            if isinstance(exc, TraceError):
-                raise
-            raise TraceError(f"{path}: truncated or damaged trace ({_first_line(exc)})") from None
+    try:
+        with h5file:
+            return _read_open(path, h5file)
+    except TraceError:
+        raise
+    except H5PY_ERRORS as exc:  # what h5py raises on a damaged file (closing it included)
+        raise TraceError(f"{path}: truncated or damaged trace ({_first_line(exc)})") from None
+
+
+#: What h5py raises while it reads a damaged file: OSError and KeyError (an object that cannot
+#: be opened), RuntimeError (an attribute or link that cannot be looked up), ValueError and
+#: TypeError (undecodable contents, a dataspace or type that makes no sense).
+H5PY_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+
+
+def _read_open(path: Path, h5file: h5py.File) -> RawTrace:
+    """``read_raw`` of the open ``h5file``."""
+    _check_global_heaps(path, h5file)
+    try:
+        attrs = read_attrs(h5file)
+    except H5PY_ERRORS as exc:  # undecodable JSON or an unreadable attribute
+        raise TraceError(f"{path}: damaged trace attributes ({_first_line(exc)})") from None
+    if attrs.get("format") != FORMAT_NAME:
+        raise TraceError(f"{path} is an HDF5 file but not an mpigrad trace "
+                         f"(no format={FORMAT_NAME!r} root attribute)")
+    version = attrs.get("schema_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise TraceError(f"{path}: damaged trace (bad schema_version {version!r})")
+    if version > SCHEMA_VERSION:
+        raise TraceError(f"{path} has trace schema version {version}, newer than this "
+                         f"mpigrad reads ({SCHEMA_VERSION}); upgrade mpigrad")
+    specs, arrays = {}, {}
+    names = sorted(h5file, key=lambda name: (_TABLE_ORDER.get(name, len(_TABLE_ORDER)), name))
+    for table in names:
+        group = h5file[table]
+        if isinstance(group, h5py.Group) and "columns" in group.attrs:
+            specs[table], arrays[table] = _read_table(path, table, group)
     return RawTrace(path, version, attrs, specs, arrays)
+
+
+#: The start of an HDF5 global heap collection: signature "GCOL", version 1, 3 reserved bytes.
+_GLOBAL_HEAP_START = b"GCOL\x01\x00\x00\x00"
+
+
+def _check_global_heaps(path: Path, h5file: h5py.File) -> None:
+    """TraceError where one of the file's global heap collections (HDF5 keeps variable-length
+    strings there: the trace's text attributes) is damaged: a collection that does not fit in
+    the file, or an object whose size does not fit in its collection. HDF5 (2.0 still) parses
+    such a collection without checking them, and can loop forever over it; this walks each
+    collection as HDF5 does (HDF5 file format, "Global Heap"), reading nothing else."""
+    length_bytes = h5file.id.get_create_plist().get_sizes()[1]  # HDF5's "size of lengths"
+    align = lambda size: -(-size // 8) * 8  # noqa: E731  (objects are aligned to 8 bytes)
+    header, object_header = align(len(_GLOBAL_HEAP_START) + length_bytes), 8 + length_bytes
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        start = data.find(_GLOBAL_HEAP_START)
+        while start >= 0:
+            size = int.from_bytes(data[start + 8:start + 8 + length_bytes], "little")
+            end = start + size
+            if size < header or end > len(data):
+                raise TraceError(f"{path}: damaged trace (a global heap at byte {start} claims {size} bytes)")
+            at = start + header
+            while at + object_header <= end:  # a smaller rest is free space
+                index = int.from_bytes(data[at:at + 2], "little")
+                stored = int.from_bytes(data[at + 8:at + 8 + length_bytes], "little")
+                step = object_header + align(stored) if index else stored  # object 0: the free space, whole
+                if step == 0 or at + step > end:
+                    raise TraceError(f"{path}: damaged trace (global heap object at byte {at} claims {stored} bytes)")
+                at += step
+            start = data.find(_GLOBAL_HEAP_START, start + 1)
+
+
+def root_attrs(path: str | os.PathLike) -> dict[str, Any]:
+    """The root attributes of the trace at ``path`` (``attrs.read_attrs``), without reading its
+    tables; TraceError (one line) where it cannot be opened as a trace."""
+    with _open(Path(path)) as f:
+        return read_attrs(f)
 
 
 def writer_mark(path: str | os.PathLike) -> bool:
@@ -106,11 +165,21 @@ def _open(path: Path) -> h5py.File:
 
 def _read_table(path: Path, table: str, group: h5py.Group):
     columns = json.loads(group.attrs["columns"])
-    specs = {name: column_spec(table, name, spec) for name, spec in columns.items()}
+    if not isinstance(columns, dict):
+        raise TraceError(f"{path}: table {table!r}: its columns attribute is not a JSON object (damaged trace)")
+    try:
+        specs = {name: column_spec(table, name, spec) for name, spec in columns.items()}
+    except TraceError as exc:
+        raise TraceError(f"{path}: {exc} (damaged trace)") from None
     rows = int(group[ROWS_DATASET][()])
+    if rows < 0:
+        raise TraceError(f"{path}: table {table!r} claims {rows} committed rows (damaged trace)")
     arrays = {}
     for name in specs:
         dataset = group[name]
+        if dataset.shape[1:] != specs[name][1]:
+            raise TraceError(f"{path}: table {table!r} column {name!r} has rows of shape {dataset.shape[1:]}, "
+                             f"its spec says {specs[name][1]} (damaged trace)")
         if dataset.shape[0] < rows:
             raise TraceError(f"{path}: table {table!r} column {name!r} holds {dataset.shape[0]} "
                              f"rows, {rows} were committed (damaged trace)")
@@ -264,7 +333,6 @@ class Trace:
     def network(self) -> str:
         """The network the run really had, in words: 'host', 'lab 10MB/s', 'lab 10MB/s until
         iteration 16, then host' (trace/network.py; 'host' for a trace that does not record it)."""
-        from .network import text
 
         return text(self.attrs)
 
