@@ -185,12 +185,14 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace) -> int:
+    from .labels import file_labels
     from .summary import summarize, summary_columns
 
     skipped = _Skipped()
     traces, labels = _load_runs(args.files, skipped)
-    rows = [summarize(trace, label, target_loss=args.target_loss, clock=args.clock, smooth=args.smooth)
-            for trace, label in zip(traces, labels)]
+    files = file_labels([trace.path for trace in traces])
+    rows = [summarize(trace, label, target_loss=args.target_loss, clock=args.clock, smooth=args.smooth, run=file)
+            for trace, label, file in zip(traces, labels, files)]
     print(render(rows, summary_columns(target_loss=args.target_loss, clock=args.clock), args.format), end="")
     return skipped.exit_code(0)
 
@@ -227,7 +229,8 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from .compare import (
-        compare_columns, compare_rows, group_runs, partial_note, plot_compare, provenance_warnings, rows_clock,
+        compare_columns, compare_key, compare_rows, group_runs, partial_note, plot_compare, provenance_warnings,
+        rows_clock,
     )
 
     points = parse_points(args.at) if args.at else []
@@ -251,11 +254,14 @@ def _compare(args: argparse.Namespace) -> int:
     if width:  # long labels in a key below the table, to fit the terminal
         shorts = [(group.runs or group.excluded)[0].label for group in groups]
         table, shown = fit_width(rows, columns, shorts, width)
-        print(table + wrap(partial_note(shown).splitlines(), width), end="")
+        shown_columns = [c for c in columns if c.header in table.splitlines()[0].split()]
+        notes = compare_key(shown_columns, args.target_loss) + partial_note(shown, args.target_loss).splitlines()
+        print(table + wrap(notes, width), end="")
     else:
         print(render(rows, columns, args.format), end="")
-        if args.format != "csv":
-            print(partial_note(rows), end="")
+        if args.format != "csv":  # the key, then the footnotes, under the table
+            print("".join(f"{line}\n" for line in compare_key(columns, args.target_loss))
+                  + partial_note(rows, args.target_loss), end="")
     if args.plot:
         print(f"wrote {plot_compare(groups, args.plot, smooth=args.smooth, target_loss=args.target_loss)}")
     return skipped.exit_code(0)

@@ -22,12 +22,22 @@ group, over its runs (seeds):
 - ``sent_mb``: mean megabytes sent per run (up and down);
 - training loss (smoothed) and test accuracy at the given simulated times, means over runs.
 
+Runs whose ``loss`` column measures different quantities (``labels.loss_quantity``: with the
+paper's l2 term, without it, a script's own) are never ranked on one target: they form
+groups of their own (labels tagged ``[loss+l2]``, ``[loss]`` where several quantities are
+shown), the ratios and the fastest group are taken among groups of one quantity, and a
+footnote names the groups of each quantity. ``fastest``: the group with the least mean time
+to target among those of its network and loss quantity whose runs all reached it. A group
+none of whose runs reached the target has ``lowest_loss``, the least smoothed loss any of
+them got to.
+
 A group whose runs come from different CPUs or library versions (``mixed_provenance``) is
 named in a one-line warning: such runs of one seed agree only within float noise.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -36,13 +46,14 @@ import numpy as np
 
 from ..machine import FINGERPRINT_KEYS
 from ..trace import Trace
-from .labels import (MIXED_CLOCKS, NETWORK_KEY, SIMULATED, WALL_CLOCK, clock_name, common_clock, differing_keys,
-                     flat_config, format_value, group_key, group_labels, labelled_config)
+from .labels import (LOSS_TAGS, MIXED_CLOCKS, NETWORK_KEY, SIMULATED, WALL_CLOCK, clock_name, common_clock,
+                     differing_keys, file_labels, flat_config, format_value, group_key, group_labels,
+                     labelled_config, loss_quantity)
 from .summary import require_steps, smoothed_loss, time_to_target
 from .tables import NOT_AVAILABLE, NOT_YET, AnalysisError, Column, Point, value_at
 
-__all__ = ["Group", "group_runs", "compare_rows", "config_kind", "compare_columns", "student_t95", "mean_ci",
-           "mixed_provenance", "provenance_warnings"]
+__all__ = ["Group", "group_runs", "compare_rows", "config_kind", "compare_columns", "compare_key", "partial_note",
+           "student_t95", "mean_ci", "mixed_provenance", "provenance_warnings"]
 
 #: Root attributes that say which machine and libraries a run's floats came from.
 PROVENANCE_KEYS = (*FINGERPRINT_KEYS, "mpi_library")
@@ -104,10 +115,13 @@ def group_runs(traces: Sequence[Trace], by: Sequence[str] | None = None, *,
             raise AnalysisError(f"--by {', '.join(unknown)}: no run has that config key "
                                 f"(keys look like lr, policy, policy_opts.epsilon)")
     labels = group_labels(configs, keys)
+    quantities = [loss_quantity(t.config) for t in traces]
+    if len(set(quantities)) > 1:  # never one group, nor one unmarked label, for two quantities
+        labels = [f"{label} [{LOSS_TAGS[quantity]}]" for label, quantity in zip(labels, quantities)]
     groups: dict[str, Group] = {}
-    for trace, config, label in zip(traces, configs, labels):
+    for trace, config, label, quantity in zip(traces, configs, labels, quantities):
         require_steps(trace)
-        key = group_key(config, keys)
+        key = json.dumps([group_key(config, keys), quantity])
         group = groups.setdefault(key, Group(label, key))
         if trace.status == "complete" or include_incomplete:
             group.runs.append(trace)
@@ -154,6 +168,8 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
     if any(p.is_iteration for p in points):
         raise AnalysisError("compare --at takes simulated times (60s, 5m, 2h), not iterations")
     rows = []
+    every = [t for group in groups for t in group.runs + group.excluded]
+    files = dict(zip(map(id, every), file_labels([t.path for t in every])))
     for group in groups:
         times = [time_to_target(t, target_loss, "sim", smooth) for t in group.runs]
         reached = [x for x in times if x is not None]
@@ -161,12 +177,15 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
         n = len(group.runs)
         row: dict[str, Any] = {
             "method": group.label, "runs": f"{n}/{n + len(group.excluded)}",
-            "excluded": ", ".join(f"{t.name} ({t.status})" for t in group.excluded) or "-",
+            "excluded": ", ".join(f"{files[id(t)]} ({t.status})" for t in group.excluded) or "-",
             "reached": f"{len(reached)}/{n}", "target_mean": mean, "target_ci": ci,
             "target_partial": bool(n) and len(reached) < n,
             "clock": clock_name((group.runs or group.excluded)[0].config),
             "sent_mb": float(np.mean([(t.steps["bytes_up"] + t.steps["bytes_down"]).sum() / 1e6
                                       for t in group.runs])) if n else None,
+            "loss_quantity": loss_quantity((group.runs or group.excluded)[0].config),
+            "lowest_loss": min((x for x in (_lowest(smoothed_loss(t, smooth)) for t in group.runs) if x is not None),
+                               default=None),
         }
         for k, point in enumerate(points):
             losses = [x for x in (_loss_at(t, point.value, smooth) for t in group.runs) if x is not None]
@@ -180,19 +199,31 @@ def compare_rows(groups: Sequence[Group], target_loss: float, points: Sequence[P
     networks = [network_label(config, differing) for config in firsts]
     for (_, row), network in zip(rows, networks):
         row["network"] = network
+    alike = [(network, row["loss_quantity"]) for (_, row), network in zip(rows, networks)]  # like with like
     for column, kind in (("vs_fp32", "fp32"), ("vs_best_fixed", "fixed"), ("vs_best_ddp", "ddp")):
-        _ratio_to(rows, networks, column, kind)
+        _ratio_to(rows, alike, column, kind)
+    fastest: dict[Any, float] = {}
+    for (_, row), key in zip(rows, alike):
+        if _reached_by_all(row):
+            fastest[key] = min(fastest.get(key, math.inf), row["target_mean"])
+    for (_, row), key in zip(rows, alike):
+        row["fastest"] = _reached_by_all(row) and row["target_mean"] == fastest[key]
     return [row for _, row in rows]
+
+
+def _lowest(losses: np.ndarray) -> float | None:
+    """The least of ``losses`` (NaN left out); None where every one is NaN."""
+    return None if np.isnan(losses).all() else float(np.nanmin(losses))
 
 
 def _reached_by_all(row: dict[str, Any]) -> bool:
     return row["target_mean"] is not None and not row["target_partial"]
 
 
-def _ratio_to(rows, networks: Sequence[str], column: str, kind: str) -> None:
+def _ratio_to(rows, networks: Sequence[Any], column: str, kind: str) -> None:
     """``row[column]``: the group's mean time to target over the least of the groups of
-    ``kind`` (``reference_kind``) on its network whose runs all reached it; None where either
-    side is missing or partial."""
+    ``kind`` (``reference_kind``) of its ``networks`` entry (network and loss quantity) whose
+    runs all reached it; None where either side is missing or partial."""
     best: dict[str, float] = {}
     for (group, row), network in zip(rows, networks):
         if reference_kind(group) == kind and _reached_by_all(row):
@@ -259,14 +290,34 @@ def compare_columns(target_loss: float, points: Sequence[Point] = (), clock: str
     return columns + [Column("excluded", "excluded", left=True)]
 
 
-def partial_note(rows: Sequence[dict[str, Any]]) -> str:
-    """The footnotes: groups whose mean covers only the runs that reached the target, and
-    the network models when the groups ran on more than one."""
+def partial_note(rows: Sequence[dict[str, Any]], target_loss: float | None = None) -> str:
+    """The footnotes: the fastest group to the target (of each network and loss quantity);
+    groups whose mean covers only the runs that reached the target; groups none of whose runs
+    reached it, with the lowest smoothed loss they got to; the loss quantities when the groups'
+    differ; the clocks and network models when the groups ran on more than one."""
     notes = ""
-    partial = [row["method"] for row in rows if row["target_partial"]]
+    target = "the target" if target_loss is None else f"the target {target_loss:g}"
+    seconds = {SIMULATED: "simulated s", WALL_CLOCK: "s wall clock"}
+    fastest = [f"{row['method']} ({row['target_mean']:.1f} {seconds[row['clock']]})"
+               for row in rows if row.get("fastest")]
+    if fastest:
+        notes += (f"* fastest to {target} (least mean time of the groups whose runs all reached it, "
+                  f"among groups of one network and loss quantity): {'; '.join(fastest)}\n")
+    partial = [row["method"] for row in rows if row["target_partial"] and row["target_mean"] is not None]
     if partial:
         notes += ("* some runs never reached the target: the mean and CI cover the runs that did "
                   f"(see reached): {'; '.join(partial)}\n")
+    missed = [row for row in rows if row["target_mean"] is None and row["runs"][0] != "0"]
+    if missed:
+        lowest = "; ".join(f"{row['method']} (lowest {row['lowest_loss']:.4g})" if row.get("lowest_loss") is not None
+                           else row["method"] for row in missed)
+        notes += f"* no run reached {target}, so no time to it; the lowest smoothed loss of their runs: {lowest}\n"
+    quantities = list(dict.fromkeys(row["loss_quantity"] for row in rows if row.get("loss_quantity")))
+    if len(quantities) > 1:
+        kinds = " | ".join(f"{quantity}: {'; '.join(row['method'] for row in rows if row['loss_quantity'] == quantity)}"
+                           for quantity in quantities)
+        notes += ("* the groups' losses are different quantities, one target does not rank them: vs_* and the "
+                  f"fastest compare like with like ({kinds})\n")
     if rows_clock(rows) == MIXED_CLOCKS:
         walled = [row["method"] for row in rows if row["clock"] == WALL_CLOCK]
         notes += ("* s_to_: some groups were timed by the simulated clock and some by the wall clock (net_mode "
@@ -278,9 +329,33 @@ def partial_note(rows: Sequence[dict[str, Any]]) -> str:
     return notes
 
 
-#: Line styles of the groups' curves, in turn with the colours: a curve equal to another's
-#: still shows its colour between the other's dashes.
-GROUP_LINESTYLES = ("-", (0, (5, 3)), (0, (1, 2)), (0, (6, 2, 1, 2)))
+def compare_key(columns: Sequence[Column], target_loss: float) -> list[str]:
+    """The key under a text or Markdown compare table: one line per column shown (``columns``,
+    as the table shows them) that says what it holds, and when it is N/A."""
+    target = f"{target_loss:g}"
+    headers = {c.key: c.header for c in columns}
+    meanings = {
+        "runs": "complete runs used / runs given",
+        "reached": f"runs whose smoothed training loss got to {target} or below, of those used",
+        "target_mean": f"mean time to {target} over the runs that reached it; N/A where none did",
+        "target_ci": "half-width of that mean's 95 % confidence interval (Student t); N/A with fewer than 2 runs "
+                     "that reached the target (one seed gives no spread)",
+        "vs_fp32": "mean time to target over FP32's (fixed policy) on the same network and loss quantity; below 1: "
+                   "faster; N/A unless both groups' runs all reached it",
+        "vs_best_fixed": "the same over the fastest fixed width of a quantizing codec",
+        "vs_best_ddp": "the same over the fastest DDP variant (--peers)",
+        "sent_mb": "mean megabytes sent per run, up and down",
+        "excluded": "runs left out: not complete (--include-incomplete uses them)",
+    }
+    lines = [f"{headers[key]}: {text}" for key, text in meanings.items() if key in headers]
+    losses = [c.header for c in columns if c.key.startswith("loss")]
+    accuracies = [c.header for c in columns if c.key.startswith("acc")]
+    if losses:
+        lines.append(f"{', '.join(losses)}: mean smoothed training loss at that simulated time; "
+                     f"{', '.join(accuracies)}: mean test accuracy (%) of the last evaluation by then")
+    return ["key: " + lines[0], *lines[1:]] if lines else []
+
+
 
 
 def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: int = 200, title: str | None = None,
@@ -289,8 +364,10 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
     that timed the runs names the axis: ``labels.common_clock``),
     with a 95 % confidence band, on a grid up to the shortest run of each group; the test
     accuracy also as dots at the group's evaluations where they are few (a run evaluated
-    once, at its end, is one dot); a dotted grey line at ``target_loss`` where given."""
-    from .plots import _MAX_MARKERS, _time_unit, check_output, finish, legend_below, loss_axis_label
+    once, at its end, is one dot); a dotted grey line at ``target_loss`` where given; the loss
+    axis named by what the groups' losses measure (``plots.loss_axis_label``); ``title``, or
+    one that says how many groups and which target."""
+    from .plots import LINESTYLES, _MAX_MARKERS, _time_unit, check_output, finish, legend_below, loss_axis_label
 
     output = check_output(output)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -311,7 +388,7 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
         grid = np.linspace(0.0, end, points)
         curves = np.array([np.interp(grid, t.steps["sim_time"].to_numpy(float), smoothed_loss(t, smooth))
                            for t in group.runs])
-        style = GROUP_LINESTYLES[k % len(GROUP_LINESTYLES)]
+        style = LINESTYLES[k % len(LINESTYLES)]
         _band(axes[0], grid / scale, curves, color, f"{group.label} (n={len(group.runs)})", style)
         if with_accuracy:
             evaluated = [t for t in group.runs if len(t.eval)]
@@ -325,13 +402,14 @@ def plot_compare(groups: Sequence[Group], output, *, smooth: int = 1, points: in
                     axes[1].plot(times / scale, accuracies, "o", color=color, ms=4)
     if target_loss is not None:
         axes[0].axhline(target_loss, color="0.45", lw=0.9, ls=":", label=f"target loss {target_loss:g}")
-    axes[0].set_ylabel(loss_axis_label(smooth))
+    axes[0].set_ylabel(loss_axis_label(smooth, [loss_quantity(g.runs[0].config) for g in used]))
     legend_below(figure, axes[0])
     if with_accuracy:
         axes[1].set_ylabel("Test accuracy (%)")
     clock = common_clock([clock_name(t.config) for g in used for t in g.runs])
     axes[-1].set_xlabel(f"{X_AXIS_NAME[clock]} ({unit})")
-    return finish(figure, axes, output, title)
+    return finish(figure, axes, output, title or f"Mean over seeds, {len(used)} group{'s' * (len(used) != 1)}"
+                  + (f", target loss {target_loss:g}" if target_loss is not None else ""))
 
 
 #: The x axis's name by the clock that timed the runs.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 from ..config import RECIPE_KEYS, describe_recipe, format_duration, format_rate, normal_shard_chunk
@@ -18,7 +20,8 @@ from ..trace import Trace, method_label
 
 __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value",
            "labelled_config", "NETWORK_KEY", "clock_name", "common_clock", "SIMULATED", "WALL_CLOCK",
-           "MIXED_CLOCKS"]
+           "MIXED_CLOCKS", "file_labels", "loss_quantity", "LOSS_WITH_L2", "LOSS_ALONE", "SCRIPT_LOSS",
+           "LOSS_TAGS"]
 
 #: Keys that say how a run was run or written, not what was trained: never a difference.
 BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
@@ -184,5 +187,56 @@ def run_labels(traces: Sequence[Trace]) -> list[str]:
         if len(members) > 1 and len({str(seeds[i]) for i in members}) > 1:
             for i in members:
                 labels[i] = f"{labels[i]} seed={seeds[i]}"
-    return [f"{label} ({trace.name})" if labels.count(label) > 1 else label
-            for label, trace in zip(labels, traces)]
+    files = file_labels([t.path for t in traces])
+    return [f"{label} ({file})" if labels.count(label) > 1 else label for label, file in zip(labels, files)]
+
+
+def file_labels(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """A name per file, distinct where the files are: the shortest trailing part of its path
+    that no other file's path ends in, without the extension (``mqgrad``; ``runs/mqgrad`` and
+    ``ck/mqgrad`` for two files of that name), with it only where nothing else tells two
+    files apart (``a.h5``, ``a.hdf5``). A file given twice gets one name, twice."""
+    absolute = [Path(os.path.abspath(path)) for path in paths]
+
+    def suffix(path: Path, depth: int, extension: bool) -> str:
+        parts = [*path.parts[:-1], path.name if extension else path.stem]
+        return "/".join(parts[-depth:]).replace("//", "/")
+
+    names = []
+    for path in absolute:
+        others = {other for other in absolute if other != path}
+        for extension in (False, True):
+            depth = next((k for k in range(1, len(path.parts) + 1)
+                          if all(suffix(path, k, extension) != suffix(other, k, extension) for other in others)), None)
+            if depth is not None:
+                names.append(suffix(path, depth, extension))
+                break
+        else:
+            names.append(str(path))  # unreachable: the whole path tells files apart
+    return names
+
+
+#: What a trace's ``loss`` column measures (``loss_quantity``).
+LOSS_WITH_L2, LOSS_ALONE, SCRIPT_LOSS = "training loss + l2", "training loss", "the script's loss"
+#: The short tag of each loss quantity in labels and legends where runs of several are shown.
+LOSS_TAGS = {LOSS_WITH_L2: "loss+l2", LOSS_ALONE: "loss", SCRIPT_LOSS: "script's loss"}
+
+
+def loss_quantity(config: Any) -> str:
+    """What a run's ``loss`` column (and its progress line's loss) measures, from its recorded
+    config: ``SCRIPT_LOSS`` for a script's run (``mpigrad.Session``: model ``script NAME``),
+    whose loss is what the script computed, mpigrad adding nothing; ``LOSS_WITH_L2`` where the
+    paper's l2 term was in the loss (``weight_decay`` > 0 and ``weight_decay_in`` "loss"; a
+    config that lacks a key takes today's default, 0.004 in the loss, as traces written before
+    ``weight_decay_in`` existed had it); else ``LOSS_ALONE`` (``weight_decay`` 0, or decayed
+    by the optimizer, ``weight_decay_in`` "optimizer": AdamW's decoupled decay). Times to one
+    target loss compare only between runs of one quantity."""
+    config = config if isinstance(config, dict) else {}
+    model = config.get("model")
+    if (isinstance(model, str) and model.startswith("script ")) or config.get("data") == "script":
+        return SCRIPT_LOSS
+    defaults = _defaults()
+    decay = config.get("weight_decay", defaults["weight_decay"])
+    where = config.get("weight_decay_in", defaults["weight_decay_in"])
+    in_loss = where == "loss" and isinstance(decay, (int, float)) and not isinstance(decay, bool) and decay > 0
+    return LOSS_WITH_L2 if in_loss else LOSS_ALONE

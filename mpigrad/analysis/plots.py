@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from ..trace import Trace
+from .labels import LOSS_ALONE, LOSS_TAGS, LOSS_WITH_L2, SCRIPT_LOSS, loss_quantity
 from .summary import require_steps, smoothed_loss
 from .tables import AnalysisError
 
@@ -39,7 +40,11 @@ def _thin(n: int) -> slice:
 
 def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Path, *, x: str = "sim",
                 smooth: int = 1, accuracy: bool = True, title: str | None = None) -> Path:
-    """Draw loss, test accuracy (when evaluated) and bits, one line per run, into ``output``."""
+    """Draw loss, test accuracy (when evaluated) and bits, one line per run, into ``output``:
+    each run its colour and, in turn, a line style (``LINESTYLES``), so that equal curves
+    show; the bits axis ticked at integers only; ``title`` or ``default_title``'s; where the
+    runs' losses are different quantities (``labels.loss_quantity``), each legend label
+    says which."""
     output = check_output(output)
     if x not in X_AXES:
         raise AnalysisError(f"unknown x axis {x!r} ({', '.join(X_AXES)})")
@@ -62,21 +67,25 @@ def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Pa
     FigureCanvasAgg(figure)
     axes = dict(zip(panels, figure.subplots(len(panels), 1, sharex=True,
                                             gridspec_kw={"height_ratios": [heights[p] for p in panels]})))
+    quantities = [loss_quantity(t.config) for t in traces]
+    if len(set(quantities)) > 1:
+        labels = [f"{label} [{LOSS_TAGS[quantity]}]" for label, quantity in zip(labels, quantities)]
     for k, (trace, label) in enumerate(zip(traces, labels)):
-        color = f"C{k % 10}"
+        color, style = f"C{k % 10}", LINESTYLES[k % len(LINESTYLES)]
         steps = trace.steps
         xs = steps[column].to_numpy(dtype=np.float64) / scale
         loss = smoothed_loss(trace, smooth)
         keep = _thin(len(xs))
-        axes["loss"].plot(xs[keep], loss[keep], color=color, lw=1.4, label=label)
-        axes["bits"].plot(xs[keep], steps["bits"].to_numpy()[keep], color=color, lw=1.2,
+        axes["loss"].plot(xs[keep], loss[keep], color=color, lw=1.4, ls=style, alpha=_ALPHA, label=label)
+        axes["bits"].plot(xs[keep], steps["bits"].to_numpy()[keep], color=color, lw=1.2, ls=style, alpha=_ALPHA,
                           drawstyle="steps-post", label=label)
         if with_accuracy and len(trace.eval):
             evals = trace.eval
             axes["accuracy"].plot(evals[column].to_numpy(dtype=np.float64) / scale,
-                                  100 * evals["test_accuracy"].to_numpy(), color=color, lw=1.4,
-                                  marker="o" if len(evals) <= _MAX_MARKERS else None, ms=3, label=label)
-    axes["loss"].set_ylabel(loss_axis_label(smooth))
+                                  100 * evals["test_accuracy"].to_numpy(), color=color, lw=1.4, ls=style,
+                                  alpha=_ALPHA, marker=_MARKERS[k % len(_MARKERS)] if len(evals) <= _MAX_MARKERS
+                                  else None, ms=4, label=label)
+    axes["loss"].set_ylabel(loss_axis_label(smooth, quantities))
     legend_below(figure, axes["loss"], title="method")
     if with_accuracy:
         axes["accuracy"].set_ylabel("Test accuracy (%)")
@@ -84,20 +93,52 @@ def plot_traces(traces: Sequence[Trace], labels: Sequence[str], output: str | Pa
     low = min(int(t.steps["bits"].min()) for t in traces)
     high = max(int(t.steps["bits"].max()) for t in traces)
     axes["bits"].set_ylim(low - 0.5, high + 0.5)
-    axes["bits"].yaxis.set_major_locator(MaxNLocator(nbins=min(high - low + 1, 6), integer=True))
+    # integers only, the one width of a fixed run too (min_n_ticks=1: MaxNLocator's default
+    # of 2 falls back to 1.6 and 2.4 where the axis holds one integer)
+    axes["bits"].yaxis.set_major_locator(MaxNLocator(nbins=min(high - low + 1, 6), integer=True, min_n_ticks=1))
     axes["bits"].set_xlabel(xlabel)
-    return finish(figure, axes.values(), output, title)
+    return finish(figure, axes.values(), output, title or default_title(traces))
 
 
-def loss_axis_label(smooth: int) -> str:
-    """The loss axis: the trace's ``loss`` column, which carries the l2 term (the progress
-    line's ``loss+l2``); the smoothing on a line of its own, so that a short panel shows it whole."""
-    return "Training loss + l2" + (f"\n(mean of {smooth} it.)" if smooth > 1 else "")
+#: Line styles of the curves, in turn with the colours (solid, dashed, dotted, dash-dot): a
+#: curve equal to another's still shows its colour between the other's dashes.
+LINESTYLES = ("-", (0, (5, 3)), (0, (1, 2)), (0, (6, 2, 1, 2)))
+#: Markers of the evaluations, in turn, and the curves' opacity: overlapping curves show through.
+_MARKERS = ("o", "s", "^", "D", "v")
+_ALPHA = 0.85
 
 
-#: Characters per line of a legend label under a figure 6.4 in wide at the legend's small font;
+def default_title(traces: Sequence[Trace]) -> str:
+    """The figure's title without ``--title``: what the runs trained, where their configs
+    agree on it (``paper_cnn on cifar10, 4 workers``), and how many runs are drawn."""
+    parts = []
+    for key, text in (("model", "{}"), ("data", "on {}"), ("workers", "{} workers")):
+        values = {str(t.config.get(key)) for t in traces if isinstance(t.config, dict) and t.config.get(key) is not None}
+        if len(values) == 1 and len([t for t in traces if t.config.get(key) is not None]) == len(traces):
+            parts.append(text.format(values.pop()))
+    runs = f"{len(traces)} run{'s' * (len(traces) != 1)}"
+    return f"{' '.join(parts)} ({runs})" if parts else runs
+
+
+#: The loss axis's name by what the runs' losses measure (``labels.loss_quantity``).
+LOSS_AXIS_NAMES = {LOSS_WITH_L2: "Training loss + l2", LOSS_ALONE: "Training loss",
+                   SCRIPT_LOSS: "Training loss (the script's)"}
+
+
+def loss_axis_label(smooth: int, quantities: Sequence[str] = (LOSS_WITH_L2,)) -> str:
+    """The loss axis: what the traces' ``loss`` column measures (``quantities``, one per run:
+    ``labels.loss_quantity``): "Training loss + l2" where every run's loss has the l2 term,
+    "Training loss" where none has, and a name that says they differ otherwise (the legend
+    labels then say which is which); the smoothing on a line of its own, so that a short
+    panel shows it whole."""
+    kinds = set(quantities) or {LOSS_WITH_L2}
+    name = LOSS_AXIS_NAMES[kinds.pop()] if len(kinds) == 1 else "Training loss (differs by run: see legend)"
+    return name + (f"\n(mean of {smooth} it.)" if smooth > 1 else "")
+
+
+#: Characters per line of a legend label under a figure 6.4 in wide at the legend's font (medium);
 #: longer labels wrap (a figure wider than 6.4 in allows proportionally more).
-_LEGEND_CHARACTERS = 80
+_LEGEND_CHARACTERS = 66
 
 
 def legend_below(figure, ax, **options) -> None:
@@ -111,13 +152,13 @@ def legend_below(figure, ax, **options) -> None:
     width = int(_LEGEND_CHARACTERS * figure.get_figwidth() / 6.4 / max(columns, 1))
     labels = [textwrap.fill(label, width, subsequent_indent="  ", break_on_hyphens=False) for label in labels]
     figure.legend(handles, labels, loc="outside lower center", ncols=max(columns, 1), frameon=False,
-                  fontsize="small", **options)
+                  fontsize="medium", **options)
     lines = sum(label.count("\n") + 1 for label in labels) / max(columns, 1)
     figure.set_figheight(figure.get_figheight() + _LEGEND_LINE_INCHES * lines)  # the panels keep their height
 
 
-#: The height of a line of the legend (small font and spacing), added to the figure's.
-_LEGEND_LINE_INCHES = 0.18
+#: The height of a line of the legend (medium font and spacing), added to the figure's.
+_LEGEND_LINE_INCHES = 0.22
 
 
 def check_output(output: str | Path) -> Path:

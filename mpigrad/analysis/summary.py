@@ -13,11 +13,12 @@ Definitions (all sums run over the rows of the ``steps`` table):
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
 
-from ..config import describe_recipe
+from ..config import describe_recipe, format_duration
 from ..trace import STEPS_COLUMNS, Trace, network
 from .labels import WALL_CLOCK, clock_name
 from .tables import CLOCKS, AnalysisError, Column
@@ -85,8 +86,9 @@ def compression_ratio(trace: Trace) -> float | None:
 
 
 def summarize(trace: Trace, label: str | None = None, *, target_loss: float | None = None,
-              clock: str = "sim", smooth: int = 1) -> dict[str, Any]:
-    """One summary row (raw values; None where not available)."""
+              clock: str = "sim", smooth: int = 1, run: str | None = None) -> dict[str, Any]:
+    """One summary row (raw values; None where not available); ``run`` names the file
+    (default its stem; ``labels.file_labels`` tells files of one name apart)."""
     if clock not in CLOCKS:
         raise AnalysisError(f"unknown clock {clock!r} (sim, wall)")
     require_steps(trace)
@@ -94,7 +96,7 @@ def summarize(trace: Trace, label: str | None = None, *, target_loss: float | No
     loss = smoothed_loss(trace, smooth)
     accuracy = evals["test_accuracy"].to_numpy() if "test_accuracy" in evals else np.empty(0)
     row = {
-        "run": trace.name, "method": label or trace.label, "status": trace.status,
+        "run": run or trace.name, "method": label or trace.label, "status": trace.status,
         "iterations": len(steps), "final_loss": float(loss[-1]),
         "best_loss": float(np.nanmin(loss)) if not np.isnan(loss).all() else None,
         "best_accuracy": float(np.nanmax(accuracy)) * 100 if accuracy.size and not np.isnan(accuracy).all() else None,
@@ -197,7 +199,8 @@ def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
                                             for k, v in versions.items())))
     shown = {"format", "schema_version", "mpigrad_version", "start_time", "end_time", "complete",
              "status", "error", "last_iteration", "config", "resumes", "network", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
-    others = [(key, _compact(value)) for key, value in attrs.items() if key not in shown]
+    others = [(key, _duration(value) if key.endswith("_seconds") else _compact(value))
+              for key, value in attrs.items() if key not in shown]
     if full:
         return lines + others + [("config", json.dumps(trace.config, indent=2, sort_keys=True))]
     lines += [(key, _summarised(text, attrs[key])) for key, text in others]
@@ -234,6 +237,15 @@ def _wrapped(words: list[str], width: int) -> list[str]:
         else:
             lines.append(word)
     return lines
+
+
+def _duration(value: Any) -> str:
+    """A ``*_seconds`` attribute (``trace_seconds``, ``rank0_cpu_seconds``) as a duration a
+    reader takes in at a glance (``config.format_duration``: '6.45us', '1.2s'), to 3
+    significant digits; a value that is not a number as it is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return format_duration(float(f"{value:.3g}"))
+    return _compact(value)
 
 
 def _compact(value: Any) -> str:
