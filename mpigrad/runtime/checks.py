@@ -245,7 +245,7 @@ def check_trace(config: RunConfig) -> None:
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
         if not folder.is_dir():
-            raise UsageError(f"{folder}, where the {what} {path} should go, is not a directory")
+            raise UsageError(f"{folder}, where the {what} should go, is not a directory")
         if not os.access(folder, os.W_OK | os.X_OK):
             raise UsageError(f"cannot write the {what} {path}: folder {folder} is not writable")
 
