@@ -25,7 +25,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from .codecs.device.counters import launched
+from .counters import launched
 
 __all__ = ["ErrorFeedback", "FeedbackError", "MODES", "MomentumCorrection"]
 

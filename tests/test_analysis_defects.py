@@ -189,3 +189,32 @@ def test_info_prints_seconds_as_durations(tmp_path, capsys):
     out = cli(capsys, "info", path)[1]
     line, = [line for line in out.splitlines() if line.startswith("trace_seconds")]
     assert line.split()[-1] == "6.45us"
+
+
+# ---- item 9: a run that diverges to chance says so --------------------------------------------
+def test_an_evaluation_at_chance_past_the_start_warns_once():
+    from mpigrad.config import RunConfig
+    from mpigrad.runtime.server import ParameterServer, not_learning_warning
+
+    config = RunConfig(iterations=300, lr=0.2)
+    assert not_learning_warning(49, 0.1, 10, config) is None        # too early: iteration 50
+    assert not_learning_warning(99, 0.30, 10, config) is None       # learning
+    line = not_learning_warning(99, 0.098, 10, config)
+    assert line == ("mpigrad: warning: test accuracy 0.098 after iteration 100 is chance level (10 classes): "
+                    "the run is not learning; a lower --lr may help (lr 0.2)")
+    assert not_learning_warning(99, 0.098, 10, RunConfig(iterations=1000, lr=0.2)) is None  # a quarter: 250
+    logged = []
+    clocks = types.SimpleNamespace(pause=lambda: None, resume=lambda: None, now_wall=lambda: 1.0, sim=2.0)
+    server = types.SimpleNamespace(config=config, clock=types.SimpleNamespace(clocks=clocks), replica=None,
+                                   dataset=types.SimpleNamespace(num_classes=10), warned_not_learning=False,
+                                   log=logged.append)
+    import mpigrad.runtime.server as server_module
+
+    evaluate = server_module.evaluate
+    server_module.evaluate = lambda replica, dataset, config: (2.3, 0.1)
+    try:
+        for m in (99, 149, 199):
+            ParameterServer.evaluate(server, m)
+    finally:
+        server_module.evaluate = evaluate
+    assert logged == [not_learning_warning(99, 0.1, 10, config)]

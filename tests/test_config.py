@@ -8,7 +8,8 @@ import math
 import pytest
 
 from mpigrad.cli import main
-from mpigrad.config import RunConfig, format_duration, format_rate, parse_assignments, parse_duration, parse_rate
+from mpigrad.config import RunConfig, parse_assignments
+from mpigrad.units import format_duration, format_rate, parse_duration, parse_rate
 from mpigrad.errors import UsageError
 from mpigrad.clockmodel import Constant, Network
 from mpigrad.runtime.clock import LinkModel

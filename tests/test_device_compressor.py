@@ -143,7 +143,7 @@ def test_deferred_decodes_wait_for_nothing_and_their_status_is_read_once():
     to ``check_decodes``, once per iteration: a decode then waits for nothing, takes staging
     buffers of its own until that read, and a corrupt frame is raised by the read (or by an
     encode's wait, if one comes first) in one line that says when it was decoded."""
-    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.counters import snapshot
     from mpigrad.runtime.device import DeviceStatus, check_decodes
 
     config = {"id": "uniform", "bits": 4}
@@ -193,7 +193,7 @@ def test_a_frame_is_copied_to_the_device_from_where_it_lies_or_not_at_all():
     device buffer, only its table copied; either decodes as the host does. A receive buffer
     written again before the status read waits for its copy (one synchronisation, counted);
     after the read, nothing."""
-    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.counters import snapshot
     from mpigrad.runtime.device import DeviceStatus, FrameMemory, check_decodes
     from mpigrad.runtime.wire import FrameLength, ReceiveBuffers
 
@@ -318,13 +318,13 @@ def test_a_gpu_run_without_a_working_numba_cuda_is_refused_not_run_on_the_host(m
 
 def test_what_a_frame_asks_of_the_host_is_counted():
     """The device path's launches, synchronisations and copies, counted at their call sites
-    (mpigrad/codecs/device/counters.py): the same under the simulator as on a GPU, so these
+    (mpigrad/counters.py): the same under the simulator as on a GPU, so these
     counts are the path's budget; a change that adds a launch or a synchronisation fails here
     (issue 46's figures: 3 synchronisations per frame each way at first, launches per piece;
     now one: the frame's bytes and its status copied asynchronously, waited for together; and
     a frame of uniform pieces, error memory and all, takes 3 launches to encode and 2 to
     decode, by table, whatever its pieces; 23 and 7 for this frame before)."""
-    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.counters import snapshot
 
     host, device, shards = compressors({"id": "uniform", "bits": 2, "bucket_size": 512}, "residual", servers=1)
     shard, = shards
@@ -401,7 +401,7 @@ def test_resnet18s_frames_take_at_most_4_launches_each_way(monkeypatch, config, 
     (launches counted, kernels not run: the simulator would take hours over 11 M values; the
     frames' bytes are the small layouts' tests')."""
     from mpigrad.codecs.device import codecs as device_codecs
-    from mpigrad.codecs.device.counters import launched, snapshot
+    from mpigrad.counters import launched, snapshot
     from mpigrad.models import build_model
     from mpigrad.runtime.build import piece_bytes
     from mpigrad.runtime.layout import resolve_chunks
@@ -433,7 +433,7 @@ def test_the_device_warm_up_launches_every_kernel_a_run_then_uses():
     """``warmup.warm_up_device`` launches the run's codecs' kernels before iteration 0 (on a
     GPU, where Numba compiles them); a compressor over a layout's pieces then launches none
     that it missed, and ``late_device_kernels`` names one that it did."""
-    from mpigrad.codecs.device.counters import launched
+    from mpigrad.counters import launched
     from mpigrad.runtime import warmup
 
     config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}
@@ -453,7 +453,7 @@ def test_the_energies_of_a_shards_pieces_are_read_with_one_synchronisation():
     one synchronisation on the device path, and gets the host path's floats."""
     from types import SimpleNamespace
 
-    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.counters import snapshot
     from mpigrad.runtime.server import ShardAggregator
 
     quantized = [p for p in pieces_of(LAYOUT, 1000) if p.quantized]
@@ -572,7 +572,7 @@ def test_the_device_path_follows_a_side_stream_behind_a_long_kernel():
 def test_a_workers_frames_for_every_shard_wait_for_the_device_once():
     """``encode_shards``: every shard's frame of one gradient queued, then one wait; the frames,
     the RNG draws and the error memory are those of one encode per shard (the host's)."""
-    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.counters import snapshot
 
     config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}
     host, device, shards = compressors(config, "residual", layout=SMALL)
@@ -606,7 +606,7 @@ def test_queued_frames_are_the_encodes_and_ask_no_wait_until_taken():
     of ``encode_shards``, with no synchronisation when queued; taken before the device is
     done they are refused, ``wait`` is the one synchronisation, and a non-finite gradient's
     flag comes out of ``frames()`` as the encode's CodecError."""
-    from mpigrad.codecs.device.counters import snapshot
+    from mpigrad.counters import snapshot
 
     config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}
     host, device, shards = compressors(config, "residual", layout=SMALL)

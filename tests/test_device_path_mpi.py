@@ -101,7 +101,7 @@ def test_the_device_path_trains_as_the_host_path_does(tmp_path, mpi_env, name, e
 #: What one iteration of the colocated path asks of the host (P = 2, uniform 3-bit with error
 #: feedback; TINY quantizes one layer, fc2, which is worker 2's shard, and worker 1's shard is
 #: the small layers), per worker and phase as (launches, synchronisations), counted at the
-#: call sites (mpigrad/codecs/device/counters.py): the budget that a change adding a launch or
+#: call sites (mpigrad/counters.py): the budget that a change adding a launch or
 #: a synchronisation breaks. Iteration 2 is evaluated (TINY: --eval-every 3), so worker 1
 #: sends rank 0 its parameters in "end"; TINY checksums every iteration ("losses").
 #: Measured when the counters came (issue 46's "before"): 24-25 synchronisations per worker,

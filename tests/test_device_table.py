@@ -13,7 +13,7 @@ from mpigrad.codecs import HEADER_SIZE, get_codec
 from mpigrad.codecs.base import header_bytes
 from mpigrad.codecs.device import device_codec, load_cuda
 from mpigrad.codecs.device import kernels as k
-from mpigrad.codecs.device.counters import snapshot
+from mpigrad.counters import snapshot
 from mpigrad.codecs.device.table import FrameTable, TableKernels
 
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),

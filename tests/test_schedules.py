@@ -18,8 +18,8 @@ import pytest
 from conftest import SMALL_RUN, assert_same_trace, run_mpi
 from mpigrad.clockmodel import Constant, IterationTraffic, LinkModel, Markov, Network, Steps, transfer_seconds
 from mpigrad.cli import main
-from mpigrad.config import (RunConfig, network_from, parse_bandwidth, parse_latency, parse_link_bandwidth,
-                            parse_schedule)
+from mpigrad.config import RunConfig
+from mpigrad.units import network_from, parse_bandwidth, parse_latency, parse_link_bandwidth, parse_schedule
 from mpigrad.errors import UsageError
 from mpigrad.trace import load
 

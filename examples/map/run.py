@@ -416,7 +416,7 @@ def _networked(out: Path, folders: dict[str, str], s: Settings) -> list:
 
 def network_value(text: str):
     """A bandwidth as a config keeps it: a rate in bytes/s, a schedule as its text."""
-    from mpigrad.config import parse_bandwidth
+    from mpigrad.units import parse_bandwidth
 
     return parse_bandwidth(text)
 
@@ -433,7 +433,7 @@ def report_bandwidths(out: Path, s: Settings, log=print, dest: Path | None = Non
     """The map's tables, crossovers and figure from OUT's traces, written into DEST (default OUT)."""
     from mpigrad.analysis.maps import (crossovers, map_cells, map_columns, map_pivot, map_rows, none_beats,
                                        plot_map)
-    from mpigrad.config import format_network_value
+    from mpigrad.units import format_network_value
 
     traces = _networked(out, {f"bandwidths/{tag(b)}": b for b in s.bandwidths}, s)
     if not traces:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 def shifted(schedule_text: str, offset: float) -> str:
     """The schedule with each change ``offset`` seconds later (the first value from 0 s)."""
     from mpigrad.clockmodel import Steps
-    from mpigrad.config import format_duration, format_rate, parse_schedule
+    from mpigrad.units import format_duration, format_rate, parse_schedule
 
     schedule = parse_schedule(schedule_text, "bandwidth")
     if not isinstance(schedule, Steps) or schedule.period is not None:
@@ -97,7 +97,7 @@ def draw(traces: dict, schedule_text: str, path: Path, where: str = "simulated c
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from mpigrad.config import parse_schedule
+    from mpigrad.units import parse_schedule
 
     schedule = parse_schedule(schedule_text, "bandwidth")
     end = max(float(t.steps["sim_time"].iloc[-1]) for t in traces.values())

@@ -13,7 +13,8 @@ import shutil
 import sys
 from typing import Callable
 
-from ..config import BROADCASTS, parse_bandwidth, parse_latency, parse_link_bandwidth
+from ..config import BROADCASTS
+from ..units import parse_bandwidth, parse_latency, parse_link_bandwidth
 from ..errors import UsageError
 from ..trace import Trace, TraceError, load
 from .tables import (CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, fit_width, parse_points, render,

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..config import RECIPE_KEYS, describe_recipe, format_duration, format_rate, normal_shard_chunk
+from ..config import RECIPE_KEYS, describe_recipe, normal_shard_chunk
+from ..units import format_duration, format_rate
 from ..trace import Trace, method_label
 
 __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value",

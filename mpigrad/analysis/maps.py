@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..config import format_network_value
+from ..units import format_network_value
 from ..trace import Trace
 from ..trace.reader import RETIMED_MARK
 from .compare import config_kind, mean_ci

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..clockmodel import Constant, transfer_seconds
-from ..config import network_from
+from ..units import network_from
 from ..errors import UsageError
 from ..trace import Trace, TraceError, load
 from .tables import AnalysisError

@@ -32,7 +32,8 @@ import numpy as np
 from .. import options
 from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
 from ..costmodel import CostModel, CostModelError, LocalWork, resolve
-from ..config import BROADCASTS, COLOCATED, format_network_value, network_from
+from ..config import BROADCASTS, COLOCATED
+from ..units import format_network_value, network_from
 from ..errors import UsageError
 from ..policies import PolicyError, policy_class
 from ..trace import TraceError, read_raw

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import describe_recipe, format_duration
+from ..config import describe_recipe
+from ..units import format_duration
 from ..trace import STEPS_COLUMNS, Trace, network
 from .labels import WALL_CLOCK, clock_name
 from .tables import CLOCKS, AnalysisError, Column
@@ -241,7 +242,7 @@ def _wrapped(words: list[str], width: int) -> list[str]:
 
 def _duration(value: Any) -> str:
     """A ``*_seconds`` attribute (``trace_seconds``, ``rank0_cpu_seconds``) as a duration a
-    reader takes in at a glance (``config.format_duration``: '6.45us', '1.2s'), to 3
+    reader takes in at a glance (``units.format_duration``: '6.45us', '1.2s'), to 3
     significant digits; a value that is not a number as it is."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return format_duration(float(f"{value:.3g}"))

@@ -32,10 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import BROADCASTS, COLOCATED, parse_rate, parse_servers
+from ..config import BROADCASTS, COLOCATED, parse_servers
 from ..errors import UsageError
 from ..options import check_overwrite
 from ..runtime.phaselog import ENV as PHASE_ENV
+from ..units import parse_rate
 
 #: ``--codecs`` items: a name, and the train options it stands for.
 CODECS = {"fp32": ["--codec", "fp32"], "uniform2": ["--codec", "uniform", "--bits", "2"],

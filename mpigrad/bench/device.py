@@ -6,7 +6,7 @@ Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, ``MPIGRAD_DEVICE_CODECS=simu
 the kernels run as Python, slowly, so keep the model small), with the ranks' phase log
 (:mod:`mpigrad.runtime.phaselog`). Then, for the last iteration, per rank and phase: kernel
 launches, host synchronisations (and where), bytes copied each way
-(:mod:`mpigrad.codecs.device.counters`). The counts are made at the call sites, so they are
+(:mod:`mpigrad.counters`). The counts are made at the call sites, so they are
 the same in the simulator as on a GPU; the times are not measured here.
 """
 

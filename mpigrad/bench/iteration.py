@@ -27,9 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import COLOCATED, parse_rate, parse_servers
+from ..config import COLOCATED, parse_servers
 from ..errors import UsageError
 from ..mpiexec import mpiexec_command
+from ..units import parse_rate
 
 #: What the table's less obvious columns mean, printed under its header.
 COLUMNS_KEY = ("key: rank0 CPU ms = rank 0's CPU time per iteration; of it polls = the part of it spent "

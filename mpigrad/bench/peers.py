@@ -637,7 +637,7 @@ def _first_steady(trace, warmup: int) -> int:
 
 def _breakdown(runs: dict[str, list[Path]], workers: int, args, out: Path, seeds, config) -> dict:
     """Print and return the ``--breakdown`` tables (:mod:`.breakdown`)."""
-    from ..config import parse_rate
+    from ..units import parse_rate
     from ..trace import load
     from .breakdown import as_data, breakdown_row, phase_rows, print_breakdown, worker_compute
 
@@ -666,7 +666,7 @@ def _breakdown(runs: dict[str, list[Path]], workers: int, args, out: Path, seeds
 
 def _check_lab(args: argparse.Namespace) -> None:
     """UsageError (one line) now when ``--lab`` cannot run: a bad rate, no lab on this host."""
-    from ..config import parse_rate
+    from ..units import parse_rate
     from ..lab.host import unavailable_reason
 
     parse_rate(args.lab)

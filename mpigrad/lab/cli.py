@@ -20,9 +20,9 @@ import signal
 import sys
 from dataclasses import replace
 
-from ..config import is_schedule, parse_duration, parse_schedule
 from ..errors import UsageError
 from ..trace import network as run_network
+from ..units import is_schedule, parse_duration, parse_schedule
 from .host import LabError, require_lab
 from .launch import CommandRun, each_plan, expand_command, mpi_plan
 from .netns import Lab, Topology

@@ -14,8 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..config import format_duration, format_rate, parse_duration, parse_rate
 from ..errors import UsageError
+from ..units import format_duration, format_rate, parse_duration, parse_rate
 from .host import LabError, run
 from .netns import GSO_MAX_SIZE, IFACE, Topology
 

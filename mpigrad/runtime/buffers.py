@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..codecs.device.counters import copied, synchronized
+from ..counters import copied, synchronized
 from ..config import RunConfig
 from .wire import CHECKPOINT_AFTER, STOP_AFTER, TAG_BUFFERS, TAG_PARAMS, WORLD, BufferStats, Channel
 

@@ -5,7 +5,8 @@ One compressor holds, for one parameter layout, the codec cache (one instance pe
 counter of each piece (a per-piece stream whose counter survives bit changes), the
 error-feedback memory, and reused frame buffers. Encoding follows GRACE's order on each
 quantized piece: compensate -> encode -> update memory. ``state_dict`` is everything a
-checkpoint needs to continue bit for bit.
+checkpoint needs to continue bit for bit. It implements :class:`~.frames.FrameCompressor`
+(the roles' protocol; the device path's :class:`~.device.DeviceGradientCompressor` too).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codecs import Codec, get_codec
+from .frames import EncodedFrames
 from .layout import Piece, Shard
 from .wire.messages import FrameHeader
 
@@ -24,6 +26,11 @@ class GradientCompressor:
     keeps ``codec``'s own bits whatever bits ``encode`` is given (PowerSGD's factor codec);
     ``piece_codecs`` (piece index -> codec) gives some quantized pieces a codec of their own, at
     its own bits, for encode and decode (PowerSGD's layers sent whole, ``runtime/lowrank.py``)."""
+
+    #: :class:`~.frames.FrameCompressor`: the values are host NumPy arrays, the frames plain
+    #: host buffers (no :class:`~.device.FrameMemory`).
+    device = None
+    frame_memory = None
 
     def __init__(self, pieces: list[Piece], codec: Codec, seeds: dict[int, int], feedback=None, *,
                  rest_codec: Codec | None = None, policy_bits: bool = True, piece_codecs=None):
@@ -105,6 +112,10 @@ class GradientCompressor:
     def encode_shards(self, grad: np.ndarray, bits: list[int], shards) -> list[np.ndarray]:
         """``encode`` of each of ``shards`` in turn (the device path's waits for them all once)."""
         return [self.encode(grad, bits, shard) for shard in shards]
+
+    def queue_shards(self, grad: np.ndarray, bits: list[int], shards) -> EncodedFrames:
+        """:meth:`encode_shards`, done at the call (:class:`~.frames.PendingFrames` that are ready)."""
+        return EncodedFrames(self.encode_shards(grad, bits, shards))
 
     def decode(self, frame: np.ndarray, shard: Shard, out: np.ndarray, *, accumulate: bool = False) -> float:
         """Decode ``shard``'s frame into ``out`` (flat float32), or with ``accumulate`` add to

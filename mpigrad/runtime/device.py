@@ -31,7 +31,7 @@ import torch
 from ..codecs import CodecError, HEADER_SIZE
 from ..codecs.base import header_bytes
 from ..codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
-from ..codecs.device.counters import copied, launched, synchronized
+from ..counters import copied, launched, synchronized
 from ..feedback import ErrorFeedback, FeedbackError
 from .compressor import GradientCompressor
 from .layout import Shard
@@ -454,7 +454,8 @@ class DeviceGradientCompressor:
     (its own unless given: the runtime's compressors share the replica's, so that a decode
     finds the frames the others encoded and the receive buffers). State: each codec
     instance's device twin, the device error memory, the device and pinned frame buffers.
-    ``encode``/``decode`` take device tensors and host frames."""
+    ``encode``/``decode`` take device tensors and host frames: a
+    :class:`~.frames.FrameCompressor` whose ``device`` is the tensors'."""
 
     def __init__(self, host: GradientCompressor, device: torch.device, status: DeviceStatus | None = None,
                  defer_decode_checks: bool = False, frame_memory: FrameMemory | None = None):
@@ -537,13 +538,21 @@ class DeviceGradientCompressor:
         return current_stream(self.cuda, self.device)
 
     # ---- encode / decode ----------------------------------------------------------------
-    def encode(self, grad: torch.Tensor, bits: list[int], shard: Shard) -> np.ndarray:
+    def encode(self, grad: torch.Tensor, bits: list[int], shard: Shard, out: np.ndarray | None = None) -> np.ndarray:
         """The host frame of ``shard``'s pieces of the flat device ``grad``: a view of a
-        pinned buffer reused per shard (and bucket), valid until the next encode of it.
+        pinned buffer reused per shard (and bucket), valid until the next encode of it; or,
+        with ``out`` (uint8, at least ``capacity`` bytes), that frame copied into ``out`` (a
+        host copy) and a view of it returned.
         Unlike the host compressor, an encode refused (CodecError: a NaN, a range beyond
         float32) has advanced the RNG counters and the error memory already: the run ends
         there anyway (an error frame)."""
-        return self.encode_shards(grad, bits, [shard])[0]
+        if out is not None and out.size < self.capacity(shard, bits):
+            raise ValueError(f"out= holds {out.size} bytes, the frame may need {self.capacity(shard, bits)}")
+        frame = self.encode_shards(grad, bits, [shard])[0]
+        if out is None:
+            return frame
+        out[:frame.size] = frame
+        return out[:frame.size]
 
     def encode_shards(self, grad: torch.Tensor, bits: list[int], shards) -> list[np.ndarray]:
         """:meth:`encode` of each of ``shards``, in turn (the same frames, RNG draws and error

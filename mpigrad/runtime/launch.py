@@ -16,8 +16,9 @@ import time
 import traceback
 from typing import NoReturn
 
-from ..config import AUTOCAST, BROADCASTS, DEFAULT_LR, WEIGHT_DECAY_IN, RunConfig, format_rate, parse_assignments
+from ..config import AUTOCAST, BROADCASTS, DEFAULT_LR, WEIGHT_DECAY_IN, RunConfig, parse_assignments
 from ..errors import UsageError
+from ..units import format_rate
 from .environment import apply_thread_settings, export_thread_variables, threads_per_rank
 
 EXIT_FAILURE = 1

@@ -11,7 +11,7 @@ phase, the milliseconds between the CUDA events recorded on the current stream a
 the phase before and at its end (the device's timeline; the line is written after the last
 event completes). A rank on the device path adds ``"c"``: per phase that asked anything of
 the device, ``{"launches", "syncs", "to_device", "to_host", "sites"}`` (its kernel launches,
-host synchronisations, bytes copied each way and where: :mod:`mpigrad.codecs.device.counters`).
+host synchronisations, bytes copied each way and where: :mod:`mpigrad.counters`).
 Unset, it costs one dictionary lookup at start-up. Read by ``mpigrad bench clock``, ``mpigrad
 bench device`` and ``mpigrad bench peers --breakdown``.
 """
@@ -39,7 +39,7 @@ class PhaseLog:
             import torch
             self.cuda = torch.cuda
         self.events: list[tuple[str, object]] = []
-        from ..codecs.device.counters import snapshot
+        from ..counters import snapshot
         self._counts = snapshot
         self._last = snapshot()
         self.counts: dict[str, dict] = {}

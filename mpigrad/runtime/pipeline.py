@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from ..codecs import CodecError
-from .device import QueuedFrames, finite
+from .device import finite
+from .frames import EncodedFrames
 from .layout import pipeline_buckets
 from .wire import TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, error_frame, is_error_frame
 from .wire.channel import Backoff
@@ -71,9 +72,9 @@ class PipelinedExchange:
         self.sends: list = []
         self.local: dict[int, np.ndarray] = {}
         self.sent = [[0] * len(self.worker.shards) for _ in range(B)]
-        #: Buckets queued on the device and not yet sent, in order: (bucket, parts, gradient,
-        #: QueuedFrames, or error frames where the queue refused) (the device path; the host
-        #: path encodes and sends at once).
+        #: Buckets queued and not yet sent, in order: (bucket, parts, gradient, their
+        #: PendingFrames, error frames where the encode refused) (the device path's; the host
+        #: path's are done at the call and sent at once).
         self.in_flight: list = []
         self.encode_seconds = 0.0
         #: CPU and wall seconds of the work run inside backward that is not backward's (the
@@ -122,15 +123,8 @@ class PipelinedExchange:
             self.next_bucket += 1
         if drain:  # the last first: on one stream the others are then done, and need no wait
             for item in reversed(self.in_flight):
-                if isinstance(item[3], QueuedFrames):
-                    item[3].wait()
-        while self.in_flight and (not isinstance(self.in_flight[0][3], QueuedFrames) or self.in_flight[0][3].ready()):
-            b, parts, grad, frames = self.in_flight.pop(0)
-            if isinstance(frames, QueuedFrames):
-                start = time.process_time()
-                frames = self._encoded(parts, grad, frames.frames)
-                self.encode_seconds += time.process_time() - start
-            self._post(b, frames)
+                item[3].wait()
+        self._post_done()
         self.aside_cpu += time.process_time() - cpu
         self.aside_wall += time.perf_counter() - wall
 
@@ -165,33 +159,40 @@ class PipelinedExchange:
         return self.worker.pipeline_buffers.take(key, capacity)
 
     def _send(self, b: int) -> None:
-        """Encode bucket b's frames and send them; on the device path, queue them
-        (``queue_shards``: no wait inside backward) for :meth:`_flush` to send when done."""
+        """Queue bucket b's frames (``queue_shards``: no wait inside backward) and send them
+        once done, in bucket order (:meth:`_post_done`): the host path's are done at the
+        call, so sent at once; the device path's when the device has done them (a later
+        hook's :meth:`_flush`, or after backward)."""
         w = self.worker
         start = time.process_time()
         parts = [(s, part) for s, part in enumerate(self.buckets[b]) if part is not None]
         grad = w.replica.codec_gradient([p for _, part in parts for p in part.pieces])  # this bucket's only
         shards, bits = [part for _, part in parts], w.control_msg.bits
-        queue = getattr(w.compressor, "queue_shards", None)
-        if queue is not None:
-            self.in_flight.append((b, parts, grad, self._encoded(parts, grad, lambda: queue(grad, bits, shards))))
-            self.encode_seconds += time.process_time() - start
-            return
-        frames = self._encoded(parts, grad, lambda: [w.compressor.encode(grad, bits, part) for part in shards])
+        queued = self._encoded(parts, grad, lambda: w.compressor.queue_shards(grad, bits, shards),
+                               lambda: EncodedFrames([error_frame() for _ in parts]))
         self.encode_seconds += time.process_time() - start
-        self._post(b, frames)
+        self.in_flight.append((b, parts, grad, queued))
+        self._post_done()
+
+    def _post_done(self) -> None:
+        """Send the buckets in flight whose frames are done, in order, up to the first not done."""
+        while self.in_flight and self.in_flight[0][3].ready():
+            b, parts, grad, queued = self.in_flight.pop(0)
+            start = time.process_time()
+            frames = self._encoded(parts, grad, queued.frames, lambda: [error_frame() for _ in parts])
+            self.encode_seconds += time.process_time() - start
+            self._post(b, [(s, frame) for (s, _), frame in zip(parts, frames)])
 
     @staticmethod
-    def _encoded(parts, grad, encode):
+    def _encoded(parts, grad, encode, refused):
         """``encode()``'s result; where it refuses (CodecError) a gradient that is not finite,
-        an error frame per part, as (shard, frame) pairs (what :meth:`_post` takes)."""
+        ``refused()`` (the error frames that stand for the parts' frames)."""
         try:
-            result = encode()
+            return encode()
         except CodecError:
             if all(finite(grad[p.offset:p.offset + p.size]) for _, part in parts for p in part.pieces):
                 raise
-            return [(s, error_frame()) for s, _ in parts]
-        return result if isinstance(result, QueuedFrames) else [(s, frame) for (s, _), frame in zip(parts, result)]
+            return refused()
 
     def _post(self, b: int, frames) -> None:
         """Send bucket b's frames ((shard, frame) pairs) to their servers; keep this worker's own."""

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import torch
 
-from ..codecs.device.counters import copied, launched, synchronized
+from ..counters import copied, launched, synchronized
 from ..optim import LearningRate, UpdateRule
 from .layout import Layout, Segment
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..codecs.device.counters import launched, synchronized
+from ..counters import launched, synchronized
 from ..errors import UsageError
 from .iteration import run_iteration
 from .session import RankFailure, deliver_checkpoint, follower_role

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from ..codecs import CodecError
-from ..codecs.device.counters import copied, launched, synchronized
-from ..config import RunConfig, format_elapsed
+from ..counters import copied, launched, synchronized
+from ..config import RunConfig
+from ..units import format_elapsed
 from ..errors import UsageError
 from ..costmodel import CostModel, LocalWork
 from ..policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
@@ -73,7 +74,7 @@ class ShardAggregator:
         self.quantized = [piece for piece in shard.pieces if piece.quantized]
         self.average = np.empty(sum(piece.size for piece in self.quantized), np.float32)
         #: The workers' frames: in pinned memory the device decode copies from, on the device path.
-        self.recv_buffers = ReceiveBuffers(self.workers, getattr(decoder, "frame_memory", None))
+        self.recv_buffers = ReceiveBuffers(self.workers, decoder.frame_memory)
         self.frame_len = FrameLength.buffer()
         #: A server that broadcasts to its group (rank 0, ``ShardServer``; colocated workers
         #: send point to point): after a whole-shard ``encode``, the broadcast's message,
@@ -454,6 +455,7 @@ class ParameterServer:
         self.command = CONTINUE
         self.bytes_total = 0      # both directions, all sessions of the run (progress "sent")
         self.last_eval: tuple[int, float, float] | None = None  # (iteration, test loss, accuracy)
+        self.warned_not_learning = False
         # Reused buffers: nothing gradient-sized is allocated per iteration.
         self.update = self.replica.update_host
         self.has_previous = False
@@ -898,6 +900,10 @@ class ParameterServer:
         test_loss, accuracy = evaluate(self.replica, self.dataset, self.config)
         clocks.resume()
         self.last_eval = (m, test_loss, accuracy)
+        warning = not_learning_warning(m, accuracy, self.dataset.num_classes, self.config)
+        if warning and not self.warned_not_learning:
+            self.warned_not_learning = True
+            self.log(warning)
         return dict(iteration=m, wall_time=clocks.now_wall(), sim_time=clocks.sim,
                     test_loss=test_loss, test_accuracy=accuracy)
 
@@ -909,7 +915,10 @@ class ParameterServer:
         # bits 0: a codec without a width (a plugin's top-k, mcgq's sampling): nothing to show
         bits = f"bits {record.bits[0]}  " if record.bits[0] else ""
         bits += f"lr {record.lr:.3g}  " if record.lr is not None else ""
-        return (f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  loss+l2 {record.loss:.4f}  "
+        # the loss as the trace's loss column has it: with the paper's l2 term only where the
+        # loss carried one (not with the optimizer's decay, nor for a script's own loss)
+        loss = "loss+l2" if config.loss_weight_decay > 0 and not self.script else "loss"
+        return (f"iter {done:>{len(str(config.iterations))}}/{config.iterations}  {loss} {record.loss:.4f}  "
                 f"{bits}sent {self.bytes_total / 1e6:.1f} MB  sim {format_elapsed(record.sim_time)}  "
                 f"wall {format_elapsed(self.clock.clocks.now_wall())}  ETA {format_elapsed(eta)}{acc}")
 
@@ -987,6 +996,24 @@ class ParameterServer:
         if state["previous_average"] is not None:
             self.average[:] = state["previous_average"].numpy()
             self.has_previous = True
+
+
+#: The evaluations that may say a run is not learning: from this many iterations on, and
+#: from this share of the run on (a slow start is not a divergence).
+NOT_LEARNING_AFTER = (100, 0.25)
+
+
+def not_learning_warning(m: int, accuracy: float, classes: int, config: RunConfig) -> str | None:
+    """A warning line where the test accuracy measured after iteration ``m`` is at chance
+    (below 1.5 / ``classes``) once the run is past ``NOT_LEARNING_AFTER``: a rate too high
+    for the codec and the data (the paper's lr 0.2 with 2-bit gradients on the 8x8 digits)
+    diverges to chance with a loss that looks merely slow; None otherwise."""
+    done = m + 1
+    iterations, share = NOT_LEARNING_AFTER
+    if done < iterations or done < share * config.iterations or accuracy >= 1.5 / classes:
+        return None
+    return (f"mpigrad: warning: test accuracy {accuracy:.3f} after iteration {done} is chance level "
+            f"({classes} classes): the run is not learning; a lower --lr may help (lr {config.lr:g})")
 
 
 @torch.no_grad()

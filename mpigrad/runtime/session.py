@@ -13,7 +13,7 @@ import h5py
 from mpi4py import MPI
 
 from ..codecs import get_codec
-from ..config import format_duration, format_network_value, format_rate
+from ..units import format_duration, format_network_value, format_rate
 from ..data.augment import build_augmentation
 from ..errors import UsageError
 from ..machine import mpi_library_line, mpi_library_version

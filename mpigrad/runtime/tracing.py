@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..config import format_elapsed
+from ..units import format_elapsed
 from ..trace import TraceWriter, collect_versions, network, schema, slurm_ids
 from .gpu import apply_tf32, workers_device
 from .record import TABLE_COLUMNS, IterationRecord, table_block

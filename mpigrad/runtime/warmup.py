@@ -68,66 +68,31 @@ _device_warmed: frozenset[str] | None = None
 
 def warm_up_device(codecs: list[Codec], device) -> float:
     """Launch every device kernel of ``codecs`` (those with device twins, ``DEVICE_CODECS``)
-    on ``device`` before the first iteration: a frame of one piece per codec encoded,
-    decoded and decoded-added by table, of a short piece and of one
-    longer than a chunk (under the simulator, where nothing compiles and a simulated thread
-    is slow, the short one only: it launches every kernel too), the calls the device path
-    makes, so that Numba compiles them (or loads them
-    from its cache) here and not inside an iteration. Each worker runs its own, in parallel
-    (each on its GPU); returns the seconds it took. :func:`late_device_kernels` then names
-    any kernel first launched after it."""
+    on ``device`` before the first iteration, the calls the device path makes
+    (:func:`mpigrad.codecs.device.warm_up_kernels`: a frame of one piece per codec encoded,
+    decoded and decoded-added by table), on the current stream, so that Numba compiles them
+    (or loads them from its cache) here and not inside an iteration. Each worker runs its
+    own, in parallel (each on its GPU); returns the seconds it took.
+    :func:`late_device_kernels` then names any kernel first launched after it."""
     global _device_warmed
-    from ..codecs.device import device_codec, host_only, load_cuda
-    from ..codecs.device.counters import kernels_launched
-    from ..codecs.device.kernels import CHUNK, SIMULATOR
-    from .device import current_stream, synchronize
+    import torch
+
+    from ..codecs.device import load_cuda, warm_up_kernels
+    from ..counters import kernels_launched
+    from .device import current_stream, device_view, synchronize
 
     began = time.perf_counter()
     cuda = load_cuda()
-    sizes = (37, CHUNK + 37)[:1 if SIMULATOR else 2]  # a tail; more than one chunk (on a GPU)
-    twins = []
-    for codec in codecs:
-        if host_only(codec):
-            continue
-        twins.append(device_codec(codec, lambda: current_stream(cuda, device)))
-    for n in sizes if twins else ():
-        _warm_up_table(cuda, device, twins, n)
+    warm_up_kernels(codecs, lambda: current_stream(cuda, device),
+                    lambda array: device_view(cuda, torch.from_numpy(array).to(device)))
     synchronize(device)
     _device_warmed = kernels_launched()
     return time.perf_counter() - began
 
 
-def _warm_up_table(cuda, device, twins, n: int) -> None:
-    """A frame of one piece of ``n`` values per twin (bucketed, float32, fp16) encoded, decoded and
-    decoded-added by table (:mod:`mpigrad.codecs.device.table`): its five kernels launched."""
-    import numpy as np
-    import torch
-
-    from ..codecs import HEADER_SIZE
-    from ..codecs.device import kernels as k
-    from ..codecs.device.table import FrameTable, TableKernels
-    from .device import current_stream, device_view
-
-    kernels = TableKernels(cuda, lambda: current_stream(cuda, device))
-    status = cuda.to_device(np.zeros(k.STATUS_SLOTS, np.int32))
-    encode, decode, pos = FrameTable(encode=True), FrameTable(encode=False), 0
-    for i, twin in enumerate(twins):
-        header = encode.add_encode(twin, i * n, n, pos + HEADER_SIZE)
-        decode.add_decode(twin, header, i * n, pos + HEADER_SIZE)
-        pos += HEADER_SIZE + header.payload_len
-    x = torch.linspace(-1.0, 1.0, n * len(twins), dtype=torch.float32, device=device)
-    frame = torch.zeros(pos, dtype=torch.uint8, device=device)
-    table = torch.from_numpy(encode.array()).to(device)
-    kernels.encode(encode, device_view(cuda, table), device_view(cuda, x), device_view(cuda, frame), status)
-    table = torch.from_numpy(decode.array()).to(device)
-    for accumulate in (False, True):
-        kernels.decode(decode, device_view(cuda, table), device_view(cuda, frame), device_view(cuda, x), accumulate,
-                       status)
-
-
 def late_device_kernels() -> list[str]:
     """The device kernels first launched after :func:`warm_up_device` (empty where it did not run)."""
-    from ..codecs.device.counters import kernels_launched
+    from ..counters import kernels_launched
 
     if _device_warmed is None:
         return []

@@ -88,13 +88,12 @@ class Worker(FollowerRole):
             layout = self.replica.layout
             decoder = build_compressor(config, layout, codec, SERVER_STREAM, self.servers)
             server_compressor = build_broadcast_compressor(config, codec, decoder)
-            on_host = decoder
             if self.replica.codecs_on_device:  # the same codecs as the worker's: the same path
                 decoder, server_compressor = on_device(self.replica, decoder, server_compressor)
             self.server_compressor = server_compressor
             self.aggregator = ShardAggregator(config, channel, self.shards[self.serves], decoder,
                                               self.server_compressor, layout.total, broadcast_codec(config)[1],
-                                              device=None if decoder is on_host else self.replica.device)
+                                              device=decoder.device)
             self.n_layers = len(layout.quantized)
             self.report = ServerReport.buffer(workers, max(self.n_layers, 1))
             # PowerSGD's policies read the workers' setting errors, not the average (message 11)

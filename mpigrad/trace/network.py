@@ -22,8 +22,8 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from ..config import format_network_value
 from ..errors import UsageError
+from ..units import format_network_value
 
 __all__ = ["VARIABLE", "ATTR", "HOST", "lab_network", "current", "history", "describe", "text", "details",
            "resume_change"]

@@ -29,31 +29,16 @@ in Numba's CUDA simulator (how CI tests them, without a GPU).
 
 from __future__ import annotations
 
-from ..base import CodecError
+from ..base import HEADER_SIZE, CodecError
+from ..parts import BUILTIN_CODECS, parts_of, resolve
 
 #: The extra that installs the device codecs' dependency.
 CUDA_EXTRA = 'pip install -e ".[cuda]"'
 
-#: codec id -> how the device twin's frames compare with the host codec's. Scales taken
-#: from a bucket's max |g| are exact (an integer max of the float32 bit patterns, in any
-#: order); scales taken from float64 sums are not: the host sums each bucket in a fixed
-#: sequential lane order, which a parallel reduction cannot reproduce, so the device sums
-#: in another order and the float32 scale can differ in its last bit (rarely: the float64
-#: sums differ by ~1e-16 relative). The random draws are the host's (the same counter-based
-#: stream, element by element), so wherever the scales agree the codes do too.
-DEVICE_CODECS = {
-    "fp32": "bit-identical",
-    "fp16": "bit-identical",
-    "uniform": "bit-identical (nearest and stochastic rounding)",
-    "sign": "within float noise: the per-bucket mean |g| is summed in another order "
-            "(float64, then rounded to float32: equal in nearly every bucket)",
-    "terngrad": "within float noise: the 2.5 sigma clip's std comes from float64 sums of g and "
-                "g^2 in another order (equal scales, hence codes, in nearly every bucket; a "
-                "bucket whose variance cancels to about zero can clip differently); "
-                "bit-identical with clip=0 (scale max |g|)",
-    "qsgd": "bit-identical with norm='max' (fixed coding); within float noise with norm='l2' "
-            "(the sum of g^2 in another order); coding='elias' runs on the host",
-}
+#: codec id -> how the device twin's frames compare with the host codec's, for every codec
+#: whose row in :data:`mpigrad.codecs.parts.BUILTIN_CODECS` names a device twin (its
+#: ``device_agreement``; the table says why float64 sums are within float noise).
+DEVICE_CODECS = {parts.codec_id: parts.device_agreement for parts in BUILTIN_CODECS if parts.device}
 
 
 def host_only(codec) -> str | None:
@@ -123,15 +108,51 @@ def device_codec(codec, stream=None):
     ``stream`` (a stream, a callable giving the stream at each launch, or None: numba's
     default stream; :class:`~.codecs.DeviceCodec`); CodecError naming the codecs that have
     one when it has none, or saying why this config of a codec that has one runs on the host
-    (:func:`host_only`)."""
+    (:func:`host_only`). The twin's class is the one the codec's row of
+    :data:`mpigrad.codecs.parts.BUILTIN_CODECS` names."""
     reason = host_only(codec)
     if reason:
         raise CodecError(reason)
     load_cuda()
-    from . import codecs
+    return resolve(parts_of(codec.codec_id).device)(codec, stream)
 
-    return codecs.DEVICE_CLASSES[codec.codec_id](codec, stream)
+
+def warm_up_kernels(codecs, stream=None, to_device=None) -> int:
+    """Launch every table kernel (:mod:`.table`) the device path runs for ``codecs`` (host
+    codec objects; those with no twin, :func:`host_only`, are skipped): a frame of one piece
+    per codec encoded, decoded and decoded-added by table, of a short piece and of one longer
+    than a chunk (under the simulator, where nothing compiles and a simulated thread is slow,
+    the short one only: it launches every kernel too), so that Numba compiles them (or loads
+    them from its cache) at the call. ``stream``: as :func:`device_codec`'s (the twins' and the
+    kernels' launches); ``to_device(array)``: a host NumPy array as a device array the kernels
+    take, on ``stream`` (default: ``numba.cuda.to_device``, a blocking copy). Queued, not waited
+    for: the caller synchronises its stream. Returns the number of codecs launched for."""
+    import numpy as np
+
+    cuda = load_cuda()
+    from . import kernels as k
+    from .table import FrameTable, TableKernels
+
+    if to_device is None:
+        to_device = cuda.to_device
+    stream_source = stream if callable(stream) else (lambda: stream if stream is not None else cuda.default_stream())
+    twins = [device_codec(codec, stream) for codec in codecs if not host_only(codec)]
+    for n in (37, k.CHUNK + 37)[:1 if k.SIMULATOR else 2] if twins else ():  # a tail; more than one chunk
+        table_kernels = TableKernels(cuda, stream_source)
+        status = cuda.to_device(np.zeros(k.STATUS_SLOTS, np.int32))
+        encode, decode, pos = FrameTable(encode=True), FrameTable(encode=False), 0
+        for i, twin in enumerate(twins):
+            header = encode.add_encode(twin, i * n, n, pos + HEADER_SIZE)
+            decode.add_decode(twin, header, i * n, pos + HEADER_SIZE)
+            pos += HEADER_SIZE + header.payload_len
+        x = to_device(np.linspace(-1.0, 1.0, n * len(twins), dtype=np.float32))
+        frame = to_device(np.zeros(pos, np.uint8))
+        table_kernels.encode(encode, to_device(encode.array()), x, frame, status)
+        table = to_device(decode.array())
+        for accumulate in (False, True):
+            table_kernels.decode(decode, table, frame, x, accumulate, status)
+    return len(twins)
 
 
 __all__ = ["CUDA_EXTRA", "DEVICE_CODECS", "DeviceUnavailable", "device_codec", "host_only", "load_cuda",
-           "threads_per_block", "THREADS_VARIABLE"]
+           "threads_per_block", "THREADS_VARIABLE", "warm_up_kernels"]

@@ -18,7 +18,7 @@ from ..checks import bucket_layout
 from ..kernels.half import HALF_TO_FLOAT
 from . import kernels as k
 from . import host_only, load_cuda
-from .counters import copied, launched, synchronized
+from ...counters import copied, launched, synchronized
 
 _EMPTY = np.zeros(0, np.uint8)
 
@@ -62,7 +62,14 @@ class DeviceCodec(ABC):
     zero-argument callable asked at every launch and copy for the stream to use (the
     runtime's gives torch's stream current at the call), or a fixed stream, or None (or 0)
     for numba's default stream. State: the status slots and scratch arrays. The host
-    codec's ``checksum`` is refused: a payload CRC would need the payload on the host."""
+    codec's ``checksum`` is refused: a payload CRC would need the payload on the host.
+
+    A twin is found from its codec's row in :data:`mpigrad.codecs.parts.BUILTIN_CODECS`
+    (``device``), whose ``kind_code`` its ``kind`` is: the kernels' constant of its codes
+    (``kernels.UNIFORM`` ...) or values (``kernels.FLOAT32``, ``FLOAT16``), which the frame
+    table's piece rows and the per-piece kernels carry."""
+
+    kind: int
 
     def __init__(self, codec, stream=None):
         if codec.checksum:
@@ -216,6 +223,8 @@ class DeviceCodec(ABC):
 
 
 class DeviceFloat32(DeviceCodec):
+    kind = k.FLOAT32
+
     def _encode_payload(self, x, out, pos, status):
         self._launch(k.store_float32, x.size, x, out, pos, status)
         return self.fields(x.size)
@@ -241,6 +250,8 @@ _HALF_TABLES: dict = {}
 
 
 class DeviceFloat16(DeviceCodec):
+    kind = k.FLOAT16
+
     def _encode_payload(self, x, out, pos, status):
         self._launch(k.store_float16, x.size, x, out, pos, status)
         return self.fields(x.size)
@@ -262,7 +273,6 @@ class _Bucketed(DeviceCodec):
     """Codecs with per-bucket scales before fixed-width codes (uniform, sign, terngrad,
     qsgd): the payload's scales are ``scale_floats`` float32 per bucket."""
 
-    kind: int  # pack_blocks' kind
     scale_floats = 1
 
     def _codes(self, x, scales, out, pos, bits, levels=1, stochastic=False, key=0) -> None:
@@ -484,7 +494,3 @@ class DeviceQSGD(_MaxScaled):
 
     def _codes_may_be_bad(self, header):
         return header.param_b < (1 << (header.bits - 1)) - 1  # levels above s fit in the codes
-
-
-DEVICE_CLASSES = {"fp32": DeviceFloat32, "fp16": DeviceFloat16, "uniform": DeviceUniform, "sign": DeviceSign,
-                  "terngrad": DeviceTernGrad, "qsgd": DeviceQSGD}

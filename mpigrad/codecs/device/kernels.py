@@ -51,7 +51,10 @@ ERR_BAD_SCALE = 2
 ERR_BAD_CODE = 3
 STATUS_SLOTS = 4
 
-UNIFORM, SIGN, TERNGRAD, QSGD = 0, 1, 2, 3  # the codes' kinds (pack_blocks, unpack_blocks)
+#: The codes' kinds (pack_blocks, unpack_blocks): the ``kind_code`` of each codec's row in
+#: ``mpigrad.codecs.parts``, where they are declared, kept here as literals (Numba freezes a
+#: global into a kernel, and its cache is keyed by this file: tests/test_codec_parts.py checks).
+UNIFORM, SIGN, TERNGRAD, QSGD = 0, 1, 2, 3
 WRITE, ADD, CHECK = 0, 1, 2  # what unpack_blocks does with a code
 SCALE_MAX_ABS, SCALE_L2, SCALE_CLIPPED = 0, 1, 2  # finish_scales' kinds
 
@@ -730,7 +733,8 @@ def load_float16(src, pos, table, out, accumulate):
 
 # ---- a frame's pieces by table: a fixed number of launches per frame ------------------------
 #: The piece table's kinds beside the codes' (UNIFORM, SIGN, TERNGRAD, QSGD): float32
-#: values, 4 bytes each, and half-precision ones (fp16), 2 bytes each.
+#: values, 4 bytes each, and half-precision ones (fp16), 2 bytes each (fp32's and fp16's
+#: ``kind_code`` in ``mpigrad.codecs.parts``, literals as the codes' are).
 FLOAT32, FLOAT16 = 4, 5
 #: Error feedback's modes in the table (``mpigrad.feedback``): none, e = p - decoded, e = p
 #: where decoded is 0.

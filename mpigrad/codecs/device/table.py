@@ -25,12 +25,13 @@ from ..base import Header
 from ..checks import bucket_layout
 from . import kernels as k
 from . import codecs as device_codecs
-from .codecs import DeviceFloat16, DeviceFloat32, ScratchArrays, half_table
+from .codecs import ScratchArrays, half_table
 
 __all__ = ["FrameTable", "TableKernels"]
 
-#: The float twins' kinds in the table.
-_FLOATS = {DeviceFloat32: k.FLOAT32, DeviceFloat16: k.FLOAT16}
+#: The float twins' kinds in the table (their ``kind``, :class:`~.codecs.DeviceFloat32`'s and
+#: :class:`~.codecs.DeviceFloat16`'s): pieces of values, not of bucketed codes.
+FLOAT_KINDS = (k.FLOAT32, k.FLOAT16)
 
 
 class FrameTable:
@@ -62,8 +63,8 @@ class FrameTable:
         assert self.encode
         fields = twin._empty_fields() if size == 0 else twin.fields(size)
         header = Header(twin.codec.wire_id, *fields[:4], size, fields[4])
-        if size and type(twin) in _FLOATS:
-            self._add_float(_FLOATS[type(twin)], offset, size, payload_at, feedback, decay)
+        if size and twin.kind in FLOAT_KINDS:
+            self._add_float(twin.kind, offset, size, payload_at, feedback, decay)
         elif size:
             self._add_bucketed(twin, offset, size, twin.codec.bucket_size or 0, payload_at, feedback, decay)
         return header
@@ -74,8 +75,8 @@ class FrameTable:
         assert not self.encode
         if header.n == 0:
             return
-        if type(twin) in _FLOATS:
-            self._add_float(_FLOATS[type(twin)], offset, header.n, payload_at)
+        if twin.kind in FLOAT_KINDS:
+            self._add_float(twin.kind, offset, header.n, payload_at)
         else:
             self._add_bucketed(twin, offset, header.n, header.param_a, payload_at, header=header)
 

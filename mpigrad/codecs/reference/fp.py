@@ -3,10 +3,11 @@
 import numpy as np
 
 from ..base import CodecError, non_finite_error
-from . import register_twin
 
 
 class _FloatTwin:
+    """A float codec's payload methods in NumPy: a cast to the codec's dtype and back."""
+
     def encode_payload(self, codec, x, payload):
         if not np.isfinite(x).all():
             raise non_finite_error(codec.codec_id)
@@ -24,5 +25,9 @@ class _FloatTwin:
         out[:] = payload.view(codec.dtype).astype(np.float32)
 
 
-register_twin("fp32")(type("Float32Twin", (_FloatTwin,), {}))
-register_twin("fp16")(type("Float16Twin", (_FloatTwin,), {}))
+class Float32Twin(_FloatTwin):
+    """``fp32``'s twin (named by ``mpigrad.codecs.parts``)."""
+
+
+class Float16Twin(_FloatTwin):
+    """``fp16``'s twin (named by ``mpigrad.codecs.parts``)."""

@@ -15,7 +15,6 @@ import numpy as np
 from ..base import CodecError, non_finite_error
 from ..mcgq import (SCALE_BYTES, check_counts, float32_scale, read_preamble, rle_bits, rle_widths,
                     sampling_plan, weight_factor)
-from . import register_twin
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -191,8 +190,10 @@ def wasserstein1_index(g: np.ndarray, q: np.ndarray) -> float:
 
 
 # ---- the codec's payload methods -------------------------------------------------------------------------
-@register_twin("mcgq")
 class MCGQTwin:
+    """``mcgq``'s payload methods in NumPy: its kernels' bytes (``reference.twin_of``; named by
+    ``mpigrad.codecs.parts``)."""
+
     def encode_payload(self, codec, x, payload):
         seed, counter = codec._next_stream()
         n = x.size

@@ -7,7 +7,6 @@ from ..checks import bucket_layout, raise_status
 from ..kernels import common
 from ..qsgd import FLAG_ELIAS, FLAG_L2, parse_payload
 from . import numpy_kernels as nk
-from . import register_twin
 
 _F32_MAX_BITS = 0x7F7FFFFF
 
@@ -27,8 +26,10 @@ def check_scales(codec_id, scales):
         raise_status(codec_id, common.ERR_BAD_SCALE)
 
 
-@register_twin("qsgd")
 class QSGDTwin:
+    """``qsgd``'s payload methods in NumPy: its kernels' bytes (``reference.twin_of``; named by
+    ``mpigrad.codecs.parts``)."""
+
     def encode_payload(self, codec, x, payload):
         n = x.size
         bucket, nb = bucket_layout(codec.bucket_size or 0, n)

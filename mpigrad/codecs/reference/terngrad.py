@@ -6,12 +6,13 @@ from ..checks import bucket_layout, raise_status
 from ..kernels import common
 from ..terngrad import BITS, parse_payload
 from . import numpy_kernels as nk
-from . import register_twin
 from .qsgd import bucket_max_abs, check_scales
 
 
-@register_twin("terngrad")
 class TernGradTwin:
+    """``terngrad``'s payload methods in NumPy: its kernels' bytes (``reference.twin_of``; named by
+    ``mpigrad.codecs.parts``)."""
+
     def encode_payload(self, codec, x, payload):
         n = x.size
         bucket, nb = bucket_layout(codec.bucket_size or 0, n)

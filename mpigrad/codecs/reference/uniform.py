@@ -7,13 +7,14 @@ from ..checks import bucket_layout, raise_status
 from ..kernels.common import ERR_BAD_SCALE, ERR_RANGE
 from ..uniform import parse_payload
 from . import numpy_kernels as nk
-from . import register_twin
 
 _MIN_KEY, _MAX_KEY = -0x7F800000, 0x7F7FFFFF
 
 
-@register_twin("uniform")
 class UniformTwin:
+    """``uniform``'s payload methods in NumPy: its kernels' bytes (``reference.twin_of``; named by
+    ``mpigrad.codecs.parts``)."""
+
     def encode_payload(self, codec, x, payload):
         n = x.size
         bucket, nb = bucket_layout(codec.bucket_size or 0, n)

@@ -1,6 +1,12 @@
 """What the device path asks of the host, counted: kernel launches, host synchronisations and
 bytes copied each way between host and device.
 
+A leaf of the package (it imports nothing of mpigrad), below the runtime and the codecs
+alike: the runtime owns the interface (what is counted, :class:`DeviceCounts`, the sites'
+names), and the device codecs (:mod:`mpigrad.codecs.device`), the error memory
+(:mod:`mpigrad.feedback`) and the runtime's device path all count into it, without the
+codecs importing the runtime or the runtime importing the codecs' internals.
+
 One tally per process (a rank), kept by the call sites themselves, not by the driver: so the
 same counts come out under Numba's CUDA simulator as on a GPU, and CI can pin them (a change
 that adds a launch or a synchronisation changes a count and fails a test). A launch is one
