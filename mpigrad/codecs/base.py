@@ -1,23 +1,7 @@
 """Codec base class and registry; the wire header they write is :mod:`.header`'s.
 
-Every encoded buffer is a fixed 40-byte header followed by a codec payload::
-
-    offset size  field
-    0      2     magic b"MG"
-    2      1     format version (FORMAT_VERSION)
-    3      1     codec wire id (one per codec class: mpigrad's 1..127, plugins' 128..255)
-    4      1     bits (codec-specific; 0 when unused)
-    5      1     codec flags (codec-specific bit flags)
-    6      1     header flags (bit 0: payload CRC-32 present)
-    7      1     reserved, zero
-    8      4     param_a, uint32 (codec-specific, e.g. bucket size)
-    12     4     param_b, uint32 (codec-specific, e.g. QSGD levels)
-    16     8     element count, uint64
-    24     8     payload length in bytes, uint64
-    32     4     payload CRC-32 (zero when absent)
-    36     4     CRC-32 of bytes 0..35
-
-All integers are little-endian. The header carries everything a decoder needs besides
+Every encoded buffer is a fixed 40-byte header (:mod:`.header` lays it out) followed by a
+codec payload. The header carries everything a decoder needs besides
 the codec class itself, so ``decode`` never depends on the decoding object's config.
 ``decode`` validates the header and the buffer length before any kernel runs; codecs
 validate every length inside their payload before handing it to a kernel.

@@ -22,15 +22,15 @@ one CodecError line naming the codec and what it did:
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ..plugins import _describe
 from .header import HEADER_SIZE, CodecError, PluginFault, _write_header, read_header
 
-if TYPE_CHECKING:
-    from .base import Codec
+#: A ``mpigrad.codecs.Codec``; not imported, since base imports this module (no circle).
+Codec = Any
 
 __all__ = ["check_contract", "contract_vectors"]
 
