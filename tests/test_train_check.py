@@ -73,6 +73,7 @@ def test_bad_jobs_are_one_line_and_exit_2(tmp_path):
          "optimizer 'sgd': nesterov must be true or false, got 'yes'"),
         (["--trace", "taken", "--force"], "taken is a directory, not a file: give the path of a file (in it or elsewhere)"),
         (["--trace", "old.h5"], "old.h5 exists; pass --force to overwrite it or --trace to choose another"),
+        (["--trace", "none.h5", "--resume"], "--resume: the trace none.h5 to continue does not exist"),
     ]:
         done = check(tmp_path, *argv)
         assert (done.returncode, done.stderr.splitlines(), done.stdout) == (2, [f"mpigrad train: error: {line}"], ""), argv

@@ -315,7 +315,7 @@ def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -
     from ..data.augment import build_augmentation
     from ..models import check_model
     from .build import build_config_model, build_shards, load_data, train_replica
-    from .session import check_quantizes_something, trace_status
+    from .session import check_quantizes_something, check_resume_files
 
     try:
         dataset = load_data(config)
@@ -326,14 +326,7 @@ def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -
     except (DataError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if config.resume:
-        from . import checkpoint
-
-        if not Path(config.trace).exists():
-            raise UsageError(f"--resume: the trace {config.trace} to continue does not exist")
-        if trace_status(Path(config.trace)) == "complete":
-            raise UsageError(f"--resume: trace {config.trace} is complete, there is nothing to resume")
-        if not checkpoint.exists(config.checkpoint_path):
-            raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
+        check_resume_files(config)
     shards = config.non_worker_ranks() if not config.colocated else (size - 1 if size else None)
     workers = size - config.non_worker_ranks() if size else 1
     from ..optim import OptimizerError

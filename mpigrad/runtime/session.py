@@ -73,6 +73,20 @@ def _resume_attrs(trace) -> dict:
         raise UsageError(f"--resume: {exc}") from None
 
 
+def check_resume_files(config, script: bool = False) -> None:
+    """UsageError (one line) where ``--resume`` has nothing to continue: no trace, a complete
+    one, or (``mpigrad train``'s; a script keeps its own state) no checkpoint. One rule for
+    the launched ranks and ``mpigrad train --check``."""
+    trace = Path(config.trace)
+    if not trace.exists():
+        raise UsageError(f"--resume: the trace {trace} to continue does not exist")
+    if trace_status(trace) == "complete":
+        raise UsageError(f"--resume: trace {trace} is complete, there is nothing to resume "
+                         "(start a new run with another --trace, or --force without --resume)")
+    if not script and not checkpoint.exists(config.checkpoint_path):
+        raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
+
+
 def _launch_problem(config, size: int, model=None) -> str | None:
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
@@ -86,13 +100,7 @@ def _launch_problem(config, size: int, model=None) -> str | None:
         check_quantizes_something(config, model)
         trace = Path(config.trace)
         if config.resume:
-            if not trace.exists():
-                raise UsageError(f"--resume: the trace {trace} to continue does not exist")
-            if trace_status(trace) == "complete":
-                raise UsageError(f"--resume: trace {trace} is complete, there is nothing to resume "
-                                 "(start a new run with another --trace, or --force without --resume)")
-            if model is None and not checkpoint.exists(config.checkpoint_path):  # a script's: its own file
-                raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
+            check_resume_files(config, script=model is not None)
             network.resume_change(trace, _resume_attrs(trace), network.current(), config.force)  # refused unless --force
         else:
             check_overwrite([trace], config.force, error=UsageError, alternative=" or --trace to choose another")
