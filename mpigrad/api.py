@@ -11,7 +11,7 @@ where the script's ``optimizer.step()`` reads it. The run is configured as ``mpi
 is, by the same TOML files and keys (:meth:`RunConfig.from_sources`), less the keys the
 script owns (:data:`SCRIPT_KEYS`: its model, data, optimizer, schedule and evaluation).
 
-The iteration is the runtime's (:mod:`mpigrad.runtime.iteration`): a worker's ``begin``
+The iteration is the runtime's (:mod:`mpigrad.runtime.roles.iteration`): a worker's ``begin``
 takes the script's loss instead of computing one, its ``end`` applies nothing, and rank 0
 applies no update (the workers' optimizer is the script's): one protocol, one trace writer.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from .config import RunConfig
 from .errors import UsageError
-from .runtime.script import Exchanged
+from .runtime.run.script import Exchanged
 
 __all__ = ["Session", "Exchanged", "SCRIPT_KEYS", "script_config"]
 
@@ -55,7 +55,7 @@ def script_config(config_file: str | None, options: dict[str, Any], model_name: 
     (before the checks: what is dropped is not checked). Returns the config, whose ``model``,
     ``data`` and ``optimizer`` say ``script NAME``, and the file's dropped keys. UsageError
     (one line) on a bad option, a script's key or a key of :data:`TRAIN_ONLY_KEYS`."""
-    from .runtime.checks import check_options
+    from .runtime.plan.checks import check_options
 
     for key in options:
         if key in SCRIPT_KEYS:
@@ -130,9 +130,9 @@ class Session:
         config = self.config
         config.resume = resume is not None
         self._agree(_resume_problem(config.resume, self.comm))
-        from .runtime.environment import apply_thread_settings, threads_per_rank
-        from .runtime.session import check_launch
-        from .runtime.stopping import StopFlag
+        from .runtime.plan.environment import apply_thread_settings, threads_per_rank
+        from .runtime.run.session import check_launch
+        from .runtime.roles.stopping import StopFlag
 
         apply_thread_settings(threads_per_rank(config.threads))
         check_launch(config, self.comm, model)
@@ -142,8 +142,8 @@ class Session:
             self._agree(_resume_state_problem(resume, config, self.comm) if self.rank == 0 else None)
         if dropped and self.rank == 0:
             print(dropped_note(config_file, dropped), flush=True)
-        from .runtime.session import open_channel, warm_up_in_turn
-        from .runtime.warmup import KernelWatch
+        from .runtime.run.session import open_channel, warm_up_in_turn
+        from .runtime.exchange.warmup import KernelWatch
 
         self._warm_up_s = warm_up_in_turn(config, self.comm)
         self._watch = KernelWatch()
@@ -209,7 +209,7 @@ class Session:
         if self.is_worker:
             raise UsageError(f"rank {self.rank} is a worker: serve() is rank 0's and the shard servers' "
                              "(use session.is_worker)")
-        from .runtime.session import report_late_kernels, run_other_rank, run_parameter_server
+        from .runtime.run.session import report_late_kernels, run_other_rank, run_parameter_server
 
         self._started = True
         try:
@@ -233,7 +233,7 @@ class Session:
             raise UsageError(f"rank {self.rank} serves: exchange() and backward() are a worker's (use "
                              "session.is_worker)")
         if self._worker is None:
-            from .runtime.script import ScriptWorker
+            from .runtime.run.script import ScriptWorker
             from .runtime.wire import PeerTimeout
 
             self._started = True
@@ -287,7 +287,7 @@ class Session:
         self._cpu, self._wall = time.process_time(), time.perf_counter()
         if record.last or record.stop:
             self._end()
-            from .runtime.session import report_late_kernels
+            from .runtime.run.session import report_late_kernels
             report_late_kernels(self.rank, self._watch)
         return record
 
@@ -312,7 +312,7 @@ class Session:
         ``EXIT_REQUEUE`` (75), after the first worker saved the checkpoint: under ``python -m
         mpi4py`` a ``sys.exit(75)`` aborts the job at once, perhaps while the first worker is
         still writing it. It finalizes MPI_COMM_WORLD whatever ``comm`` was. Does not return."""
-        from .runtime.launch import end_together
+        from .runtime.run.launch import end_together
 
         self._end()
         end_together(self.comm, int(code))
@@ -338,7 +338,7 @@ class Session:
         done = self._worker.iteration if self._worker is not None else self.start_iteration
         text = (f"worker rank {self.rank} left the training loop after {done} of {self.iterations} iterations "
                 "(each worker calls exchange() iterations times)")
-        from .runtime.script import leave_run
+        from .runtime.run.script import leave_run
 
         leave_run(self._channel, done, text)
         raise UsageError(text)
@@ -367,7 +367,7 @@ class Session:
             return
         if error is not None and not self._done and self.is_worker:
             # The script's error inside the loop: rank 0 names it and closes the trace "failed".
-            from .runtime.script import leave_run
+            from .runtime.run.script import leave_run
 
             self._end()
             done = self._worker.iteration if self._worker is not None else self.start_iteration
@@ -381,8 +381,8 @@ def one_line_errors() -> tuple[type[BaseException], ...]:
     silent peer (``PeerTimeout``), a peer's report on rank 0 (``PeerFailed``: "worker rank 2
     failed at iteration 1: ..."), a rank's failure (``RankFailure``) and a run's
     (``TrainingError``: a non-finite loss)."""
-    from .runtime.server import TrainingError
-    from .runtime.session import RankFailure
+    from .runtime.roles.server import TrainingError
+    from .runtime.run.session import RankFailure
     from .runtime.wire import PeerFailed, PeerTimeout
 
     return UsageError, PeerTimeout, PeerFailed, RankFailure, TrainingError

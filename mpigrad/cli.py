@@ -17,11 +17,11 @@ from .errors import UsageError
 from .mpiexec import launch_rank
 
 COMMANDS = {
-    "train": ("mpigrad.runtime.launch", "train a CNN data-parallel over MPI (run under mpiexec/srun)"),
+    "train": ("mpigrad.runtime.run.launch", "train a CNN data-parallel over MPI (run under mpiexec/srun)"),
     "trace": ("mpigrad.analysis.cli", "summarise, tabulate, plot and export HDF5 traces"),
     "bench": ("mpigrad.bench", "throughput benchmarks (codecs, iteration overhead)"),
     "data": ("mpigrad.data.cli", "fetch and verify datasets on a login node"),
-    "doctor": ("mpigrad.runtime.doctor", "check the MPI launch, threads and versions"),
+    "doctor": ("mpigrad.runtime.run.doctor", "check the MPI launch, threads and versions"),
     "lab": ("mpigrad.lab.cli", "run on real rate-limited links: network namespaces on one machine (root)"),
 }
 

@@ -40,7 +40,7 @@ loss gather, the codecs' and the policy's work (milliseconds) is added after. Wi
 ``Network`` (one constant rate and latency) nothing here looks at time, and the charges are
 those of ``latency + bytes / bandwidth`` to the last bit.
 
-The runtime (:mod:`mpigrad.runtime.clock`) charges each phase as it happens and
+The runtime (:mod:`mpigrad.runtime.measure.clock`) charges each phase as it happens and
 ``mpigrad trace retime`` re-charges a trace's recorded bytes: both through this module,
 which imports neither MPI, torch nor Numba.
 """
@@ -359,7 +359,7 @@ class LinkModel:
         star under ``mpich``, whose binomial tree is only ``Ibcast``'s."""
         return replace(self, broadcast="star") if self.broadcast == "mpich" else self
 
-    # ---- the phases of an iteration (mpigrad.runtime.iteration) ------------------------
+    # ---- the phases of an iteration (mpigrad.runtime.roles.iteration) ------------------------
     # ``start``: the phase's first message on the simulated clock (only a network schedule
     # looks at it); ranks: servers 0..S-1, workers S..S+P-1.
     def losses(self, workers: int, loss_bytes: int, start: float = 0.0, servers: int = 1,

@@ -91,7 +91,7 @@ class RunConfig:
     control: str = "ahead"           # CONTROLS
     #: Cut layers (quantized, and the small layers' piece) into pieces of at most this many
     #: elements (0: never); "auto": whole layers with one server, else even shares
-    #: (runtime/layout.py resolve_chunks).
+    #: (runtime/plan/layout.py resolve_chunks).
     shard_chunk: int | str = "auto"
     error_feedback: str = "none"
     #: DGC's momentum correction: each worker's codec encodes its velocity u <- m u + g
@@ -123,7 +123,7 @@ class RunConfig:
     timeout: float = 300.0
     device: str = "cpu"
     #: GPU ranks of a node may share its devices (round-robin); without it more GPU ranks
-    #: than devices is refused (runtime/gpu.py).
+    #: than devices is refused (runtime/plan/gpu.py).
     share_gpu: bool = False
     tf32: str = "default"
     wait: str = "auto"
@@ -459,7 +459,7 @@ _OPTIONAL_TYPES = {"threads": int, "eval_samples": int, "data_dir": str, "checkp
 
 
 COLOCATED = "colocated"
-#: ``shard_chunk``'s default (runtime/layout.py resolve_chunks).
+#: ``shard_chunk``'s default (runtime/plan/layout.py resolve_chunks).
 AUTO_CHUNK = "auto"
 
 

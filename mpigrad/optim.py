@@ -5,7 +5,7 @@ The default is the paper's plain SGD, ``w <- w - lr * g`` at a constant rate, co
 always was (one ``add_`` per piece: the same numbers and time as before optimizers existed).
 Any other optimizer is a ``torch.optim`` class by name (``--optimizer sgd --optimizer-opt
 momentum=0.9``) or a plugin ``package.module:factory``, built once per *piece* of the layout
-(``runtime/layout.py``): its parameter is that piece's flat slice of the parameters and its
+(``runtime/plan/layout.py``): its parameter is that piece's flat slice of the parameters and its
 gradient the same slice of the update, so its state (momentum, Adam's moments) lies flat
 beside the parameters and the pipelined iteration applies it piece by piece as the pieces
 arrive. Every rank builds the same pieces, so replicas stay identical, as under DDP.

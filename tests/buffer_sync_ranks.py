@@ -11,7 +11,7 @@ import torch
 from mpi4py import MPI
 
 from mpigrad.models import build_model
-from mpigrad.runtime.buffers import BufferSync
+from mpigrad.runtime.exchange.buffers import BufferSync
 from mpigrad.runtime.wire.mpi import MpiChannel
 
 

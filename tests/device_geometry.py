@@ -18,7 +18,7 @@ from mpigrad.codecs import HEADER_SIZE, get_codec  # noqa: E402
 from mpigrad.codecs.base import header_bytes  # noqa: E402
 from mpigrad.codecs.device.table import FrameTable, TableKernels  # noqa: E402
 from mpigrad.codecs.device import device_codec, kernels  # noqa: E402
-from mpigrad.runtime.device import device_view, load_cuda  # noqa: E402
+from mpigrad.runtime.exchange.device import device_view, load_cuda  # noqa: E402
 
 CASES = [({"id": "uniform", "bits": 3}, 16385),                                   # one bucket of 3 chunks
          ({"id": "uniform", "bits": 2, "bucket_size": 16384, "rounding": "stochastic", "seed": 3}, 24577),

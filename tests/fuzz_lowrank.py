@@ -32,8 +32,8 @@ def factor_rounds(options: dict):
     """A small paper CNN's LowRank (worker side) and a valid frame of each round."""
     from mpigrad.data import load_dataset
     from mpigrad.models import build_model
-    from mpigrad.runtime.lowrank import LowRank
-    from mpigrad.runtime.replica import Replica
+    from mpigrad.runtime.exchange.lowrank import LowRank
+    from mpigrad.runtime.exchange.replica import Replica
 
     digits = load_dataset("digits", seed=5)
     codec = get_codec({"id": "powersgd", "rank": 2, **options})

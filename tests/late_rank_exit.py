@@ -9,7 +9,7 @@ import time
 
 from mpi4py import MPI
 
-from mpigrad.runtime import launch
+from mpigrad.runtime.run import launch
 
 late_rank, seconds, code = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 rank = MPI.COMM_WORLD.Get_rank()

@@ -122,7 +122,7 @@ def test_plot_loss_axis_says_what_the_losses_measure(tmp_path, capsys, monkeypat
                                                         (0.0, "loss", False, "loss"), (0.0, "loss", True, "loss")])
 def test_progress_line_names_the_loss_it_shows(decay, where, script, name):
     from mpigrad.config import RunConfig
-    from mpigrad.runtime.server import ParameterServer
+    from mpigrad.runtime.roles.server import ParameterServer
 
     config = RunConfig(weight_decay=decay, weight_decay_in=where, iterations=10)
     server = types.SimpleNamespace(config=config, script=script, last_eval=None, bytes_total=0,
@@ -194,7 +194,7 @@ def test_info_prints_seconds_as_durations(tmp_path, capsys):
 # ---- item 9: a run that diverges to chance says so --------------------------------------------
 def test_an_evaluation_at_chance_past_the_start_warns_once():
     from mpigrad.config import RunConfig
-    from mpigrad.runtime.server import ParameterServer, not_learning_warning
+    from mpigrad.runtime.roles.server import ParameterServer, not_learning_warning
 
     config = RunConfig(iterations=300, lr=0.2)
     assert not_learning_warning(49, 0.1, 10, config) is None        # too early: iteration 50
@@ -208,7 +208,7 @@ def test_an_evaluation_at_chance_past_the_start_warns_once():
     server = types.SimpleNamespace(config=config, clock=types.SimpleNamespace(clocks=clocks), replica=None,
                                    dataset=types.SimpleNamespace(num_classes=10), warned_not_learning=False,
                                    log=logged.append)
-    import mpigrad.runtime.server as server_module
+    import mpigrad.runtime.roles.server as server_module
 
     evaluate = server_module.evaluate
     server_module.evaluate = lambda replica, dataset, config: (2.3, 0.1)

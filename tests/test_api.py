@@ -18,11 +18,11 @@ from mpigrad.codecs import get_codec
 from mpigrad.config import RunConfig
 from mpigrad.data import ShardSampler
 from mpigrad.errors import UsageError
-from mpigrad.runtime.build import build_config_model, load_data
-from mpigrad.runtime.script import ScriptWorker
-from mpigrad.runtime.script import Exchanged
-from mpigrad.runtime.session import config_description, run_other_rank, run_parameter_server
-from mpigrad.runtime.stopping import StopFlag
+from mpigrad.runtime.exchange.build import build_config_model, load_data
+from mpigrad.runtime.run.script import ScriptWorker
+from mpigrad.runtime.run.script import Exchanged
+from mpigrad.runtime.run.session import config_description, run_other_rank, run_parameter_server
+from mpigrad.runtime.roles.stopping import StopFlag
 from mpigrad.runtime.wire.loopback import LoopbackNetwork
 from mpigrad.trace import load
 

@@ -53,8 +53,8 @@ def test_the_phase_log_times_every_phase_of_every_rank(tmp_path, monkeypatch):
     charged; the bench's per-phase medians come out of it."""
     from mpigrad.bench.clock import _phases
     from mpigrad.config import COLOCATED
-    from mpigrad.runtime.iteration import PHASES
-    from mpigrad.runtime.phaselog import ENV, read
+    from mpigrad.runtime.roles.iteration import PHASES
+    from mpigrad.runtime.measure.phaselog import ENV, read
     from test_runtime_loopback import run
 
     monkeypatch.setenv(ENV, str(tmp_path / "phases"))
@@ -76,7 +76,7 @@ def test_two_round_phases_add_the_second_round_to_the_first(tmp_path, monkeypatc
     "gradients" and "broadcast": the bench adds it there, and leaving it out loses time."""
     from mpigrad.bench.clock import _phases
     from mpigrad.config import COLOCATED
-    from mpigrad.runtime.phaselog import ENV, read
+    from mpigrad.runtime.measure.phaselog import ENV, read
     from test_runtime_loopback import run
 
     monkeypatch.setenv(ENV, str(tmp_path / "phases"))

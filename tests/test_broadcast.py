@@ -1,4 +1,4 @@
-"""The servers' broadcast (runtime/broadcast.py): one message per frame (its length, then the
+"""The servers' broadcast (runtime/exchange/broadcast.py): one message per frame (its length, then the
 frame, in one buffer) where every rank knows its size, the length first where the data sets
 it. The bytes and results are those of the two-message protocol: tests/test_reference_traces.py
 replays runs recorded before bit for bit, under mpiexec, as do the two-server tests of
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpigrad.runtime.broadcast import broadcast_frames
+from mpigrad.runtime.exchange.broadcast import broadcast_frames
 from mpigrad.runtime.wire import FrameError, FrameLength, ReceiveBuffers
 from mpigrad.runtime.wire.loopback import LoopbackChannel
 from mpigrad.trace import load

@@ -16,7 +16,8 @@ import torch
 
 from conftest import SMALL_RUN, assert_same_trace, mpiexec, run_mpi, without_launcher_notice
 from mpigrad.errors import UsageError
-from mpigrad.runtime import EXIT_REQUEUE, checkpoint
+from mpigrad.runtime import EXIT_REQUEUE
+from mpigrad.runtime.measure import checkpoint
 from mpigrad.trace import load
 
 pytestmark = pytest.mark.mpi

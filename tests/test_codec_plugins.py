@@ -18,7 +18,7 @@ from mpigrad.codecs.base import HEADER_SIZE, PLUGIN_WIRE_IDS, _write_header
 from mpigrad.codecs.contract import check_contract
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
-from mpigrad.runtime.checks import broadcast_codec, check_options
+from mpigrad.runtime.plan.checks import broadcast_codec, check_options
 from mpigrad.trace import load
 
 EXAMPLES = REPO / "examples" / "plugins"

@@ -680,8 +680,8 @@ def test_decode_into_out_allocates_nothing_gradient_sized():
 
 
 def test_compressor_decode_accumulates_every_piece():
-    from mpigrad.runtime.compressor import GradientCompressor
-    from mpigrad.runtime.layout import Layout, Segment, plan_shards
+    from mpigrad.runtime.exchange.compressor import GradientCompressor
+    from mpigrad.runtime.plan.layout import Layout, Segment, plan_shards
     sizes, rest = (5000, 3 * common.BLOCK + 7), 33
     segments, offset = [], 0
     for i, size in enumerate(sizes):

@@ -14,7 +14,7 @@ from mpigrad.trace import load
 
 def test_default_quantizes_the_two_big_fc_weights_as_the_paper():
     from mpigrad.data import load_dataset
-    from mpigrad.runtime.build import build_replica
+    from mpigrad.runtime.exchange.build import build_replica
 
     config = RunConfig.from_sources(None, {})
     assert config.min_quantize_size is None
@@ -48,7 +48,7 @@ def test_broadcast_codec_choices(codec, choice, expected):
 
 
 def test_bad_broadcast_codec_is_a_usage_error():
-    from mpigrad.runtime.build import broadcast_codec
+    from mpigrad.runtime.exchange.build import broadcast_codec
 
     with pytest.raises(UsageError, match="CODEC:BITS"):
         RunConfig.from_sources(None, {"broadcast_codec": "uniform:x"}).broadcast_codec_config()

@@ -12,7 +12,7 @@ from mpigrad.config import RunConfig, parse_assignments
 from mpigrad.units import format_duration, format_rate, parse_duration, parse_rate
 from mpigrad.errors import UsageError
 from mpigrad.clockmodel import Constant, Network
-from mpigrad.runtime.clock import LinkModel
+from mpigrad.runtime.measure.clock import LinkModel
 
 
 @pytest.mark.parametrize("text, value", [
@@ -177,7 +177,7 @@ def test_bad_checkpoint_every_is_refused(value, message):
 
 
 def test_periodic_checkpoint_schedule():
-    from mpigrad.runtime.checkpoint import Schedule
+    from mpigrad.runtime.measure.checkpoint import Schedule
 
     every = Schedule(("iterations", 10))
     assert [done for done in range(1, 41) if every.due(done)] == [10, 20, 30, 40]

@@ -168,7 +168,7 @@ def test_a_control_slower_than_the_compute_holds_the_exchange_for_the_rest_of_it
 
 
 def test_a_checkpoint_from_before_control_is_resumed_by_a_paper_run():
-    from mpigrad.runtime import checkpoint
+    from mpigrad.runtime.measure import checkpoint
 
     config = RunConfig(control="paper").to_dict()
     before = {k: v for k, v in config.items() if k != "control"}   # written before the option

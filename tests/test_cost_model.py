@@ -161,7 +161,7 @@ def test_malformed_models_are_refused_in_one_line(change, message):
 
 def test_a_checkpoint_from_before_the_option_resumes_with_none():
     from mpigrad.config import RunConfig
-    from mpigrad.runtime.checkpoint import identity
+    from mpigrad.runtime.measure.checkpoint import identity
 
     old = RunConfig().to_dict()
     del old["cost_model"]

@@ -371,7 +371,7 @@ def test_every_device_kernel_compiles_to_ptx_for_ampere_and_hopper_without_float
     import subprocess
 
     from mpigrad.codecs.device import codecs as device_codecs
-    from mpigrad.runtime.warmup import warm_up_device
+    from mpigrad.runtime.exchange.warmup import warm_up_device
 
     launches = set()
     launch = device_codecs.launch_kernel
@@ -386,7 +386,7 @@ def test_every_device_kernel_compiles_to_ptx_for_ampere_and_hopper_without_float
     codecs = [get_codec(c) for c in CONFIGS + SIGN_CONFIGS + SCALED_CONFIGS]
     warm_up_device(codecs, torch.device("cpu"))   # the runtime's: the table kernels
     from mpigrad.codecs.device import host_only
-    from mpigrad.runtime.device import device_view
+    from mpigrad.runtime.exchange.device import device_view
 
     for codec in codecs:                            # the twins' own, per piece
         if not host_only(codec):

@@ -1,4 +1,4 @@
-"""The device path's compressor (runtime/device.py) against the host compressor: the same
+"""The device path's compressor (runtime/exchange/device.py) against the host compressor: the same
 frames from a gradient in (simulated) device memory, the same error memory, the same
 decode-and-add, the same checkpoint state. In CI the kernels run in Numba's simulator over
 CPU tensors (conftest); MPIGRAD_TEST_GPU=1 on a GPU machine runs them on CUDA tensors."""
@@ -14,9 +14,9 @@ import torch
 
 from mpigrad.codecs import CodecError, get_codec
 from mpigrad.codecs.device import kernels as k, load_cuda
-from mpigrad.runtime.compressor import GradientCompressor
-from mpigrad.runtime.device import DeviceGradientCompressor, device_path
-from mpigrad.runtime.layout import Layout, Segment, pieces_of, plan_shards
+from mpigrad.runtime.exchange.compressor import GradientCompressor
+from mpigrad.runtime.exchange.device import DeviceGradientCompressor, device_path
+from mpigrad.runtime.plan.layout import Layout, Segment, pieces_of, plan_shards
 from mpigrad.runtime.wire.messages import FrameHeader
 from mpigrad.feedback import ErrorFeedback, FeedbackError
 
@@ -144,7 +144,7 @@ def test_deferred_decodes_wait_for_nothing_and_their_status_is_read_once():
     buffers of its own until that read, and a corrupt frame is raised by the read (or by an
     encode's wait, if one comes first) in one line that says when it was decoded."""
     from mpigrad.counters import snapshot
-    from mpigrad.runtime.device import DeviceStatus, check_decodes
+    from mpigrad.runtime.exchange.device import DeviceStatus, check_decodes
 
     config = {"id": "uniform", "bits": 4}
     host, _, shards = compressors(config, layout=SMALL)
@@ -194,7 +194,7 @@ def test_a_frame_is_copied_to_the_device_from_where_it_lies_or_not_at_all():
     written again before the status read waits for its copy (one synchronisation, counted);
     after the read, nothing."""
     from mpigrad.counters import snapshot
-    from mpigrad.runtime.device import DeviceStatus, FrameMemory, check_decodes
+    from mpigrad.runtime.exchange.device import DeviceStatus, FrameMemory, check_decodes
     from mpigrad.runtime.wire import FrameLength, ReceiveBuffers
 
     config = {"id": "uniform", "bits": 4}
@@ -296,7 +296,7 @@ def test_a_gpu_run_without_a_working_numba_cuda_is_refused_not_run_on_the_host(m
     keeps the host path without asking numba-cuda at all."""
     from types import SimpleNamespace
 
-    import mpigrad.runtime.device as device_module
+    import mpigrad.runtime.exchange.device as device_module
     from mpigrad.codecs.device import DeviceUnavailable
 
     def broken():
@@ -403,9 +403,9 @@ def test_resnet18s_frames_take_at_most_4_launches_each_way(monkeypatch, config, 
     from mpigrad.codecs.device import codecs as device_codecs
     from mpigrad.counters import launched, snapshot
     from mpigrad.models import build_model
-    from mpigrad.runtime.build import piece_bytes
-    from mpigrad.runtime.layout import resolve_chunks
-    from mpigrad.runtime.replica import Replica
+    from mpigrad.runtime.exchange.build import piece_bytes
+    from mpigrad.runtime.plan.layout import resolve_chunks
+    from mpigrad.runtime.exchange.replica import Replica
 
     monkeypatch.setattr(device_codecs, "launch_kernel", lambda kernel, *_: launched(kernel=kernel.py_func.__name__))
     layout = Replica(build_model("resnet18", input_shape=(3, 32, 32), num_classes=10, seed=0), 1000,
@@ -434,7 +434,7 @@ def test_the_device_warm_up_launches_every_kernel_a_run_then_uses():
     GPU, where Numba compiles them); a compressor over a layout's pieces then launches none
     that it missed, and ``late_device_kernels`` names one that it did."""
     from mpigrad.counters import launched
-    from mpigrad.runtime import warmup
+    from mpigrad.runtime.exchange import warmup
 
     config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1}
     assert warmup.warm_up_device([get_codec(config), get_codec({"id": "fp32"})], DEVICE) > 0
@@ -454,7 +454,7 @@ def test_the_energies_of_a_shards_pieces_are_read_with_one_synchronisation():
     from types import SimpleNamespace
 
     from mpigrad.counters import snapshot
-    from mpigrad.runtime.server import ShardAggregator
+    from mpigrad.runtime.roles.server import ShardAggregator
 
     quantized = [p for p in pieces_of(LAYOUT, 1000) if p.quantized]
     shard = SimpleNamespace(quantized=quantized)
@@ -505,7 +505,7 @@ def test_every_launch_and_copy_goes_on_the_stream_current_at_the_call(monkeypatc
     after the compressor (and its codecs' twins) was built: none keeps one from construction."""
     from numba import cuda
 
-    from mpigrad.runtime.device import simulated_stream
+    from mpigrad.runtime.exchange.device import simulated_stream
 
     small = SMALL
     host, device, shards = compressors({"id": "uniform", "bits": 3, "rounding": "stochastic", "seed": 1},
@@ -529,7 +529,7 @@ def test_every_launch_and_copy_goes_on_the_stream_current_at_the_call(monkeypatc
         wrong = [(what, s) for what, s in seen if s is not stream]
         assert not wrong, f"on another stream than the current one: {wrong[:5]}"
     with pytest.raises(RuntimeError, match="simulated_stream is the simulator's"):
-        monkeypatch.setattr("mpigrad.runtime.device.simulated", lambda: False)
+        monkeypatch.setattr("mpigrad.runtime.exchange.device.simulated", lambda: False)
         with simulated_stream(cuda.stream()):
             pass
 

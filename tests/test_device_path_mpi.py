@@ -1,4 +1,4 @@
-"""The device path under a real mpiexec (runtime/device.py): the workers' codecs, the
+"""The device path under a real mpiexec (runtime/exchange/device.py): the workers' codecs, the
 colocated shard's decode-add, average and re-encode, the error memory and the update in
 (simulated) device memory give the host path's run, iteration for iteration.
 

@@ -47,7 +47,7 @@ def test_the_plugin_config_says_what_it_quantizes():
     finally:
         sys.path.pop(0)
     from mpigrad.config import load_toml
-    from mpigrad.runtime.replica import quantization_rule
+    from mpigrad.runtime.exchange.replica import quantization_rule
 
     path = REPO / "examples" / "plugins" / "bars.toml"
     config = load_toml(str(path))

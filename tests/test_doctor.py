@@ -15,10 +15,10 @@ import torch
 from conftest import mpiexec, without_launcher_notice
 
 from mpigrad.errors import UsageError
-from mpigrad.runtime.environment import (
-    SKIP_NTASKS_CHECK, RankInfo, apply_thread_settings, check_world_size, format_ranks,
-    oversubscription_warnings, probe_rank, ranks_per_host, threads_per_rank,
-)
+from mpigrad.runtime.plan.environment import (
+                                              SKIP_NTASKS_CHECK, RankInfo, apply_thread_settings, check_world_size, format_ranks,
+                                              oversubscription_warnings, probe_rank, ranks_per_host, threads_per_rank,
+                                              )
 
 TIMEOUT = 120
 CPUS = len(os.sched_getaffinity(0))
@@ -75,7 +75,7 @@ def test_doctor_text_report_warns_about_oversubscription():
     assert f"warning: host {socket.gethostname()}: 2 ranks x {threads} threads = {2 * threads} threads " \
            f"on {CPUS} CPUs: oversubscribed" in out
     assert f"warning: OMP_NUM_THREADS exceeds {threads} thread(s) per rank on ranks 0-1" in out
-    # The pip MPI is not CUDA-aware, and this machine has no GPU (runtime/gpu.py).
+    # The pip MPI is not CUDA-aware, and this machine has no GPU (runtime/plan/gpu.py).
     assert "gpus\n  CUDA-aware MPI   no: MPIX_" in out and "(device buffers need host staging)" in out
     assert "  no rank sees a CUDA device: a --device cuda run would be refused" in out
     assert out.rstrip().endswith("launch OK (with warnings)")
@@ -196,7 +196,7 @@ def test_format_ranks():
 def test_report_flags_ranks_with_different_library_versions():
     from types import SimpleNamespace
 
-    from mpigrad.runtime import doctor
+    from mpigrad.runtime.run import doctor
 
     mpi = SimpleNamespace(Get_library_version=lambda: "Some MPI 1.0\n", Get_version=lambda: (4, 1))
     versions = doctor.library_versions()
@@ -223,7 +223,7 @@ def test_the_world_size_line_names_rank_0_as_train_does(servers, size, line):
     S servers leave size - S workers."""
     from types import SimpleNamespace
 
-    from mpigrad.runtime import doctor
+    from mpigrad.runtime.run import doctor
 
     mpi = SimpleNamespace(Get_library_version=lambda: "Some MPI 1.0\n", Get_version=lambda: (4, 1))
     gathered = [(_rank(r, "a", range(8)), doctor.library_versions(), None) for r in range(size)]
@@ -238,7 +238,7 @@ def test_report_names_open_mpi_without_the_nul_its_library_string_ends_in():
     from types import SimpleNamespace
 
     from mpigrad.machine import mpi_library_version
-    from mpigrad.runtime import doctor
+    from mpigrad.runtime.run import doctor
 
     library = "Open MPI v5.0.11, package: Open MPI Distribution, ident: 5.0.11rc1, Sep 16, 2026\x00"
     mpi = SimpleNamespace(Get_library_version=lambda: library, Get_version=lambda: (3, 1))
@@ -273,7 +273,7 @@ def test_gpu_lines_say_the_map_a_refusal_and_what_a_cuda_aware_mpi_is_used_for(m
     key, count): a four-GPU node under mpiexec -n 5 with colocated servers, the same launch
     with one server (refused), and a CUDA-aware MPI, whose "yes" does not claim that
     device buffers go to MPI (mpigrad stages them through host memory either way)."""
-    from mpigrad.runtime import doctor
+    from mpigrad.runtime.run import doctor
 
     monkeypatch.setattr(doctor, "cuda_aware_mpi", lambda: (True, "MPIX_Query_cuda_support() returned 1"))
     four = ("uuid-a", "uuid-b", "uuid-c", "uuid-d")
@@ -291,7 +291,7 @@ def test_gpu_lines_say_the_map_a_refusal_and_what_a_cuda_aware_mpi_is_used_for(m
 
 
 def test_a_world_of_one_rank_is_warned_about_with_rank_0_named_as_train_names_it():
-    from mpigrad.runtime.doctor import _warnings
+    from mpigrad.runtime.run.doctor import _warnings
 
     assert _warnings([], 1, 1) == ["world size 1: mpigrad train needs at least 2 ranks (rank 0 is the scheduler, "
                                    "and the server unless --servers colocated; the others train)"]

@@ -1,4 +1,4 @@
-"""runtime/frames.py: the host and device compressors implement one protocol, and the host's
+"""runtime/exchange/frames.py: the host and device compressors implement one protocol, and the host's
 already-encoded frames are a PendingFrames that needs no wait."""
 
 import inspect
@@ -6,9 +6,9 @@ import inspect
 import numpy as np
 import pytest
 
-from mpigrad.runtime.compressor import GradientCompressor
-from mpigrad.runtime.device import DeviceGradientCompressor
-from mpigrad.runtime.frames import EncodedFrames, FrameCompressor, PendingFrames
+from mpigrad.runtime.exchange.compressor import GradientCompressor
+from mpigrad.runtime.exchange.device import DeviceGradientCompressor
+from mpigrad.runtime.exchange.frames import EncodedFrames, FrameCompressor, PendingFrames
 
 pytestmark = pytest.mark.quick
 

@@ -1,4 +1,4 @@
-"""One GPU per rank (runtime/gpu.py): the rank -> device rule, the CUDA-aware MPI query and
+"""One GPU per rank (runtime/plan/gpu.py): the rank -> device rule, the CUDA-aware MPI query and
 what ``mpigrad doctor`` prints of both. The rule is pure; the query asks the real MPI."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mpigrad.errors import UsageError
-from mpigrad.runtime.gpu import cuda_aware_mpi, gpu_rank, plan_devices, plan_world
+from mpigrad.runtime.plan.gpu import cuda_aware_mpi, gpu_rank, plan_devices, plan_world
 
 ONE_GPU = (("GPU-a",), 1)
 FOUR_GPUS = (("GPU-a", "GPU-b", "GPU-c", "GPU-d"), 4)
@@ -102,7 +102,7 @@ def test_the_gpu_table_script_runs_configs_train_takes(gpu_table_config_run):
 
     from conftest import REPO
     from mpigrad.config import RunConfig
-    from mpigrad.runtime.checks import check_options
+    from mpigrad.runtime.plan.checks import check_options
 
     script = REPO / "examples" / "gpu" / "table.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0

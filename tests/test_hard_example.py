@@ -15,9 +15,9 @@ from conftest import REPO, load_script
 from mpigrad.config import RunConfig
 from mpigrad.data import load_dataset
 from mpigrad.models import build_model
-from mpigrad.runtime.checks import check_options
-from mpigrad.runtime.session import run_other_rank, run_parameter_server
-from mpigrad.runtime.stopping import StopFlag
+from mpigrad.runtime.plan.checks import check_options
+from mpigrad.runtime.run.session import run_other_rank, run_parameter_server
+from mpigrad.runtime.roles.stopping import StopFlag
 from mpigrad.runtime.wire.loopback import LoopbackNetwork
 from mpigrad.trace import load
 

@@ -18,7 +18,7 @@ ROOT = Path(mpigrad.__file__).parent
 KNOWN_CIRCLES: set[tuple[str, ...]] = set()
 #: The runtime's circle (recipe -> script -> session -> recipe, and what joins it) is one
 #: strongly connected part of many modules: it is known while it holds these, whatever else.
-KNOWN_RUNTIME_CIRCLE = {"mpigrad.runtime.recipe", "mpigrad.runtime.script", "mpigrad.runtime.session"}
+KNOWN_RUNTIME_CIRCLE = {"mpigrad.runtime.run.recipe", "mpigrad.runtime.run.script", "mpigrad.runtime.run.session"}
 
 
 def module_imports() -> dict[str, set[str]]:

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import SMALL_RUN, assert_same_trace, mpiexec, run_mpi
 from mpigrad.errors import UsageError
-from mpigrad.runtime.environment import cores_for_each
+from mpigrad.runtime.plan.environment import cores_for_each
 from mpigrad.lab import host
 from mpigrad.lab.host import LabError, unavailable_reason
 from mpigrad.lab.netns import Lab, Topology, namespaces

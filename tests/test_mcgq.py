@@ -755,8 +755,8 @@ def test_dynamic_codec_matches_its_numpy_twin():
 # ---- the training runtime's per-layer codecs and their checkpoint state -------------------------------
 def frame_encoder(codec_config: dict, sizes=(3000, 2000), rest: int = 10, feedback: bool = False):
     from mpigrad.feedback import ErrorFeedback
-    from mpigrad.runtime.compressor import GradientCompressor
-    from mpigrad.runtime.layout import Layout, Segment, plan_shards
+    from mpigrad.runtime.exchange.compressor import GradientCompressor
+    from mpigrad.runtime.plan.layout import Layout, Segment, plan_shards
     segments, offset = [], 0
     for i, n in enumerate(sizes):
         segments.append(Segment(f"fc{i}", offset, n))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_RUN, mpiexec, run_mpi
-from mpigrad.runtime import EXIT_REQUEUE, checkpoint
+from mpigrad.runtime import EXIT_REQUEUE
+from mpigrad.runtime.measure import checkpoint
 from mpigrad.trace import load
 
 pytestmark = pytest.mark.mpi

@@ -14,7 +14,7 @@ from mpigrad.config import RunConfig, describe_recipe
 from mpigrad.errors import UsageError
 from mpigrad.optim import OPTIMIZERS, LearningRate, OptimizerError, UpdateRule, build_torch_optimizer, recipe_description
 from mpigrad.policies import Policy
-from mpigrad.runtime.checks import check_options
+from mpigrad.runtime.plan.checks import check_options
 
 #: Three pieces of a 23-element flat buffer, as a layout cuts it.
 PIECES = [(0, 10), (10, 8), (18, 5)]
@@ -109,7 +109,7 @@ def test_a_plain_recipe_builds_no_torch_optimizer():
     default recipe (plain SGD at a constant rate) builds none (a fresh interpreter checks)."""
     probe = ("import sys\n"
              "from mpigrad.config import RunConfig\n"
-             "from mpigrad.runtime.build import build_replica, load_data\n"
+             "from mpigrad.runtime.exchange.build import build_replica, load_data\n"
              "config = RunConfig.from_sources(None, {})\n"
              "replica = build_replica(config, load_data(config), workers=2)\n"
              "print(replica.lr(0, None), 'torch._dynamo' in sys.modules)\n")
@@ -319,7 +319,7 @@ def test_the_optimizers_decay_is_torchs_on_the_decoded_update():
 def test_bf16_autocast_keeps_gradients_float32_and_fp16_is_refused():
     """--autocast bf16: the worker's forward and loss in bfloat16 (a slightly different loss
     and gradient), the gradient it encodes float32; fp16 is refused in one line."""
-    from mpigrad.runtime.build import build_replica, forward_context, load_data
+    from mpigrad.runtime.exchange.build import build_replica, forward_context, load_data
 
     results = {}
     for autocast in ("none", "bf16"):
@@ -344,7 +344,7 @@ def test_a_checkpoint_from_before_the_recipe_keys_resumes_and_another_recipe_is_
     """A checkpoint written before the recipe's keys existed has none of them: a run that leaves
     them at their defaults resumes it; one that changes any is another configuration."""
     from mpigrad.config import RECIPE_KEYS
-    from mpigrad.runtime import checkpoint
+    from mpigrad.runtime.measure import checkpoint
 
     now = RunConfig.from_sources(None, {}).to_dict()
     before = {key: value for key, value in now.items() if key not in RECIPE_KEYS}

@@ -77,7 +77,7 @@ def given_bits(**options):
 ])
 def test_bits_a_run_would_not_use_are_refused_in_one_line(options, words):
     from mpigrad.errors import UsageError
-    from mpigrad.runtime.checks import check_options
+    from mpigrad.runtime.plan.checks import check_options
 
     with pytest.raises(UsageError) as info:
         check_options(given_bits(**options))
@@ -89,7 +89,7 @@ def test_bits_a_run_would_not_use_are_refused_in_one_line(options, words):
     dict(policy="fixed", codec="sign", broadcast_codec="uniform"),  # the broadcast follows the policy's bits
 ])
 def test_bits_a_run_uses_are_taken(options):
-    from mpigrad.runtime.checks import check_options
+    from mpigrad.runtime.plan.checks import check_options
 
     check_options(given_bits(**options))
 
@@ -98,7 +98,7 @@ def test_only_bits_the_user_set_are_refused_and_a_config_file_counts(tmp_path):
     """The default width is no one's choice; ``bits = N`` in a config file is the user's."""
     from mpigrad.config import RunConfig
     from mpigrad.errors import UsageError
-    from mpigrad.runtime.checks import check_options
+    from mpigrad.runtime.plan.checks import check_options
 
     check_options(RunConfig.from_sources(None, {"policy": "aimd"}))
     path = tmp_path / "aimd.toml"
@@ -122,9 +122,9 @@ def test_a_config_files_bits_go_with_its_method_when_the_command_line_replaces_i
     with the method it was written for; --bits on the command line is still refused."""
     from mpigrad.config import RunConfig
     from mpigrad.errors import UsageError
-    from mpigrad.runtime.checks import check_options
+    from mpigrad.runtime.plan.checks import check_options
 
-    from mpigrad.runtime.checks import base_codec, replaced_bits_note
+    from mpigrad.runtime.plan.checks import base_codec, replaced_bits_note
 
     replaced = RunConfig.from_sources("examples/hard/fix2.toml", {"policy": "progress"})
     check_options(replaced)

@@ -11,8 +11,8 @@ from mpigrad.cli import command_parser
 from mpigrad.errors import UsageError
 from mpigrad.optim import LearningRate, OptimizerError, check_recipe, schedule_class
 from mpigrad.options import check_overwrite, check_values
-from mpigrad.runtime.checks import check_options, check_trace
-from mpigrad.runtime.launch import config_from_args
+from mpigrad.runtime.plan.checks import check_options, check_trace
+from mpigrad.runtime.run.launch import config_from_args
 
 
 def config_of(*argv: str):

@@ -11,8 +11,8 @@ import pytest
 from mpigrad.clockmodel import LinkModel, PipelinedTraffic
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
-from mpigrad.runtime.checks import check_options
-from mpigrad.runtime.layout import Layout, Segment, pipeline_buckets, plan_shards
+from mpigrad.runtime.plan.checks import check_options
+from mpigrad.runtime.plan.layout import Layout, Segment, pipeline_buckets, plan_shards
 from mpigrad.runtime.wire import BackwardReport
 from mpigrad.trace import load
 from test_runtime_loopback import run
@@ -83,7 +83,7 @@ def test_a_pipelined_gpu_run_needs_an_mpi_with_threads():
     MPI_THREAD_SERIALIZED that is refused in one line; CPU runs and sequential runs pass."""
     from mpi4py import MPI
 
-    from mpigrad.runtime.session import check_thread_level
+    from mpigrad.runtime.run.session import check_thread_level
 
     pipelined = RunConfig(servers="colocated", pipeline=True, device="cuda")
     for level in (MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED):

@@ -1,4 +1,4 @@
-"""``--codec powersgd``: PowerSGD's two rounds in mpigrad's parameter server (runtime/lowrank.py).
+"""``--codec powersgd``: PowerSGD's two rounds in mpigrad's parameter server (runtime/exchange/lowrank.py).
 
 Loopback runs (every rank a thread, as tests/test_runtime_loopback.py) check the protocol,
 the bytes and stop/resume; one real ``mpiexec`` run trains; ``mpigrad bench peers`` runs
@@ -19,8 +19,8 @@ from conftest import run_mpi
 from mpigrad.codecs import CodecError, get_codec
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
-from mpigrad.runtime.checks import check_options
-from mpigrad.runtime.lowrank import orthogonalize
+from mpigrad.runtime.plan.checks import check_options
+from mpigrad.runtime.exchange.lowrank import orthogonalize
 from mpigrad.runtime.wire import FrameHeader, FrameLength
 from mpigrad.trace import load
 from test_runtime_loopback import run, straight_and_resumed
@@ -361,8 +361,8 @@ def test_the_shard_line_names_the_cut_and_suggests_one_only_where_layers_are_who
     powersgd (its float32 iterations take the cut; its factors go by whole layers)."""
     from types import SimpleNamespace
 
-    from mpigrad.runtime.layout import Chunks
-    from mpigrad.runtime.session import shard_description
+    from mpigrad.runtime.plan.layout import Chunks
+    from mpigrad.runtime.run.session import shard_description
 
     shards = [SimpleNamespace(pieces=[SimpleNamespace(quantized=False, size=n)]) for n in (9000, 1000)]
     line = shard_description(shards, get_codec({"id": "uniform", "bits": 2}), Chunks(), 0)

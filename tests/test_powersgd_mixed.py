@@ -1,5 +1,5 @@
 """``--codec powersgd`` with menus (``ranks``/``widths``) and ``--policy lgreco``: each
-low-rank layer's setting, a rank or a width, chosen per layer (runtime/lowrank.py,
+low-rank layer's setting, a rank or a width, chosen per layer (runtime/exchange/lowrank.py,
 policies/lgreco.py). The codec and the setting codes, the errors the workers measure against
 a NumPy twin, the policy under a tight and a loose budget, loopback runs (S = 1, 2 and
 colocated give the same run; stop and resume the straight one) and a real mpiexec run.
@@ -19,7 +19,7 @@ from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
 from mpigrad.policies import PolicyError, SettingCosts, get_policy
 from mpigrad.policies.base import Observation
-from mpigrad.runtime.checks import check_options
+from mpigrad.runtime.plan.checks import check_options
 from mpigrad.trace import load
 from test_powersgd_quantized import lowrank_of, twin_uniform
 from test_runtime_loopback import run, straight_and_resumed
@@ -204,7 +204,7 @@ def test_servers_and_colocated_give_the_same_mixed_run(tmp_path):
         np.testing.assert_array_equal(one.checksums.to_numpy(), other.checksums.to_numpy())
         np.testing.assert_array_equal(one.eval["test_loss"], other.eval["test_loss"])
     # S = 1: a worker's frames are the plan's (the layout and the settings)
-    from mpigrad.runtime.lowrank import LowRank
+    from mpigrad.runtime.exchange.lowrank import LowRank
     codec = get_codec(one.config["codec_opts"] | {"id": "powersgd"})
     lowrank, _ = lowrank_of({k: v for k, v in codec.get_config().items() if k != "id"}, fc_sizes=(64, 64))
     assert isinstance(lowrank, LowRank)

@@ -21,7 +21,7 @@ import torch
 
 from conftest import fuzz_tally, run_mpi
 from mpigrad.codecs import CodecError, get_codec
-from mpigrad.runtime.lowrank import orthogonalize
+from mpigrad.runtime.exchange.lowrank import orthogonalize
 from mpigrad.runtime.wire import FrameHeader, FrameLength
 from mpigrad.trace import load
 from test_powersgd import POWERSGD, paper_cnn_shapes
@@ -87,8 +87,8 @@ def test_the_trace_label_names_the_widths():
 def lowrank_of(options: dict, worker: bool = True, fc_sizes=(64, 64)):
     from mpigrad.data import load_dataset
     from mpigrad.models import build_model
-    from mpigrad.runtime.lowrank import LowRank
-    from mpigrad.runtime.replica import Replica
+    from mpigrad.runtime.exchange.lowrank import LowRank
+    from mpigrad.runtime.exchange.replica import Replica
 
     digits = load_dataset("digits", seed=5)
     codec = get_codec({"id": "powersgd", "rank": 2, **options})

@@ -7,8 +7,8 @@ import torch
 from mpigrad.codecs import get_codec
 from mpigrad.models import build_model
 from mpigrad.config import RunConfig
-from mpigrad.runtime.build import build_compressor, build_shards
-from mpigrad.runtime.replica import Replica
+from mpigrad.runtime.exchange.build import build_compressor, build_shards
+from mpigrad.runtime.exchange.replica import Replica
 
 DIGITS = (1, 8, 8)
 
@@ -101,7 +101,7 @@ def float32_tolerance() -> dict[str, float]:
 
 
 def test_the_tolerance_follows_the_tf32_setting():
-    from mpigrad.runtime.gpu import apply_tf32
+    from mpigrad.runtime.plan.gpu import apply_tf32
 
     saved = apply_tf32("default")
     try:
@@ -117,7 +117,7 @@ def test_the_tolerance_follows_the_tf32_setting():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("tf32", ["default", "off"])
 def test_cuda_replica_trains_in_device_buffers_and_stages_through_pinned_host_memory(tf32):
-    from mpigrad.runtime.gpu import apply_tf32
+    from mpigrad.runtime.plan.gpu import apply_tf32
 
     saved = apply_tf32(tf32)
     try:

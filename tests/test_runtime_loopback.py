@@ -17,9 +17,9 @@ import pytest
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
 from mpigrad.runtime import EXIT_REQUEUE
-from mpigrad.runtime.layout import Layout, Segment, pieces_of, plan_shards
-from mpigrad.runtime.session import run_other_rank, run_parameter_server
-from mpigrad.runtime.stopping import StopFlag
+from mpigrad.runtime.plan.layout import Layout, Segment, pieces_of, plan_shards
+from mpigrad.runtime.run.session import run_other_rank, run_parameter_server
+from mpigrad.runtime.roles.stopping import StopFlag
 from mpigrad.runtime.wire import FrameError, FrameHeader, PeerTimeout
 from mpigrad.runtime.wire.loopback import LoopbackNetwork
 from mpigrad.trace import load
@@ -153,7 +153,8 @@ def test_periodic_checkpoints_carry_every_servers_state_and_a_crash_resumes_from
         tmp_path, monkeypatch):
     """--checkpoint-every with S = 2: every rank (the shard server included) sends its state
     after each marked iteration; a shard server that dies loses only what came after."""
-    from mpigrad.runtime import checkpoint, server
+    from mpigrad.runtime.measure import checkpoint
+    from mpigrad.runtime.roles import server
 
     options = dict(codec="qsgd", policy="mqgrad", bits=2, error_feedback="residual", servers=2)
     code, errors, straight = run(tmp_path, name="straight.h5", **options)
@@ -195,7 +196,7 @@ def test_a_worker_that_dies_is_named_by_rank_0(tmp_path, monkeypatch):
 
 def kill_shard_server_at(monkeypatch, iteration: int):
     """Make shard servers raise "server lost" in iteration ``iteration``; return the original phase."""
-    from mpigrad.runtime import server
+    from mpigrad.runtime.roles import server
 
     original = server.ShardServer.reports
 
@@ -282,7 +283,7 @@ def test_auto_keeps_whole_layers_with_one_server_and_gives_several_even_shares()
     """``--shard-chunk auto``: one server, whole layers (the paper's layout); several, each
     class (quantized, small layers) cut and dealt by elements, so that every server holds an
     even share of both, and the bytes stay even at any width (float32 to 2 bits)."""
-    from mpigrad.runtime.layout import AUTO, AUTO_MIN_CHUNK, Chunks, resolve_chunks
+    from mpigrad.runtime.plan.layout import AUTO, AUTO_MIN_CHUNK, Chunks, resolve_chunks
 
     big = Layout((Segment("fc1", 0, 65536), Segment("fc2", 65536, 2097152)), Segment("small layers", 2162688, 127690),
                  2290378)
@@ -375,7 +376,7 @@ def test_stop_and_resume_carry_the_batchnorm_statistics(tmp_path):
 @pytest.mark.parametrize("servers", [1, 2, "colocated"])
 def test_norm_every_computes_the_energies_only_on_its_iterations_and_changes_nothing_else(tmp_path, monkeypatch,
                                                                                          servers):
-    from mpigrad.runtime.server import ShardAggregator
+    from mpigrad.runtime.roles.server import ShardAggregator
 
     calls = []
     for name in ("energies", "update_energies"):
@@ -410,7 +411,7 @@ def test_a_checkpoint_whose_shards_differ_is_refused_on_resume(tmp_path):
     --shard-chunk kept the small layers whole (it saved no plan) is refused in one line
     where this one cuts them; so is one whose saved plan differs."""
     from mpigrad.errors import UsageError
-    from mpigrad.runtime import checkpoint
+    from mpigrad.runtime.measure import checkpoint
 
     options = dict(codec="fp32", policy="fixed", shard_chunk=500)
     code, errors, stopped = run(tmp_path, servers="colocated", workers=3, name="old.h5", stop=StopAfter(2), **options)
@@ -468,7 +469,7 @@ def test_momentum_correction_with_error_feedback_stops_and_resumes_bit_for_bit(t
 def test_a_one_server_checkpoint_written_with_shard_chunk_0_resumes_under_auto():
     """Before auto became the default, checkpoints recorded ``shard_chunk = 0``: with one
     server auto is the same layout, so the identity is the same; with several it is not."""
-    from mpigrad.runtime import checkpoint
+    from mpigrad.runtime.measure import checkpoint
 
     before = {**RunConfig().to_dict(), "shard_chunk": 0}
     assert checkpoint.identity(RunConfig().to_dict(), 3) == checkpoint.identity(before, 3)

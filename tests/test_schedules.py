@@ -391,7 +391,7 @@ def test_a_lab_follows_a_rate_schedule_from_the_commands_start():
 
 
 def test_a_checkpoint_from_before_link_bandwidth_is_resumed_by_a_run_without_it():
-    from mpigrad.runtime import checkpoint
+    from mpigrad.runtime.measure import checkpoint
 
     config = RunConfig().to_dict()
     before = {k: v for k, v in config.items() if k != "link_bandwidth"}   # written before the option

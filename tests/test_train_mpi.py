@@ -250,7 +250,7 @@ def test_fp32_run_is_exactly_sgd_on_the_averaged_gradient(fp32_run):
 
     from mpigrad.data import ShardSampler, load_dataset
     from mpigrad.models import build_model
-    from mpigrad.runtime.replica import Replica
+    from mpigrad.runtime.exchange.replica import Replica
 
     seed, lr, steps = FP32_SEED, FP32_LR, FP32_STEPS
     result, trace = fp32_run

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import SMALL_RUN, run_mpi
-from mpigrad.runtime.environment import cores_for_each
+from mpigrad.runtime.plan.environment import cores_for_each
 from mpigrad.runtime.wire import channel
 
 

@@ -15,7 +15,7 @@ from numba import njit
 
 from mpigrad.codecs import get_codec
 from mpigrad.config import RunConfig
-from mpigrad.runtime.warmup import KernelWatch, kernel_signatures, run_codecs, warm_up
+from mpigrad.runtime.exchange.warmup import KernelWatch, kernel_signatures, run_codecs, warm_up
 
 
 def ids(codecs) -> list[tuple[str, int]]:

@@ -156,7 +156,7 @@ SIMULATED, WALL_CLOCK, MIXED_CLOCKS = "simulated", "wall clock", "simulated or w
 def clock_name(config: Any) -> str:
     """The clock that timed a run: ``SIMULATED`` (the network model charged each message), or
     ``WALL_CLOCK`` where there was none (``net_mode = "off"``: ``bench peers``' runs, lab runs
-    timed by the wire; their ``sim_time`` is the wall clock, runtime/clock.py)."""
+    timed by the wire; their ``sim_time`` is the wall clock, runtime/measure/clock.py)."""
     return WALL_CLOCK if isinstance(config, dict) and config.get("net_mode") == "off" else SIMULATED
 
 

@@ -5,7 +5,7 @@ Run on every rank: ``mpiexec -n P+1 python -m mpi4py -m mpigrad.bench.api_loop C
 It reads the whole config (``RunConfig.from_sources``) for what the script owns (model, data,
 batch size, rate, optimizer, schedule, augmentation, precision) and builds them as train's
 workers do: the model from the seed, each worker's shard of batches (train's
-:class:`~mpigrad.runtime.recipe.Recipe`), the optimizer by name over the model's parameters,
+:class:`~mpigrad.runtime.run.recipe.Recipe`), the optimizer by name over the model's parameters,
 the rate of each iteration from the schedule.
 The Session takes the same file for the method and drops the script's keys. The loop is the
 documented one: ``zero_grad``, forward, ``session.backward(loss)``, ``optimizer.step()``.
@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
     import mpigrad
     from mpigrad.config import RunConfig
     from mpigrad.optim import LearningRate, build_torch_optimizer
-    from mpigrad.runtime.build import build_config_model, forward_context, load_data, resolve_device
-    from mpigrad.runtime.recipe import Recipe
+    from mpigrad.runtime.exchange.build import build_config_model, forward_context, load_data, resolve_device
+    from mpigrad.runtime.run.recipe import Recipe
 
     recipe = RunConfig.from_sources(config_file, {})
     dataset = load_data(recipe)

@@ -22,10 +22,10 @@ so the parts need not add up to ``s/it`` exactly):
 - ``rest``: ``s/it`` minus the others: waiting for messages and for the slowest rank, the
   protocol's own steps, and (DDP) what its all-reduce does not overlap with backward.
 
-Then mpigrad's phases (:mod:`mpigrad.runtime.iteration`, from ``MPIGRAD_PHASE_LOG``): per
+Then mpigrad's phases (:mod:`mpigrad.runtime.roles.iteration`, from ``MPIGRAD_PHASE_LOG``): per
 phase, the median milliseconds from the end of the phase before to its end on rank 0 and on
 the slowest worker, and, where the model is on a GPU, the same span on the device's timeline
-(CUDA events, :mod:`mpigrad.runtime.phaselog`).
+(CUDA events, :mod:`mpigrad.runtime.measure.phaselog`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..runtime.iteration import PHASES
+from ..runtime.roles.iteration import PHASES
 from ..trace import TraceError
 
 #: The phases of one iteration in the order a phase log records their ends.
@@ -154,7 +154,7 @@ def breakdown_row(method: str, traces: Sequence, first: Sequence[int], workers: 
 def worker_compute(directory: Path, iterations: int, worker_ranks: Sequence[int]) -> np.ndarray | None:
     """Per iteration 0..iterations-1, the slowest worker's ``begin`` span (forward + backward,
     wall seconds) from a phase log; None when the log lacks an iteration."""
-    from ..runtime.phaselog import read
+    from ..runtime.measure.phaselog import read
 
     lines = read(directory)
     spans = []
@@ -171,7 +171,7 @@ def worker_compute(directory: Path, iterations: int, worker_ranks: Sequence[int]
 def phase_rows(directories: Sequence[Path], first: Sequence[int], worker_ranks: Sequence[int]) -> list[PhaseRow]:
     """mpigrad's phases from the phase logs of its runs (one directory per seed), over the
     iterations from ``first[i]`` on."""
-    from ..runtime.phaselog import read
+    from ..runtime.measure.phaselog import read
 
     host: dict[str, dict[str, list[float]]] = {p: {"rank0": [], "worker": []} for p in PHASE_ORDER[1:]}
     device: dict[str, dict[str, list[float]]] = {p: {"rank0": [], "worker": []} for p in PHASE_ORDER[1:]}

@@ -14,7 +14,7 @@ the iterations after ``--warmup`` (medians):
 
 Then, per communication phase (loss gather, Control, gradient gather, broadcast), real against
 simulated seconds: the ranks log when they end each phase (``MPIGRAD_PHASE_LOG``,
-:mod:`mpigrad.runtime.phaselog`; the lab's nodes share one host clock). A real phase holds
+:mod:`mpigrad.runtime.measure.phaselog`; the lab's nodes share one host clock). A real phase holds
 the local work done in it (encoding in the gradient gather, decoding in both rounds); the
 simulated one only the messages. Needs root, as the lab.
 """
@@ -35,7 +35,7 @@ import numpy as np
 from ..config import BROADCASTS, COLOCATED, parse_servers
 from ..errors import UsageError
 from ..options import check_overwrite
-from ..runtime.phaselog import ENV as PHASE_ENV
+from ..runtime.measure.phaselog import ENV as PHASE_ENV
 from ..units import parse_rate
 
 #: ``--codecs`` items: a name, and the train options it stands for.
@@ -191,7 +191,7 @@ def _phases(directory: Path, workers: int, layout, warmup: int, two_rounds: bool
     its "broadcast" nothing, and its charge, one for the whole exchange, stands under
     "gradients". With ``two_rounds`` the second round's gradients and broadcast are added to
     the first's, as the clock charges them."""
-    from ..runtime.phaselog import read
+    from ..runtime.measure.phaselog import read
 
     colocated = layout in (COLOCATED, PIPELINE)
     worker_ranks = list(range(1, workers + 1)) if colocated else list(range(layout, layout + workers))

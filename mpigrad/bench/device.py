@@ -4,7 +4,7 @@ Runs one real ``mpiexec -n RANKS ... mpigrad train`` with the train options afte
 the GPU where torch sees one (``--device cuda --share-gpu``), else on the device path in
 Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, ``MPIGRAD_DEVICE_CODECS=simulator``:
 the kernels run as Python, slowly, so keep the model small), with the ranks' phase log
-(:mod:`mpigrad.runtime.phaselog`). Then, for the last iteration, per rank and phase: kernel
+(:mod:`mpigrad.runtime.measure.phaselog`). Then, for the last iteration, per rank and phase: kernel
 launches, host synchronisations (and where), bytes copied each way
 (:mod:`mpigrad.counters`). The counts are made at the call sites, so they are
 the same in the simulator as on a GPU; the times are not measured here.
@@ -24,9 +24,9 @@ from ..errors import UsageError
 from ..mpiexec import mpiexec_command
 
 def _phases() -> tuple[str, ...]:
-    """The phase log's phases in their order (runtime/iteration.py), "start" first: what ran
+    """The phase log's phases in their order (runtime/roles/iteration.py), "start" first: what ran
     between the previous iteration's end and this one's start."""
-    from ..runtime.iteration import PHASES
+    from ..runtime.roles.iteration import PHASES
 
     return ("start", "begin", *PHASES, "end")
 
@@ -88,7 +88,7 @@ def _gpu() -> bool:
 def last_iteration_counts(directory: Path) -> dict[int, dict[str, dict]]:
     """rank -> phase -> counts of the last iteration in the phase log ``directory`` (ranks
     that asked nothing of a device have an empty dict)."""
-    from ..runtime.phaselog import read
+    from ..runtime.measure.phaselog import read
 
     lines = read(directory)
     if not lines:

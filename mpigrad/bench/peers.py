@@ -184,8 +184,8 @@ def _ddp_rank(spec: dict[str, Any], rank: int) -> list[RankRecord]:
     import datetime
 
     from ..config import RunConfig
-    from ..runtime.build import load_data, resolve_device
-    from ..runtime.environment import apply_thread_settings
+    from ..runtime.exchange.build import load_data, resolve_device
+    from ..runtime.plan.environment import apply_thread_settings
 
     apply_thread_settings(spec["threads"])
     import torch
@@ -215,7 +215,7 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     from ..data import ShardSampler
     from ..data.augment import build_augmentation
     from ..optim import LearningRate, build_torch_optimizer
-    from ..runtime.build import build_config_model, forward_context
+    from ..runtime.exchange.build import build_config_model, forward_context
     from ..trace import network
 
     workers = spec["workers"]
@@ -308,7 +308,7 @@ def _bare_compute(ddp, model, dataset, config, device, repeats: int = 7) -> floa
     the first pass is not counted."""
     import torch
 
-    from ..runtime.build import forward_context
+    from ..runtime.exchange.build import forward_context
 
     x = torch.from_numpy(dataset.train_x[:config.batch_size]).to(device)
     y = torch.from_numpy(dataset.train_y[:config.batch_size]).to(device)
@@ -452,8 +452,8 @@ def _seeds(text: str | None, default: int) -> list[int]:
 
 def _config(args: argparse.Namespace):
     """The task's RunConfig, read as ``mpigrad train`` reads it, evaluation and network model off."""
-    from ..runtime.launch import add_arguments as train_arguments
-    from ..runtime.launch import config_from_args
+    from ..runtime.run.launch import add_arguments as train_arguments
+    from ..runtime.run.launch import config_from_args
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):
@@ -494,7 +494,7 @@ def _check_task(config, workers: int) -> None:
     from ..data import DataError, ShardSampler
     from ..data.augment import build_augmentation
     from ..models import ModelError
-    from ..runtime.build import build_config_model, load_data
+    from ..runtime.exchange.build import build_config_model, load_data
 
     try:
         dataset = load_data(config)
@@ -514,7 +514,7 @@ def _free_port(address: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from ..config import declared_ranks
     from ..optim import recipe_description
-    from ..runtime.environment import THREAD_VARIABLES, threads_per_rank
+    from ..runtime.plan.environment import THREAD_VARIABLES, threads_per_rank
 
     variants = _variants(args.variants)
     if not Path(args.config).is_file():
@@ -860,13 +860,13 @@ def ddp_backend(device_type: str, workers: int, devices: int) -> tuple[str, str 
 
 def mpigrad_gpu_ranks(workers: int, servers, colocated: bool) -> int:
     """The ranks of mpigrad's run that train or serve on a GPU: the workers, and the S
-    server ranks unless they are colocated (runtime/gpu.gpu_rank)."""
+    server ranks unless they are colocated (runtime/plan/gpu.gpu_rank)."""
     return workers if colocated else workers + int(servers)
 
 
 def _mpigrad_shares(config, workers: int) -> str | None:
     """The line saying mpigrad's run gets --share-gpu, when its GPU ranks outnumber the GPUs."""
-    from ..runtime.gpu import workers_device
+    from ..runtime.plan.gpu import workers_device
 
     if workers_device(config) != "cuda":
         return None
@@ -879,7 +879,7 @@ def _mpigrad_shares(config, workers: int) -> str | None:
 
 
 def _backend(config, workers: int) -> tuple[str, str | None]:
-    from ..runtime.build import resolve_device
+    from ..runtime.exchange.build import resolve_device
 
     device = resolve_device(config.device)
     if device.type != "cuda":
@@ -893,7 +893,7 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Pr
     import shutil
 
     from ..mpiexec import mpiexec_command
-    from ..runtime.phaselog import ENV as PHASE_ENV
+    from ..runtime.measure.phaselog import ENV as PHASE_ENV
 
     trace = _trace_path(out, "mpigrad", config.seed)
     ranks = workers + config.non_worker_ranks()

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one_run(path: Path, records: list, workers: int, policy_columns: dict, flush: int) -> tuple[float, float, int]:
-    from ..runtime.tracing import RunTrace
+    from ..runtime.measure.tracing import RunTrace
     from ..trace import TraceWriter
 
     tables = RunTrace.tables(2, workers, 1, policy_columns)
@@ -75,7 +75,7 @@ def _one_run(path: Path, records: list, workers: int, policy_columns: dict, flus
 def _records(iterations: int, workers: int, columns: dict) -> list:
     """Records with a real run's shapes and varied values (``columns``: the policy table's),
     built before any timing."""
-    from ..runtime.record import IterationRecord
+    from ..runtime.measure.record import IterationRecord
 
     rng = np.random.default_rng(0)
     records = []

@@ -5,8 +5,8 @@ PowerSGD does not encode one vector on its own: each worker sends P_i = M_i Q (M
 gradient matrix plus its error-feedback memory, Q a shared m x r matrix), the server
 averages and orthogonalises the P_i and broadcasts P^, each worker sends Q_i = M_i^T P^,
 the server averages and broadcasts Q, and every rank applies P^ Q^T. The runtime runs those
-two rounds (``mpigrad/runtime/lowrank.py``, the ``gradients2``/``broadcast2`` phases of
-``runtime/iteration.py``); this class is the family's configuration (``rank``,
+two rounds (``mpigrad/runtime/exchange/lowrank.py``, the ``gradients2``/``broadcast2`` phases of
+``runtime/roles/iteration.py``); this class is the family's configuration (``rank``,
 ``min_compression_rate``, ``start``), the rule that says which layers it compresses
 (torch's ``_should_compress``), and the wire format of a factor: float32, 4 bytes per
 element, like ``fp32`` under its own wire id (the factors are exact; the compression is the

@@ -1,6 +1,6 @@
 """The training runtime: rank 0 as parameter server and MDP server, ranks 1..P as workers.
 
-Launch through ``mpigrad train`` (see :mod:`mpigrad.runtime.launch`). This package's
+Launch through ``mpigrad train`` (see :mod:`mpigrad.runtime.run.launch`). This package's
 ``__init__`` imports nothing, so the launch checks run before torch and Numba start.
 """
 

@@ -107,7 +107,7 @@ class ReceiveBuffers:
 
     ``memory`` decides where a buffer lives and when the host may write it again: None for
     plain NumPy memory; on the device path the replica's pinned host memory, which a
-    decode copies to the device straight from, with no host copy (runtime/device.py
+    decode copies to the device straight from, with no host copy (runtime/exchange/device.py
     ``FrameMemory``: ``allocate(size, key)``, and ``before_write(key)``, which waits until
     no copy out of the buffer is still queued)."""
 

@@ -2,7 +2,7 @@
 
 With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated servers
 (worker rank s + 1 serving shard s, rank 0 none), per iteration m (the order is driven by
-:mod:`mpigrad.runtime.iteration`):
+:mod:`mpigrad.runtime.roles.iteration`):
 
 1. ``LossReport``   worker -> rank 0, tag LOSS, float64[5]
                     (loss, compute CPU s, compute wall s, parameter CRC-32 or -1, status).
@@ -13,16 +13,16 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     reads it, ``PowerSGD.check_settings``). measure: 1 asks the workers for
                     message 11 after this iteration, else 0.
 3. gradient frame   worker -> server s, tag GRAD, uint8: ``FrameHeader`` then one codec
-                    buffer per piece of shard s (see :mod:`mpigrad.runtime.layout`).
+                    buffer per piece of shard s (see :mod:`mpigrad.runtime.plan.layout`).
                     A worker whose gradient is not finite sends the 16-byte ``ERROR_FRAME``.
 4. ``FrameLength``  server s -> its broadcast group (rank 0 and the workers), int64[1],
    and the frame   the averaged, re-encoded gradient of shard s, same layout as 3: one
                     message of both, back to back in one buffer, where every rank computes
                     the frame's size from the shard and the bits (``Codec.exact_size``),
-                    else the length first (``runtime/broadcast.py``).
+                    else the length first (``runtime/exchange/broadcast.py``).
                     Colocated servers: the frame alone, sent to each other worker, tag
                     BCAST (its size comes with the message).
-3b/4b. second round  ``--codec powersgd`` from its ``start`` iteration on (``runtime/lowrank.py``):
+3b/4b. second round  ``--codec powersgd`` from its ``start`` iteration on (``runtime/exchange/lowrank.py``):
                     messages 3 and 4 carry round 1 over the *factor layout*: one float32 codec
                     buffer per low-rank layer, P_i = M_i Q (n x r) up, the orthogonalised
                     average P^ down, then the other layers' float32 piece. Then round 2:

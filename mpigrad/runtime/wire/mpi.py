@@ -51,7 +51,7 @@ def choose_waiting(comm: MPI.Comm, mode: str, threads: int, timeout: float) -> d
     is ``environment.machine_id``'s, not MPI's shared-memory node: the network lab's
     namespaces are nodes to MPI and share one machine's cores. The first rank here waits for
     the last one's warm-up asleep (``barrier``), not spinning in the allgather."""
-    from ..environment import cores_for_each, cpu_affinity, machine_id
+    from ..plan.environment import cores_for_each, cpu_affinity, machine_id
     from .channel import set_waiting
 
     barrier(comm, timeout, "a rank did not finish its warm-up")

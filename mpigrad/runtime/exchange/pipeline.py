@@ -23,12 +23,12 @@ import time
 import numpy as np
 import torch
 
-from ..codecs import CodecError
+from ...codecs import CodecError
 from .device import finite
 from .frames import EncodedFrames
-from .layout import pipeline_buckets
-from .wire import TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, error_frame, is_error_frame
-from .wire.channel import Backoff
+from ..plan.layout import pipeline_buckets
+from ..wire import TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, error_frame, is_error_frame
+from ..wire.channel import Backoff
 
 
 class PipelinedExchange:
@@ -278,14 +278,14 @@ class PipelinedExchange:
         first = frames[0][0]
         for rank, frame in frames:
             if is_error_frame(frame):
-                from .server import TrainingError
+                from ..roles.server import TrainingError
                 raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
             self.sizes[rank] += frame.size
             start = time.process_time()
             try:
                 agg.decoder.decode(frame, part, agg.grad_sum, accumulate=rank != first)
             except (CodecError, FrameError) as exc:
-                from .server import TrainingError
+                from ..roles.server import TrainingError
                 raise TrainingError(f"bad gradient frame from worker rank {rank} at iteration {m}: {exc}") from None
             self.t_decode += time.process_time() - start
         self.t_encode += agg.encode(bits, shard=part)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codecs import Codec, get_codec
+from ...codecs import Codec, get_codec
 from .frames import EncodedFrames
-from .layout import Piece, Shard
-from .wire.messages import FrameHeader
+from ..plan.layout import Piece, Shard
+from ..wire.messages import FrameHeader
 
 
 class GradientCompressor:
@@ -25,7 +25,7 @@ class GradientCompressor:
     ``rest_codec`` serves the small layers' piece (default ``fp32``); ``policy_bits=False``
     keeps ``codec``'s own bits whatever bits ``encode`` is given (PowerSGD's factor codec);
     ``piece_codecs`` (piece index -> codec) gives some quantized pieces a codec of their own, at
-    its own bits, for encode and decode (PowerSGD's layers sent whole, ``runtime/lowrank.py``)."""
+    its own bits, for encode and decode (PowerSGD's layers sent whole, ``runtime/exchange/lowrank.py``)."""
 
     #: :class:`~.frames.FrameCompressor`: the values are host NumPy arrays, the frames plain
     #: host buffers (no :class:`~.device.FrameMemory`).

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..clockmodel import IterationTraffic, LinkModel, PipelinedTraffic, comm_start, iteration_seconds
-from ..costmodel import CostModel, LocalWork
+from ...clockmodel import IterationTraffic, LinkModel, PipelinedTraffic, comm_start, iteration_seconds
+from ...costmodel import CostModel, LocalWork
 
 __all__ = ["Clocks", "IterationClock", "IterationTraffic", "LinkModel", "PipelinedTraffic"]
 

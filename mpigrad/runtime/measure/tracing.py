@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import time
 
-from ..units import format_elapsed
-from ..trace import TraceWriter, collect_versions, network, schema, slurm_ids
-from .gpu import apply_tf32, workers_device
+from ...units import format_elapsed
+from ...trace import TraceWriter, collect_versions, network, schema, slurm_ids
+from ..plan.gpu import apply_tf32, workers_device
 from .record import TABLE_COLUMNS, IterationRecord, table_block
 
 
@@ -41,7 +41,7 @@ class RunTrace:
              settings: bool = False, waits: dict | None = None, shards: dict | None = None) -> "RunTrace":
         """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``);
         ``shards``: how the layout was cut and dealt (``ParameterServer.shard_record``)."""
-        from ..optim import rate_moves
+        from ...optim import rate_moves
 
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings,
                             ahead=config.control == "ahead", lr=rate_moves(config.lr_schedule, config.lr_warmup))
@@ -54,7 +54,7 @@ class RunTrace:
             "argv": " ".join(argv),
             "device": config.device,  # as given (auto stays auto)
             "workers_device": workers_device(config),  # what the workers trained on
-            "tf32": apply_tf32(config.tf32),  # what torch used (runtime/gpu.py)
+            "tf32": apply_tf32(config.tf32),  # what torch used (runtime/plan/gpu.py)
             "waits": waits or {},  # which ranks polled without sleeping (wire/channel.set_waiting)
             "hosts": hosts,
             "ranks": len(hosts),

@@ -13,9 +13,9 @@ import zlib
 import numpy as np
 import torch
 
-from ..counters import copied, launched, synchronized
-from ..optim import LearningRate, UpdateRule
-from .layout import Layout, Segment
+from ...counters import copied, launched, synchronized
+from ...optim import LearningRate, UpdateRule
+from ..plan.layout import Layout, Segment
 
 
 #: What a model without ``quantized_parameters()`` quantizes by default.
@@ -84,12 +84,12 @@ class Replica:
         self.rule: UpdateRule | None = None
         self.rate: LearningRate | None = None
         #: Whether the codecs read the gradient and write the update in device memory (the
-        #: device path, runtime/device.py): set by :meth:`use_device_codecs`.
+        #: device path, runtime/exchange/device.py): set by :meth:`use_device_codecs`.
         self.codecs_on_device = False
         self.update_device: torch.Tensor | None = None
-        #: The status its device compressors flag into (runtime/device.py ``on_device``), else None.
+        #: The status its device compressors flag into (runtime/exchange/device.py ``on_device``), else None.
         self.device_status = None
-        #: The host buffers its device compressors' frames lie in (runtime/device.py ``FrameMemory``), else None.
+        #: The host buffers its device compressors' frames lie in (runtime/exchange/device.py ``FrameMemory``), else None.
         self.frame_memory = None
 
     def use_device_codecs(self) -> None:
@@ -194,7 +194,7 @@ class Replica:
         return zlib.crc32(self.flat.detach().cpu().numpy().view(np.uint8))
 
     def state_dict(self) -> dict:
-        """Parameters and the model's buffers (BatchNorm statistics, see runtime/buffers.py)."""
+        """Parameters and the model's buffers (BatchNorm statistics, see runtime/exchange/buffers.py)."""
         return {"flat": self.flat.detach().cpu().clone(),
                 "buffers": {name: b.detach().cpu().clone() for name, b in self.model.named_buffers()}}
 

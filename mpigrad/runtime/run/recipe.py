@@ -11,14 +11,14 @@ import time
 import numpy as np
 import torch
 
-from ..config import RunConfig
-from ..data import ShardSampler
-from ..data.augment import build_augmentation
-from ..errors import UsageError
-from . import EXIT_REQUEUE
-from .build import build_config_model, forward_context, load_data, release_data
+from ...config import RunConfig
+from ...data import ShardSampler
+from ...data.augment import build_augmentation
+from ...errors import UsageError
+from .. import EXIT_REQUEUE
+from ..exchange.build import build_config_model, forward_context, load_data, release_data
 from .session import RankFailure
-from .wire import PeerTimeout
+from ..wire import PeerTimeout
 
 __all__ = ["Recipe", "run_train_worker"]
 

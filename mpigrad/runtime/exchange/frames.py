@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from .layout import Piece, Shard
+    from ..plan.layout import Piece, Shard
 
 __all__ = ["FrameCompressor", "PendingFrames", "EncodedFrames"]
 

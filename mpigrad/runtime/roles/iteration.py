@@ -75,8 +75,8 @@ sends its state to rank 0 (``session``), which writes the checkpoint; then all g
 
 from __future__ import annotations
 
-from .buffers import sync_due
-from .wire import CHECKPOINT_AFTER
+from ..exchange.buffers import sync_due
+from ..wire import CHECKPOINT_AFTER
 
 PHASES = ("losses", "control", "gradients", "broadcast", "gradients2", "broadcast2", "reports", "buffers")
 

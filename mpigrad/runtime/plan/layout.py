@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import AUTO_CHUNK
+from ...config import AUTO_CHUNK
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import ctypes
 import os
 from typing import Hashable
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 #: MPICH's MPIX_GPU_SUPPORT_CUDA (mpi.h: CUDA 0, ZE 1, HIP 2).
 _MPICH_GPU_CUDA = 0
@@ -125,7 +125,7 @@ def bind_devices(comm, colocated: bool, share: bool, require: bool = True) -> di
 def bind_rank(config, comm) -> None:
     """Before a run's work: make this rank's device the one :func:`bind_devices` gives it
     (a ``--device cuda`` run; nothing on the CPU) and apply ``--tf32``."""
-    from .build import bind_rank_device
+    from ..exchange.build import bind_rank_device
 
     apply_tf32(config.tf32)
     if config.device != "cpu":  # every rank takes part, whatever it sees (auto: those that see none, the CPU)

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from ..codecs import Codec, get_codec
-from .checks import base_codec, broadcast_codec
+from ...codecs import Codec, get_codec
+from ..plan.checks import base_codec, broadcast_codec
 
 __all__ = ["warm_up", "warm_up_device", "run_codecs", "KernelWatch", "kernel_signatures", "late_device_kernels"]
 
@@ -32,7 +32,7 @@ def run_codecs(config) -> list[Codec]:
     width its policy may choose (PowerSGD: its factor, rest and menu codecs), the broadcast
     codec likewise unless its bits are fixed, and float32 (the small layers, warm-up
     iterations)."""
-    from ..policies import get_policy
+    from ...policies import get_policy
 
     codec = base_codec(config)
     down, down_bits = broadcast_codec(config)
@@ -77,8 +77,8 @@ def warm_up_device(codecs: list[Codec], device) -> float:
     global _device_warmed
     import torch
 
-    from ..codecs.device import load_cuda, warm_up_kernels
-    from ..counters import kernels_launched
+    from ...codecs.device import load_cuda, warm_up_kernels
+    from ...counters import kernels_launched
     from .device import current_stream, device_view, synchronize
 
     began = time.perf_counter()
@@ -92,7 +92,7 @@ def warm_up_device(codecs: list[Codec], device) -> float:
 
 def late_device_kernels() -> list[str]:
     """The device kernels first launched after :func:`warm_up_device` (empty where it did not run)."""
-    from ..counters import kernels_launched
+    from ...counters import kernels_launched
 
     if _device_warmed is None:
         return []

@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..counters import copied, synchronized
-from ..config import RunConfig
-from .wire import CHECKPOINT_AFTER, STOP_AFTER, TAG_BUFFERS, TAG_PARAMS, WORLD, BufferStats, Channel
+from ...counters import copied, synchronized
+from ...config import RunConfig
+from ..wire import CHECKPOINT_AFTER, STOP_AFTER, TAG_BUFFERS, TAG_PARAMS, WORLD, BufferStats, Channel
 
 
 def sync_due(config: RunConfig, m: int, command: int) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 __all__ = [
     "THREAD_VARIABLES", "SKIP_NTASKS_CHECK", "RankInfo",

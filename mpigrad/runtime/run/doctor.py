@@ -19,13 +19,13 @@ import json
 import os
 from dataclasses import asdict
 
-from ..errors import UsageError
-from ..machine import mpi_implementation, mpi_library_line, mpi_library_version
-from .gpu import cuda_aware_mpi, node_of, plan_world, visible_devices
-from .environment import (
-    THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
-    probe_rank, ranks_per_host, threads_per_rank,
-)
+from ...errors import UsageError
+from ...machine import mpi_implementation, mpi_library_line, mpi_library_version
+from ..plan.gpu import cuda_aware_mpi, node_of, plan_world, visible_devices
+from ..plan.environment import (
+                                THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
+                                probe_rank, ranks_per_host, threads_per_rank,
+                                )
 
 _SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK",
                     "SLURM_JOB_NUM_NODES", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID")
@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def library_versions() -> dict[str, str]:
     """Versions of the libraries a training run depends on (the trace's collector, less the
     host-specific platform and MPI strings), plus mpigrad's own."""
-    from .. import __version__
-    from ..trace import collect_versions
+    from ... import __version__
+    from ...trace import collect_versions
 
     versions = {k: v for k, v in collect_versions().items() if k not in ("platform", "mpi_library")}
     return {**versions, "mpigrad": __version__}
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _gpus(devices: list, colocated: bool, share: bool) -> dict:
     """The CUDA devices each rank sees, the rank -> GPU map a --device cuda run would take
-    (runtime/gpu.py's rule), or why it would be refused; and whether the MPI is CUDA-aware."""
+    (runtime/plan/gpu.py's rule), or why it would be refused; and whether the MPI is CUDA-aware."""
     supported, why = cuda_aware_mpi()
     seen = {rank: count for rank, _, _, _, count in devices}
     report = {"cuda_aware_mpi": supported, "cuda_aware_why": why, "devices_seen": seen,

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..codecs import Codec, CodecError, get_codec
-from ..config import AUTO_CHUNK, RunConfig
-from ..costmodel import CostModel, CostModelError, resolve
-from ..errors import UsageError
-from ..policies import PolicyError, bits_option, get_policy, policy_class, policy_options
+from ...codecs import Codec, CodecError, get_codec
+from ...config import AUTO_CHUNK, RunConfig
+from ...costmodel import CostModel, CostModelError, resolve
+from ...errors import UsageError
+from ...policies import PolicyError, bits_option, get_policy, policy_class, policy_options
 
 __all__ = ["check_options", "check_trace", "check_world", "check_job", "assumed_world", "check_given_options", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
 
@@ -159,8 +159,8 @@ def check_recipe(config: RunConfig) -> None:
     optimizer where ``--shard-chunk`` cuts layers (it may need whole layers). The paper's
     plain SGD (warm-up and scaling are the config's checks) is checked without importing torch
     (a refusal stays fast); so is the augmentation (its data set's fit: the launch check)."""
-    from ..data import DataError
-    from ..data.augment import check_augmentation
+    from ...data import DataError
+    from ...data.augment import check_augmentation
 
     try:
         check_augmentation(config.augment, config.augment_opts)
@@ -170,8 +170,8 @@ def check_recipe(config: RunConfig) -> None:
         raise UsageError("--lr-schedule-opt without --lr-schedule: name the schedule")
     if config.optimizer == "sgd" and not config.update_options and not config.lr_schedule:
         return
-    from ..optim import OptimizerError, check_recipe as check
-    from ..plugins import is_plugin
+    from ...optim import OptimizerError, check_recipe as check
+    from ...plugins import is_plugin
 
     try:
         check(config.optimizer, config.update_options, config.lr_schedule, config.lr_schedule_opts,
@@ -202,7 +202,7 @@ def _check_method(config: RunConfig) -> None:
         codec = base_codec(config)
         policy = get_policy(config.policy_config(), n_layers=1, seed=config.seed)
         check_given_options(config, codec)
-        from ..codecs.device import threads_per_block
+        from ...codecs.device import threads_per_block
         threads_per_block(False)  # MPIGRAD_DEVICE_THREADS, refused here rather than on every worker
         if codec.two_rounds:  # no bits: a rank, or settings a policy chooses
             check_two_rounds(config, codec)
@@ -235,7 +235,7 @@ def check_trace(config: RunConfig) -> None:
     file), a trace or checkpoint whose nearest existing folder is not a directory or cannot
     be written. ``session.check_launch`` checks the rest of ``--resume`` (the trace and its
     checkpoint must exist) and creates the folders."""
-    from ..options import check_overwrite
+    from ...options import check_overwrite
 
     trace = Path(config.trace)
     check_overwrite([trace], config.force or config.resume, error=UsageError,
@@ -311,11 +311,11 @@ def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -
     import mpi4py
 
     mpi4py.rc.initialize = False  # session imports MPI: not started here
-    from ..data import DataError
-    from ..data.augment import build_augmentation
-    from ..models import check_model
-    from .build import build_config_model, build_shards, load_data, train_replica
-    from .session import check_quantizes_something, check_resume_files
+    from ...data import DataError
+    from ...data.augment import build_augmentation
+    from ...models import check_model
+    from ..exchange.build import build_config_model, build_shards, load_data, train_replica
+    from ..run.session import check_quantizes_something, check_resume_files
 
     try:
         dataset = load_data(config)
@@ -329,7 +329,7 @@ def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -
         check_resume_files(config)
     shards = config.non_worker_ranks() if not config.colocated else (size - 1 if size else None)
     workers = size - config.non_worker_ranks() if size else 1
-    from ..optim import OptimizerError
+    from ...optim import OptimizerError
 
     try:
         replica = train_replica(config, build_config_model(config, dataset), workers, shards or 1)
@@ -339,7 +339,7 @@ def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -
         raise UsageError(str(exc)) from None
     layout = replica.layout
     quantized = sum(segment.size for segment in layout.quantized)
-    from ..optim import recipe_description
+    from ...optim import recipe_description
 
     lines = [f"model {config.model} on {config.data}: {layout.total:,} parameters, {len(layout.quantized)} "
              f"quantized layer(s) holding {quantized / max(layout.total, 1):.1%} ({config.codec}, {config.policy})",

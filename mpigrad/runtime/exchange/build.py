@@ -9,15 +9,15 @@ import threading
 import numpy as np
 import torch
 
-from ..codecs import Codec
-from ..config import RunConfig
-from ..data import Dataset, load_dataset
-from ..feedback import ErrorFeedback
-from ..models import build_model
-from ..optim import LearningRate, UpdateRule
-from .checks import base_codec, broadcast_codec, check_device
+from ...codecs import Codec
+from ...config import RunConfig
+from ...data import Dataset, load_dataset
+from ...feedback import ErrorFeedback
+from ...models import build_model
+from ...optim import LearningRate, UpdateRule
+from ..plan.checks import base_codec, broadcast_codec, check_device
 from .compressor import GradientCompressor
-from .layout import Chunks, Layout, Shard, pieces_of, plan_shards, resolve_chunks
+from ..plan.layout import Chunks, Layout, Shard, pieces_of, plan_shards, resolve_chunks
 from .replica import Replica
 
 __all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "bind_rank_device", "base_codec", "broadcast_codec", "load_data", "release_data",
@@ -33,7 +33,7 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-#: This rank's device once :func:`bind_rank_device` chose it (runtime/gpu.py), else None.
+#: This rank's device once :func:`bind_rank_device` chose it (runtime/plan/gpu.py), else None.
 _bound: torch.device | None = None
 
 
@@ -131,7 +131,7 @@ def script_replica(config: RunConfig, model: torch.nn.Module) -> Replica:
 def shard_chunks(config: RunConfig, layout: Layout, servers: int) -> Chunks:
     """How the run cuts its layout into pieces with ``servers`` servers (``--shard-chunk``;
     auto keeps whole layers for a plugin optimizer, which gets each piece as a layer)."""
-    from ..plugins import is_plugin
+    from ...plugins import is_plugin
 
     return resolve_chunks(config.shard_chunk, layout, servers, whole_layers=is_plugin(config.optimizer))
 

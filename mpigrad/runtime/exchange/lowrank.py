@@ -71,11 +71,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..codecs import Codec
-from ..codecs.powersgd import setting_of
+from ...codecs import Codec
+from ...codecs.powersgd import setting_of
 from .build import derive_seed
 from .compressor import GradientCompressor
-from .layout import Piece, Shard
+from ..plan.layout import Piece, Shard
 
 #: The stream number of the first Q's draw (derive_seed(seed, LOWRANK_STREAM, layer)).
 LOWRANK_STREAM = 1 << 20

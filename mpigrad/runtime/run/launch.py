@@ -16,10 +16,10 @@ import time
 import traceback
 from typing import NoReturn
 
-from ..config import AUTOCAST, BROADCASTS, DEFAULT_LR, WEIGHT_DECAY_IN, RunConfig, parse_assignments
-from ..errors import UsageError
-from ..units import format_rate
-from .environment import apply_thread_settings, export_thread_variables, threads_per_rank
+from ...config import AUTOCAST, BROADCASTS, DEFAULT_LR, WEIGHT_DECAY_IN, RunConfig, parse_assignments
+from ...errors import UsageError
+from ...units import format_rate
+from ..plan.environment import apply_thread_settings, export_thread_variables, threads_per_rank
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -187,8 +187,8 @@ class RegistryHelpFormatter(argparse.HelpFormatter):
 
     def _expand_help(self, action: argparse.Action) -> str:
         if "%(codecs)s" in (action.help or "") or "%(policies)s" in (action.help or ""):
-            from ..codecs import available as codecs
-            from ..policies import available as policies
+            from ...codecs import available as codecs
+            from ...policies import available as policies
 
             action = argparse.Action(action.option_strings, action.dest, help=action.help % {
                 "codecs": " | ".join(codecs()), "policies": " | ".join(policies())})
@@ -213,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
     export_thread_variables(threads_per_rank(config.threads))  # before Numba's pool starts
     if getattr(args, "check", False):
         return check_only(config, args.ranks)
-    from ..mpiexec import launch_rank
-    from .checks import check_options, check_trace
+    from ...mpiexec import launch_rank
+    from ..plan.checks import check_options, check_trace
 
     check_options(config)  # UsageError: cli prints it (rank 0 only) and exits 2
     check_trace(config)  # a directory, or an existing trace without --force
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         apply_thread_settings(threads_per_rank(config.threads))
         from .session import check_launch, run_rank
         check_launch(config, comm)
-        from .gpu import bind_rank
+        from ..plan.gpu import bind_rank
         bind_rank(config, comm)  # the rank's GPU (UsageError on every rank alike) and TF32
     except UsageError as exc:
         # Every rank gets here together (the checks are deterministic or broadcast).
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
         _abort(comm, EXIT_USAGE)
     except Exception as exc:  # noqa: BLE001 - every rank must end, not hang
-        from ..trace.writer import TraceExists
+        from ...trace.writer import TraceExists
         if isinstance(exc, TraceExists):  # another run took the trace path after the launch checks
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
             _abort(comm, EXIT_USAGE)  # a clash, as the launch checks refuse it: not a failure
@@ -265,7 +265,7 @@ def check_only(config: RunConfig, ranks: int | None) -> int:
     """``mpigrad train --check``: the config's notes, then ``checks.check_job``'s report on
     stdout and 0 (UsageError, one line and exit 2 through the cli, on the first problem)."""
     began = time.monotonic()
-    from .checks import check_job
+    from ..plan.checks import check_job
 
     for note in config.notes:
         print(note, flush=True)

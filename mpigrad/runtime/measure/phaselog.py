@@ -39,7 +39,7 @@ class PhaseLog:
             import torch
             self.cuda = torch.cuda
         self.events: list[tuple[str, object]] = []
-        from ..counters import snapshot
+        from ...counters import snapshot
         self._counts = snapshot
         self._last = snapshot()
         self.counts: dict[str, dict] = {}

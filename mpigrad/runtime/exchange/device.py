@@ -28,14 +28,14 @@ import os
 import numpy as np
 import torch
 
-from ..codecs import CodecError, HEADER_SIZE
-from ..codecs.base import header_bytes
-from ..codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
-from ..counters import copied, launched, synchronized
-from ..feedback import ErrorFeedback, FeedbackError
+from ...codecs import CodecError, HEADER_SIZE
+from ...codecs.base import header_bytes
+from ...codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
+from ...counters import copied, launched, synchronized
+from ...feedback import ErrorFeedback, FeedbackError
 from .compressor import GradientCompressor
-from .layout import Shard
-from .wire.messages import FrameHeader
+from ..plan.layout import Shard
+from ..wire.messages import FrameHeader
 
 #: ``MPIGRAD_DEVICE_CODECS=simulator`` runs the device path over CPU tensors in Numba's
 #: CUDA simulator (tests without a GPU); ``host`` keeps a CUDA run on the host path.
@@ -102,7 +102,7 @@ def on_device(replica, *compressors) -> list:
 def codec_path(config, codecs) -> str | None:
     """rank 0's start-up line on where the workers run ``codecs`` (the run's codec objects),
     for a run on a GPU or on the simulator's device path; None for a CPU run."""
-    from .gpu import workers_device
+    from ..plan.gpu import workers_device
 
     device = torch.device(workers_device(config))
     if device.type == "cuda" and os.environ.get(ENVIRONMENT) == "host":
@@ -192,7 +192,7 @@ class DeviceStatus:
     reads so far (``reads``: a compressor's decode staging is reused only after one)."""
 
     def __init__(self, cuda, device: torch.device):
-        from ..codecs.device import kernels as k
+        from ...codecs.device import kernels as k
 
         self.cuda, self.device = cuda, device
         #: The slots only a decode sets (a corrupt scale or code).
@@ -414,7 +414,7 @@ class DeviceFeedback:
     @property
     def kernel_mode(self) -> int:
         """The mode as the table kernels take it (``kernels.RESIDUAL`` or ``ACCUMULATE``)."""
-        from ..codecs.device import kernels
+        from ...codecs.device import kernels
 
         return kernels.RESIDUAL if self.mode == "residual" else kernels.ACCUMULATE
 
@@ -481,7 +481,7 @@ class DeviceGradientCompressor:
         self._host_staging: dict = {}
         #: Every frame goes by table: a fixed number of launches, whatever its pieces
         #: (:mod:`mpigrad.codecs.device.table`).
-        from ..codecs.device import kernels, table  # numba's CUDA: only where a device path is built
+        from ...codecs.device import kernels, table  # numba's CUDA: only where a device path is built
 
         self._kernels, self._table = kernels, table
         self._tables = table.TableKernels(self.cuda, self._current_stream)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .wire import Channel, FrameError, FrameLength, ReceiveBuffers
+from ..wire import Channel, FrameError, FrameLength, ReceiveBuffers
 
 
 def broadcast_widths(bits: list[int], fixed: int | None) -> list[int]:

@@ -18,34 +18,34 @@ import time
 import numpy as np
 import torch
 
-from ..codecs import CodecError
-from ..counters import copied, launched, synchronized
-from ..config import RunConfig
-from ..units import format_elapsed
-from ..errors import UsageError
-from ..costmodel import CostModel, LocalWork
-from ..policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
-from . import checkpoint
-from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_factor_shards, build_replica, build_shards, load_data, shard_chunks, release_data,
-                    script_replica)
-from .buffers import BufferSync, ParameterSync, sync_due
-from .checks import cost_model
-from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
-from .clock import Clocks, IterationClock, IterationTraffic, PipelinedTraffic
-from .layout import pipeline_buckets
-from .environment import threads_per_rank
-from .gpu import workers_device
+from ...codecs import CodecError
+from ...counters import copied, launched, synchronized
+from ...config import RunConfig
+from ...units import format_elapsed
+from ...errors import UsageError
+from ...costmodel import CostModel, LocalWork
+from ...policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
+from ..measure import checkpoint
+from ..exchange.build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
+                              build_factor_shards, build_replica, build_shards, load_data, shard_chunks, release_data,
+                              script_replica)
+from ..exchange.buffers import BufferSync, ParameterSync, sync_due
+from ..plan.checks import cost_model
+from ..exchange.broadcast import broadcast_frames, broadcast_widths, frame_sizes
+from ..measure.clock import Clocks, IterationClock, IterationTraffic, PipelinedTraffic
+from ..plan.layout import pipeline_buckets
+from ..plan.environment import threads_per_rank
+from ..plan.gpu import workers_device
 from .faults import Fault
-from .phaselog import PhaseLog
+from ..measure.phaselog import PhaseLog
 from .iteration import FollowerRole, run_iteration
-from .record import IterationRecord
-from .tracing import close_seconds
+from ..measure.record import IterationRecord
+from ..measure.tracing import close_seconds
 from .stopping import StopFlag
-from .lowrank import LowRank
-from .wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, TAG_SETTINGS, WORLD,
-                   BackwardReport, Channel, Control, FrameError, FrameLength, LossReport, ReceiveBuffers, ServerReport,
-                   is_error_frame)
+from ..exchange.lowrank import LowRank
+from ..wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, TAG_SETTINGS, WORLD,
+                    BackwardReport, Channel, Control, FrameError, FrameLength, LossReport, ReceiveBuffers, ServerReport,
+                    is_error_frame)
 
 
 class TrainingError(RuntimeError):
@@ -65,7 +65,7 @@ class ShardAggregator:
     def __init__(self, config: RunConfig, channel: Channel, shard, decoder, compressor, total: int,
                  broadcast_bits: int | None, device: torch.device | None = None):
         """``device``: the sum lives in that device's memory (the device path: ``decoder``
-        and ``compressor`` are then device compressors, runtime/device.py)."""
+        and ``compressor`` are then device compressors, runtime/exchange/device.py)."""
         self.config, self.channel, self.shard = config, channel, shard
         self.decoder, self.compressor, self.broadcast_bits = decoder, compressor, broadcast_bits
         self.workers = channel.workers

@@ -12,21 +12,22 @@ from typing import TYPE_CHECKING
 import h5py
 from mpi4py import MPI
 
-from ..codecs import get_codec
-from ..units import format_duration, format_network_value, format_rate
-from ..data.augment import build_augmentation
-from ..errors import UsageError
-from ..machine import mpi_library_line, mpi_library_version
-from ..models import check_model
-from ..trace import TraceError, network, root_attrs
-from ..options import check_overwrite
-from . import EXIT_REQUEUE, checkpoint
-from .build import base_codec, broadcast_codec, load_data
-from .checks import check_world
-from .environment import check_world_size
-from .stopping import StopFlag
-from .warmup import KernelWatch, late_device_kernels, run_codecs, warm_up
-from .wire import PeerTimeout
+from ...codecs import get_codec
+from ...units import format_duration, format_network_value, format_rate
+from ...data.augment import build_augmentation
+from ...errors import UsageError
+from ...machine import mpi_library_line, mpi_library_version
+from ...models import check_model
+from ...trace import TraceError, network, root_attrs
+from ...options import check_overwrite
+from ..measure import checkpoint
+from .. import EXIT_REQUEUE
+from ..exchange.build import base_codec, broadcast_codec, load_data
+from ..plan.checks import check_world
+from ..plan.environment import check_world_size
+from ..roles.stopping import StopFlag
+from ..exchange.warmup import KernelWatch, late_device_kernels, run_codecs, warm_up
+from ..wire import PeerTimeout
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ def check_thread_level(config, provided: int) -> None:
     from autograd's device thread, which the main thread did not start, and this MPI gave
     less than MPI_THREAD_SERIALIZED (``provided``, MPI_Query_thread): the calls would race or
     corrupt MPI's state. A CPU run's backward calls the hooks on the main thread."""
-    from .gpu import workers_device
+    from ..plan.gpu import workers_device
 
     if not config.pipeline or provided >= MPI.THREAD_SERIALIZED or workers_device(config) == "cpu":
         return
@@ -126,7 +127,7 @@ def check_quantizes_something(config, model: torch.nn.Module) -> None:
     """UsageError when a quantizing codec would apply to no layer (every layer smaller than
     --min-quantize-size, or a model that names none): the run would train in float32 while
     its log and trace say bits."""
-    from .replica import quantization_rule
+    from ..exchange.replica import quantization_rule
 
     if config.codec == "fp32":
         return
@@ -171,7 +172,7 @@ def warm_up_in_turn(config, comm: MPI.Comm) -> float:
     """Compile every kernel the run can use before its first iteration (``warmup.warm_up``):
     rank 0 first, so the others load from the Numba cache (waiting without spinning: on a
     shared node a spinning rank slows the compile it waits for). Returns this rank's seconds."""
-    from .wire.mpi import barrier
+    from ..wire.mpi import barrier
 
     codecs = run_codecs(config)
     if comm.Get_rank() == 0:
@@ -198,8 +199,8 @@ def report_late_kernels(rank: int, watch: KernelWatch) -> None:
 
 def open_channel(config, comm: MPI.Comm):
     """This rank's MpiChannel of the run, with the waiting mode its node's cores allow."""
-    from .environment import threads_per_rank
-    from .wire.mpi import MpiChannel, choose_waiting
+    from ..plan.environment import threads_per_rank
+    from ..wire.mpi import MpiChannel, choose_waiting
 
     # Rank 0 detects and names a silent rank; the others give it twice as long before
     # concluding that rank 0 itself is gone (they would otherwise time out together with it).
@@ -228,8 +229,8 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
     writes no checkpoint file: each checkpoint's contents go to the first worker
     (:func:`deliver_checkpoint`), whose script saves them, and it resumes from
     ``resume_state``, those contents as the script loaded them."""
-    from .server import ParameterServer
-    from .tracing import RunTrace
+    from ..roles.server import ParameterServer
+    from ..measure.tracing import RunTrace
 
     script = model is not None
     server = ParameterServer(config, channel, stop, log=log, model=model)
@@ -320,7 +321,7 @@ def script_keys_unused(config: dict) -> dict:
     the script owns (``mpigrad.api.SCRIPT_KEYS``) None, not used by mpigrad whatever the
     config file or the defaults said, but ``model``, ``data`` and ``optimizer``, which say
     ``script NAME``."""
-    from ..api import SCRIPT_KEYS
+    from ...api import SCRIPT_KEYS
 
     return {key: None if key in SCRIPT_KEYS and key not in _SCRIPT_NAMED else value for key, value in config.items()}
 
@@ -368,12 +369,12 @@ def follower_role(config, channel, model=None, recipe=None):
     exchange with rank 0 (:func:`run_parameter_server`); return the role, the iteration to
     start from and rank 0's number of iterations."""
     if not channel.is_worker:
-        from .server import ShardServer
+        from ..roles.server import ShardServer
         role = ShardServer(config, channel, model)
         if config.resume:
             role.load_state_dict(channel.scatter_object(None))
     else:
-        from .worker import Worker
+        from ..roles.worker import Worker
         role = Worker(config, channel, model, recipe)
         if config.resume:
             role.load_state_dict(*channel.scatter_object(None))
@@ -430,7 +431,7 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None,
     if server.servers > 1:
         log(shard_description(server.shards, server.codec, server.chunks, config.shard_chunk))
     log(f"network: {network_description(config)}")
-    from .checks import replaced_bits_note
+    from ..plan.checks import replaced_bits_note
     note = replaced_bits_note(config, server.codec)
     if note:
         log(note)
@@ -445,7 +446,7 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None,
     waits = getattr(server.channel, "waits", None)
     if waits:
         log(f"waits: {waits_description(config.wait, waits)}")
-    from .device import codec_path
+    from ..exchange.device import codec_path
     where = codec_path(config, [server.codec, broadcast_codec(config)[0], get_codec({"id": "fp32"})])
     if where:
         log(where)
@@ -460,7 +461,7 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None,
 
 def waits_description(mode: str, waits: dict[str, list[int]]) -> str:
     """The ``waits:`` start-up line: how the ranks wait for messages, and why."""
-    from .environment import format_ranks
+    from ..plan.environment import format_ranks
 
     why = {"auto": "auto: ", "spin": "--wait spin: ", "sleep": "--wait sleep: "}[mode]
     if not waits["sleep"]:
@@ -482,14 +483,14 @@ def config_description(config, codec=None, script: bool = False) -> str:
     where the run's ``codec`` takes none (``fp32``, a codec given by its levels), and for a
     ``script``'s run (:class:`mpigrad.Session`) without the keys the script owns but its
     model, data and optimizer (rank 0's note names those the config file set)."""
-    from ..analysis.labels import format_value
+    from ...analysis.labels import format_value
 
     values = config.to_dict()
     left_out = set(_NETWORK_KEYS)
     if codec is not None and not codec.takes_policy_bits:
         left_out.add("bits")
     if script:
-        from ..api import SCRIPT_KEYS
+        from ...api import SCRIPT_KEYS
 
         left_out |= set(SCRIPT_KEYS) - set(_SCRIPT_NAMED)
     return " ".join(f"{k}={format_value(v, k)}" for k, v in sorted(values.items()) if k not in left_out)
@@ -499,7 +500,7 @@ def shard_description(shards, codec, chunks, setting) -> str:
     """The shards' sizes at the initial bits, how far the largest is from an even split (the
     busiest server's link sets the round's time) and how the layers were cut (``chunks``,
     a ``layout.Chunks``, from ``--shard-chunk setting``)."""
-    from .build import piece_bytes
+    from ..exchange.build import piece_bytes
 
     size = piece_bytes(codec)
     loads = [sum(size(piece) for piece in shard.pieces) for shard in shards]
@@ -569,5 +570,5 @@ def local_work_description(config, server) -> str:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ... import __version__
     return __version__

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import normal_shard_chunk
-from ..errors import UsageError
+from ...config import normal_shard_chunk
+from ...errors import UsageError
 
 FORMAT = 2
 _MAGIC = b"MPIGRADC"

@@ -11,23 +11,23 @@ import time
 import numpy as np
 import torch
 
-from ..codecs import CodecError
-from ..config import RunConfig
-from ..feedback import MomentumCorrection
-from ..policies import policy_class
-from .broadcast import broadcast_frames, broadcast_widths, frame_sizes
-from .buffers import BufferSync, ParameterSync, sync_due
-from .build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
-                    build_factor_shards, build_shards, script_replica, train_replica)
-from .device import check_decodes, finite, on_device
+from ...codecs import CodecError
+from ...config import RunConfig
+from ...feedback import MomentumCorrection
+from ...policies import policy_class
+from ..exchange.broadcast import broadcast_frames, broadcast_widths, frame_sizes
+from ..exchange.buffers import BufferSync, ParameterSync, sync_due
+from ..exchange.build import (SERVER_STREAM, base_codec, broadcast_codec, build_broadcast_compressor, build_compressor,
+                              build_factor_shards, build_shards, script_replica, train_replica)
+from ..exchange.device import check_decodes, finite, on_device
 from .faults import Fault
-from .phaselog import PhaseLog
+from ..measure.phaselog import PhaseLog
 from .iteration import FollowerRole
-from .lowrank import LowRank
-from .pipeline import PipelinedExchange
-from .wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_BCAST, TAG_FACTORS, TAG_GRAD, TAG_LOSS,
-                   TAG_REPORT, TAG_SETTINGS, WORLD, BackwardReport, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
-                   ReceiveBuffers, error_frame)
+from ..exchange.lowrank import LowRank
+from ..exchange.pipeline import PipelinedExchange
+from ..wire import (STATUS_NONFINITE_LOSS, STATUS_OK, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_BCAST, TAG_FACTORS, TAG_GRAD, TAG_LOSS,
+                    TAG_REPORT, TAG_SETTINGS, WORLD, BackwardReport, Channel, Control, FrameError, FrameHeader, FrameLength, LossReport, ServerReport,
+                    ReceiveBuffers, error_frame)
 
 
 class Worker(FollowerRole):
@@ -63,7 +63,7 @@ class Worker(FollowerRole):
         #: run can use launched once here, so that none compiles inside an iteration.
         self.device_warm_up_s = None
         if self.replica.codecs_on_device:
-            from .warmup import run_codecs, warm_up_device
+            from ..exchange.warmup import run_codecs, warm_up_device
             self.device_warm_up_s = warm_up_device(run_codecs(config), self.replica.device)
         #: DGC's momentum correction (--momentum-correction M): the codecs encode the velocity.
         self.momentum = MomentumCorrection(config.momentum_correction) if config.momentum_correction else None

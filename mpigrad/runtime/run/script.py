@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..counters import launched, synchronized
-from ..errors import UsageError
-from .iteration import run_iteration
+from ...counters import launched, synchronized
+from ...errors import UsageError
+from ..roles.iteration import run_iteration
 from .session import RankFailure, deliver_checkpoint, follower_role
-from .wire import CHECKPOINT_AFTER, STOP_AFTER, PeerTimeout
+from ..wire import CHECKPOINT_AFTER, STOP_AFTER, PeerTimeout
 
 __all__ = ["Exchanged", "ScriptWorker", "leave_run"]
 
