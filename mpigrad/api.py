@@ -27,18 +27,10 @@ from typing import Any
 
 from .config import RunConfig
 from .errors import UsageError
-from .runtime.run.script import Exchanged
+from .runtime.run.script import SCRIPT_KEYS, Exchanged
 
 __all__ = ["Session", "Exchanged", "SCRIPT_KEYS", "script_config"]
 
-#: The keys of a run's config that belong to the script in a :class:`Session`: its model,
-#: data, batches, loss, optimizer, schedule, augmentation, precision and evaluation. Given as
-#: keyword arguments they are refused; in a config file they are left out, and rank 0 names
-#: them in a start-up note. The model's device is the script's (where its parameters are).
-SCRIPT_KEYS = ("model", "model_opts", "data", "data_dir", "data_opts", "batch_size", "lr", "weight_decay",
-               "weight_decay_in", "optimizer", "optimizer_opts", "lr_schedule", "lr_schedule_opts", "lr_warmup",
-               "lr_scaling", "augment", "augment_opts", "autocast", "momentum_correction", "eval_every",
-               "eval_samples", "device", "share_gpu", "tf32")
 
 #: Keys of ``mpigrad train`` that a :class:`Session` takes otherwise, each with how.
 TRAIN_ONLY_KEYS = {
@@ -131,7 +123,7 @@ class Session:
         config.resume = resume is not None
         self._agree(_resume_problem(config.resume, self.comm))
         from .runtime.plan.environment import apply_thread_settings, threads_per_rank
-        from .runtime.run.session import check_launch
+        from .runtime.run.preflight import check_launch
         from .runtime.roles.stopping import StopFlag
 
         apply_thread_settings(threads_per_rank(config.threads))
@@ -381,8 +373,8 @@ def one_line_errors() -> tuple[type[BaseException], ...]:
     silent peer (``PeerTimeout``), a peer's report on rank 0 (``PeerFailed``: "worker rank 2
     failed at iteration 1: ..."), a rank's failure (``RankFailure``) and a run's
     (``TrainingError``: a non-finite loss)."""
-    from .runtime.roles.server import TrainingError
-    from .runtime.run.session import RankFailure
+    from .errors import TrainingError
+    from .runtime.run.follower import RankFailure
     from .runtime.wire import PeerFailed, PeerTimeout
 
     return UsageError, PeerTimeout, PeerFailed, RankFailure, TrainingError

@@ -21,7 +21,8 @@ from mpigrad.errors import UsageError
 from mpigrad.runtime.exchange.build import build_config_model, load_data
 from mpigrad.runtime.run.script import ScriptWorker
 from mpigrad.runtime.run.script import Exchanged
-from mpigrad.runtime.run.session import config_description, run_other_rank, run_parameter_server
+from mpigrad.runtime.run.session import run_other_rank, run_parameter_server
+from mpigrad.runtime.run.startup import config_description
 from mpigrad.runtime.roles.stopping import StopFlag
 from mpigrad.runtime.wire.loopback import LoopbackNetwork
 from mpigrad.trace import load

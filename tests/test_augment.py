@@ -102,7 +102,7 @@ def test_the_recipe_names_the_augmentation():
 def test_the_launch_check_refuses_a_data_set_that_does_not_allow_it(tmp_path):
     """What every rank of ``mpigrad train --augment crop-flip`` on the digits hears before work
     (rank 0's launch check, exit 2): one line."""
-    from mpigrad.runtime.run.session import _launch_problem
+    from mpigrad.runtime.run.preflight import _launch_problem
 
     config = RunConfig.from_sources(None, {"augment": "crop-flip", "trace": str(tmp_path / "run.h5")})
     problem = _launch_problem(config, 3)

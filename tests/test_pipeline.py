@@ -83,7 +83,7 @@ def test_a_pipelined_gpu_run_needs_an_mpi_with_threads():
     MPI_THREAD_SERIALIZED that is refused in one line; CPU runs and sequential runs pass."""
     from mpi4py import MPI
 
-    from mpigrad.runtime.run.session import check_thread_level
+    from mpigrad.runtime.run.preflight import check_thread_level
 
     pipelined = RunConfig(servers="colocated", pipeline=True, device="cuda")
     for level in (MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED):

@@ -362,7 +362,7 @@ def test_the_shard_line_names_the_cut_and_suggests_one_only_where_layers_are_who
     from types import SimpleNamespace
 
     from mpigrad.runtime.plan.layout import Chunks
-    from mpigrad.runtime.run.session import shard_description
+    from mpigrad.runtime.run.startup import shard_description
 
     shards = [SimpleNamespace(pieces=[SimpleNamespace(quantized=False, size=n)]) for n in (9000, 1000)]
     line = shard_description(shards, get_codec({"id": "uniform", "bits": 2}), Chunks(), 0)

@@ -6,7 +6,7 @@ from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
 from mpigrad.models import build_model
 from mpigrad.runtime.exchange.replica import quantization_rule
-from mpigrad.runtime.run.session import check_quantizes_something
+from mpigrad.runtime.run.preflight import check_quantizes_something
 
 
 def _paper_cnn():

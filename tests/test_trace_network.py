@@ -100,7 +100,7 @@ def test_lab_network_records_rates_latency_and_events_as_written():
 
 def test_a_lab_run_timed_by_a_model_of_another_rate_is_warned_about_in_one_line():
     from mpigrad.config import RunConfig
-    from mpigrad.runtime.run.session import lab_clock_warning
+    from mpigrad.runtime.run.startup import lab_clock_warning
 
     lab20 = network.lab_network(3, dict.fromkeys(range(3), 20e6), 0.0, [], 0)
     warning = lab_clock_warning(RunConfig(bandwidth=10e6), lab20)

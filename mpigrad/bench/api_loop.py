@@ -25,7 +25,8 @@ def main(argv: list[str]) -> int:
     import mpigrad
     from mpigrad.config import RunConfig
     from mpigrad.optim import LearningRate, build_torch_optimizer
-    from mpigrad.runtime.exchange.build import build_config_model, forward_context, load_data, resolve_device
+    from mpigrad.runtime.exchange.build import build_config_model, forward_context, load_data
+    from mpigrad.runtime.plan.gpu import resolve_device
     from mpigrad.runtime.run.recipe import Recipe
 
     recipe = RunConfig.from_sources(config_file, {})

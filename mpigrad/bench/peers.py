@@ -184,7 +184,8 @@ def _ddp_rank(spec: dict[str, Any], rank: int) -> list[RankRecord]:
     import datetime
 
     from ..config import RunConfig
-    from ..runtime.exchange.build import load_data, resolve_device
+    from ..runtime.exchange.build import load_data
+    from ..runtime.plan.gpu import resolve_device
     from ..runtime.plan.environment import apply_thread_settings
 
     apply_thread_settings(spec["threads"])
@@ -879,7 +880,7 @@ def _mpigrad_shares(config, workers: int) -> str | None:
 
 
 def _backend(config, workers: int) -> tuple[str, str | None]:
-    from ..runtime.exchange.build import resolve_device
+    from ..runtime.plan.gpu import resolve_device
 
     device = resolve_device(config.device)
     if device.type != "cuda":

@@ -15,12 +15,13 @@ from ...data import Dataset, load_dataset
 from ...feedback import ErrorFeedback
 from ...models import build_model
 from ...optim import LearningRate, UpdateRule
-from ..plan.checks import base_codec, broadcast_codec, check_device
+from ..plan.checks import base_codec, broadcast_codec
+from ..plan.gpu import resolve_device
 from .compressor import GradientCompressor
 from ..plan.layout import Chunks, Layout, Shard, pieces_of, plan_shards, resolve_chunks
 from .replica import Replica
 
-__all__ = ["SERVER_STREAM", "derive_seed", "resolve_device", "bind_rank_device", "base_codec", "broadcast_codec", "load_data", "release_data",
+__all__ = ["SERVER_STREAM", "derive_seed", "base_codec", "broadcast_codec", "load_data", "release_data",
            "build_config_model", "forward_context", "build_replica", "train_replica", "script_replica", "shard_chunks", "build_shards",
            "build_factor_shards", "build_compressor"]
 
@@ -31,30 +32,6 @@ SERVER_STREAM = 0
 def derive_seed(*parts: int) -> int:
     """A 63-bit seed from (run seed, stream, layer, ...), independent across parts."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-
-
-#: This rank's device once :func:`bind_rank_device` chose it (runtime/plan/gpu.py), else None.
-_bound: torch.device | None = None
-
-
-def resolve_device(name: str) -> torch.device:
-    """The torch device of ``--device name`` on this rank: the one bound to it, if any."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(name)
-    if name != "cpu" and _bound is not None:
-        return _bound
-    return torch.device(name)
-
-
-def bind_rank_device(index: int | None) -> torch.device:
-    """Make CUDA device ``index`` this rank's (None: the CPU, for a rank that computes on no
-    GPU); :func:`resolve_device` returns it from now on."""
-    global _bound
-    _bound = torch.device("cpu") if index is None else torch.device("cuda", index)
-    if index is not None:
-        torch.cuda.set_device(_bound)
-    return _bound
 
 
 _loaded: dict[str, Dataset] = {}

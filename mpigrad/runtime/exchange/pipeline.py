@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ...codecs import CodecError
+from ...errors import TrainingError
 from .device import finite
 from .frames import EncodedFrames
 from ..plan.layout import pipeline_buckets
@@ -278,14 +279,12 @@ class PipelinedExchange:
         first = frames[0][0]
         for rank, frame in frames:
             if is_error_frame(frame):
-                from ..roles.server import TrainingError
                 raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
             self.sizes[rank] += frame.size
             start = time.process_time()
             try:
                 agg.decoder.decode(frame, part, agg.grad_sum, accumulate=rank != first)
             except (CodecError, FrameError) as exc:
-                from ..roles.server import TrainingError
                 raise TrainingError(f"bad gradient frame from worker rank {rank} at iteration {m}: {exc}") from None
             self.t_decode += time.process_time() - start
         self.t_encode += agg.encode(bits, shard=part)

@@ -4,8 +4,8 @@
 a bad option is refused in about a second instead of after torch and MPI have started;
 ``check_trace`` refuses a trace path that is taken (a directory, or a file without
 ``--force``) as fast. Checks that need the world size, the data or the model are in
-``session.check_launch``. ``check_job`` (``mpigrad train --check``) runs all of them in
-one process without MPI: the world's against an assumed size.
+``run.preflight.check_launch``. ``run.jobcheck.check_job`` (``mpigrad train --check``) runs
+all of them in one process without MPI: the world's against an assumed size.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ...costmodel import CostModel, CostModelError, resolve
 from ...errors import UsageError
 from ...policies import PolicyError, bits_option, get_policy, policy_class, policy_options
 
-__all__ = ["check_options", "check_trace", "check_world", "check_job", "assumed_world", "check_given_options", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
+__all__ = ["check_options", "check_trace", "check_world", "check_given_options", "check_two_rounds", "check_device", "base_codec", "broadcast_codec", "cost_model"]
 
 
 def base_codec(config: RunConfig) -> Codec:
@@ -233,7 +233,7 @@ def check_trace(config: RunConfig) -> None:
     starts: a directory (``--force`` or not: a directory is not overwritten), an existing file
     without ``--force`` or ``--resume`` (``options.check_overwrite``, the rule of every result
     file), a trace or checkpoint whose nearest existing folder is not a directory or cannot
-    be written. ``session.check_launch`` checks the rest of ``--resume`` (the trace and its
+    be written. ``run.preflight.check_launch`` checks the rest of ``--resume`` (the trace and its
     checkpoint must exist) and creates the folders."""
     from ...options import check_overwrite
 
@@ -254,7 +254,7 @@ def check_world(config: RunConfig, size: int, script: bool = False) -> None:
     """UsageError (one line) for a world of ``size`` ranks this run cannot have: fewer than 2,
     another than the config file's ``# ranks: N`` line, too few for its servers, or fewer
     than a ``--link-bandwidth`` rank. One rule for ``mpigrad train --check`` and for the
-    launched ranks (``session.check_launch``, which adds the PMI's and the thread level's
+    launched ranks (``run.preflight.check_launch``, which adds the PMI's and the thread level's
     checks); ``script``: a script's ``Session``, whose launch line names the script."""
     if size < 2:
         command = "SCRIPT.py" if script else "-m mpigrad train"
@@ -274,84 +274,3 @@ def check_world(config: RunConfig, size: int, script: bool = False) -> None:
                          f"0..{size - 1}")
 
 
-def assumed_world(config: RunConfig, ranks: int | None, environ=os.environ) -> tuple[int | None, str]:
-    """The world size ``--check`` assumes and where it comes from: ``--ranks``, else Slurm's
-    ``SLURM_NTASKS`` (UsageError where the two differ: the job would be refused), else the
-    config file's ``# ranks: N`` line; (None, why) when none says it."""
-    from .environment import _positive_int_variable
-
-    slurm = _positive_int_variable(environ, "SLURM_NTASKS")
-    if ranks is not None:
-        if ranks < 1:
-            raise UsageError(f"--ranks must be at least 1, got {ranks}")
-        if slurm is not None and slurm != ranks:
-            raise UsageError(f"--ranks {ranks} but SLURM_NTASKS={slurm}: the job would start {slurm} ranks")
-        return ranks, "--ranks"
-    if slurm is not None:
-        return slurm, "SLURM_NTASKS"
-    if config.declared_ranks:
-        return config.declared_ranks[1], f"{config.declared_ranks[0]}'s '# ranks' line"
-    return None, "unknown"
-
-
-def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -> list[str]:
-    """``mpigrad train --check``: every check of a launch, in this process, without MPI (no
-    rank starts): the options (``check_options``, as every launch), the trace path
-    (``check_trace``), the world of the assumed size (``assumed_world``, ``check_world``),
-    the data, augmentation and model (as ``session.check_launch``), the layout with its
-    pieces and shards, and the optimizer and schedule over those pieces (``train_replica``).
-    Returns the report's lines; UsageError (one line) on the first problem. Not checked: what
-    only the launched ranks know (the PMI, MPI's thread level, each rank's GPU), and, without
-    an assumed size, the world."""
-    check_options(config)
-    check_trace(config)
-    size, source = assumed_world(config, ranks, environ)
-    if size is not None:
-        check_world(config, size)
-    import mpi4py
-
-    mpi4py.rc.initialize = False  # session imports MPI: not started here
-    from ...data import DataError
-    from ...data.augment import build_augmentation
-    from ...models import check_model
-    from ..exchange.build import build_config_model, build_shards, load_data, train_replica
-    from ..run.session import check_quantizes_something, check_resume_files
-
-    try:
-        dataset = load_data(config)
-        build_augmentation(config.augment, config.augment_opts, dataset)
-        model = check_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
-                            seed=config.seed, **config.model_opts)
-        check_quantizes_something(config, model)
-    except (DataError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-    if config.resume:
-        check_resume_files(config)
-    shards = config.non_worker_ranks() if not config.colocated else (size - 1 if size else None)
-    workers = size - config.non_worker_ranks() if size else 1
-    from ...optim import OptimizerError
-
-    try:
-        replica = train_replica(config, build_config_model(config, dataset), workers, shards or 1)
-        if shards:
-            build_shards(config, replica.layout, base_codec(config), shards)
-    except (OptimizerError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-    layout = replica.layout
-    quantized = sum(segment.size for segment in layout.quantized)
-    from ...optim import recipe_description
-
-    lines = [f"model {config.model} on {config.data}: {layout.total:,} parameters, {len(layout.quantized)} "
-             f"quantized layer(s) holding {quantized / max(layout.total, 1):.1%} ({config.codec}, {config.policy})",
-             f"recipe: {recipe_description(config)}"]
-    if size is None:
-        lines.append("world: size unknown (give --ranks N, or run inside the Slurm job): ranks, servers and "
-                     f"--link-bandwidth not checked; this run needs at least {config.non_worker_ranks() + 1}")
-    else:
-        servers = "colocated servers" if config.colocated else f"{config.non_worker_ranks()} server rank(s)"
-        lines.append(f"world: {size} ranks ({source}): {servers}, {workers} worker(s)")
-    lines.append(f"trace: {config.trace} ({'resumed' if config.resume else 'overwritten' if Path(config.trace).exists() else 'new'}), "
-                 f"checkpoint {config.checkpoint_path}")
-    lines.append("not checked here: the MPI launch (PMI, thread level)"
-                 + (", each rank's GPU" if config.device != "cpu" else "") + "; mpigrad doctor checks the launch")
-    return lines

@@ -122,11 +122,39 @@ def bind_devices(comm, colocated: bool, share: bool, require: bool = True) -> di
     return plan_world(entries, colocated, share, require)
 
 
+#: This rank's device once :func:`bind_rank_device` chose it, else None.
+_bound = None
+
+
+def resolve_device(name: str):
+    """The torch device of ``--device name`` on this rank: the one bound to it, if any."""
+    import torch
+
+    from .checks import check_device
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(name)
+    if name != "cpu" and _bound is not None:
+        return _bound
+    return torch.device(name)
+
+
+def bind_rank_device(index: int | None):
+    """Make CUDA device ``index`` this rank's (None: the CPU, for a rank that computes on no
+    GPU); :func:`resolve_device` returns it from now on (a ``torch.device``)."""
+    import torch
+
+    global _bound
+    _bound = torch.device("cpu") if index is None else torch.device("cuda", index)
+    if index is not None:
+        torch.cuda.set_device(_bound)
+    return _bound
+
+
 def bind_rank(config, comm) -> None:
     """Before a run's work: make this rank's device the one :func:`bind_devices` gives it
     (a ``--device cuda`` run; nothing on the CPU) and apply ``--tf32``."""
-    from ..exchange.build import bind_rank_device
-
     apply_tf32(config.tf32)
     if config.device != "cpu":  # every rank takes part, whatever it sees (auto: those that see none, the CPU)
         plan = bind_devices(comm, config.colocated, config.share_gpu, require=config.device == "cuda")

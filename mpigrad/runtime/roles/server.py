@@ -22,7 +22,7 @@ from ...codecs import CodecError
 from ...counters import copied, launched, synchronized
 from ...config import RunConfig
 from ...units import format_elapsed
-from ...errors import UsageError
+from ...errors import TrainingError, UsageError
 from ...costmodel import CostModel, LocalWork
 from ...policies import Observation, PolicyError, SettingCosts, check_decision, get_policy, policy_class
 from ..measure import checkpoint
@@ -46,10 +46,6 @@ from ..exchange.lowrank import LowRank
 from ..wire import (CHECKPOINT_AFTER, CONTINUE, STOP_AFTER, TAG_AVERAGE, TAG_BACKWARD, TAG_FACTORS, TAG_GRAD, TAG_LOSS, TAG_REPORT, TAG_SETTINGS, WORLD,
                     BackwardReport, Channel, Control, FrameError, FrameLength, LossReport, ReceiveBuffers, ServerReport,
                     is_error_frame)
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite values, diverged replicas, a bad frame)."""
 
 
 class ShardAggregator:

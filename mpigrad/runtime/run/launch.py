@@ -4,7 +4,7 @@ Launch with ``mpiexec -n P+1 python -m mpi4py -m mpigrad train [options]`` (or `
 rank 0 is the parameter server, ranks 1..P are workers. ``python -m mpi4py`` makes an
 uncaught exception abort every rank instead of leaving the others hanging.
 ``mpigrad train --check [--ranks N] [options]`` checks a job in one process, without MPI
-(``checks.check_job``), and exits 0 with a short report or 2 with one line.
+(``jobcheck.check_job``), and exits 0 with a short report or 2 with one line.
 """
 
 from __future__ import annotations
@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Before torch starts its thread pools.
         apply_thread_settings(threads_per_rank(config.threads))
-        from .session import check_launch, run_rank
+        from .preflight import check_launch
+        from .session import run_rank
         check_launch(config, comm)
         from ..plan.gpu import bind_rank
         bind_rank(config, comm)  # the rank's GPU (UsageError on every rank alike) and TF32
@@ -254,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("MPIGRAD_DEBUG"):
             traceback.print_exc()
         print(f"mpigrad train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-        from .session import RankFailure
+        from .follower import RankFailure
         if isinstance(exc, RankFailure):
             exc.report()  # rank 0 closes the trace "failed" and ends the run (returns if it does not)
         _abort(comm, EXIT_FAILURE)
@@ -262,10 +263,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_only(config: RunConfig, ranks: int | None) -> int:
-    """``mpigrad train --check``: the config's notes, then ``checks.check_job``'s report on
+    """``mpigrad train --check``: the config's notes, then ``jobcheck.check_job``'s report on
     stdout and 0 (UsageError, one line and exit 2 through the cli, on the first problem)."""
     began = time.monotonic()
-    from ..plan.checks import check_job
+    from .jobcheck import check_job
 
     for note in config.notes:
         print(note, flush=True)

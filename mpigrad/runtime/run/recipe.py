@@ -17,7 +17,8 @@ from ...data.augment import build_augmentation
 from ...errors import UsageError
 from .. import EXIT_REQUEUE
 from ..exchange.build import build_config_model, forward_context, load_data, release_data
-from .session import RankFailure
+from .follower import RankFailure
+from .script import ScriptWorker
 from ..wire import PeerTimeout
 
 __all__ = ["Recipe", "run_train_worker"]
@@ -61,8 +62,6 @@ def run_train_worker(config: RunConfig, channel) -> int:
     sent, ``EXIT_REQUEUE``). An error other than a UsageError or a silent peer comes out as
     a :class:`RankFailure` carrying the iteration (-1 before the first), for the launcher to
     report to rank 0."""
-    from .script import ScriptWorker
-
     worker = None
     try:
         recipe = Recipe(config, channel.workers.index(channel.rank) + 1, len(channel.workers))

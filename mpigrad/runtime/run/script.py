@@ -11,10 +11,41 @@ import dataclasses
 from ...counters import launched, synchronized
 from ...errors import UsageError
 from ..roles.iteration import run_iteration
-from .session import RankFailure, deliver_checkpoint, follower_role
+from .follower import RankFailure, deliver_checkpoint, follower_role
 from ..wire import CHECKPOINT_AFTER, STOP_AFTER, PeerTimeout
 
-__all__ = ["Exchanged", "ScriptWorker", "leave_run"]
+__all__ = ["SCRIPT_KEYS", "Exchanged", "ScriptWorker", "leave_run", "script_keys_unused", "script_record"]
+
+#: The keys of a run's config that belong to the script in a :class:`Session`: its model,
+#: data, batches, loss, optimizer, schedule, augmentation, precision and evaluation. Given as
+#: keyword arguments they are refused; in a config file they are left out, and rank 0 names
+#: them in a start-up note. The model's device is the script's (where its parameters are).
+SCRIPT_KEYS = ("model", "model_opts", "data", "data_dir", "data_opts", "batch_size", "lr", "weight_decay",
+               "weight_decay_in", "optimizer", "optimizer_opts", "lr_schedule", "lr_schedule_opts", "lr_warmup",
+               "lr_scaling", "augment", "augment_opts", "autocast", "momentum_correction", "eval_every",
+               "eval_samples", "device", "share_gpu", "tf32")
+
+#: The script's keys a script's trace still records as the config has them: they name the script's.
+_SCRIPT_NAMED = ("model", "data", "optimizer")
+
+
+def script_keys_unused(config: dict) -> dict:
+    """A script's run's config dict (:class:`mpigrad.Session`) as it is recorded: each key
+    the script owns (:data:`SCRIPT_KEYS`) None, not used by mpigrad whatever the
+    config file or the defaults said, but ``model``, ``data`` and ``optimizer``, which say
+    ``script NAME``."""
+    return {key: None if key in SCRIPT_KEYS and key not in _SCRIPT_NAMED else value for key, value in config.items()}
+
+
+def script_record(config):
+    """A copy of a script's run's ``config`` whose ``to_dict()`` (what its trace records as
+    its config) is :func:`script_keys_unused`'s; its attributes are the config's, which the
+    trace's other attributes read. The checkpoint's identity keeps the config's own dict."""
+    import copy
+
+    recorded = copy.copy(config)
+    recorded.to_dict = lambda: script_keys_unused(config.to_dict())
+    return recorded
 
 
 @dataclasses.dataclass(frozen=True)
