@@ -4,6 +4,18 @@ Precedence: built-in defaults < ``--config FILE`` < command-line options. TOML k
 option names with underscores (``batch_size = 32``); codec and policy hyperparameters go in
 ``[codec_opts]`` and ``[policy_opts]`` tables (or ``--codec-opt KEY=VALUE``). Values are
 validated in ``RunConfig.validate`` so that a bad run fails before any rank starts work.
+
+Each option is declared once, as its RunConfig field: ``name: type = option(default, ...)``,
+a ``dataclasses.field`` whose ``metadata["option"]`` is an :class:`Option` (its help group,
+help text, argparse type, choices and metavar, its unit parser, and its own value check).
+From that one declaration come the TOML key (the field's name), the flag (``--`` and the
+name with dashes; ``--NAME-opt KEY=VALUE`` for a ``NAME_opts`` table), its help and the
+default the help shows (``{default}`` in the text), the conversion of a file's or the
+command line's value (``coerce``), and the per-option check of ``validate``; ``OPTIONS``
+holds the declarations by name, in field order (the order of ``to_dict``, which traces
+record and checkpoints compare). ``launch.add_arguments`` builds the ``train`` parser from
+them: its table of groups orders the help, and an option's ``shown_before`` moves it ahead
+of another in its group. Checks between options stay code, in ``validate``.
 """
 
 from __future__ import annotations
@@ -14,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 try:
     import tomllib
@@ -24,7 +36,7 @@ except ModuleNotFoundError:  # Python 3.10
 from . import options
 from .clockmodel import LinkModel, Network
 from .errors import UsageError
-from .units import (network_from, parse_bandwidth, parse_duration, parse_interval, parse_latency,
+from .units import (format_rate, network_from, parse_bandwidth, parse_duration, parse_interval, parse_latency,
                     parse_link_bandwidth)
 
 
@@ -45,93 +57,441 @@ WAITS = ("auto", "spin", "sleep")
 #: policy knows its bits before them (``Policy.bits_ahead``: fixed, schedule, MQGrad between
 #: its steps), else after them; ``paper``: always after them (MQGrad's Alg. 1 round trip).
 CONTROLS = ("ahead", "paper")
+#: ``autocast`` choices.
+AUTOCAST = ("none", "bf16")
+#: ``weight_decay_in`` choices.
+WEIGHT_DECAY_IN = ("loss", "optimizer")
+#: ``lr_scaling`` choices.
+LR_SCALINGS = ("none", "linear")
+COLOCATED = "colocated"
+#: ``shard_chunk``'s default (runtime/plan/layout.py resolve_chunks).
+AUTO_CHUNK = "auto"
+
+
+def parse_servers(value: Any) -> int | str:
+    """``--servers``: a whole number S >= 1 of server ranks, or ``colocated``."""
+    if isinstance(value, str) and value.strip() == COLOCATED:
+        return COLOCATED
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"servers must be a number of server ranks (at least 1) or {COLOCATED!r}, got {value!r}")
+    return value
+
+
+def parse_shard_chunk(value: Any) -> int | str:
+    """``--shard-chunk``: ``auto`` or a whole number N >= 0 of elements (0: whole layers)."""
+    if isinstance(value, str) and value.strip() == AUTO_CHUNK:
+        return AUTO_CHUNK
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"shard_chunk must be {AUTO_CHUNK} (even shares) or a number of elements >= 0 "
+                         f"(0: never cut a layer), got {value!r}")
+    return value
+
+
+def checkpoint_interval_of(every: int | str | None) -> tuple[str, float] | None:
+    """``("iterations", N)`` or ``("seconds", S)`` from a ``checkpoint_every``; None when unset."""
+    if every is None:
+        return None
+    if isinstance(every, int):
+        return "iterations", every
+    return "seconds", parse_duration(every)
+
+
+# ---- the declaration of an option ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a RunConfig field declares besides its name, type and default (see the module's
+    docstring).
+
+    ``group``: the ``--help`` group of its flag; None for an option of the config file only
+    (no flag). ``help``: the flag's help, where ``{default}`` stands for the default (as
+    ``show`` writes it, else ``str``, a float as ``:g``). ``type``, ``choices``, ``metavar``:
+    argparse's; ``type`` is also the kind ``coerce`` checks where the default is None.
+    ``append``: a repeatable flag (``NAME_opts`` tables are). ``parse``: the unit parser of a
+    file's or the command line's value (``coerce``), raising UsageError. ``valid``: the
+    value's own check (default: among ``choices``), ``invalid`` its message (``{value}``
+    formatted in, or a function of the value). ``shown_before``: the option of its group
+    that its flag precedes in the help, where that differs from the field order. ``name``
+    and ``default`` are the field's, filled in by ``OPTIONS``.
+    """
+
+    group: str | None
+    help: str = ""
+    type: type | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    append: bool = False
+    parse: Callable[[Any], Any] | None = None
+    valid: Callable[[Any], bool] | None = None
+    invalid: str | Callable[[Any], str] = ""
+    show: Callable[[Any], str] | None = None
+    shown_before: str | None = None
+    name: str = ""
+    default: Any = None
+
+    @property
+    def table(self) -> bool:
+        """A ``NAME_opts`` table of KEY = VALUE (``--NAME-opt KEY=VALUE``, repeatable)."""
+        return self.name.endswith("_opts")
+
+    @property
+    def flag(self) -> str | None:
+        """The command-line flag, None for a file-only option."""
+        if self.group is None:
+            return None
+        return "--" + (self.name[:-len("_opts")] + "_opt" if self.table else self.name).replace("_", "-")
+
+    @property
+    def kind(self) -> type:
+        """The type ``coerce`` checks a value without ``parse`` against."""
+        if self.type is not None:
+            return self.type
+        return str if self.default is None else type(self.default)
+
+    def help_text(self) -> str:
+        """``help`` with the default it shows filled in."""
+        if "{default}" not in self.help:
+            return self.help
+        default = self.default
+        shown = (self.show(default) if self.show else format(default, "g") if isinstance(default, float)
+                 else str(default))
+        return self.help.replace("{default}", shown)
+
+    def arguments(self) -> dict[str, Any]:
+        """``add_argument``'s keywords of the flag. Every default is None (a flag not given
+        leaves the config file's value); a bool option is a ``store_true`` flag."""
+        kwargs: dict[str, Any] = {"help": self.help_text()}
+        if isinstance(self.default, bool):
+            kwargs.update(action="store_true", default=None)
+        elif self.table or self.append:
+            kwargs["action"] = "append"
+        for key in ("type", "choices"):
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
+        metavar = self.metavar or ("KEY=VALUE" if self.table else None)
+        if metavar is not None:
+            kwargs["metavar"] = metavar
+        return kwargs
+
+    def convert(self, value: Any) -> Any:
+        """A value from TOML or the command line (not None), type-checked, units parsed;
+        UsageError naming the option."""
+        name = self.name
+        if self.parse is not None:
+            return self.parse(value)
+        if self.table:
+            if not isinstance(value, dict):
+                raise UsageError(f"{name} must be a table of KEY = VALUE")
+            return dict(value)
+        kind = self.kind
+        if kind is bool:
+            return options.check_bool(name, value, error=UsageError)
+        if kind is int:
+            return options.check_int(name, value, error=UsageError)
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UsageError(f"{name} must be a number, got {value!r}")
+            return float(value)
+        if kind is str and not isinstance(value, str):
+            raise UsageError(f"{name} must be a string, got {value!r}")
+        return value
+
+    def check(self, value: Any) -> None:
+        """UsageError (``invalid``) where the value fails the option's own check."""
+        valid = self.valid or ((lambda v: v in self.choices) if self.choices is not None else None)
+        if valid is None or valid(value):
+            return
+        raise UsageError(self.invalid(value) if callable(self.invalid) else self.invalid.format(value=value))
+
+
+def option(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | Any = dataclasses.MISSING,
+           **declaration: Any) -> Any:
+    """A RunConfig field declaring its option: ``default`` (or ``factory``, as
+    ``default_factory``) and the :class:`Option` of ``declaration``."""
+    return field(default=default, default_factory=factory, metadata={"option": Option(**declaration)})
+
+
+def _at_least(low: float) -> Callable[[Any], bool]:
+    return lambda value: value >= low
+
+
+def _none_or_at_least(low: float) -> Callable[[Any], bool]:
+    return lambda value: value is None or value >= low
+
+
+def _autocast_refused(value: Any) -> str:
+    return (f"autocast must be {' or '.join(AUTOCAST)}, got {value!r}"
+            + ("; fp16 needs a loss scale whose overflow every replica skips alike, which mpigrad does not "
+               "have: use bf16" if value == "fp16" else ""))
+
+
+_KEY_VALUE = "KEY=VALUE"
+_RUN, _MODEL, _QUANTIZATION, _SERVERS, _NETWORK, _OUTPUT, _ROBUSTNESS = (
+    "run", "model and data", "quantization", "parameter servers", "network model", "output", "robustness")
 
 
 @dataclass
 class RunConfig:
-    """One training run. Units: times in seconds, bandwidth in bytes per second."""
+    """One training run. Units: times in seconds, bandwidth in bytes per second. Each field
+    is an option, declared once (``option``: the module's docstring)."""
 
-    iterations: int = 300
-    batch_size: int = 32
-    lr: float | None = None          # None: the dataset's default (DEFAULT_LR)
-    weight_decay: float = 0.004
+    iterations: int = option(300, group=_RUN, type=int, help="SGD iterations (default {default})",
+                             valid=_at_least(1), invalid="iterations must be at least 1")
+    batch_size: int = option(32, group=_RUN, type=int, help="per-worker batch size (default {default})",
+                             valid=_at_least(1), invalid="batch_size must be at least 1")
+    lr: float | None = option(  # None: the dataset's default (DEFAULT_LR)
+        None, group=_RUN, type=float,
+        help="learning rate (default: the paper's 0.2 on cifar10, 0.01 on digits, 0.05 on synthetic and teacher)",
+        valid=lambda lr: lr is not None and lr > 0 and math.isfinite(lr),
+        invalid="lr must be a positive number, got {value}")
+    weight_decay: float = option(0.004, group=_RUN, type=float, help="weight decay coefficient (default {default}); "
+                                 "where it acts: --weight-decay-in",
+                                 valid=_at_least(0), invalid="weight_decay must be >= 0")
     #: Where ``weight_decay`` acts: "loss", the paper's l2 term (on the model's chosen layers,
     #: through the codec with the gradient), or "optimizer", its ``weight_decay`` option (on
     #: the decoded update, every parameter, on every replica; decoupled for adamw).
-    weight_decay_in: str = "loss"
+    weight_decay_in: str = option(
+        "loss", group=_RUN, choices=WEIGHT_DECAY_IN,
+        help="loss (default): the paper's l2 term in the loss (paper-cnn: its big FC weights; other models: conv and "
+             "linear weights), which goes through the codec with the gradient; optimizer: the optimizer's "
+             "weight_decay option, on the decoded update on every replica, every parameter (decoupled for adamw)",
+        invalid=f"weight_decay_in must be {' or '.join(WEIGHT_DECAY_IN)}, got {{value!r}}")
     #: The update rule (mpigrad/optim.py): "sgd" without options is the paper's plain SGD;
     #: any other torch.optim optimizer by name, or package.module:factory, with its options.
-    optimizer: str = "sgd"
-    optimizer_opts: dict[str, Any] = field(default_factory=dict)
-    lr_schedule: str | None = None   # a torch.optim.lr_scheduler class by name, stepped per iteration
-    lr_schedule_opts: dict[str, Any] = field(default_factory=dict)
-    lr_warmup: int = 0               # iterations of linear warm-up to the (scheduled) rate
-    lr_scaling: str = "none"         # "linear": the base rate times the number of workers
-    model: str = "paper-cnn"
-    model_opts: dict[str, Any] = field(default_factory=dict)
-    data: str = "digits"
-    data_dir: str | None = None
-    data_opts: dict[str, Any] = field(default_factory=dict)
-    augment: str = "none"            # "crop-flip": random crops with padding and flips (mpigrad/data/augment.py)
-    augment_opts: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = option(
+        "sgd", group=_RUN,
+        help="the update's optimizer: sgd (default; without options the paper's plain w <- w - lr g) | adam | adamw "
+             "| rmsprop | adagrad | adamax | nadam | radam | asgd | rprop (torch.optim's) | package.module:factory "
+             "(docs/training.rst)")
+    optimizer_opts: dict[str, Any] = option(
+        factory=dict, group=_RUN, help="optimizer option, e.g. momentum=0.9, nesterov=true, betas=[0.9,0.999]")
+    lr_schedule: str | None = option(  # a torch.optim.lr_scheduler class by name, stepped per iteration
+        None, group=_RUN, metavar="NAME",
+        help="a torch.optim.lr_scheduler class, stepped once per iteration, e.g. CosineAnnealingLR, MultiStepLR, "
+             "StepLR (default: a constant rate)")
+    lr_schedule_opts: dict[str, Any] = option(
+        factory=dict, group=_RUN, help="schedule option, e.g. T_max=300, milestones=[150,225], gamma=0.1")
+    lr_warmup: int = option(  # iterations of linear warm-up to the (scheduled) rate
+        0, group=_RUN, type=int, metavar="N",
+        help="linear warm-up: iteration m < N runs at (m+1)/N of the scheduled rate (default {default})",
+        valid=_at_least(0), invalid="lr_warmup must be >= 0 iterations, got {value}")
+    lr_scaling: str = option(  # "linear": the base rate times the number of workers
+        "none", group=_RUN, choices=LR_SCALINGS,
+        help="linear: the base --lr times the number of workers (Goyal et al.; default {default})",
+        invalid="lr_scaling must be none or linear, got {value!r}")
+    model: str = option("paper-cnn", group=_MODEL,
+                        help="paper-cnn (default) | resnet20 | resnet18 | package.module:factory (docs/models.rst)")
+    model_opts: dict[str, Any] = option(factory=dict, group=_MODEL,
+                                        help="model option, e.g. fc_sizes=[256,256], norm=group")
+    data: str = option("digits", group=_MODEL,
+                       help="digits (embedded, default) | cifar10 | synthetic | teacher | package.module:factory")
+    data_dir: str | None = option(None, group=_MODEL, help="directory of the CIFAR-10 python batches")
+    data_opts: dict[str, Any] = option(factory=dict, group=_MODEL, help="dataset option, e.g. shape=[3,32,32]")
+    augment: str = option(  # "crop-flip": random crops with padding and flips (mpigrad/data/augment.py)
+        "none", group=_MODEL, metavar="NAME",
+        help="training-batch augmentation: crop-flip, He et al.'s random crop after 4-pixel padding and horizontal "
+             "flip, for data sets whose images allow it (cifar10; docs/training.rst) (default {default})")
+    augment_opts: dict[str, Any] = option(factory=dict, group=_MODEL,
+                                          help="augmentation option: padding=4, flip=false")
     #: "bf16": forward and loss under torch.autocast in bfloat16 (parameters, gradients and
     #: codecs stay float32); "none": float32 throughout.
-    autocast: str = "none"
-    codec: str = "uniform"
-    codec_opts: dict[str, Any] = field(default_factory=dict)
-    bits: int = 2
-    policy: str = "mqgrad"
-    policy_opts: dict[str, Any] = field(default_factory=dict)
-    min_quantize_size: int | None = None   # None: the model's paper layers (quantized_parameters)
-    servers: int | str = 1           # ranks 0..servers-1 are parameter servers, one shard each; or
-                                     # "colocated": every worker serves a shard, rank 0 none
+    autocast: str = option(
+        "none", group=_MODEL, choices=AUTOCAST, shown_before="augment",
+        help="bf16: forward and loss under torch.autocast in bfloat16, as mixed-precision CNN recipes train "
+             "(parameters, gradients and codecs stay float32; fp16 is not offered: it needs a loss scale that every "
+             "replica skips alike) (default {default})",
+        invalid=_autocast_refused)
+    codec: str = option("uniform", group=_QUANTIZATION,
+                        help="gradient codec: %(codecs)s | package.module:Class, a codec of your own "
+                             "(docs/extending.rst) (default {default})")
+    codec_opts: dict[str, Any] = option(
+        factory=dict, group=_QUANTIZATION,
+        help="codec option, e.g. bucket_size=512; powersgd (low rank, two rounds per iteration, --policy fixed, or "
+             "lgreco with menus): rank=R (1), start=K (0: float32 before iteration K), min_compression_rate=X (2), "
+             "factor_bits=B (32: float32 factors; 1..8: uniform, 16: fp16), rest_bits=B (the same for the layers "
+             "it leaves uncompressed), ranks=1,2,4 and widths=2,4,8 (menus: with --policy lgreco each layer gets "
+             "a rank of ranks, or goes whole uniform at a width of widths; rank must be one of ranks)")
+    bits: int = option(
+        2, group=_QUANTIZATION, type=int,
+        help="bits, or initial bits for a moving policy (default {default}); refused where neither the policy nor "
+             "the codec has a width to set (docs/policies.rst); uniform: 2**bits levels from min to max; qsgd: the "
+             "sign is one of the bits, s = 2**(bits-1) - 1 levels per sign (bits 4 gives s = 7)",
+        valid=lambda bits: 1 <= bits <= 32, invalid="bits must be in 1..32, got {value}")
+    policy: str = option("mqgrad", group=_QUANTIZATION,
+                         help="bit policy: %(policies)s | package.module:Class, a policy of your own "
+                              "(docs/extending.rst) (default {default}; schedule needs --policy-opt "
+                              "schedule=0:2,500:4)")
+    policy_opts: dict[str, Any] = option(factory=dict, group=_QUANTIZATION, help="policy option, e.g. epsilon=0.1")
+    min_quantize_size: int | None = option(  # None: the model's paper layers (quantized_parameters)
+        None, group=_QUANTIZATION, type=int,
+        help="quantize every parameter of at least this many elements, the rest travels as float32 (default: the "
+             "layers the paper quantizes, the weights of the two big fully connected layers)",
+        valid=_none_or_at_least(1), invalid="min_quantize_size must be at least 1")
+    servers: int | str = option(  # ranks 0..servers-1 are parameter servers, one shard each; or
+                                  # "colocated": every worker serves a shard, rank 0 none
+        1, group=_SERVERS, metavar="S|colocated", parse=parse_servers,
+        help="S: ranks 0..S-1 are servers, each aggregating a slice of the parameters balanced by bytes; rank 0 "
+             "stays scheduler and MDP server (default {default}). colocated: every worker also serves a slice (each "
+             "node's link then carries all-reduce's 2(P-1)/P of the gradient), rank 0 serves none "
+             "(docs/runtime.rst)")
     #: The pipelined iteration (colocated servers): the loss goes after the forward pass and each
     #: bucket's frames as soon as backward has produced it; False: the paper's sequential order.
-    pipeline: bool = False
-    control: str = "ahead"           # CONTROLS
+    pipeline: bool = option(
+        False, group=_SERVERS,
+        help="with --servers colocated: the pipelined iteration (the loss goes after the forward pass, rank 0 "
+             "chooses the bits during backward, each layer's frames go as soon as backward has produced its "
+             "gradient, and its average as soon as all its frames are in); the same losses as without "
+             "(docs/runtime.rst)")
+    control: str = option(
+        "ahead", group=_SERVERS, choices=CONTROLS,
+        help="when rank 0 sends an iteration's bits: ahead of the workers' losses where the policy knows them in "
+             "advance (default: fixed, schedule, mqgrad between its steps), or paper: after every iteration's "
+             "losses (MQGrad's round trip)",
+        invalid=f"control must be one of {', '.join(CONTROLS)}")
     #: Cut layers (quantized, and the small layers' piece) into pieces of at most this many
     #: elements (0: never); "auto": whole layers with one server, else even shares
     #: (runtime/plan/layout.py resolve_chunks).
-    shard_chunk: int | str = "auto"
-    error_feedback: str = "none"
+    shard_chunk: int | str = option(
+        AUTO_CHUNK, group=_SERVERS, metavar="auto|ELEMENTS", parse=parse_shard_chunk,
+        help="cut quantized layers larger than ELEMENTS into pieces quantized on their own, and the small layers' "
+             "float32 piece likewise, so that S servers can balance a model with few big layers (changes each "
+             "quantized piece's min/max scaling); 0: whole layers; default auto: whole layers with one server, "
+             "else pieces that give every server an even share of the quantized and of the small layers "
+             "(docs/runtime.rst, Sharding)",
+        valid=lambda chunk: chunk == AUTO_CHUNK or (type(chunk) is int and chunk >= 0),
+        invalid=f"shard_chunk must be {AUTO_CHUNK} or a number of elements >= 0 (0: never cut a layer), "
+                f"got {{value!r}}")
+    error_feedback: str = option("none", group=_QUANTIZATION, choices=ERROR_FEEDBACK,
+                                 help="error-feedback memory (default {default})",
+                                 invalid=f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}")
     #: DGC's momentum correction: each worker's codec encodes its velocity u <- m u + g
     #: instead of g (mpigrad/feedback.py MomentumCorrection); 0: off. The update is then
     #: plain SGD, so the optimizer must have no momentum of its own.
-    momentum_correction: float = 0.0
-    bandwidth: float | str = 10e6    # bytes/s, or a schedule as written (parse_bandwidth)
-    latency: float | str = 0.0       # s, or a schedule as written
-    link_bandwidth: dict[str, str] = field(default_factory=dict)  # rank -> its link's rate or schedule, as written
-    net_mode: str = "virtual"
-    broadcast: str = "star"
-    broadcast_codec: str = "paper"
-    compute_time: float | None = None
+    momentum_correction: float = option(
+        0.0, group=_QUANTIZATION, type=float, metavar="M",
+        help="DGC's momentum correction: each worker encodes its velocity u <- M u + g instead of its gradient g, "
+             "and the update is plain SGD on the average (with the optimizer's own momentum refused); default "
+             "{default}, off (docs/training.rst)",
+        valid=lambda m: 0.0 <= m < 1.0, invalid="momentum_correction must be in [0, 1) (0: off), got {value}")
+    bandwidth: float | str = option(  # bytes/s, or a schedule as written (parse_bandwidth)
+        10e6, group=_NETWORK, metavar="RATE|SCHEDULE", parse=parse_bandwidth,
+        show=lambda rate: format_rate(rate, bits=False),
+        help="link bandwidth with its unit: bytes 10MB/s, 125MiB/s; bits 100Mbps, 1Gbit/s, 10Gb/s (default "
+             "{default}); or a schedule on the simulated clock: 10MB/s@0s,1GB/s@60s,10MB/s@120s (each rate from its "
+             "time on; a trailing ,repeat@PERIOD starts it over every PERIOD), or markov:10MB/s,1GB/s,dwell=30s,60s "
+             "(two states, exponential dwell times of those means, drawn from --seed); a message crossing a change "
+             "pays each part at its rate",
+        valid=lambda rate: isinstance(rate, str) or (rate > 0 and math.isfinite(rate)),
+        invalid="bandwidth must be positive")
+    latency: float | str = option(  # s, or a schedule as written
+        0.0, group=_NETWORK, metavar="DURATION|SCHEDULE", parse=parse_latency,
+        help="per-message latency, e.g. 0.5ms (default {default}), or a schedule of latencies as for --bandwidth "
+             "(0s@0s,20ms@60s or markov:0s,20ms,dwell=60s,10s)",
+        valid=lambda latency: isinstance(latency, str) or latency >= 0, invalid="latency must be >= 0")
+    link_bandwidth: dict[str, str] = option(  # rank -> its link's rate or schedule, as written
+        factory=dict, group=_NETWORK, append=True, metavar="RANK=RATE|SCHEDULE", parse=parse_link_bandwidth,
+        help="rank RANK's link at its own rate or schedule (repeatable), e.g. 1=1MB/s for a slow server link; a "
+             "message goes at the slower of its two ranks' links")
+    net_mode: str = option("virtual", group=_NETWORK, choices=NET_MODES,
+                           help="virtual clock, real sleeps, or no model (default {default})",
+                           invalid=f"net_mode must be one of {', '.join(NET_MODES)}")
+    broadcast: str = option(
+        "star", group=_NETWORK, choices=BROADCASTS,
+        help="broadcast model: star (a copy per receiver, one after another; default), tree (ceil(log2(n)) "
+             "rounds) or mpich (MPICH's binomial Ibcast: a node's copies to its children share its link)",
+        invalid=f"broadcast must be one of {', '.join(BROADCASTS)}")
+    broadcast_codec: str = option(
+        "paper", group=_QUANTIZATION, metavar="CODEC", shown_before="error_feedback",
+        help="codec of the server's broadcast of the average: paper (default: the workers' codec and bits, as "
+             "MQGrad's Alg. 1; mcgq: fp32, as its all-reduce), same, fp32, fp16, a codec id at the policy's bits, "
+             "or CODEC:BITS e.g. uniform:8; a plugin: package.module:Class or package.module:Class:BITS",
+        valid=bool, invalid="broadcast_codec must not be empty")
+    compute_time: float | None = option(
+        None, group=_NETWORK, parse=parse_duration,
+        help="charge this per iteration for the workers' compute instead of measured CPU time, e.g. 50ms "
+             "(deterministic runs); the policy, encoding, decoding and averaging are then charged by --cost-model",
+        valid=_none_or_at_least(0), invalid="compute_time must be >= 0")
     #: With compute_time: the cost model of local work (policy, encode, decode, average) charged on
     #: the simulated clock: "default" (the package's, mpigrad/cost_model.json), "none" or a
     #: JSON file written by ``mpigrad bench calibrate`` (mpigrad.costmodel).
-    cost_model: str = "default"
-    seed: int = 0
-    trace: str = "mpigrad-trace.h5"
-    force: bool = False
-    trace_flush: int = 100
-    eval_every: int = 100
-    eval_samples: int | None = None
-    progress_every: int = 10
-    checksum_every: int = 50
+    cost_model: str = option(
+        "default", group=_NETWORK, metavar="default|none|FILE",
+        help="with --compute-time: the cost model of the policy, encode, decode and average on the simulated "
+             "clock: default (the package's, measured by mpigrad bench calibrate on the machine it names), FILE "
+             "(one written by mpigrad bench calibrate) or none (charge no local work, the clock before issue 24) "
+             "(default {default})",
+        valid=bool, invalid="cost_model must be default, none or a cost model file")
+    seed: int = option(0, group=_RUN, type=int,
+                       help="seeds data order, model init, codecs and policy (default {default})",
+                       valid=lambda seed: 0 <= seed < 2**63, invalid="seed must be a non-negative integer")
+    trace: str = option("mpigrad-trace.h5", group=_OUTPUT, metavar="PATH", help="HDF5 trace file (default {default})",
+                        valid=bool, invalid="trace path must not be empty")
+    force: bool = option(False, group=_OUTPUT,
+                         help="overwrite an existing trace; with --resume, resume on another network than the "
+                              "trace's (the trace records it)")
+    trace_flush: int = option(100, group=_OUTPUT, type=int,
+                              help="flush the trace every N iterations (default {default})",
+                              valid=_at_least(1), invalid="trace_flush must be at least 1")
+    eval_every: int = option(100, group=_MODEL, type=int,
+                             help="evaluate on the test split every N iterations, 0 = never (default {default})",
+                             valid=_at_least(0), invalid="eval_every must be >= 0 (0 disables evaluation)")
+    eval_samples: int | None = option(None, group=_MODEL, type=int,
+                                      help="evaluate on the first N test examples (default all)",
+                                      valid=_none_or_at_least(1), invalid="eval_samples must be >= 1")
+    progress_every: int = option(10, group=_OUTPUT, type=int,
+                                 help="progress line every N iterations, 0 = never (default {default})",
+                                 valid=_at_least(0), invalid="progress_every must be >= 0")
+    checksum_every: int = option(50, group=_OUTPUT, type=int,
+                                 help="compare parameter checksums every N iterations (default {default})",
+                                 valid=_at_least(0), invalid="checksum_every must be >= 0")
     #: Record norm_ratio every N iterations (0: never); the energies behind it are computed
     #: only then (``norm_due``), other rows are NaN.
-    norm_every: int = 1
-    timeout: float = 300.0
-    device: str = "cpu"
+    norm_every: int = option(1, group=_OUTPUT, type=int,
+                             help="record the trace's norm_ratio every N iterations, 0 = never; the passes over the "
+                                  "gradient behind it run only then, the other rows are NaN (default {default})",
+                             valid=_at_least(0), invalid="norm_every must be >= 0 (0: never)")
+    timeout: float = option(300.0, group=_ROBUSTNESS, parse=parse_duration,
+                            help="seconds to wait for a rank before aborting (default {default})",
+                            valid=lambda seconds: seconds > 0, invalid="timeout must be positive")
+    device: str = option(
+        "cpu", group=_RUN, choices=DEVICES,
+        help="torch device (default cpu; auto: cuda where available). With cuda each GPU rank takes the device of "
+             "its position on its node (docs/gpu.rst)",
+        invalid=f"device must be one of {', '.join(DEVICES)}")
     #: GPU ranks of a node may share its devices (round-robin); without it more GPU ranks
     #: than devices is refused (runtime/plan/gpu.py).
-    share_gpu: bool = False
-    tf32: str = "default"
-    wait: str = "auto"
-    threads: int | None = None
-    walltime: float | None = None
-    checkpoint: str | None = None
-    checkpoint_every: int | str | None = None  # iterations (int) or a duration ("30m")
-    resume: bool = False
+    share_gpu: bool = option(False, group=_RUN, help="let a node's GPU ranks share its devices (default: more GPU "
+                                                     "ranks than devices is refused)")
+    tf32: str = option("default", group=_RUN, choices=TF32,
+                       help="TF32 for float32 matmuls and convolutions on the GPU: torch's defaults (default; "
+                            "recorded in the trace), or on/off",
+                       invalid=f"tf32 must be one of {', '.join(TF32)}")
+    wait: str = option(
+        "auto", group=_RUN, choices=WAITS,
+        help="how ranks wait for messages: poll without sleeping, sleep-poll with back-off, or auto (default: spin "
+             "where every rank of the node has a core per thread, else sleep; the trace records each rank's)",
+        invalid=f"wait must be one of {', '.join(WAITS)}")
+    threads: int | None = option(None, group=_RUN, type=int, shown_before="wait",
+                                 help="threads per rank (default SLURM_CPUS_PER_TASK or 1)",
+                                 valid=_none_or_at_least(1), invalid="threads must be at least 1")
+    walltime: float | None = option(None, group=_ROBUSTNESS, parse=parse_duration,
+                                    help="stop, checkpoint and exit 75 before this much time has passed, e.g. 2h",
+                                    valid=lambda seconds: seconds is None or seconds > 0,
+                                    invalid="walltime must be positive")
+    checkpoint: str | None = option(None, group=_ROBUSTNESS, metavar="PATH",
+                                    help="checkpoint file (default TRACE.ckpt; the one before is kept as PATH.prev)")
+    checkpoint_every: int | str | None = option(  # iterations (int) or a duration ("30m")
+        None, group=_ROBUSTNESS, metavar="N|DURATION", parse=parse_interval,
+        help="also checkpoint every N iterations, or every DURATION of wall time (e.g. 30m): a crash then loses at "
+             "most one interval (default: only on stop)",
+        valid=lambda every: every is None or checkpoint_interval_of(every)[1] > 0,
+        invalid="checkpoint_every must be a positive number of iterations or a duration such as 30m")
+    resume: bool = option(False, group=_ROBUSTNESS, help="continue from the checkpoint")
     #: (config file, N) when the file has a "# ranks: N" line, the world size it was written
     #: for (set by from_sources; not an option, not in to_dict).
     declared_ranks: ClassVar[tuple[str, int] | None] = None
@@ -299,74 +659,28 @@ class RunConfig:
     @property
     def checkpoint_interval(self) -> tuple[str, float] | None:
         """``("iterations", N)`` or ``("seconds", S)`` from ``checkpoint_every``; None when unset."""
-        if self.checkpoint_every is None:
-            return None
-        if isinstance(self.checkpoint_every, int):
-            return "iterations", self.checkpoint_every
-        return "seconds", parse_duration(self.checkpoint_every)
+        return checkpoint_interval_of(self.checkpoint_every)
 
     def validate(self) -> None:
+        """UsageError (one line) for the first value that fails its option's own check
+        (``Option.check``, in field order), then for options that cannot go together."""
+        for name, declared in OPTIONS.items():
+            declared.check(getattr(self, name))
         checks = [
-            (self.iterations >= 1, "iterations must be at least 1"),
-            (self.batch_size >= 1, "batch_size must be at least 1"),
-            (self.lr is not None and self.lr > 0 and math.isfinite(self.lr), f"lr must be a positive number, got {self.lr}"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.lr_warmup >= 0, f"lr_warmup must be >= 0 iterations, got {self.lr_warmup}"),
-            (self.lr_scaling in ("none", "linear"), f"lr_scaling must be none or linear, got {self.lr_scaling!r}"),
-            (self.autocast in AUTOCAST, f"autocast must be {' or '.join(AUTOCAST)}, got {self.autocast!r}"
-             + ("; fp16 needs a loss scale whose overflow every replica skips alike, which mpigrad does not "
-                "have: use bf16" if self.autocast == "fp16" else "")),
-            (self.weight_decay_in in WEIGHT_DECAY_IN,
-             f"weight_decay_in must be {' or '.join(WEIGHT_DECAY_IN)}, got {self.weight_decay_in!r}"),
             (not (self.optimizer_opts.get("weight_decay") and (self.weight_decay_in == "optimizer" or self.weight_decay)),
              "weight decay given twice (--weight-decay and --optimizer-opt weight_decay): give it once, as "
              "--weight-decay X --weight-decay-in loss|optimizer"),
-            (1 <= self.bits <= 32, f"bits must be in 1..32, got {self.bits}"),
-            (self.min_quantize_size is None or self.min_quantize_size >= 1,
-             "min_quantize_size must be at least 1"),
             (not self.pipeline or self.colocated,
              "pipeline needs servers = colocated (the pipelined iteration is built for that layout only)"),
-            (self.shard_chunk == AUTO_CHUNK or (type(self.shard_chunk) is int and self.shard_chunk >= 0),
-             f"shard_chunk must be {AUTO_CHUNK} or a number of elements >= 0 (0: never cut a layer), "
-             f"got {self.shard_chunk!r}"),
-            (self.error_feedback in ERROR_FEEDBACK,
-             f"error_feedback must be one of {', '.join(ERROR_FEEDBACK)}"),
-            (0.0 <= self.momentum_correction < 1.0,
-             f"momentum_correction must be in [0, 1) (0: off), got {self.momentum_correction}"),
             (not self.momentum_correction or (self.optimizer == "sgd" and not self.optimizer_opts.get("momentum")),
              "momentum correction is the update's momentum, accumulated before the codec: the optimizer must be "
              "plain sgd (drop --optimizer-opt momentum, or drop --momentum-correction)"),
             (not self.momentum_correction or not self.pipeline,
              "momentum correction with --pipeline is not built: the pipelined iteration encodes bucket by bucket "
              "(drop one of them)"),
-            (isinstance(self.bandwidth, str) or (self.bandwidth > 0 and math.isfinite(self.bandwidth)),
-             "bandwidth must be positive"),
-            (isinstance(self.latency, str) or self.latency >= 0, "latency must be >= 0"),
-            (self.net_mode in NET_MODES, f"net_mode must be one of {', '.join(NET_MODES)}"),
             (self.net_mode != "off" or self.network() is None,
              "a bandwidth or latency schedule or --link-bandwidth needs a modelled network (net_mode virtual "
              "or sleep); with net_mode off nothing is charged (in the lab, give the schedule to mpigrad lab --rate)"),
-            (self.broadcast in BROADCASTS, f"broadcast must be one of {', '.join(BROADCASTS)}"),
-            (bool(self.broadcast_codec), "broadcast_codec must not be empty"),
-            (self.compute_time is None or self.compute_time >= 0, "compute_time must be >= 0"),
-            (bool(self.cost_model), "cost_model must be default, none or a cost model file"),
-            (0 <= self.seed < 2**63, "seed must be a non-negative integer"),
-            (self.trace_flush >= 1, "trace_flush must be at least 1"),
-            (self.eval_every >= 0, "eval_every must be >= 0 (0 disables evaluation)"),
-            (self.eval_samples is None or self.eval_samples >= 1, "eval_samples must be >= 1"),
-            (self.progress_every >= 0, "progress_every must be >= 0"),
-            (self.checksum_every >= 0, "checksum_every must be >= 0"),
-            (self.norm_every >= 0, "norm_every must be >= 0 (0: never)"),
-            (self.timeout > 0, "timeout must be positive"),
-            (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
-            (self.tf32 in TF32, f"tf32 must be one of {', '.join(TF32)}"),
-            (self.wait in WAITS, f"wait must be one of {', '.join(WAITS)}"),
-            (self.control in CONTROLS, f"control must be one of {', '.join(CONTROLS)}"),
-            (self.threads is None or self.threads >= 1, "threads must be at least 1"),
-            (self.walltime is None or self.walltime > 0, "walltime must be positive"),
-            (self.checkpoint_interval is None or self.checkpoint_interval[1] > 0,
-             "checkpoint_every must be a positive number of iterations or a duration such as 30m"),
-            (bool(self.trace), "trace path must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
@@ -380,13 +694,6 @@ class RunConfig:
 #: augmentation (mpigrad/data/augment.py), which ``describe_recipe`` puts in a few words.
 RECIPE_KEYS = ("optimizer", "optimizer_opts", "weight_decay_in", "lr_schedule", "lr_schedule_opts", "lr_warmup",
                "lr_scaling", "augment", "augment_opts", "autocast", "momentum_correction")
-
-#: ``autocast`` choices.
-AUTOCAST = ("none", "bf16")
-
-#: ``weight_decay_in`` choices.
-WEIGHT_DECAY_IN = ("loss", "optimizer")
-
 
 #: The schedules whose length is a number of iterations with no default of torch's that fits
 #: a run (lower-case names, as ``--lr-schedule`` matches them): the option that gets the run's
@@ -453,37 +760,11 @@ def parse_assignments(items: list[str] | None, what: str) -> dict[str, Any] | No
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
-_OPTIONAL_TYPES = {"threads": int, "eval_samples": int, "data_dir": str, "checkpoint": str, "lr": float,
-                   "min_quantize_size": int, "lr_schedule": str}
-
-
-
-COLOCATED = "colocated"
-#: ``shard_chunk``'s default (runtime/plan/layout.py resolve_chunks).
-AUTO_CHUNK = "auto"
-
-
-def parse_servers(value: Any) -> int | str:
-    """``--servers``: a whole number S >= 1 of server ranks, or ``colocated``."""
-    if isinstance(value, str) and value.strip() == COLOCATED:
-        return COLOCATED
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"servers must be a number of server ranks (at least 1) or {COLOCATED!r}, got {value!r}")
-    return value
-
-
-def parse_shard_chunk(value: Any) -> int | str:
-    """``--shard-chunk``: ``auto`` or a whole number N >= 0 of elements (0: whole layers)."""
-    if isinstance(value, str) and value.strip() == AUTO_CHUNK:
-        return AUTO_CHUNK
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(f"shard_chunk must be {AUTO_CHUNK} (even shares) or a number of elements >= 0 "
-                         f"(0: never cut a layer), got {value!r}")
-    return value
+#: Every option's declaration (the field's ``Option`` with its name and default), in field order.
+OPTIONS: dict[str, Option] = {
+    f.name: dataclasses.replace(f.metadata["option"], name=f.name,
+                                default=f.default_factory() if f.default is dataclasses.MISSING else f.default)
+    for f in dataclasses.fields(RunConfig)}
 
 
 def normal_shard_chunk(config: dict[str, Any]) -> dict[str, Any]:
@@ -495,38 +776,16 @@ def normal_shard_chunk(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-_CONVERTERS = {"servers": parse_servers, "shard_chunk": parse_shard_chunk, "bandwidth": parse_bandwidth,
-               "latency": parse_latency, "link_bandwidth": parse_link_bandwidth, "compute_time": parse_duration,
-               "walltime": parse_duration, "timeout": parse_duration, "checkpoint_every": parse_interval}
-
-
 def coerce(key: str, value: Any) -> Any:
-    """Check the type of one config value (from TOML or the command line) and convert units."""
-    if key not in _FIELDS:
-        close = [name for name in _FIELDS if name.startswith(key[:4])]
+    """Check the type of one config value (from TOML or the command line) and convert units
+    (``Option.convert``); UsageError for a key that is no option, naming close ones."""
+    if key not in OPTIONS:
+        close = [name for name in OPTIONS if name.startswith(key[:4])]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise UsageError(f"unknown option {key!r}{hint}")
     if value is None:
         return None
-    if key in _CONVERTERS:
-        return _CONVERTERS[key](value)
-    if key.endswith("_opts"):
-        if not isinstance(value, dict):
-            raise UsageError(f"{key} must be a table of KEY = VALUE")
-        return dict(value)
-    default = _FIELDS[key].default
-    kind = _OPTIONAL_TYPES.get(key, type(default))
-    if kind is bool:
-        return options.check_bool(key, value, error=UsageError)
-    if kind is int:
-        return options.check_int(key, value, error=UsageError)
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if kind is str and not isinstance(value, str):
-        raise UsageError(f"{key} must be a string, got {value!r}")
-    return value
+    return OPTIONS[key].convert(value)
 
 
 def declared_ranks(path: str) -> int | None:
