@@ -89,8 +89,9 @@ class RegistryHelpFormatter(argparse.HelpFormatter):
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = {key: value for key, value in vars(args).items()
                  if key not in ("config", "check", "ranks") and not key.endswith("_opt")}
-    for name in ("model", "data", "augment", "codec", "policy", "optimizer", "lr_schedule"):
-        overrides[f"{name}_opts"] = parse_assignments(getattr(args, f"{name}_opt"), f"--{name.replace('_', '-')}-opt")
+    for option in OPTIONS.values():
+        if option.table and option.flag:  # --NAME-opt KEY=VALUE, repeated: the NAME_opts table
+            overrides[option.name] = parse_assignments(getattr(args, option.flag[2:].replace("-", "_")), option.flag)
     return RunConfig.from_sources(args.config, overrides)
 
 
