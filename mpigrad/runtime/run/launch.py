@@ -116,12 +116,24 @@ def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    code = run_on(config, comm, sys.argv, started)
+    if code:
+        end_together(comm, code)  # e.g. 75 after a checkpoint, 2 on a launch check's refusal
+    return code
+
+
+def run_on(config: RunConfig, comm, argv: list[str], started: float | None = None) -> int:
+    """One run of ``config`` on the ranks of ``comm``, collective: the launch checks, the
+    rank's GPU, then its part of the run. Returns 0 (done), ``EXIT_REQUEUE`` (stopped with
+    a checkpoint) or ``EXIT_USAGE`` where the launch checks refused it (every rank alike,
+    before any work: rank 0 printed the line). A failure during the run (a usage error one
+    rank found, a rank's error, a silent peer) cannot leave the ranks in step: it aborts
+    ``comm`` (MPI_Abort) with exit 2 or 1, the error printed first."""
     rank = comm.Get_rank()
     try:
         # Before torch starts its thread pools.
         apply_thread_settings(threads_per_rank(config.threads))
         from .preflight import check_launch
-        from .session import run_rank
         check_launch(config, comm)
         from ..plan.gpu import bind_rank
         bind_rank(config, comm)  # the rank's GPU (UsageError on every rank alike) and TF32
@@ -129,12 +141,10 @@ def run(args: argparse.Namespace) -> int:
         # Every rank gets here together (the checks are deterministic or broadcast).
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
-        end_together(comm, EXIT_USAGE)
+        return EXIT_USAGE
+    from .session import run_rank
     try:
-        code = run_rank(config, comm, sys.argv, started)
-        if code:
-            end_together(comm, code)  # e.g. 75 after a checkpoint
-        return code
+        return run_rank(config, comm, argv, started)
     except UsageError as exc:
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
