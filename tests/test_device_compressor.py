@@ -454,7 +454,7 @@ def test_the_energies_of_a_shards_pieces_are_read_with_one_synchronisation():
     from types import SimpleNamespace
 
     from mpigrad.counters import snapshot
-    from mpigrad.runtime.roles.server import ShardAggregator
+    from mpigrad.runtime.exchange.aggregator import ShardAggregator
 
     quantized = [p for p in pieces_of(LAYOUT, 1000) if p.quantized]
     shard = SimpleNamespace(quantized=quantized)
@@ -529,7 +529,7 @@ def test_every_launch_and_copy_goes_on_the_stream_current_at_the_call(monkeypatc
         wrong = [(what, s) for what, s in seen if s is not stream]
         assert not wrong, f"on another stream than the current one: {wrong[:5]}"
     with pytest.raises(RuntimeError, match="simulated_stream is the simulator's"):
-        monkeypatch.setattr("mpigrad.runtime.exchange.device.simulated", lambda: False)
+        monkeypatch.setattr("mpigrad.runtime.exchange.device_stream.simulated", lambda: False)
         with simulated_stream(cuda.stream()):
             pass
 

@@ -28,7 +28,7 @@ class GradientCompressor:
     its own bits, for encode and decode (PowerSGD's layers sent whole, ``runtime/exchange/lowrank.py``)."""
 
     #: :class:`~.frames.FrameCompressor`: the values are host NumPy arrays, the frames plain
-    #: host buffers (no :class:`~.device.FrameMemory`).
+    #: host buffers (no :class:`~.device_memory.FrameMemory`).
     device = None
     frame_memory = None
 

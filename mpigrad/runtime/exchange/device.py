@@ -2,17 +2,25 @@
 
 With ``--device cuda`` and codecs that have GPU kernels (:mod:`mpigrad.codecs.device`), a
 :class:`DeviceGradientCompressor` stands where the host's
-:class:`~.compressor.GradientCompressor` stands, with the same frames: it encodes a shard
-of a flat gradient that stays in device memory into a device frame buffer (the error
-memory on the device too), copies the packed bytes, and nothing else, into a pinned host
-frame, and writes the headers there; it decodes a received host frame by copying its bytes
-to the device once, straight from the pinned buffer MPI received it into (:class:`FrameMemory`;
-a frame encoded on the same rank is read where its encode left it), and adding every piece
-into a device buffer.
-The kernels flag their refusals into one status array per rank (:class:`DeviceStatus`), whose
-copy back goes after the frames' kernels and copies on the same stream, all asynchronous: an
-encode waits for the device once (its frame goes on the wire), and the runtime's decodes wait
-for nothing, their status read once per iteration (:func:`check_decodes`).
+:class:`~.compressor.GradientCompressor` stands, with the same frames and the same protocol
+(:class:`~.frames.FrameCompressor`): it encodes a shard of a flat gradient that stays in
+device memory into a device frame buffer (the error memory on the device too,
+:mod:`.device_feedback`), copies the packed bytes, and nothing else, into a pinned host frame,
+and writes the headers there; it decodes a received host frame by copying its bytes to the
+device once, straight from the pinned buffer MPI received it into (:class:`FrameMemory`,
+:mod:`.device_memory`; a frame encoded on the same rank is read where its encode left it),
+and adding every piece into a device buffer. Every frame goes by table
+(:mod:`.device_tables`): a fixed number of launches, whatever its pieces.
+The kernels flag their refusals into one status array per rank (:class:`DeviceStatus`,
+:mod:`.device_stream`, with the streams the path launches on), whose copy back goes after the
+frames' kernels and copies on the same stream, all asynchronous: an encode waits for the
+device once (its frame goes on the wire), and the runtime's decodes wait for nothing, their
+status read once per iteration (:func:`check_decodes`).
+
+This module keeps the compressor and the choice of path (:func:`on_device`,
+:func:`codec_path`); the names the roles import from it (``on_device``, ``check_decodes``,
+``finite``, ``current_stream``, ``device_view``, ``synchronize``, ``DeviceStatus``,
+``FrameMemory``, ...) stay importable from here.
 
 Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
 (``NUMBA_ENABLE_CUDASIM=1`` and ``MPIGRAD_DEVICE_CODECS=simulator``): how CI tests it.
@@ -20,9 +28,6 @@ Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import dataclasses
 import os
 
 import numpy as np
@@ -31,23 +36,27 @@ import torch
 from ...codecs import CodecError, HEADER_SIZE
 from ...codecs.base import header_bytes
 from ...codecs.device import DeviceUnavailable, device_codec, host_only, load_cuda
-from ...counters import copied, launched, synchronized
-from ...feedback import ErrorFeedback, FeedbackError
+from ...counters import copied, synchronized
 from .compressor import GradientCompressor
+from .device_feedback import DeviceFeedback
+from .device_memory import FrameMemory, HostBuffer, StagingSlots, device_buffer, pinned_buffer
+from .device_stream import (DeviceStatus, check_decodes, current_stream, device_view, finite, simulated,
+                            simulated_stream, synchronize)
+from .device_tables import TEMPLATES_PER_SHARD, EncodeTables, EncodeTemplate
+from .frames import EncodedFrames
 from ..plan.layout import Shard
 from ..wire.messages import FrameHeader
+
+__all__ = ["ENVIRONMENT", "device_path", "host_reasons", "compressor_codecs", "on_device", "codec_path",
+           "DeviceGradientCompressor", "QueuedFrames",
+           # re-exported from the device_* modules, where they live
+           "simulated", "finite", "device_view", "current_stream", "simulated_stream", "synchronize",
+           "DeviceStatus", "check_decodes", "HostBuffer", "FrameMemory", "DeviceFeedback", "EncodeTemplate",
+           "TEMPLATES_PER_SHARD", "load_cuda"]
 
 #: ``MPIGRAD_DEVICE_CODECS=simulator`` runs the device path over CPU tensors in Numba's
 #: CUDA simulator (tests without a GPU); ``host`` keeps a CUDA run on the host path.
 ENVIRONMENT = "MPIGRAD_DEVICE_CODECS"
-
-
-def simulated() -> bool:
-    """Whether Numba's CUDA simulator stands in for the GPU (``NUMBA_ENABLE_CUDASIM=1``);
-    asks Numba's configuration, not numba.cuda, which a CPU run never imports."""
-    from numba.core import config as numba_config
-
-    return bool(numba_config.ENABLE_CUDASIM)
 
 
 def device_path(device: torch.device) -> bool:
@@ -117,333 +126,6 @@ def codec_path(config, codecs) -> str | None:
             "the packed frames staged through pinned host memory")
 
 
-def finite(x) -> bool:
-    """Whether every value of a host array or a tensor is finite."""
-    if isinstance(x, torch.Tensor):
-        launched("torch", 2)
-        synchronized("finite check")
-        return bool(torch.isfinite(x).all())
-    return bool(np.isfinite(x).all())
-
-
-def device_view(cuda, tensor: torch.Tensor):
-    """A numba device array over ``tensor``'s memory (no copy): a CUDA tensor's, or under
-    the simulator a CPU tensor's; ``cuda`` is the loaded ``numba.cuda`` (:func:`load_cuda`)."""
-    tensor = tensor.detach()
-    if simulated():
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(tensor.numpy())
-    return cuda.as_cuda_array(tensor)
-
-
-#: Numba's view of each torch stream the path has launched on, by its CUDA handle.
-_EXTERNAL_STREAMS: dict[int, object] = {}
-#: The streams made current by :func:`simulated_stream` (innermost last).
-_SIMULATED_STREAMS: list = []
-
-
-def current_stream(cuda, device: torch.device | None = None):
-    """The stream the device path's next kernel or copy goes on: torch's current stream of
-    ``device`` (the tensors'; else the current device) at the call, as a numba stream over
-    the same CUDA stream, so that it is ordered with the backward that wrote the gradient
-    and the torch operations (copies, error memory) that run on that stream too, whichever
-    stream the caller has made current. Under the simulator, the innermost
-    :func:`simulated_stream`'s, else the default stream."""
-    if simulated():
-        return _SIMULATED_STREAMS[-1] if _SIMULATED_STREAMS else cuda.default_stream()
-    handle = torch.cuda.current_stream(device).cuda_stream
-    stream = _EXTERNAL_STREAMS.get(handle)
-    if stream is None:
-        stream = _EXTERNAL_STREAMS[handle] = cuda.external_stream(handle)
-    return stream
-
-
-@contextlib.contextmanager
-def simulated_stream(stream):
-    """Under Numba's CUDA simulator, ``stream`` (a ``numba.cuda.stream()``) is the device
-    path's current stream inside the block: the simulator's stand-in for ``with
-    torch.cuda.stream(s):``, which needs CUDA. Tests use it to check that every launch and
-    copy goes on the stream current at the call."""
-    if not simulated():
-        raise RuntimeError("simulated_stream is the simulator's: on a GPU use torch.cuda.stream")
-    _SIMULATED_STREAMS.append(stream)
-    try:
-        yield stream
-    finally:
-        _SIMULATED_STREAMS.pop()
-
-
-def synchronize(device: torch.device) -> None:
-    synchronized("stream")
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
-class DeviceStatus:
-    """The status slots a rank's device frames flag into (:mod:`mpigrad.codecs.device.kernels`:
-    NaN or infinity, a range beyond float32, a corrupt scale or code), shared by the
-    compressors of one replica (``on_device``), so that one read covers every frame queued
-    before it. Kernels only set slots; a read that finds them all clear leaves them so, and one
-    that finds a flag raises and queues them cleared again.
-
-    State: the slots (device int32), their pinned host copy, the device codecs whose frames
-    may have flagged since the last read (``pending``: deferred decodes) and the number of
-    reads so far (``reads``: a compressor's decode staging is reused only after one)."""
-
-    def __init__(self, cuda, device: torch.device):
-        from ...codecs.device import kernels as k
-
-        self.cuda, self.device = cuda, device
-        #: The slots only a decode sets (a corrupt scale or code).
-        self._decode_slots = [k.ERR_BAD_SCALE, k.ERR_BAD_CODE]
-        self._zeros = cuda.pinned_array(k.STATUS_SLOTS, np.int32)
-        self._zeros[:] = 0
-        self.slots = cuda.to_device(self._zeros)
-        #: The slots read back, in pinned memory: the copy is asynchronous, waited for once.
-        self._host = cuda.pinned_array(k.STATUS_SLOTS, np.int32)
-        #: Pinned slots of the reads queued without a wait (:meth:`queue_read`), by key.
-        self._reads: dict = {}
-        self.pending: list = []
-        self.reads = 0
-
-    def stream(self):
-        """The stream current at the call (:func:`current_stream`)."""
-        return current_stream(self.cuda, self.device)
-
-    def wait(self, twins=(), site: str = "frame and status") -> None:
-        """One wait for the device: the slots copied back (asynchronously, into pinned memory)
-        behind everything queued on the current stream (the frames' kernels and copies), then
-        one synchronisation of that stream. CodecError where a slot is set, in the wording of
-        the first of the pending decodes' codecs, else of ``twins`` (the frames just queued)."""
-        copied("to_host", self._zeros.nbytes)
-        stream = self.stream()
-        status = self.slots.copy_to_host(self._host, stream=stream)
-        synchronized(site)
-        if not simulated():
-            stream.synchronize()
-        self.reads += 1
-        pending, self.pending = self.pending, []
-        self._raise_flags(status, twins, pending)
-
-    def queue_read(self, key):
-        """Queue the slots' copy into the pinned buffer of ``key`` (its own: reads of several
-        keys may be in flight) behind everything queued on the current stream, then the
-        slots cleared (unless decodes wait for a read), so that the next queued read covers
-        only what is queued after this one, and an event; return (that buffer, the event:
-        None under the simulator, where everything ran at the call). :meth:`settle` reads it
-        once the event has completed."""
-        host = self._reads.get(key)
-        if host is None:
-            host = self._reads[key] = self.cuda.pinned_array(len(self._zeros), np.int32)
-        copied("to_host", self._zeros.nbytes)
-        stream = self.stream()
-        self.slots.copy_to_host(host, stream=stream)
-        if not self.pending:
-            copied("to_device", self._zeros.nbytes)
-            self.slots.copy_to_device(self._zeros, stream=stream)
-        if simulated():
-            return host, None
-        event = self.cuda.event(timing=False)
-        event.record(stream)
-        return host, event
-
-    def settle(self, host, twins, pending) -> None:
-        """A queued read's slots (:meth:`queue_read`, its event completed): CodecError as
-        :meth:`wait` raises, ``pending`` being the decodes queued before it. A clear read
-        counts as no read of the status (``reads`` and ``pending`` unchanged: decodes queued
-        after it are left to the next :meth:`wait`); a flagged one clears the slots and
-        forgets the pending decodes, as a flagged wait does (the run ends with the error)."""
-        if host.any():
-            self._raise_flags(host, twins, pending)
-
-    def _raise_flags(self, status, twins, pending) -> None:
-        """Nothing where ``status`` (the slots as read) is clear; else queue the slots
-        cleared and raise CodecError in the words of the first of ``pending`` (a decode's
-        flag, or no frame just queued) or of ``twins``."""
-        if not status.any():
-            return
-        flags = status.copy()
-        copied("to_device", self._zeros.nbytes)
-        self.slots.copy_to_device(self._zeros, stream=self.stream())
-        self.pending = []
-        if pending and (flags[self._decode_slots].any() or not twins):  # a decode's flag
-            try:
-                pending[0].raise_status(flags)
-            except CodecError as exc:
-                raise CodecError(f"a frame decoded on the device since its status was last read (once per "
-                                 f"iteration, so the sender is not known) is corrupt: {exc}") from None
-        if not twins:
-            raise CodecError(f"the device codecs flagged {flags.tolist()} with no frame queued since the last read")
-        twins[0].raise_status(flags)
-
-    def clear(self) -> None:
-        """After a frame's launches failed part-way: wait for what was queued, then clear the
-        slots and forget the pending decodes (their run ends with that failure), so that no
-        later frame is blamed for their flags."""
-        stream = self.stream()
-        synchronized("failed frame")
-        if not simulated():
-            stream.synchronize()
-        copied("to_device", self._zeros.nbytes)
-        self.slots.copy_to_device(self._zeros, stream=stream)
-        self.pending = []
-
-    def check(self) -> None:
-        """:meth:`wait` where a decode has been queued since the last read (``pending``), with
-        its own site in the counts; nothing otherwise (no synchronisation)."""
-        if self.pending:
-            self.wait(site="decodes' status")
-
-
-def check_decodes(replica) -> None:
-    """Read the status of every device decode ``replica``'s compressors queued since the last
-    wait (:meth:`DeviceStatus.check`): once per iteration, before its update is applied;
-    CodecError where one found a corrupt scale or code. Nothing on the host path."""
-    status = getattr(replica, "device_status", None)
-    if status is not None:
-        status.check()
-
-
-@dataclasses.dataclass(eq=False)
-class HostBuffer:
-    """One host buffer frames lie in (:class:`FrameMemory`): pinned ``host`` memory, its
-    ``device`` twin (an encode's device frame buffer) or None (a receive buffer), and the
-    last copy queued out of it to the device: the status read count then (``copied_at``,
-    None if none since the buffer was last written) and the event recorded behind it (the
-    buffer's one, made at its first copy; None under the simulator)."""
-
-    host: torch.Tensor
-    device: torch.Tensor | None
-    copied_at: int | None = None
-    event: object = None
-
-
-class FrameMemory:
-    """The host buffers that frames lie in on one replica's device path, and where else their
-    bytes are, so that a decode copies a frame to the device from where it lies, or not at all
-    (:meth:`DeviceGradientCompressor.decode`):
-
-    - receive buffers (:class:`~.wire.ReceiveBuffers` given this memory) are pinned, so the
-      decode's copy goes to the device straight from them, asynchronously, with no host copy
-      first. MPI must not write one again while that copy is still queued:
-      :meth:`before_write` waits for its event where the status has not been read since (a
-      read synchronises the stream, which covers the copy; the decodes and that read go on
-      one stream, as the staging buffers' rule assumes);
-    - an encode's host frame (a device compressor's pinned frame buffer) still has its
-      payloads in the encode's device frame buffer: a decode on this replica (a colocated
-      server's own worker's frame, a worker's own shard's broadcast) reads them there, and
-      copies nothing. Only the headers are the host's (the decode reads them on the host).
-
-    State: the buffers by key (:class:`HostBuffer`)."""
-
-    def __init__(self, status: "DeviceStatus"):
-        self.status = status
-        self._buffers: dict = {}
-        self._by_address: dict[int, HostBuffer] = {}
-
-    def allocate(self, size: int, key) -> np.ndarray:
-        """A pinned receive buffer of ``size`` bytes for ``key`` (replacing its last one)."""
-        host = torch.empty(size, dtype=torch.uint8, pin_memory=self.status.device.type == "cuda")
-        self._register(key, HostBuffer(host, None))
-        return host.numpy()
-
-    def encoded(self, key, host: torch.Tensor, device: torch.Tensor) -> None:
-        """An encode's pinned host frame buffer for ``key`` and the device frame buffer whose
-        payloads it copies."""
-        known = self._buffers.get(key)
-        if known is None or known.host is not host or known.device is not device:
-            self._register(key, HostBuffer(host, device))
-
-    def _register(self, key, buffer: HostBuffer) -> None:
-        old = self._buffers.get(key)
-        if old is not None and self._by_address.get(old.host.data_ptr()) is old:
-            del self._by_address[old.host.data_ptr()]
-        self._buffers[key] = buffer
-        if buffer.host.numel():  # an empty buffer has no address of its own
-            self._by_address[buffer.host.data_ptr()] = buffer
-
-    def before_write(self, key) -> None:
-        """Before ``key``'s receive buffer is written again: wait for a copy out of it still
-        queued (one synchronisation, counted), where the status was not read since."""
-        buffer = self._buffers[key]
-        if buffer.copied_at is not None and buffer.copied_at == self.status.reads:
-            synchronized("receive buffer reused before the status read")
-            if buffer.event is not None:
-                buffer.event.synchronize()
-        buffer.copied_at = None
-
-    def locate(self, frame: np.ndarray) -> tuple[HostBuffer, int] | None:
-        """The buffer ``frame`` lies in and its offset there, or None (memory of no buffer here)."""
-        address = frame.__array_interface__["data"][0]
-        buffer = self._by_address.get(address)
-        if buffer is not None and frame.size <= buffer.host.numel():
-            return buffer, 0
-        for buffer in self._buffers.values():  # a frame behind its length (a broadcast's message)
-            start = buffer.host.data_ptr()
-            if buffer.host.numel() and start <= address and address + frame.size <= start + buffer.host.numel():
-                return buffer, address - start
-        return None
-
-    def copied_out(self, buffer: HostBuffer, stream) -> None:
-        """A copy out of ``buffer`` was queued on ``stream``: :meth:`before_write` waits for it."""
-        buffer.copied_at = self.status.reads
-        if not simulated():
-            if buffer.event is None:
-                buffer.event = self.status.cuda.event(timing=False)
-            buffer.event.record(stream)
-
-
-class DeviceFeedback:
-    """The error memory of :class:`~mpigrad.feedback.ErrorFeedback` in device memory, with
-    the same float operations (so the same memory, bit for bit) and the same state_dict.
-    Hyperparameters: the host memory's mode and decay, the pieces (their places in the flat
-    gradient). State: the memory and the compensated gradient, each one flat device tensor
-    laid out as the gradient (the table kernels compensate and remember in place), and the
-    keys compensated so far, in order (the host memory's keys)."""
-
-    def __init__(self, host: ErrorFeedback, device: torch.device, pieces):
-        self.mode, self.decay, self.device = host.mode, host.decay, device
-        self.places = {p.index: (p.offset, p.size) for p in pieces if p.quantized}
-        total = max((offset + size for offset, size in self.places.values()), default=0)
-        #: e, and p = g + decay * e, where the gradient's pieces are.
-        self.memory = torch.zeros(total, dtype=torch.float32, device=device)
-        self.compensated = torch.empty(total, dtype=torch.float32, device=device)
-        self.used: dict[int, None] = {}
-
-    @property
-    def kernel_mode(self) -> int:
-        """The mode as the table kernels take it (``kernels.RESIDUAL`` or ``ACCUMULATE``)."""
-        from ...codecs.device import kernels
-
-        return kernels.RESIDUAL if self.mode == "residual" else kernels.ACCUMULATE
-
-    def error(self, key: int) -> torch.Tensor:
-        offset, size = self.places[key]
-        return self.memory[offset:offset + size]
-
-    def remembered(self, key: int) -> None:
-        """Record that ``key``'s memory is in use (compensated and updated by the table kernels)."""
-        self.used.setdefault(key, None)
-
-    def state_dict(self) -> dict:
-        return {"mode": self.mode, "decay": self.decay,
-                "memory": {key: self.error(key).cpu().numpy().copy() for key in self.used}}
-
-    def load_state_dict(self, state: dict) -> None:
-        host = ErrorFeedback(self.mode, self.decay)
-        host.load_state_dict(state)  # its checks
-        for key in host.keys():  # all checked before any is loaded
-            error = host.error(key)
-            if key not in self.places or error.shape != (self.places[key][1],) or error.dtype != np.float32:
-                raise FeedbackError(f"error feedback memory {key!r}: not a quantized piece of this layout, or "
-                                    "not its size (float32)")
-        self.memory.zero_()
-        self.used = {}
-        for key in host.keys():
-            self.error(key).copy_(torch.from_numpy(host.error(key).copy()))
-            self.remembered(key)
-
 
 class DeviceGradientCompressor:
     """Hyperparameters: the host compressor it mirrors (pieces, codec configs and
@@ -453,7 +135,8 @@ class DeviceGradientCompressor:
     once per iteration, :func:`check_decodes`) and the :class:`FrameMemory` of its host frames
     (its own unless given: the runtime's compressors share the replica's, so that a decode
     finds the frames the others encoded and the receive buffers). State: each codec
-    instance's device twin, the device error memory, the device and pinned frame buffers.
+    instance's device twin, the device error memory, the device and pinned frame buffers,
+    the encode tables (:class:`~.device_tables.EncodeTables`).
     ``encode``/``decode`` take device tensors and host frames: a
     :class:`~.frames.FrameCompressor` whose ``device`` is the tensors'."""
 
@@ -470,11 +153,8 @@ class DeviceGradientCompressor:
         self.status = status if status is not None else DeviceStatus(self.cuda, device)
         self.defer_decode_checks = defer_decode_checks
         self.frame_memory = frame_memory if frame_memory is not None else FrameMemory(self.status)
-        #: Decodes per shard since the status was last read (its ``reads`` at ``_slots_read``):
-        #: each takes a pinned staging buffer of its own, which the host may not rewrite
-        #: before that read (``_staging_key``).
-        self._slots: dict = {}
-        self._slots_read = -1
+        #: Each decode's pinned staging buffer of its own until the status is next read.
+        self._slots = StagingSlots()
         self._device_frames: dict = {}
         self._staging: dict = {}
         self._host_frames: dict = {}
@@ -483,14 +163,9 @@ class DeviceGradientCompressor:
         #: (:mod:`mpigrad.codecs.device.table`).
         from ...codecs.device import kernels, table  # numba's CUDA: only where a device path is built
 
-        self._kernels, self._table = kernels, table
+        self._table = table
         self._tables = table.TableKernels(self.cuda, self._current_stream)
-        self._table_buffers: dict = {}
-        self._host_table_buffers: dict = {}
-        #: Each shard's encode tables by its codecs (the last TEMPLATES_PER_SHARD used), and
-        #: the one its device table buffer holds.
-        self._templates: dict = {}
-        self._device_tables: dict = {}
+        self._encode_tables = EncodeTables(table, kernels.NO_FEEDBACK, device, self._view)
 
     @property
     def calls(self) -> list[int]:
@@ -511,24 +186,10 @@ class DeviceGradientCompressor:
     def _buffers(self, key, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device frame buffer of ``key`` and its pinned host twin, grown as needed (the
         pair known to :attr:`frame_memory`)."""
-        device, host = (self._device_buffer(self._device_frames, key, capacity),
-                        self._pinned_buffer(self._host_frames, key, capacity))
+        device, host = (device_buffer(self._device_frames, key, capacity, self.device),
+                        pinned_buffer(self._host_frames, key, capacity, self.device))
         self.frame_memory.encoded((id(self), key), host, device)
         return device, host
-
-    def _pinned_buffer(self, buffers: dict, key, capacity: int) -> torch.Tensor:
-        """A host buffer of at least ``capacity`` bytes in pinned memory (a GPU's copies to
-        and from it can be asynchronous), grown as needed."""
-        buffer = buffers.get(key)
-        if buffer is None or buffer.numel() < capacity:
-            buffer = buffers[key] = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        return buffer
-
-    def _device_buffer(self, buffers: dict, key, capacity: int) -> torch.Tensor:
-        buffer = buffers.get(key)
-        if buffer is None or buffer.numel() < capacity:
-            buffer = buffers[key] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        return buffer
 
     def _view(self, tensor: torch.Tensor):
         return device_view(self.cuda, tensor)
@@ -563,12 +224,15 @@ class DeviceGradientCompressor:
         self.status.wait([twin for _, _, twins in queued for twin in twins])
         return _host_frames(queued)
 
-    def queue_shards(self, grad: torch.Tensor, bits: list[int], shards) -> "QueuedFrames":
+    def queue_shards(self, grad: torch.Tensor, bits: list[int], shards) -> "QueuedFrames | EncodedFrames":
         """:meth:`encode_shards` without the wait: their kernels and copies queued, with the
         status slots' copy and an event behind them (:meth:`DeviceStatus.queue_read`, one
         pinned read buffer per first shard: at most one queue of it in flight); the frames
         come from :meth:`QueuedFrames.frames`. A pipelined backward queues each bucket from
-        its hook and sends it once its event has completed, so that no hook waits."""
+        its hook and sends it once its event has completed, so that no hook waits. No shards:
+        nothing queued, frames that are ready (:class:`~.frames.EncodedFrames`), as the host's."""
+        if not shards:
+            return EncodedFrames([])
         queued = self._queue_shards(grad, bits, shards)
         pending = list(self.status.pending)
         host, event = self.status.queue_read((shards[0].server, shards[0].bucket))
@@ -603,67 +267,15 @@ class DeviceGradientCompressor:
     def _queue_table_encode(self, grad: torch.Tensor, shard: Shard, codecs, twins, frame_view, pos: int):
         """Queue the frame's kernels by table (three launches, whatever its pieces); return
         the pieces' (position, header) and the frame's length. The table of a shard at given
-        codecs (bits) is built once (:class:`EncodeTemplate`); a later frame only draws each
-        stochastic piece's next RNG key into it, and copies to the device no more than the
-        piece rows that hold those keys."""
-        key = (shard.server, shard.bucket)
-        templates = self._templates.setdefault(key, collections.OrderedDict())
-        ident = tuple(map(id, codecs))
-        template = templates.get(ident)
-        if template is None:
-            template = templates[ident] = self._build_template(shard, codecs, twins, pos)
-            if len(templates) > TEMPLATES_PER_SHARD:
-                templates.popitem(last=False)
-        else:
-            templates.move_to_end(ident)
-            template.draw(self.host.calls, self.feedback)
+        codecs (bits) is built once (:class:`~.device_tables.EncodeTables`); a later frame only
+        draws each stochastic piece's next RNG key into it, and copies to the device no more
+        than the piece rows that hold those keys."""
+        template = self._encode_tables.template(shard, codecs, twins, pos, self.host.calls, self.feedback)
         feedback = self.feedback
-        device_table = self._device_table(template, key)
+        device_table = self._encode_tables.on_device(template, (shard.server, shard.bucket))
         memory = (self._view(feedback.memory), self._view(feedback.compensated)) if feedback else (None, None)
         self._tables.encode(template.table, device_table, self._view(grad), frame_view, self.status.slots, *memory)
         return template.headers, template.end
-
-    def _build_template(self, shard: Shard, codecs, twins, pos: int) -> "EncodeTemplate":
-        """The table of ``shard``'s frame at ``codecs``, its keys drawn for this frame (the
-        RNG counters and the error memory's record advanced as every encode advances them)."""
-        table, headers, calls, feedback = self._table.FrameTable(encode=True), [], self.host.calls, self.feedback
-        mode = feedback.kernel_mode if feedback else self._kernels.NO_FEEDBACK
-        draws = []
-        for piece, codec, twin in zip(shard.pieces, codecs, twins):
-            if piece.quantized:
-                codec.calls = calls[piece.index]
-                keys = table.key_count
-                header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE, mode,
-                                          feedback.decay if feedback else 1.0)
-                draws.append((piece.index, codec, twin, keys if table.key_count > keys else None))
-                calls[piece.index] = codec.calls
-                if feedback:
-                    feedback.remembered(piece.index)
-            else:
-                header = table.add_encode(twin, piece.offset, piece.size, pos + HEADER_SIZE)
-            headers.append((pos, header))
-            pos += HEADER_SIZE + header.payload_len
-        draws = [(index, codec, twin, None if i is None else table.key_slot(i)) for index, codec, twin, i in draws]
-        return EncodeTemplate(table, table.array(), headers, pos, draws)
-
-    def _device_table(self, template: "EncodeTemplate", key):
-        """An encode's table on the device (int64, a numba view), through the pinned buffer
-        of ``key`` and one asynchronous copy (the encode waits before its next use): the
-        whole table, or where the device buffer of ``key`` holds this template's already,
-        only its section of piece rows (which holds the keys), and only if a key changed."""
-        array, table = template.array, template.table
-        pinned = self._pinned_buffer(self._host_table_buffers, key, array.nbytes)
-        device = self._device_buffer(self._table_buffers, key, array.nbytes)
-        start, stop = 0, array.size
-        if self._device_tables.get(key) is template:
-            start, stop = table.sections()["pieces"] if template.stochastic else (0, 0)
-        self._device_tables.pop(key, None)  # until the copy is queued
-        if stop > start:
-            pinned[8 * start:8 * stop].numpy()[:] = array[start:stop].view(np.uint8)
-            copied("to_device", 8 * (stop - start))
-            device[8 * start:8 * stop].copy_(pinned[8 * start:8 * stop], non_blocking=True)
-        self._device_tables[key] = template
-        return self._view(device[:array.nbytes].view(torch.int64))
 
     def decode(self, frame: np.ndarray, shard: Shard, out: torch.Tensor, *, accumulate: bool = False) -> float:
         """Decode ``shard``'s host frame into the flat device ``out`` (or add to it); return
@@ -677,22 +289,7 @@ class DeviceGradientCompressor:
         its ``ReceiveBuffers.take``; from an encode's host frame, whose payloads are read in
         the encode's device frame buffer, so that a change the host made to them after the
         encode is not seen (only the headers, read on the host, are the host frame's)."""
-        encode_seconds, buffers = FrameHeader.read(frame, len(shard.pieces))
-        checked = []
-        for piece, buf in zip(shard.pieces, buffers):
-            codec = (self.host.piece_codecs.get(piece.index, self.host.decoder) if piece.quantized
-                     else self.host.rest_codec)
-            twin = self._twin(codec)
-            header = twin.check(buf)
-            if header.n != piece.size:  # the kernels write n values where the piece has its size
-                raise CodecError(f"out= holds {piece.size} elements, buffer encodes {header.n}")
-            checked.append((piece, twin, header))
-        twins = [twin for _, twin, _ in checked]
-        first = FrameHeader.size(len(shard.pieces))
-        table, pos = self._table.FrameTable(encode=False), first
-        for piece, twin, header in checked:
-            table.add_decode(twin, header, piece.offset, pos + HEADER_SIZE)
-            pos += HEADER_SIZE + header.payload_len
+        encode_seconds, table, twins = self._decode_table(frame, shard)
         array = table.array().view(np.uint8)
         # The device staging: the frame, then its table (8-byte aligned); only the table where
         # the frame's payloads are on the device already (an encode's on this replica).
@@ -702,7 +299,7 @@ class DeviceGradientCompressor:
         at = 0 if resident else -(-frame.size // 8) * 8
         size = at + array.size
         # One device buffer per shard (the stream orders its reuse); a pinned one per frame.
-        staging = self._device_buffer(self._staging, (shard.server, shard.bucket), size)
+        staging = device_buffer(self._staging, (shard.server, shard.bucket), size, self.device)
         staged = 0  # where the bytes staged through pinned memory begin
         if buffer is not None and not resident:  # received into pinned memory: copied from there
             copied("to_device", frame.size)
@@ -710,7 +307,7 @@ class DeviceGradientCompressor:
             self.frame_memory.copied_out(buffer, self._current_stream())
             staged = at
         # The rest through a pinned staging buffer: pinned[i] goes to staging[staged + i].
-        pinned = self._pinned_buffer(self._host_staging, self._staging_key(shard), size - staged)
+        pinned = pinned_buffer(self._host_staging, self._staging_key(shard), size - staged, self.device)
         if buffer is None:
             pinned[:frame.size].numpy()[:] = frame  # a host copy: the copy to the device is then asynchronous
         pinned[at - staged:size - staged].numpy()[:] = array
@@ -729,16 +326,30 @@ class DeviceGradientCompressor:
             self.status.wait(twins)
         return encode_seconds
 
+    def _decode_table(self, frame: np.ndarray, shard: Shard):
+        """The sender's encode seconds, the decode table of ``shard``'s host ``frame`` (its
+        header and lengths checked here, CodecError or FrameError where they are bad) and the
+        pieces' twins."""
+        encode_seconds, buffers = FrameHeader.read(frame, len(shard.pieces))
+        checked = []
+        for piece, buf in zip(shard.pieces, buffers):
+            codec = (self.host.piece_codecs.get(piece.index, self.host.decoder) if piece.quantized
+                     else self.host.rest_codec)
+            twin = self._twin(codec)
+            header = twin.check(buf)
+            if header.n != piece.size:  # the kernels write n values where the piece has its size
+                raise CodecError(f"out= holds {piece.size} elements, buffer encodes {header.n}")
+            checked.append((piece, twin, header))
+        table, pos = self._table.FrameTable(encode=False), FrameHeader.size(len(shard.pieces))
+        for piece, twin, header in checked:
+            table.add_decode(twin, header, piece.offset, pos + HEADER_SIZE)
+            pos += HEADER_SIZE + header.payload_len
+        return encode_seconds, table, [twin for _, twin, _ in checked]
+
     def _staging_key(self, shard: Shard) -> tuple:
         """The pinned staging buffer of the next decode of ``shard``'s frames: its own until
-        the status is next read (the host writes it before the device has copied the previous
-        frame out of it: a deferred decode's copy may still be queued). Deferred decodes and
-        that read are on one stream (the runtime's iteration keeps one)."""
-        if self._slots_read != self.status.reads:
-            self._slots, self._slots_read = {}, self.status.reads
-        key = (shard.server, shard.bucket)
-        slot = self._slots[key] = self._slots.get(key, -1) + 1
-        return (*key, slot)
+        the status is next read (:class:`~.device_memory.StagingSlots`)."""
+        return self._slots.key((shard.server, shard.bucket), self.status.reads)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -753,41 +364,6 @@ class DeviceGradientCompressor:
         _without_feedback(self.host, lambda host: host.load_state_dict(rest))
         if self.feedback is not None:
             self.feedback.load_state_dict(state["feedback"])
-
-
-#: Encode tables kept per shard: one per choice of bits a policy returns to (a fixed policy
-#: uses one; an adaptive one moves between neighbouring choices).
-TEMPLATES_PER_SHARD = 8
-
-
-@dataclasses.dataclass
-class EncodeTemplate:
-    """A shard's frame table at one choice of codecs (:meth:`DeviceGradientCompressor.
-    _build_template`): the table, its int64 array, the pieces' (position, header), the
-    frame's length, and per quantized piece (its index, codec, twin, and the slot of its RNG
-    key in the array where it rounds stochastically, else None)."""
-
-    table: object
-    array: np.ndarray
-    headers: list
-    end: int
-    draws: list
-
-    @property
-    def stochastic(self) -> bool:
-        """Whether a piece's key changes from frame to frame."""
-        return any(slot is not None for *_, slot in self.draws)
-
-    def draw(self, calls: list[int], feedback) -> None:
-        """The next frame's keys into the array, with the state an encode advances: each
-        quantized piece's RNG counter (``calls``) and the error memory's record of it."""
-        for index, codec, twin, slot in self.draws:
-            codec.calls = calls[index]
-            if slot is not None:
-                self.table.write_key(self.array, slot, twin.next_key())
-            calls[index] = codec.calls
-            if feedback:
-                feedback.remembered(index)
 
 
 def _host_frames(queued) -> list[np.ndarray]:

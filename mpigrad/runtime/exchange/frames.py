@@ -28,7 +28,8 @@ The contract, method by method:
   :class:`PendingFrames`, whose ``frames()`` are ``encode_shards``'s once it is ``ready()``.
   The host's are done at the call (:class:`EncodedFrames`); the device's are queued on the
   current stream and done when the device has done them. CodecError from the call, or
-  (device) from ``frames()``.
+  (device) from ``frames()``. No shards: nothing queued, frames that are ready and empty
+  (both paths).
 - ``decode(frame, shard, out, *, accumulate=False)``: ``shard``'s frame into ``out`` (or,
   with ``accumulate``, added to it, bit for bit ``out + decoded``); returns the sender's
   encode seconds. CodecError or FrameError on a bad frame: ``out`` is then not to be used.
@@ -38,7 +39,7 @@ The contract, method by method:
 - ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint needs to continue bit for
   bit (the same dict on both paths: the device error memory as the host's ``feedback``).
 - ``pieces``: the layout's pieces; ``device``: where ``grad`` and ``out`` live (None: host
-  NumPy arrays); ``frame_memory``: the :class:`~.device.FrameMemory` its frames and the
+  NumPy arrays); ``frame_memory``: the :class:`~.device_memory.FrameMemory` its frames and the
   receive buffers given it lie in (None on the host path: plain host buffers).
 """
 

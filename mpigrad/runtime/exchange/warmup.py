@@ -79,7 +79,7 @@ def warm_up_device(codecs: list[Codec], device) -> float:
 
     from ...codecs.device import load_cuda, warm_up_kernels
     from ...counters import kernels_launched
-    from .device import current_stream, device_view, synchronize
+    from .device_stream import current_stream, device_view, synchronize
 
     began = time.perf_counter()
     cuda = load_cuda()
