@@ -421,7 +421,7 @@ def _resume_problem(resume: bool, comm) -> str | None:
 def _resume_state_problem(state, config: RunConfig, comm) -> str | None:
     """Rank 0's line where ``state`` is not a checkpoint of this run (its format, method or
     world size), else None."""
-    from .runtime import checkpoint
+    from .runtime.measure import checkpoint
 
     try:
         checkpoint.check(state, checkpoint.identity(config.to_dict(), comm.Get_size()), "the state given")

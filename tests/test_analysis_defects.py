@@ -194,7 +194,8 @@ def test_info_prints_seconds_as_durations(tmp_path, capsys):
 # ---- item 9: a run that diverges to chance says so --------------------------------------------
 def test_an_evaluation_at_chance_past_the_start_warns_once():
     from mpigrad.config import RunConfig
-    from mpigrad.runtime.roles.server import ParameterServer, not_learning_warning
+    from mpigrad.runtime.roles.evaluation import not_learning_warning
+    from mpigrad.runtime.roles.server import ParameterServer
 
     config = RunConfig(iterations=300, lr=0.2)
     assert not_learning_warning(49, 0.1, 10, config) is None        # too early: iteration 50
@@ -208,13 +209,13 @@ def test_an_evaluation_at_chance_past_the_start_warns_once():
     server = types.SimpleNamespace(config=config, clock=types.SimpleNamespace(clocks=clocks), replica=None,
                                    dataset=types.SimpleNamespace(num_classes=10), warned_not_learning=False,
                                    log=logged.append)
-    import mpigrad.runtime.roles.server as server_module
+    import mpigrad.runtime.roles.evaluation as evaluation_module
 
-    evaluate = server_module.evaluate
-    server_module.evaluate = lambda replica, dataset, config: (2.3, 0.1)
+    evaluate = evaluation_module.evaluate
+    evaluation_module.evaluate = lambda replica, dataset, config: (2.3, 0.1)
     try:
         for m in (99, 149, 199):
             ParameterServer.evaluate(server, m)
     finally:
-        server_module.evaluate = evaluate
+        evaluation_module.evaluate = evaluate
     assert logged == [not_learning_warning(99, 0.1, 10, config)]

@@ -154,7 +154,7 @@ def test_periodic_checkpoints_carry_every_servers_state_and_a_crash_resumes_from
     """--checkpoint-every with S = 2: every rank (the shard server included) sends its state
     after each marked iteration; a shard server that dies loses only what came after."""
     from mpigrad.runtime.measure import checkpoint
-    from mpigrad.runtime.roles import server
+    from mpigrad.runtime.roles import shard
 
     options = dict(codec="qsgd", policy="mqgrad", bits=2, error_feedback="residual", servers=2)
     code, errors, straight = run(tmp_path, name="straight.h5", **options)
@@ -172,7 +172,7 @@ def test_periodic_checkpoints_carry_every_servers_state_and_a_crash_resumes_from
     assert [max(c["servers"][0]["compressor"]["calls"]) for c in (newest, older)] == [4, 2]
     assert "feedback" in newest["servers"][0]["compressor"]
 
-    monkeypatch.setattr(server.ShardServer, "reports", original)
+    monkeypatch.setattr(shard.ShardServer, "reports", original)
     code, errors, _ = run(tmp_path, name="crashed.h5", resume=True, checkpoint_every=2, **options)
     assert code == 0 and not errors, errors
     a, b = load(straight.trace), load(crashed.trace)
@@ -196,16 +196,16 @@ def test_a_worker_that_dies_is_named_by_rank_0(tmp_path, monkeypatch):
 
 def kill_shard_server_at(monkeypatch, iteration: int):
     """Make shard servers raise "server lost" in iteration ``iteration``; return the original phase."""
-    from mpigrad.runtime.roles import server
+    from mpigrad.runtime.roles import shard
 
-    original = server.ShardServer.reports
+    original = shard.ShardServer.reports
 
     def dying(self, m):
         if m == iteration:
             raise RuntimeError("server lost")
         original(self, m)
 
-    monkeypatch.setattr(server.ShardServer, "reports", dying)
+    monkeypatch.setattr(shard.ShardServer, "reports", dying)
     return original
 
 
@@ -376,7 +376,7 @@ def test_stop_and_resume_carry_the_batchnorm_statistics(tmp_path):
 @pytest.mark.parametrize("servers", [1, 2, "colocated"])
 def test_norm_every_computes_the_energies_only_on_its_iterations_and_changes_nothing_else(tmp_path, monkeypatch,
                                                                                          servers):
-    from mpigrad.runtime.roles.server import ShardAggregator
+    from mpigrad.runtime.exchange.aggregator import ShardAggregator
 
     calls = []
     for name in ("energies", "update_energies"):

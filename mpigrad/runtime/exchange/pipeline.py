@@ -14,6 +14,10 @@ is in, it adds them in rank order, averages, re-encodes and sends the average to
 workers; it decodes every shard's average of a bucket as it arrives and applies the update
 to the bucket's parameters once all of it is in. Each float operation is the sequential
 protocol's, on the same pieces in the same order, so the losses are the same bit for bit.
+
+The worker's ``control`` and ``broadcast`` do nothing (both happen in ``gradients``), and
+``reports`` adds message 10 (backward's times). Rank 0's phases are the colocated ones,
+but it charges the whole iteration in ``reports`` (``LinkModel.pipelined``).
 """
 
 from __future__ import annotations
@@ -24,23 +28,44 @@ import numpy as np
 import torch
 
 from ...codecs import CodecError
+from ...config import RunConfig
 from ...errors import TrainingError
+from .colocated import ColocatedRank0, ColocatedWorker
 from .device import finite
 from .frames import EncodedFrames
+from .way import Rank0Parts, Way, WorkerParts
+from ..measure.clock import PipelinedTraffic
 from ..plan.layout import pipeline_buckets
-from ..wire import TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, error_frame, is_error_frame
+from ..wire import (TAG_BACKWARD, TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, FrameLength, LossReport,
+                    ReceiveBuffers, error_frame, is_error_frame)
 from ..wire.channel import Backoff
 
+__all__ = ["Pipelined", "PipelinedWorker", "PipelinedRank0"]
 
-class PipelinedExchange:
-    """A colocated worker's pipelined gradient exchange. Hyperparameters: the worker (its
-    replica, shards, compressors, channel) and the buckets; state: this iteration's frames,
-    receives and times (all reset by :meth:`backward`)."""
 
-    def __init__(self, worker):
-        self.worker = worker
-        self.buckets = pipeline_buckets(tuple(worker.shards))
-        replica = worker.replica
+class Pipelined(Way):
+    """The pipelined iteration (``--pipeline``; the config's checks ask for colocated servers)."""
+
+    @staticmethod
+    def chosen(config: RunConfig) -> bool:
+        return config.pipeline
+
+    def worker(self, parts: WorkerParts) -> "PipelinedWorker":
+        return PipelinedWorker(parts)
+
+    def rank0(self, parts: Rank0Parts) -> "PipelinedRank0":
+        return PipelinedRank0(parts)
+
+
+class BucketedBackward(ColocatedWorker):
+    """A colocated worker's backward, bucket by bucket: each bucket's frames encoded and
+    sent as backward produces it. Hyperparameters: the worker's parts and the buckets;
+    state: this iteration's frames, receives and times (all reset by :meth:`backward`)."""
+
+    def __init__(self, parts: WorkerParts):
+        super().__init__(parts)
+        self.buckets = pipeline_buckets(tuple(self.shards))
+        replica = self.replica
         layer_buckets: dict[int, list[int]] = {}  # a layer's buckets: its pieces (--shard-chunk)
         for b, parts in enumerate(self.buckets):
             piece = next(p for part in parts if part is not None for p in part.pieces)
@@ -72,7 +97,7 @@ class PipelinedExchange:
         self.next_bucket = 0
         self.sends: list = []
         self.local: dict[int, np.ndarray] = {}
-        self.sent = [[0] * len(self.worker.shards) for _ in range(B)]
+        self.sent = [[0] * len(self.shards) for _ in range(B)]
         #: Buckets queued and not yet sent, in order: (bucket, parts, gradient, their
         #: PendingFrames, error frames where the encode refused) (the device path's; the host
         #: path's are done at the call and sent at once).
@@ -104,7 +129,7 @@ class PipelinedExchange:
                 self._mark(b)
         self._flush()
         for pending in self.sends:  # MPI moves data only inside its calls: keep the sends going
-            self.worker.channel.test_send(pending)
+            self.channel.test_send(pending)
 
     def _mark(self, b: int) -> None:
         """Bucket b is produced: when, in backward's own time."""
@@ -133,15 +158,14 @@ class PipelinedExchange:
         """Take the Control (the bits), then post a receive for every frame this worker will
         get this iteration: the other workers' frames of its shard and the other shards'
         averages, each buffer as large as the frame can be at these bits."""
-        w = self.worker
-        w.take_control(self.m)
-        bits, me, channel = w.control_msg.bits, w.serves, w.channel
-        others = [rank for rank in channel.workers if rank != w.rank]
+        self.parts.take_control(self.m)
+        bits, me, channel = self.control_msg.bits, self.served, self.channel
+        others = [rank for rank in channel.workers if rank != self.rank]
         self.own = [b for b, parts in enumerate(self.buckets) if parts[me] is not None]
         self.frames_in = {}
         items = []
         for b in self.own:
-            capacity = w.compressor.capacity(self.buckets[b][me], bits)
+            capacity = self.parts.compressor.capacity(self.buckets[b][me], bits)
             for rank in others:
                 self.frames_in[(b, rank)] = len(items)
                 items.append((self._buffer(("grad", b, rank), capacity), rank))
@@ -151,25 +175,25 @@ class PipelinedExchange:
         for b, parts in enumerate(self.buckets):
             for s, part in enumerate(parts):
                 if part is not None and s != me:
-                    capacity = w.aggregator.broadcast_capacity(bits, part)
+                    capacity = self.aggregator.broadcast_capacity(bits, part)
                     self.averages_in[(b, s)] = len(items)
-                    items.append((self._buffer(("avg", b, s), capacity), w.server_ranks[s]))
+                    items.append((self._buffer(("avg", b, s), capacity), self.server_ranks[s]))
         self.avg_recv = channel.start_recv(items, TAG_BCAST)
 
     def _buffer(self, key, capacity: int) -> np.ndarray:
-        return self.worker.pipeline_buffers.take(key, capacity)
+        return self.pipeline_buffers.take(key, capacity)
 
     def _send(self, b: int) -> None:
         """Queue bucket b's frames (``queue_shards``: no wait inside backward) and send them
         once done, in bucket order (:meth:`_post_done`): the host path's are done at the
         call, so sent at once; the device path's when the device has done them (a later
         hook's :meth:`_flush`, or after backward)."""
-        w = self.worker
+        compressor = self.parts.compressor
         start = time.process_time()
         parts = [(s, part) for s, part in enumerate(self.buckets[b]) if part is not None]
-        grad = w.replica.codec_gradient([p for _, part in parts for p in part.pieces])  # this bucket's only
-        shards, bits = [part for _, part in parts], w.control_msg.bits
-        queued = self._encoded(parts, grad, lambda: w.compressor.queue_shards(grad, bits, shards),
+        grad = self.replica.codec_gradient([p for _, part in parts for p in part.pieces])  # this bucket's only
+        shards, bits = [part for _, part in parts], self.control_msg.bits
+        queued = self._encoded(parts, grad, lambda: compressor.queue_shards(grad, bits, shards),
                                lambda: EncodedFrames([error_frame() for _ in parts]))
         self.encode_seconds += time.process_time() - start
         self.in_flight.append((b, parts, grad, queued))
@@ -197,30 +221,60 @@ class PipelinedExchange:
 
     def _post(self, b: int, frames) -> None:
         """Send bucket b's frames ((shard, frame) pairs) to their servers; keep this worker's own."""
-        w = self.worker
         for s, frame in frames:
             self.sent[b][s] = frame.size
-        self.local.update((b, frame) for s, frame in frames if s == w.serves)
-        remote = [(frame, w.server_ranks[s]) for s, frame in frames if s != w.serves]
-        self.sends.append(w.channel.start_send(remote, TAG_GRAD))
+        self.local.update((b, frame) for s, frame in frames if s == self.served)
+        remote = [(frame, self.server_ranks[s]) for s, frame in frames if s != self.served]
+        self.sends.append(self.channel.start_send(remote, TAG_GRAD))
+
+
+class PipelinedWorker(BucketedBackward):
+    """A colocated worker's pipelined exchange: backward, its frames and its shard's
+    averages, bucket by bucket, all in ``gradients``; the update applied bucket by bucket."""
+
+    applies_update = True
+    pipelined = True
+
+    def __init__(self, parts: WorkerParts):
+        super().__init__(parts)
+        self.pipeline_buffers = ReceiveBuffers(memory=self.replica.frame_memory)
+        self.backward_report = BackwardReport.buffer(len(self.buckets), self.servers)
+
+    def begin(self, m: int, lr: float, loss: torch.Tensor | None) -> None:
+        #: This iteration's learning rate, which the buckets are applied at, and its loss.
+        self.lr, self.loss_tensor = lr, loss
+
+    def control(self, m: int) -> None:
+        pass  # taken in backward, when the first bucket is ready
+
+    def gradients(self, m: int) -> None:
+        self.backward_times = self.backward(m, self.loss_tensor)
+        del self.loss_tensor
+        self.exchange()
+        self.sizes = [self.sizes_by_rank[rank] for rank in self.channel.workers]
+        self.worker_encode = self.encode_seconds
+        self.bytes_out = self.bucket_bytes + FrameLength.NBYTES
+
+    def broadcast(self, m: int) -> None:
+        pass  # the averages came bucket by bucket in ``gradients``
 
     # ---- the shard's averages and the update ---------------------------------------------
     def exchange(self) -> None:
         """Serve this worker's shard and take every shard's average, bucket by bucket, as the
         frames arrive; apply each bucket's update once all of it is in."""
-        w = self.worker
-        m, channel = self.m, w.channel
-        bits = w.control_msg.bits
-        update = w.replica.codec_update
+        m, channel = self.m, self.channel
+        bits = self.control_msg.bits
+        update = self.replica.codec_update
+        decoder = self.parts.broadcast_decoder
         ranks = channel.workers
-        others = [rank for rank in ranks if rank != w.rank]
-        self.sizes = {rank: 0 for rank in ranks}
+        others = [rank for rank in ranks if rank != self.rank]
+        self.sizes_by_rank = {rank: 0 for rank in ranks}
         self.t_decode = self.t_encode = 0.0
-        self.bytes_out = 0
+        self.bucket_bytes = 0
         self.bcast = [0] * len(self.buckets)
         parts_left = [sum(part is not None for part in parts) for parts in self.buckets]
         own, averages = list(self.own), dict(self.averages_in)
-        stalled = lambda: (f"worker rank {w.rank}: the frames of iteration {m} did not all arrive "  # noqa: E731
+        stalled = lambda: (f"worker rank {self.rank}: the frames of iteration {m} did not all arrive "  # noqa: E731
                            f"(buckets of its shard left: {own}, other shards' averages left: "
                            f"{sorted(averages)})")
         backoff = Backoff(channel.timeout, stalled)
@@ -234,8 +288,8 @@ class PipelinedExchange:
                     if counts[rank] is None:
                         break
                 if len(counts) == len(others) and all(n is not None for n in counts.values()):
-                    frames = [(rank, self.local[b] if rank == w.rank else
-                               self.worker.pipeline_buffers[("grad", b, rank)][:counts[rank]]) for rank in ranks]
+                    frames = [(rank, self.local[b] if rank == self.rank else
+                               self.pipeline_buffers[("grad", b, rank)][:counts[rank]]) for rank in ranks]
                     self._average(b, frames, bits, others)
                     parts_left[b] -= 1
                     self._apply_if_complete(b, parts_left, update)
@@ -249,12 +303,12 @@ class PipelinedExchange:
                 if count is None:
                     waiting_on.add(s)
                     continue
-                frame = self.worker.pipeline_buffers[("avg", b, s)][:count]
+                frame = self.pipeline_buffers[("avg", b, s)][:count]
                 start = time.process_time()
                 try:
-                    w.broadcast_decoder.decode(frame, self.buckets[b][s], update)
+                    decoder.decode(frame, self.buckets[b][s], update)
                 except (CodecError, FrameError) as exc:
-                    raise RuntimeError(f"bad shard frame from worker rank {w.server_ranks[s]} at iteration "
+                    raise RuntimeError(f"bad shard frame from worker rank {self.server_ranks[s]} at iteration "
                                        f"{m}: {exc}") from None
                 self.t_decode += time.process_time() - start
                 del averages[(b, s)]
@@ -274,13 +328,13 @@ class PipelinedExchange:
     def _average(self, b: int, frames, bits, others) -> None:
         """Add bucket b's frames of this shard in rank order, average, re-encode, send the
         average to the other workers and decode it here."""
-        w, m = self.worker, self.m
-        agg, part = w.aggregator, self.buckets[b][w.serves]
+        m = self.m
+        agg, part = self.aggregator, self.buckets[b][self.served]
         first = frames[0][0]
         for rank, frame in frames:
             if is_error_frame(frame):
                 raise TrainingError(f"worker rank {rank} computed a non-finite gradient at iteration {m}")
-            self.sizes[rank] += frame.size
+            self.sizes_by_rank[rank] += frame.size
             start = time.process_time()
             try:
                 agg.decoder.decode(frame, part, agg.grad_sum, accumulate=rank != first)
@@ -289,24 +343,63 @@ class PipelinedExchange:
             self.t_decode += time.process_time() - start
         self.t_encode += agg.encode(bits, shard=part)
         frame = agg.frame
-        self.sends.append(w.channel.start_send([(frame, rank) for rank in others], TAG_BCAST))
+        self.sends.append(self.channel.start_send([(frame, rank) for rank in others], TAG_BCAST))
         self.bcast[b] = frame.size
-        self.bytes_out += frame.size
+        self.bucket_bytes += frame.size
         start = time.process_time()
-        w.broadcast_decoder.decode(frame, part, w.replica.codec_update)
+        self.parts.broadcast_decoder.decode(frame, part, self.replica.codec_update)
         self.t_decode += time.process_time() - start
 
     def _apply_if_complete(self, b: int, parts_left: list[int], update: np.ndarray) -> None:
-        if parts_left[b] or not self.worker.applies_update:  # a script's optimizer applies it after backward
+        if parts_left[b] or not self.parts.applies_update:  # a script's optimizer applies it after backward
             return
-        replica, lr = self.worker.replica, self.worker.lr
+        replica, lr = self.replica, self.lr
         for part in self.buckets[b]:
             if part is not None:
                 for piece in part.pieces:
                     replica.step(lr, piece.offset, piece.size)
 
-    # ---- the report --------------------------------------------------------------------
-    def report(self, cpu: float, wall: float, buf: np.ndarray) -> np.ndarray:
-        """Message 10 for this iteration into ``buf``."""
-        return BackwardReport(cpu, wall, self.ready_cpu, self.ready_wall,
-                              [n for row in self.sent for n in row], self.bcast).pack(buf)
+    def report_more(self, m: int) -> None:
+        """Message 10 (backward's times, each bucket's ready times and frames) to rank 0."""
+        cpu, wall = self.backward_times
+        BackwardReport(cpu, wall, self.ready_cpu, self.ready_wall,
+                       [n for row in self.sent for n in row], self.bcast).pack(self.backward_report)
+        self.channel.send([(self.backward_report, 0)], TAG_BACKWARD,
+                          lambda pending: f"rank 0 took no backward report for iteration {m}")
+
+
+class PipelinedRank0(ColocatedRank0):
+    """Rank 0 of the pipelined iteration: the colocated phases, the whole iteration charged
+    in ``reports`` from the workers' backward reports (message 10)."""
+
+    def __init__(self, parts: Rank0Parts):
+        super().__init__(parts)
+        #: The buckets, for the workers' backward reports.
+        self.buckets = pipeline_buckets(self.shards)
+        self.backward_rows = BackwardReport.buffer(len(self.buckets), self.servers, rows=self.workers)
+
+    def charge_losses(self, reports: list[LossReport], ahead: int | None) -> None:
+        self.loss_reports, self.ahead = reports, ahead is not None  # charged with the iteration
+
+    def charge_control(self, nbytes: int) -> None:
+        pass
+
+    def charge(self, m: int) -> None:
+        """Receive the workers' backward reports (message 10) and charge the pipelined
+        iteration: its compute (forward + backward), and the communication not hidden
+        behind backward (``IterationClock.pipelined``)."""
+        self.channel.recv(list(zip(self.backward_rows, self.worker_ranks)), TAG_BACKWARD,
+                          lambda pending: f"worker rank(s) {', '.join(map(str, pending))} sent no backward "
+                                          f"report for iteration {m}")
+        B, S = len(self.buckets), self.servers
+        backward = [BackwardReport.unpack(row, B, S) for row in self.backward_rows]
+        seconds = self.clock.compute_seconds
+        forward = [seconds(r.compute_cpu, r.compute_wall) for r in self.loss_reports]
+        self.compute = [f + seconds(b.cpu, b.wall) for f, b in zip(forward, backward)]
+        traffic = PipelinedTraffic(
+            LossReport.NBYTES, self.control_msg.buf.nbytes,
+            tuple(tuple(seconds(c, w) for c, w in zip(b.ready_cpu, b.ready_wall)) for b in backward),
+            tuple(tuple(tuple(backward[w].sent[b * S + s] if w != s else 0 for w in range(self.workers))
+                        for b in range(B)) for s in range(S)),
+            tuple(tuple(backward[s].bcast[b] for b in range(B)) for s in range(S)), self.ahead)
+        self.clock.pipelined(traffic, max(forward), max(seconds(b.cpu, b.wall) for b in backward))

@@ -1,10 +1,16 @@
 """The order of one iteration, written once.
 
 Ranks 0..S-1 are servers (rank 0 also the scheduler and MDP server), ranks S..S+P-1 workers.
-Every role (:class:`~.worker.Worker`, :class:`~.server.ShardServer` for ranks 1..S-1,
+Every role (:class:`~.worker.Worker`, :class:`~.shard.ShardServer` for ranks 1..S-1,
 :class:`~.server.ParameterServer` for rank 0) implements the phases below, and
 :func:`run_iteration` calls them in this order on every rank; the messages are laid out in
-:mod:`.wire.messages`.
+:mod:`.wire.messages`. What every way of aggregating shares (the losses, the Control, the
+buffers, the SGD step, rank 0's policy and record) is the roles' own; the exchange's part
+of ``control``, ``gradients``, ``broadcast``, ``gradients2``, ``broadcast2`` and
+``reports``, and rank 0's charges of the clock for them, are the side of the run's way of
+aggregating that each role drives (``role.exchange``, :mod:`..exchange.way`), chosen from
+the config at one place (:func:`..exchange.ways.choose_exchange`). The table is separate
+servers' (:mod:`..exchange.servers`: S = 1, the star, or S sharded):
 
 =============  ==============================  ===========================  ==============================
 phase          worker                          server s > 0                 rank 0
@@ -20,7 +26,8 @@ phase          worker                          server s > 0                 rank
                (powersgd): send Q_i=M_i^T P^                                frames (rank order)
 ``broadcast2`` two-round codecs only: get Q,   average, bcast its Q         average, bcast Q, apply
                apply P^ Q^T, keep the error                                 P^ Q^T to its replica
-``reports``    -                               send ServerReport to 0       gather the S - 1 reports
+``reports``    -                               send ServerReport to 0       gather the S - 1 reports;
+                                                                            charge the clock
 ``buffers``    when due (evaluation, stop or   receive the average          gather, average, broadcast
                end) and the model has          (world bcast)                the BatchNorm statistics
                buffers: send BufferStats to 0,                              (off both clocks)
@@ -28,35 +35,24 @@ phase          worker                          server s > 0                 rank
 ``end``        SGD step; stop if told          stop if told                 SGD step; IterationRecord
 =============  ==============================  ===========================  ==============================
 
-Colocated servers (``--servers colocated``): no separate server ranks; each worker also runs
-the "server s > 0" column for its own shard (its ``gradients`` posts the frames for the other
-shards, aggregates its own shard meanwhile, then waits for its sends; in ``broadcast`` it
-sends its re-encoded shard to every other worker and decodes the others' as they arrive,
-point to point; it sends its ServerReport in ``reports``). Rank 0 takes part in neither gradient round: it gathers the P reports, and
-when the buffers are due it receives the first worker's parameters after that worker's SGD
-step (message 9, in ``end``), off both clocks.
+The other ways, each in its file under ``runtime/exchange/``, which says what it changes:
 
-Two-round codecs (``--codec powersgd``, :mod:`.lowrank`), from the codec's ``start``
-iteration on: ``gradients``/``broadcast`` carry round 1 (worker: P_i = M_i Q for each
-low-rank layer and the other layers as float32; each server, for the layers of its shard:
-sum in rank order, average, orthogonalise each P, broadcast P^ and the other layers'
-average), then ``gradients2``/``broadcast2`` round 2 (each server: the Q_i of its layers,
-summed, averaged, broadcast; rank 0 decodes every shard's, as in round 1); the update is
-written in ``broadcast2``, on the workers and on rank 0. With colocated servers each worker
-runs the server's part for its shard in both rounds, and rank 0 takes part in neither.
-Before ``start``, and for every other codec, those two phases do nothing. With the codec's
-menus (``ranks``/``widths``) every rank selects the iteration's factor plan from the
-Control's setting codes in ``control`` (``LowRank.select``, which checks them), and after an
-iteration whose Control says ``measure`` the workers send rank 0 their setting errors in
-``reports`` (message 11), which rank 0 receives there for the policy's next decision.
-
-The pipelined iteration (``--pipeline``, colocated servers, :mod:`.pipeline`): a worker's
-``begin`` runs the forward pass only, so ``losses`` goes before backward; its ``control``
-does nothing and ``gradients`` runs backward, taking the Control when the first bucket is
-ready, sending each bucket's frames as backward produces them, then serving its shard and
-taking every shard's average bucket by bucket (applying each bucket's update as it is
-complete); ``broadcast`` does nothing and ``reports`` adds message 10 (backward's times).
-Rank 0's phases are the colocated ones; it charges the whole iteration in ``reports``.
+- colocated servers (``--servers colocated``, :mod:`..exchange.colocated`): no separate
+  server ranks; each worker also runs the "server s > 0" column for its own shard, point to
+  point with the other workers, and rank 0 takes part in neither gradient round: it
+  gathers the P reports, and takes the first worker's parameters when the buffers are due;
+- the pipelined iteration (``--pipeline``, colocated servers, :mod:`..exchange.pipeline`):
+  a worker's ``begin`` runs the forward pass only, so ``losses`` goes before backward; its
+  ``control`` and ``broadcast`` do nothing and ``gradients`` runs backward, taking the
+  Control when the first bucket is ready and exchanging bucket by bucket; ``reports`` adds
+  message 10 (backward's times); rank 0 charges the whole iteration in ``reports``;
+- two-round codecs (``--codec powersgd``, :mod:`..exchange.tworounds` around one of the
+  above, the factors in :mod:`..exchange.lowrank`): before the codec's ``start`` iteration
+  the inner way's; from it on, ``gradients``/``broadcast`` carry round 1 (P) and
+  ``gradients2``/``broadcast2`` round 2 (Q), the update written in ``broadcast2``; every rank
+  selects the iteration's factor plan in ``control``, and after an iteration whose Control
+  says ``measure`` the workers send rank 0 their setting errors in ``reports`` (message 11).
+  For every other codec those two phases do nothing.
 
 The Control ahead (``control = "ahead"``, the default): where the policy knows iteration m's
 bits before its losses (``Policy.bits_ahead``: fixed, schedule, MQGrad between its steps),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 import socket
 
-from ..roles.server import ShardServer
+from ..roles.shard import ShardServer
 from ..roles.worker import Worker
 
 
