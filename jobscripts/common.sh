@@ -318,6 +318,32 @@ mpigrad_script() {
     mpigrad_finish "$status"
 }
 
+# mpigrad_sweep RUNS: a file of runs (one line of mpigrad train options each, with its own
+# --trace) as one job step, the runs one after another in the same ranks (mpigrad sweep), so
+# the ranks start once. A complete trace is skipped and a stopped one resumed, so a requeued
+# job goes on where it stopped: the walltime signal stops the running run at a checkpoint,
+# the step exits 75 and the job requeues itself. A run the launch checks refuse is reported
+# and the next starts (the step then exits 2). A rank's failure aborts the step: the job
+# ends with its status and the later runs are not started; a line with --force starts its
+# incomplete trace again when the job is submitted anew.
+mpigrad_sweep() {
+    local runs=$1
+    shift
+    _mpigrad_prepare
+    [[ -f $runs ]] || mpigrad_die "runs file $runs not found (relative paths start in $PWD)"
+    mpigrad_setup_env
+    mpigrad_launcher
+    mpigrad_log "job $(mpigrad_job_ref) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $SLURM_NTASKS ranks x $OMP_NUM_THREADS threads"
+    local cmd=("${MPIGRAD_LAUNCH[@]}" "${MPIGRAD_PYTHON:-python}" -m mpi4py -m mpigrad sweep "$runs")
+    mpigrad_log "step: ${cmd[*]}"
+    local status=0
+    mpigrad_run_step "${cmd[@]}" || status=$?
+    if [[ -n $_mpigrad_job_cache ]]; then
+        rm -rf -- "$_mpigrad_job_cache"
+    fi
+    mpigrad_finish "$status"
+}
+
 # mpigrad_train CONFIG TRACE [more train options]: the whole job. An existing TRACE means an
 # earlier start of this job (or of MPIGRAD_RUN_ID's) wrote it, so the run continues with
 # --resume from the checkpoint next to it; a trace is never overwritten.

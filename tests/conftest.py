@@ -88,7 +88,31 @@ def mpi_env(tmp_path_factory) -> dict[str, str]:
                PYTHONUNBUFFERED="1", HDF5_USE_FILE_LOCKING="FALSE")
     for key in ("SLURM_NTASKS", "SLURM_JOB_ID", "MPIGRAD_INJECT_FAULT"):
         env.pop(key, None)
+    global _world_env, _world_folder
+    _world_env, _world_folder = env, _run_directory(tmp_path_factory) / f"worlds-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
     return env
+
+
+#: The shared worlds' base environment and folder (``mpi_env``'s), and this process's pool.
+_world_env: dict[str, str] | None = None
+_world_folder: Path | None = None
+_world_pool = None
+
+
+def world_pool():
+    """This pytest worker's :class:`worlds.WorldPool` (None where worlds are off)."""
+    global _world_pool
+    if _world_env is None or os.environ.get("MPIGRAD_TEST_WORLDS") == "0":
+        return None
+    if _world_pool is None:
+        from worlds import WorldPool
+        _world_pool = WorldPool(_world_folder, _world_env, mpiexec)
+    return _world_pool
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _world_pool is not None:
+        _world_pool.close()
 
 
 #: Open MPI's launcher frames a notice in dashes after any rank's non-zero exit (2 for a
@@ -103,15 +127,33 @@ def without_launcher_notice(stderr: str) -> str:
 
 
 def run_mpi(ranks: int, args: list[str], env: dict[str, str], timeout: float = 180,
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
+            cwd: Path | None = None, own: bool = False) -> subprocess.CompletedProcess:
     """``mpiexec -n RANKS python -m mpi4py -m mpigrad ARGS``; a hang fails the test. Its
-    ``stderr`` is what mpigrad printed (``without_launcher_notice``)."""
-    command = mpiexec(ranks, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *args])
-    try:
-        result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpiexec run did not finish within {timeout} s: {' '.join(args)}\n"
-                    f"stdout: {exc.stdout}\nstderr: {exc.stderr}")
+    ``stderr`` is what mpigrad printed (``without_launcher_notice``). A ``train`` run goes to
+    this worker's shared world (``tests/worlds.py``) where a world gives what a fresh
+    ``mpiexec`` would (its environment differs in ``MPIGRAD_*`` variables only), unless
+    ``own`` asks for an ``mpiexec`` of its own."""
+    pool = world_pool() if not own and args[:1] == ["train"] and "--check" not in args else None
+    changed = None
+    if pool is not None:
+        from worlds import world_env_differs
+        try:
+            changed = world_env_differs(env, _world_env)
+        except ValueError:
+            pool = None
+    if pool is not None:
+        try:
+            result = pool.run(ranks, {"argv": list(args[1:]), "env": changed, "cwd": str(cwd) if cwd else None},
+                              timeout)
+        except TimeoutError:
+            pytest.fail(f"mpiexec run (in a shared world) did not finish within {timeout} s: {' '.join(args)}")
+    else:
+        command = mpiexec(ranks, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *args])
+        try:
+            result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"mpiexec run did not finish within {timeout} s: {' '.join(args)}\n"
+                        f"stdout: {exc.stdout}\nstderr: {exc.stderr}")
     result.stderr = without_launcher_notice(result.stderr)
     # Every real run checks the warm-up: a kernel first called inside the run is named here.
     late = [line for line in result.stderr.splitlines() if "Numba kernel(s) during the run" in line]

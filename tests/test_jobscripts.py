@@ -464,6 +464,37 @@ def test_a_scripts_job_stops_on_the_walltime_signal_requeues_and_resumes(cluster
     assert not (cluster.submit / saved).exists()
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+def test_a_sweep_in_one_job_stops_on_the_walltime_signal_requeues_and_goes_on(cluster):
+    """jobscripts/sweep-world.sbatch with two runs (mpigrad sweep): the walltime signal stops
+    the first at a checkpoint, the step exits 75 and the job requeues; the next start
+    resumes the first run and then runs the second, both to complete traces."""
+    from mpigrad.trace import load
+
+    first, second = "runs/sweep-a.h5", "runs/sweep-b.h5"
+    (cluster.submit / "real.toml").write_text(  # real 10 ms sleeps per message: the signal lands midway
+        '# ranks: 2\niterations = 40\ndata = "digits"\nmodel_opts = { fc_sizes = [64, 64] }\n'
+        'codec = "fp32"\npolicy = "fixed"\nnet_mode = "sleep"\nlatency = "10ms"\nbandwidth = "1GB/s"\n'
+        'eval_every = 0\nprogress_every = 10\n')
+    runs = cluster.submit / "runs.txt"
+    runs.write_text(f"--config real.toml --trace {first}\n# the second run\n--config real.toml --seed 2 --trace {second}\n")
+    result = cluster.sbatch("--ntasks=2", "jobscripts/sweep-world.sbatch", "runs.txt",
+                            MPIGRAD_LAUNCHER="mpiexec", FAKE_SLURM_SIGNAL_WHEN=first)
+    assert result.returncode == 0, result.stderr
+    log = (cluster.submit / "mpigrad-sweep-world-1000.out").read_text()
+    assert cluster.jobs() == [("1000", 0, 0), ("1000", 1, 0)], log
+    assert "scontrol requeue 1000" in cluster.calls()
+    assert re.search(r"received SIGUSR1: stopped after iteration \d+, checkpoint", log), log
+    assert f"mpigrad sweep: run 1/2 (line 1): resumed: {first} stopped at a checkpoint" in log
+    assert "mpigrad sweep: run 2/2 (line 3): exit 0 after" in log
+    assert f"step: mpiexec -n 2 {sys.executable} -m mpi4py -m mpigrad sweep runs.txt" in log
+    for trace in (first, second):
+        run = load(str(cluster.submit / trace))
+        assert run.complete and run.steps["iteration"].tolist() == list(range(40))
+
+
 def test_sweep_runs_every_method_and_requeues_one_task(cluster):
     result = cluster.sbatch("--ntasks=4", "jobscripts/sweep.sbatch", "examples/quick/",
                             FAKE_STEP_SECONDS="0.001", FAKE_SLURM_SIGNAL_TASKS="3",

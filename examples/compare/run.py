@@ -22,6 +22,9 @@ traces only (``mpigrad trace compare``):
   to the target loss over the seeds; where no rate reaches it, the least final loss);
 - OUT/lr-grid.{txt,md,csv}: every (method, rate) group.
 
+With --one-world the runs go one after another in one ``mpiexec`` (``mpigrad sweep``), so
+the ranks' start-up (imports, Numba's cache) is paid once, not once per run.
+
 On a cluster, examples/compare/array.sbatch runs the same plan as a Slurm job array (one
 run per task), and ``--report`` writes the report afterwards.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -87,32 +91,65 @@ def status(trace: Path) -> str | None:
         return None
 
 
-def train_command(run: Run, extra: list[str]) -> list[str]:
-    """The run under this Python's MPI, with the flags that MPI needs (mpigrad.mpiexec)."""
+def train_options(run: Run, extra: list[str]) -> list[str]:
+    """The run's ``mpigrad train`` options (an incomplete trace is started again: --force)."""
+    return ["--config", str(run.config), "--seed", str(run.seed), "--lr", f"{run.lr:g}", "--trace", str(run.trace),
+            "--force", *extra]
+
+
+def mpigrad_command(args: list[str]) -> list[str]:
+    """``mpigrad ARGS`` under this Python's MPI on RANKS ranks, with the flags that MPI needs
+    (mpigrad.mpiexec)."""
     from mpigrad.mpiexec import mpiexec_command
 
-    return mpiexec_command(RANKS, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", "train",
-                                   "--config", str(run.config), "--seed", str(run.seed), "--lr", f"{run.lr:g}",
-                                   "--trace", str(run.trace), "--force", *extra])
+    return mpiexec_command(RANKS, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *args])
+
+
+def run_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        env.setdefault(name, "1")
+    return env
 
 
 def run_all(runs: list[Run], extra: list[str], log=print) -> int:
     """Run every run whose trace is not complete; return the number that failed."""
-    env = dict(os.environ)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        env.setdefault(name, "1")
+    env = run_environment()
     failed = 0
     for k, run in enumerate(runs, 1):
         if status(run.trace) == "complete":
             log(f"[{k}/{len(runs)}] {run.trace.name}: complete, skipped")
             continue
         log(f"[{k}/{len(runs)}] {run.trace.name}: running")
-        result = subprocess.run(train_command(run, extra), env=env, capture_output=True, text=True)
+        result = subprocess.run(mpigrad_command(["train", *train_options(run, extra)]), env=env, capture_output=True,
+                                text=True)
         if result.returncode != 0:
             failed += 1
             last = (result.stderr.strip().splitlines() or ["(no message)"])[-1]
             log(f"[{k}/{len(runs)}] {run.trace.name}: failed (exit {result.returncode}): {last}")
     return failed
+
+
+def run_in_one_world(runs: list[Run], out: Path, extra: list[str], log=print) -> int:
+    """Every run whose trace is not complete, one after another in one MPI job
+    (``mpigrad sweep``: the processes start once); return the number left incomplete. A
+    rank's failure aborts the job: the runs after it are then left for the next call."""
+    todo = [run for run in runs if status(run.trace) != "complete"]
+    log(f"{len(runs) - len(todo)} complete, skipped; {len(todo)} to run in one world")
+    if not todo:
+        return 0
+    runs_file = out / "runs.txt"
+    runs_file.write_text("".join(shlex.join(train_options(run, extra)) + "\n" for run in todo))
+    result = subprocess.run(mpigrad_command(["sweep", str(runs_file)]), env=run_environment(), capture_output=True,
+                            text=True)
+    for line in result.stdout.splitlines():
+        if line.startswith("mpigrad sweep: "):
+            log(line)
+    left = [run for run in todo if status(run.trace) != "complete"]
+    if result.returncode != 0 or left:
+        last = (result.stderr.strip().splitlines() or ["(no message)"])[-1]
+        log(f"the sweep exited {result.returncode} with {len(left)} run(s) incomplete: {last}")
+    return len(left)
 
 
 def best_rates(groups, rows, smooth: int) -> dict[str, str]:
@@ -186,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", type=int, metavar="N",
                         help="print run N of the plan as 'CONFIG SEED LR TRACE' (nothing if complete); for job arrays")
     parser.add_argument("--report", action="store_true", help="only write the report from existing traces")
+    parser.add_argument("--one-world", action="store_true",
+                        help="run the runs in one MPI job (mpigrad sweep: each rank starts once, not once per run)")
     parser.add_argument("--target-loss", type=float, help=f"default {TARGET_LOSS} ({SMOKE['target_loss']} with --smoke)")
     parser.add_argument("--peers", type=Path, metavar="DIR",
                         help="a `mpigrad bench peers` result (peers.json or its folder): its DDP runs join the "
@@ -218,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     if not args.report:
         print(f"{len(runs)} runs into {args.out} (complete traces are skipped)", flush=True)
-        failed = run_all(runs, extra, log=lambda line: print(line, flush=True))
+        log = lambda line: print(line, flush=True)  # noqa: E731
+        failed = run_in_one_world(runs, args.out, extra, log) if args.one_world else run_all(runs, extra, log)
     report(args.out, runs, target, settings["smooth"], settings["at"], peers=args.peers, shared_lr=args.shared_lr)
     return 1 if failed else 0
 

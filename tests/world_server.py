@@ -1,0 +1,161 @@
+"""The MPI side of the test suite's shared worlds (``tests/worlds.py``): a long-lived
+``mpiexec -n N python -m mpi4py tests/world_server.py DIR`` that runs the scenarios the
+tests hand it, one at a time, each on a communicator of its own.
+
+Rank 0 polls DIR for ``K.request.json`` (K = 0, 1, ...: written whole by a rename) and
+sends it to every rank. The first ``ranks`` ranks split off a communicator and run the
+scenario on it, their file descriptors 1 and 2 redirected to ``K.R.out`` and ``K.R.err``,
+the scenario's environment and folder set, then put back; each writes its exit code to
+``K.R.code`` (written whole by a rename) last. The others wait for the next request. A
+scenario is ``mpigrad train``'s options (``runtime/run/world.train_in_world``) or a script
+whose ``main(comm)`` returns an exit code (the harness's own tests). After each, a rank
+that finds the process changed (``ProcessState.differences``: a thread left running, a
+file left open, a value not put back) says so on its stderr and exits the scenario with
+``LEFT_STATE``: sharing a world must not hide it. ``K.request.json`` with ``"quit"`` ends
+the world. A failure that aborts (MPI_Abort) ends the world too: the harness sees its
+exit, reads what the ranks wrote, and starts another for the next test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+#: The exit code of a scenario after which the process was not as before it.
+LEFT_STATE = 97
+#: An idle rank's sleep between polls: short next to a run, long enough to cost no core.
+_POLL_SECONDS = 0.02
+
+
+def _write_whole(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _next_request(folder: Path, number: int) -> dict:
+    path = folder / f"{number}.request.json"
+    while not path.exists():
+        time.sleep(_POLL_SECONDS)
+    return json.loads(path.read_text())
+
+
+def _receive(comm, request: dict | None) -> dict:
+    """Rank 0 sends ``request`` to every rank; each waits asleep (not spinning: an idle rank
+    must not take a core from a scenario's ranks)."""
+    if comm.Get_rank() == 0:
+        for rank in range(1, comm.Get_size()):
+            comm.send(request, dest=rank, tag=7)
+        return request
+    pending = comm.irecv(source=0, tag=7)
+    while True:
+        done, request = pending.test()
+        if done:
+            return request
+        time.sleep(_POLL_SECONDS)
+
+
+@contextlib.contextmanager
+def _redirected(out: Path, err: Path):
+    """File descriptors 1 and 2 (Python's and C's output alike) into ``out`` and ``err``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(out, "wb") as o, open(err, "wb") as e:
+        os.dup2(o.fileno(), 1)
+        os.dup2(e.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+@contextlib.contextmanager
+def _scenario_environment(env: dict, cwd: str | None):
+    before = {name: os.environ.get(name) for name in env}
+    folder = os.getcwd()
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if cwd:
+        os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(folder)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _AbortsTheWorld(MPI.Intracomm):
+    """A scenario's communicator whose ``Abort`` aborts the world, as a fresh ``mpiexec``'s
+    run aborts ``MPI_COMM_WORLD``: the launcher then reports the abort's code (an abort of a
+    part of the world makes it kill the rest, and report that)."""
+
+    def Abort(self, errorcode: int = 0):  # noqa: N802 - mpi4py's name
+        MPI.COMM_WORLD.Abort(errorcode)
+
+
+def _run_scenario(request: dict, comm) -> int:
+    if "script" in request:
+        spec = importlib.util.spec_from_file_location("world_scenario", request["script"])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return int(module.main(comm, *request.get("args", [])) or 0)
+    from mpigrad.errors import UsageError
+    from mpigrad.runtime.run.world import train_in_world
+
+    try:
+        return train_in_world(request["argv"], comm)
+    except UsageError as exc:  # refused on every rank alike (the runs file's own checks)
+        if comm.Get_rank() == 0:
+            print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def serve(folder: Path) -> None:
+    from mpigrad.runtime.run.world import ProcessState
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    number = 0
+    while True:
+        request = _receive(world, _next_request(folder, number) if rank == 0 else None)
+        if request.get("quit"):
+            return
+        inside = rank < request["ranks"]
+        comm = world.Split(0 if inside else MPI.UNDEFINED, rank)
+        if inside:
+            state = ProcessState.taken()
+            with _redirected(folder / f"{number}.{rank}.out", folder / f"{number}.{rank}.err"):
+                with _scenario_environment(request.get("env", {}), request.get("cwd")):
+                    code = _run_scenario(request, _AbortsTheWorld(comm))
+                left = state.differences()
+                if left:
+                    print(f"world: rank {rank} left the process changed after the scenario: {'; '.join(left)}",
+                          file=sys.stderr, flush=True)
+                    code = LEFT_STATE
+            comm.Free()
+            _write_whole(folder / f"{number}.{rank}.code", str(code))
+        number += 1
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]))

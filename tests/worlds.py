@@ -1,0 +1,177 @@
+"""Shared MPI worlds for the test suite (issue 65): a real ``mpigrad train`` run of a test
+goes to a long-lived ``mpiexec`` world (``tests/world_server.py``) instead of a fresh one,
+so that it pays no start-up (processes, imports, Numba's cache, MPI's wire-up).
+
+:class:`WorldPool` (one per pytest worker) keeps one world, as large as the largest run
+asked of it so far (at least ``SMALLEST`` ranks), and restarts it when a run needs more
+ranks, when a scenario aborted it (MPI_Abort ends every rank: the harness sees the
+``mpiexec`` exit), hung (past its timeout: killed, the test fails), or left its processes
+changed (``world_server.LEFT_STATE``). :meth:`WorldPool.run` gives what ``subprocess.run``
+gives a test: the exit code (the first rank's non-zero one, as the launchers report it),
+stdout and stderr (each rank's, in rank order).
+
+A run goes to a world only where a world gives what a fresh ``mpiexec`` would: ``train``
+runs whose environment differs from the world's in ``mpigrad``'s own run-time variables
+only (``MPIGRAD_*``: read when a run starts, not at import). The rest keep their own
+``mpiexec`` (``run_mpi`` decides: ``conftest.py``): a run with an injected fault
+(``MPIGRAD_INJECT_FAULT``: an abort would end a warm world; a run that fails otherwise
+does end it, and the next run starts another), and signals, kills and hangs a test
+provokes on purpose, the launcher's own checks and other commands, which are not runs of a
+world. ``MPIGRAD_TEST_WORLDS=0``
+sends every run to its own ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: The smallest world started: most real runs of the suite take 3 or 4 ranks.
+SMALLEST = 4
+#: A world's start-up (imports on every rank) may take this long on a loaded machine.
+START_SECONDS = 120
+SERVER = Path(__file__).resolve().with_name("world_server.py")
+LEFT_STATE = 97
+#: A run with an injected fault goes to an ``mpiexec`` of its own: it would abort a warm world.
+FAULT = "MPIGRAD_INJECT_FAULT"
+
+
+def world_env_differs(env: dict[str, str], base: dict[str, str]) -> dict[str, str | None]:
+    """The variables a run sets beyond ``base`` (None: unset), or raise ValueError where one
+    is not mpigrad's run-time own (a world cannot take it: it was read at import)."""
+    changed = {name: value for name, value in env.items() if base.get(name) != value}
+    changed.update({name: None for name in base if name not in env})
+    foreign = sorted(name for name in changed if not name.startswith("MPIGRAD_"))
+    if foreign:
+        raise ValueError(f"variables a world cannot change: {', '.join(foreign)}")
+    if changed.get(FAULT):
+        raise ValueError(f"{FAULT}: the run is meant to fail, and an abort would end the world")
+    return changed
+
+
+class WorldGone(RuntimeError):
+    """The world ended during a scenario (an abort, a crash): its exit code is ``code``."""
+
+    def __init__(self, code: int):
+        super().__init__(f"the world exited with {code}")
+        self.code = code
+
+
+class World:
+    """One ``mpiexec`` world of ``size`` ranks serving scenarios from ``folder``."""
+
+    def __init__(self, size: int, env: dict[str, str], folder: Path, command):
+        self.size, self.env, self.folder = size, dict(env), folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.log = open(folder / "world.log", "wb")
+        self.process = subprocess.Popen(command(size, [sys.executable, "-m", "mpi4py", str(SERVER), str(folder)]),
+                                        env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.next = 0
+        self.started = time.monotonic()
+        #: Scenarios served: a world serving many is where the start-ups were saved.
+        self.served = 0
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def submit(self, request: dict) -> int:
+        number = self.next
+        path = self.folder / f"{number}.request.json"
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(request))
+        os.replace(partial, path)
+        self.next += 1
+        return number
+
+    def wait(self, number: int, ranks: int, timeout: float) -> list[int]:
+        """Each rank's exit code of scenario ``number``; WorldGone where the world ended
+        first, TimeoutError past ``timeout`` (the world's start-up not counted)."""
+        deadline = max(time.monotonic(), self.started + START_SECONDS if not self.served else 0) + timeout
+        codes = [self.folder / f"{number}.{rank}.code" for rank in range(ranks)]
+        while not all(path.exists() for path in codes):
+            if not self.alive():
+                raise WorldGone(self.process.returncode)
+            if time.monotonic() > deadline:
+                raise TimeoutError(number)
+            time.sleep(0.01)
+        self.served += 1
+        return [int(path.read_text()) for path in codes]
+
+    def output(self, number: int, ranks: int) -> tuple[str, str]:
+        def read(suffix: str) -> str:
+            parts = []
+            for rank in range(ranks):
+                path = self.folder / f"{number}.{rank}.{suffix}"
+                parts.append(path.read_text(errors="replace") if path.exists() else "")
+            return "".join(parts)
+        return read("out"), read("err")
+
+    def close(self) -> None:
+        if self.alive():
+            self.submit({"quit": True})
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+class WorldPool:
+    """This pytest worker's world, started on first use and restarted when it must be."""
+
+    def __init__(self, folder: Path, env: dict[str, str], command):
+        self.folder, self.env, self.command = folder, dict(env), command
+        self.world: World | None = None
+        self.started = 0  # worlds started: the suite's mpiexec starts that ran in a world
+
+    def _world(self, ranks: int) -> World:
+        if self.world is not None and (not self.world.alive() or self.world.size < ranks):
+            self.world.close()
+            self.world = None
+        if self.world is None:
+            self.started += 1
+            self.world = World(max(SMALLEST, ranks), self.env, self.folder / f"world{self.started}", self.command)
+        return self.world
+
+    def run(self, ranks: int, request: dict, timeout: float) -> subprocess.CompletedProcess:
+        """Run one scenario (``request``: ``argv`` of ``mpigrad train``, or ``script``) on
+        ``ranks`` ranks; TimeoutError where it did not end within ``timeout`` (the world is
+        killed)."""
+        world = self._world(ranks)
+        number = world.submit({**request, "ranks": ranks})
+        try:
+            codes = world.wait(number, ranks, timeout)
+        except WorldGone as gone:
+            stdout, stderr = world.output(number, ranks)
+            self.world = None
+            world.log.close()
+            return subprocess.CompletedProcess(request, gone.code, stdout, stderr)
+        except TimeoutError:
+            world.kill()
+            world.log.close()
+            self.world = None
+            raise
+        stdout, stderr = world.output(number, ranks)
+        if LEFT_STATE in codes:  # the next scenario must not inherit it
+            world.kill()
+            world.log.close()
+            self.world = None
+        code = next((c for c in codes if c), 0)
+        return subprocess.CompletedProcess(request, code, stdout, stderr)
+
+    def close(self) -> None:
+        if self.world is not None:
+            self.world.close()
+            self.world = None
