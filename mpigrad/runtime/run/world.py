@@ -27,9 +27,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import h5py
+import numba
 import numpy as np
+import torch
 
 from ...errors import UsageError
+from ..exchange import build, warmup
+from ..plan import gpu
+from ..wire import channel
 from ..plan.checks import check_options, check_trace
 from ..plan.environment import THREAD_VARIABLES
 from ..roles.stopping import STOP_SIGNALS
@@ -41,19 +47,11 @@ __all__ = ["ProcessState", "train_in_world", "train_parser"]
 
 def _module_state() -> dict[str, Any]:
     """The runtime's module-level state a run sets, by name."""
-    from ..exchange import build, warmup
-    from ..plan import gpu
-    from ..wire import channel
-
     return {"bound GPU (plan.gpu)": gpu._bound, "device warm-up record (exchange.warmup)": warmup._device_warmed,
             "waiting mode (wire.channel)": channel._spin, "loaded data sets (exchange.build)": tuple(build._loaded)}
 
 
 def _restore_module_state(state: dict[str, Any]) -> None:
-    from ..exchange import build, warmup
-    from ..plan import gpu
-    from ..wire import channel
-
     gpu._bound = state["bound GPU (plan.gpu)"]
     warmup._device_warmed = state["device warm-up record (exchange.warmup)"]
     channel._spin = state["waiting mode (wire.channel)"]
@@ -61,8 +59,6 @@ def _restore_module_state(state: dict[str, Any]) -> None:
 
 
 def _open_hdf5_files() -> int:
-    import h5py
-
     return len(h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE))
 
 
@@ -81,9 +77,6 @@ class ProcessState:
 
     @classmethod
     def taken(cls) -> "ProcessState":
-        import numba
-        import torch
-
         values = {
             "torch threads": torch.get_num_threads(),
             "Numba threads": numba.get_num_threads(),
@@ -99,9 +92,6 @@ class ProcessState:
     def restore(self) -> None:
         """Put the process back as it was when taken (threads and files excepted: they are
         the run's to end, and :meth:`differences` names them)."""
-        import numba
-        import torch
-
         values = self.values
         torch.set_num_threads(values["torch threads"])
         numba.set_num_threads(values["Numba threads"])
