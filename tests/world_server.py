@@ -109,7 +109,15 @@ class _AbortsTheWorld(MPI.Intracomm):
     run aborts ``MPI_COMM_WORLD``: the launcher then reports the abort's code (an abort of a
     part of the world makes it kill the rest, and report that)."""
 
+    #: Where this rank writes its exit code first (the launcher does not always report an
+    #: abort's code: hydra gave 0 for one now and then).
+    code_path: Path | None = None
+
     def Abort(self, errorcode: int = 0):  # noqa: N802 - mpi4py's name
+        if self.code_path is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _write_whole(self.code_path, str(errorcode))
         MPI.COMM_WORLD.Abort(errorcode)
 
 
@@ -146,7 +154,9 @@ def serve(folder: Path) -> None:
             state = ProcessState.taken()
             with _redirected(folder / f"{number}.{rank}.out", folder / f"{number}.{rank}.err"):
                 with _scenario_environment(request.get("env", {}), request.get("cwd")):
-                    code = _run_scenario(request, _AbortsTheWorld(comm))
+                    scenario_comm = _AbortsTheWorld(comm)
+                    scenario_comm.code_path = folder / f"{number}.{rank}.code"
+                    code = _run_scenario(request, scenario_comm)
                 left = state.differences()
                 if left:
                     print(f"world: rank {rank} left the process changed after the scenario: {'; '.join(left)}",

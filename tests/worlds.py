@@ -157,7 +157,10 @@ class WorldPool:
             stdout, stderr = world.output(number, ranks)
             self.world = None
             world.log.close()
-            return subprocess.CompletedProcess(request, gone.code, stdout, stderr)
+            # The aborting rank wrote its code before the abort; the launcher's may be 0.
+            written = [int(path.read_text()) for path in sorted(world.folder.glob(f"{number}.*.code"))]
+            code = next((c for c in written if c), gone.code or 1)
+            return subprocess.CompletedProcess(request, code, stdout, stderr)
         except TimeoutError:
             world.kill()
             world.log.close()
