@@ -30,6 +30,8 @@ from mpi4py import MPI
 
 #: The exit code of a scenario after which the process was not as before it.
 LEFT_STATE = 97
+#: After the code of a rank that called MPI_Abort: the world is ending.
+ABORTED = "aborted"
 #: An idle rank's sleep between polls: short next to a run, long enough to cost no core.
 _POLL_SECONDS = 0.02
 
@@ -117,7 +119,7 @@ class _AbortsTheWorld(MPI.Intracomm):
         if self.code_path is not None:
             sys.stdout.flush()
             sys.stderr.flush()
-            _write_whole(self.code_path, str(errorcode))
+            _write_whole(self.code_path, f"{errorcode} {ABORTED}")
         MPI.COMM_WORLD.Abort(errorcode)
 
 

@@ -37,6 +37,7 @@ SMALLEST = 4
 START_SECONDS = 120
 SERVER = Path(__file__).resolve().with_name("world_server.py")
 LEFT_STATE = 97
+ABORTED = "aborted"
 #: A run with an injected fault goes to an ``mpiexec`` of its own: it would abort a warm world.
 FAULT = "MPIGRAD_INJECT_FAULT"
 
@@ -52,6 +53,11 @@ def world_env_differs(env: dict[str, str], base: dict[str, str]) -> dict[str, st
     if changed.get(FAULT):
         raise ValueError(f"{FAULT}: the run is meant to fail, and an abort would end the world")
     return changed
+
+
+def _code(text: str) -> int:
+    """A rank's exit code as its code file holds it (``world_server``: "N", or "N aborted")."""
+    return int(text.split()[0])
 
 
 class WorldGone(RuntimeError):
@@ -88,8 +94,8 @@ class World:
         self.next += 1
         return number
 
-    def wait(self, number: int, ranks: int, timeout: float) -> list[int]:
-        """Each rank's exit code of scenario ``number``; WorldGone where the world ended
+    def wait(self, number: int, ranks: int, timeout: float) -> list[str]:
+        """Each rank's code file of scenario ``number`` (its text); WorldGone where the world ended
         first, TimeoutError past ``timeout`` (the world's start-up not counted)."""
         deadline = max(time.monotonic(), self.started + START_SECONDS if not self.served else 0) + timeout
         codes = [self.folder / f"{number}.{rank}.code" for rank in range(ranks)]
@@ -100,7 +106,7 @@ class World:
                 raise TimeoutError(number)
             time.sleep(0.01)
         self.served += 1
-        return [int(path.read_text()) for path in codes]
+        return [path.read_text() for path in codes]
 
     def output(self, number: int, ranks: int) -> tuple[str, str]:
         def read(suffix: str) -> str:
@@ -158,7 +164,7 @@ class WorldPool:
             self.world = None
             world.log.close()
             # The aborting rank wrote its code before the abort; the launcher's may be 0.
-            written = [int(path.read_text()) for path in sorted(world.folder.glob(f"{number}.*.code"))]
+            written = [_code(path.read_text()) for path in sorted(world.folder.glob(f"{number}.*.code"))]
             code = next((c for c in written if c), gone.code or 1)
             return subprocess.CompletedProcess(request, code, stdout, stderr)
         except TimeoutError:
@@ -167,7 +173,9 @@ class WorldPool:
             self.world = None
             raise
         stdout, stderr = world.output(number, ranks)
-        if LEFT_STATE in codes:  # the next scenario must not inherit it
+        aborted = any(text.endswith(ABORTED) for text in codes)  # every rank wrote before the abort ended them
+        codes = [_code(text) for text in codes]
+        if LEFT_STATE in codes or aborted:  # the next scenario must not inherit it, nor a dying world
             world.kill()
             world.log.close()
             self.world = None
