@@ -37,7 +37,7 @@ from . import options
 from .clockmodel import LinkModel, Network
 from .errors import UsageError
 from .units import (format_rate, network_from, parse_bandwidth, parse_duration, parse_interval, parse_latency,
-                    parse_link_bandwidth)
+                    parse_link_bandwidth, parse_rate)
 
 
 NET_MODES = ("virtual", "sleep", "off")
@@ -66,6 +66,23 @@ LR_SCALINGS = ("none", "linear")
 COLOCATED = "colocated"
 #: ``shard_chunk``'s default (runtime/plan/layout.py resolve_chunks).
 AUTO_CHUNK = "auto"
+#: ``ranks_per_node`` and ``exchange``: resolved at launch (runtime/plan/topology.py).
+AUTO = "auto"
+#: ``exchange`` choices: ``auto`` resolves to one of the other two at launch.
+EXCHANGE_KINDS = (AUTO, "flat", "hierarchical")
+#: ``intra_codec`` choices: the precision of a hierarchical exchange's slices inside a node.
+INTRA_CODECS = ("fp32", "fp16", "bf16")
+
+
+def parse_ranks_per_node(value: Any) -> int | str:
+    """``--ranks-per-node``: a whole number L >= 1 of workers per node, or ``auto``."""
+    if isinstance(value, str) and value.strip() == AUTO:
+        return AUTO
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"ranks_per_node must be a number of workers (at least 1) or {AUTO!r}, got {value!r}")
+    return value
 
 
 def parse_servers(value: Any) -> int | str:
@@ -347,6 +364,35 @@ class RunConfig:
              "chooses the bits during backward, each layer's frames go as soon as backward has produced its "
              "gradient, and its average as soon as all its frames are in); the same losses as without "
              "(docs/runtime.rst)")
+    #: Nodes of several workers (docs/runtime.rst, Nodes): ``ranks_per_node`` workers share a
+    #: node, in worker order (rank 0, the scheduler, is an extra rank on node 0); "auto":
+    #: as MPI's shared-memory split sees the launched ranks. Resolved to a number at launch
+    #: (runtime/plan/topology.py), which the trace records.
+    ranks_per_node: int | str = option(
+        1, group=_SERVERS, metavar="L|auto", parse=lambda value: parse_ranks_per_node(value),
+        help="workers per node, L consecutive workers to a node behind one NIC (rank 0, the scheduler, sits on "
+             "node 0 beside its workers); the network model, the lab and --exchange hierarchical follow it, and "
+             "it wins over what MPI sees (with a note); auto: the nodes MPI's shared-memory split finds "
+             "(default {default}: every worker a node of its own, as the model has always had it)",
+        valid=lambda value: value == AUTO or (type(value) is int and value >= 1),
+        invalid="ranks_per_node must be a number of workers (at least 1) or auto, got {value!r}")
+    #: How gradients cross nodes of several workers: "flat" (every worker exchanges shards with
+    #: every other, as with one worker per node), "hierarchical" (a full-precision reduce-scatter
+    #: inside the node, the codecs across nodes by local rank, an all-gather inside), or "auto".
+    exchange: str = option(
+        AUTO, group=_SERVERS, choices=EXCHANGE_KINDS,
+        help="with --servers colocated and nodes of several workers (--ranks-per-node): hierarchical (a "
+             "reduce-scatter inside each node at --intra-codec, each local rank's slice through the codecs, "
+             "servers and policy across nodes, an all-gather inside: only what crosses a NIC is compressed) or "
+             "flat (every worker sends a shard to every other, across the NIC or not); default auto: "
+             "hierarchical where nodes hold several workers and servers are colocated, else flat",
+        invalid=f"exchange must be one of {', '.join(EXCHANGE_KINDS)}")
+    intra_codec: str = option(
+        "fp32", group=_SERVERS, choices=INTRA_CODECS,
+        help="with --exchange hierarchical: the precision of the gradients' slices inside a node (reduce-scatter "
+             "and all-gather): fp32 (default, exact), fp16 or bf16 (half the intra-node bytes, rounded to "
+             "nearest); the sums are float32",
+        invalid=f"intra_codec must be one of {', '.join(INTRA_CODECS)}")
     control: str = option(
         "ahead", group=_SERVERS, choices=CONTROLS,
         help="when rank 0 sends an iteration's bits: ahead of the workers' losses where the policy knows them in "
@@ -397,6 +443,17 @@ class RunConfig:
         factory=dict, group=_NETWORK, append=True, metavar="RANK=RATE|SCHEDULE", parse=parse_link_bandwidth,
         help="rank RANK's link at its own rate or schedule (repeatable), e.g. 1=1MB/s for a slow server link; a "
              "message goes at the slower of its two ranks' links")
+    intra_bandwidth: float = option(
+        10e9, group=_NETWORK, metavar="RATE", parse=lambda value: parse_rate(value),
+        show=lambda rate: format_rate(rate, bits=False),
+        help="with --ranks-per-node L > 1: each worker's link inside its node, both directions at once, a PCIe "
+             "3.0 x16 class by default ({default}; NVLink: about 100GB/s to 450GB/s); a node's NIC is --bandwidth, "
+             "shared by the node's concurrent flows",
+        valid=lambda rate: rate > 0 and math.isfinite(rate), invalid="intra_bandwidth must be positive")
+    intra_latency: float = option(
+        5e-6, group=_NETWORK, metavar="DURATION", parse=lambda value: parse_duration(value),
+        help="with --ranks-per-node L > 1: the per-message latency inside a node, in seconds (default {default})",
+        valid=lambda latency: latency >= 0 and math.isfinite(latency), invalid="intra_latency must be >= 0")
     net_mode: str = option("virtual", group=_NETWORK, choices=NET_MODES,
                            help="virtual clock, real sleeps, or no model (default {default})",
                            invalid=f"net_mode must be one of {', '.join(NET_MODES)}")
@@ -506,6 +563,10 @@ class RunConfig:
     #: what the command line changed in a config file's values besides replacing them
     #: (a ``--data`` that drops the file's ``data_dir``).
     notes: ClassVar[tuple[str, ...]] = ()
+    #: The run's nodes once the launch resolved them (a ``runtime.plan.topology.Topology``; not
+    #: an option, not in to_dict: ``ranks_per_node`` and ``exchange`` then hold the resolved
+    #: values, which the trace records), else None.
+    topology: ClassVar[Any] = None
 
     def norm_due(self, m: int) -> bool:
         """Whether iteration m records ``norm_ratio`` (and computes the energies behind it)."""
@@ -678,6 +739,25 @@ class RunConfig:
             (not self.momentum_correction or not self.pipeline,
              "momentum correction with --pipeline is not built: the pipelined iteration encodes bucket by bucket "
              "(drop one of them)"),
+            (self.ranks_per_node in (1, AUTO) or self.colocated,
+             "--ranks-per-node L > 1 is built for --servers colocated (separate server ranks have no place on the "
+             "nodes yet): use --servers colocated, or drop --ranks-per-node"),
+            (self.exchange != "hierarchical" or self.colocated,
+             "--exchange hierarchical needs --servers colocated (each local rank's slice is served by the workers "
+             "of its local rank across nodes), not --servers S"),
+            (not self.pipeline or self.ranks_per_node in (1, AUTO),
+             "--pipeline with --ranks-per-node L > 1 is not built (the pipelined clock has one link per worker): "
+             "drop one of them"),
+            (not self.pipeline or self.exchange != "hierarchical",
+             "--pipeline with --exchange hierarchical is not built yet (the reduce-scatter inside a node waits for "
+             "the whole gradient): drop one of them"),
+            (self.ranks_per_node in (1, AUTO) or (not self.link_bandwidth and not isinstance(self.bandwidth, str)
+                                                  and not isinstance(self.latency, str)),
+             "--ranks-per-node L > 1 models each node's NIC at one constant --bandwidth and --latency: a schedule "
+             "or --link-bandwidth with nodes is not built"),
+            (self.ranks_per_node in (1, AUTO) or self.broadcast == "star",
+             "--ranks-per-node L > 1 models colocated shards as the runtime sends them, point to point: drop "
+             "--broadcast (tree and mpich model MPI's broadcasts across ranks of their own links)"),
             (self.net_mode != "off" or self.network() is None,
              "a bandwidth or latency schedule or --link-bandwidth needs a modelled network (net_mode virtual "
              "or sleep); with net_mode off nothing is charged (in the lab, give the schedule to mpigrad lab --rate)"),

@@ -105,11 +105,11 @@ def test_the_launch_check_refuses_a_data_set_that_does_not_allow_it(tmp_path):
     from mpigrad.runtime.run.preflight import _launch_problem
 
     config = RunConfig.from_sources(None, {"augment": "crop-flip", "trace": str(tmp_path / "run.h5")})
-    problem = _launch_problem(config, 3)
+    problem, _ = _launch_problem(config, 3)
     assert problem.startswith("dataset 'digits' does not take --augment crop-flip") and "\n" not in problem
     allowed = RunConfig.from_sources(None, {"augment": "crop-flip", "trace": str(tmp_path / "run.h5"), "data": "synthetic",
                                             "data_opts": {"shape": [3, 12, 12], "augmentable": True}})
-    assert _launch_problem(allowed, 3) is None and not (tmp_path / "run.h5").exists()
+    assert _launch_problem(allowed, 3)[0] is None and not (tmp_path / "run.h5").exists()
 
 
 def test_one_bool_check_for_every_option():

@@ -26,8 +26,8 @@ TO_DICT_KEYS = (
     "iterations", "batch_size", "lr", "weight_decay", "weight_decay_in", "optimizer", "optimizer_opts", "lr_schedule",
     "lr_schedule_opts", "lr_warmup", "lr_scaling", "model", "model_opts", "data", "data_dir", "data_opts", "augment",
     "augment_opts", "autocast", "codec", "codec_opts", "bits", "policy", "policy_opts", "min_quantize_size", "servers",
-    "pipeline", "control", "shard_chunk", "error_feedback", "momentum_correction", "bandwidth", "latency",
-    "link_bandwidth", "net_mode", "broadcast", "broadcast_codec", "compute_time", "cost_model", "seed", "trace",
+    "pipeline", "ranks_per_node", "exchange", "intra_codec", "control", "shard_chunk", "error_feedback", "momentum_correction", "bandwidth", "latency",
+    "link_bandwidth", "intra_bandwidth", "intra_latency", "net_mode", "broadcast", "broadcast_codec", "compute_time", "cost_model", "seed", "trace",
     "force", "trace_flush", "eval_every", "eval_samples", "progress_every", "checksum_every", "norm_every", "timeout",
     "device", "share_gpu", "tf32", "wait", "threads", "walltime", "checkpoint", "checkpoint_every", "resume")
 
@@ -112,9 +112,11 @@ def test_a_file_only_option_has_no_flag():
 
 #: Values for the round trip where the declaration's kind does not give one: as written.
 SAMPLES = {"servers": "2", "shard_chunk": "12", "bandwidth": "1MB/s", "latency": "1ms", "compute_time": "50ms",
-           "timeout": "10m", "walltime": "2h", "checkpoint_every": "30m", "link_bandwidth": "1=1MB/s"}
+           "timeout": "10m", "walltime": "2h", "checkpoint_every": "30m", "link_bandwidth": "1=1MB/s",
+           "ranks_per_node": "2", "intra_bandwidth": "1GB/s", "intra_latency": "1us"}
 #: What an option needs besides itself to be valid.
-NEEDS = {"pipeline": {"servers": "colocated"}}
+NEEDS = {"pipeline": {"servers": "colocated"}, "ranks_per_node": {"servers": "colocated"},
+         "exchange": {"servers": "colocated"}}
 
 
 def _sample(option: Option) -> tuple[object, list[str]]:
@@ -169,12 +171,17 @@ REFUSED = {
                          "replica skips alike, which mpigrad does not have: use bf16"),
     "bits": (33, "bits must be in 1..32, got 33"),
     "min_quantize_size": (0, "min_quantize_size must be at least 1"),
+    "ranks_per_node": (0, "ranks_per_node must be a number of workers (at least 1) or auto, got 0"),
+    "exchange": ("x", "exchange must be one of auto, flat, hierarchical"),
+    "intra_codec": ("x", "intra_codec must be one of fp32, fp16, bf16"),
     "control": ("x", "control must be one of ahead, paper"),
     "shard_chunk": (-1, "shard_chunk must be auto or a number of elements >= 0 (0: never cut a layer), got -1"),
     "error_feedback": ("x", "error_feedback must be one of none, residual, accumulate"),
     "momentum_correction": (1.0, "momentum_correction must be in [0, 1) (0: off), got 1.0"),
     "bandwidth": (0.0, "bandwidth must be positive"),
     "latency": (-1.0, "latency must be >= 0"),
+    "intra_bandwidth": (0.0, "intra_bandwidth must be positive"),
+    "intra_latency": (-1.0, "intra_latency must be >= 0"),
     "net_mode": ("x", "net_mode must be one of virtual, sleep, off"),
     "broadcast": ("x", "broadcast must be one of star, tree, mpich"),
     "broadcast_codec": ("", "broadcast_codec must not be empty"),

@@ -24,6 +24,7 @@ from ..measure import checkpoint
 from ..plan.checks import check_world
 from ..plan.environment import check_world_size
 from ..plan.gpu import workers_device
+from ..plan.topology import mpi_nodes, resolve_topology
 
 if TYPE_CHECKING:
     import torch
@@ -32,13 +33,22 @@ if TYPE_CHECKING:
 def check_launch(config, comm: MPI.Comm, model=None) -> None:
     """Every check that can fail before work starts; rank 0 decides, all ranks agree.
     ``model``: a script's (:class:`mpigrad.Session`), checked in place of the config's
-    model and data."""
-    message = None
+    model and data. Resolves the run's nodes (:func:`..plan.topology.resolve_topology`):
+    on every rank ``config.ranks_per_node`` and ``config.exchange`` then hold the resolved
+    values and ``config.topology`` the :class:`~..plan.topology.Topology`; rank 0 prints its
+    notes."""
+    nodes = mpi_nodes(comm)
+    message = resolved = None
     if comm.Get_rank() == 0:
-        message = _launch_problem(config, comm.Get_size(), model)
-    message = comm.bcast(message, root=0)
+        message, resolved = _launch_problem(config, comm.Get_size(), model, nodes)
+    message, resolved = comm.bcast((message, resolved), root=0)
     if message:
         raise UsageError(message)
+    topology, exchange, notes = resolved
+    config.ranks_per_node, config.exchange, config.topology = topology.ranks_per_node, exchange, topology
+    if comm.Get_rank() == 0:
+        for note in notes:
+            print(f"mpigrad: {note}", flush=True)
 
 
 #: MPI's thread levels by value, for messages.
@@ -82,10 +92,12 @@ def check_resume_files(config, script: bool = False) -> None:
         raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
 
 
-def _launch_problem(config, size: int, model=None) -> str | None:
+def _launch_problem(config, size: int, model=None, nodes=None) -> tuple[str | None, tuple | None]:
+    """(the first problem's line, else None; the resolved nodes, exchange and notes)."""
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
         check_world(config, size, script=model is not None)
+        resolved = resolve_topology(config, size, nodes, two_rounds=base_codec(config).two_rounds)
         check_thread_level(config, MPI.Query_thread())
         if model is None:
             dataset = load_data(config)
@@ -102,8 +114,8 @@ def _launch_problem(config, size: int, model=None) -> str | None:
         make_parent_directory(trace, "trace")
         make_parent_directory(config.checkpoint_path, "checkpoint")
     except (UsageError, ValueError) as exc:
-        return str(exc)
-    return None
+        return str(exc), None
+    return None, resolved
 
 
 def make_parent_directory(path: Path, what: str) -> None:

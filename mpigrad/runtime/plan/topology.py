@@ -1,0 +1,174 @@
+"""Which workers share a node, and the exchange that follows from it.
+
+A run's nodes are ``--ranks-per-node L`` (``ranks_per_node`` in a config): L consecutive
+workers to a node, worker w on node w // L at local rank w % L; rank 0, the scheduler and
+MDP server, is an extra rank on node 0 (its messages are a few bytes each). ``auto`` takes
+the nodes MPI's shared-memory split finds (``MPI_Comm_split_type(COMM_TYPE_SHARED)``, as
+Horovod builds its node communicator); a declared L wins over what MPI sees, with a note,
+since the network model, the lab and the tests on one machine declare nodes that MPI sees
+as one.
+
+:func:`resolve_topology` is the one place the declared or found nodes become a
+:class:`Topology` and ``--exchange auto`` becomes ``flat`` or ``hierarchical``; the launch
+(``run.preflight``) writes both into the config, so the trace records the resolved values
+and a replay of it takes the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...config import AUTO, RunConfig
+from ...errors import UsageError
+
+__all__ = ["Topology", "resolve_topology", "mpi_nodes"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``workers`` workers in nodes of ``ranks_per_node``, in worker order; ``source``: where
+    L came from (``declared``, ``mpi``, or ``default``: one worker per node, the model's
+    assumption when nothing says otherwise)."""
+
+    workers: int
+    ranks_per_node: int
+    source: str = "default"
+
+    def __post_init__(self):
+        if self.ranks_per_node < 1 or self.workers % self.ranks_per_node:
+            raise ValueError(f"{self.ranks_per_node} workers per node do not divide {self.workers} workers")
+
+    @property
+    def nodes(self) -> int:
+        return self.workers // self.ranks_per_node
+
+    def node_of(self, worker: int) -> int:
+        """The node of worker ``worker`` (0-based worker index, not the MPI rank)."""
+        return worker // self.ranks_per_node
+
+    def local_rank(self, worker: int) -> int:
+        return worker % self.ranks_per_node
+
+    def node_workers(self, node: int) -> list[int]:
+        """The workers of ``node``, in local-rank order."""
+        L = self.ranks_per_node
+        return list(range(node * L, node * L + L))
+
+    def cross_group(self, local: int) -> list[int]:
+        """The workers of local rank ``local`` on every node, in node order: the workers that
+        exchange one slice across nodes in a hierarchical exchange."""
+        return [node * self.ranks_per_node + local for node in range(self.nodes)]
+
+    def rank_nodes(self, colocated: bool = True, servers: int = 1) -> list[int]:
+        """The node of every MPI rank: rank 0 (and separate server ranks) on node 0, worker w
+        (rank w + 1, or S + w) on ``node_of(w)``."""
+        first = 1 if colocated else servers
+        return [0] * first + [self.node_of(w) for w in range(self.workers)]
+
+    def describe(self, colocated: bool = True, servers: int = 1) -> str:
+        """One line for the start-up text and ``mpigrad doctor``: the nodes, where L came
+        from, the ranks of each node (up to 8 nodes listed) and where rank 0 sits."""
+        if self.ranks_per_node == 1 and self.source == "default":
+            return (f"nodes: {self.workers} of one worker each (the model's default; --ranks-per-node L declares "
+                    "nodes of several); rank 0, the scheduler, beside worker 0")
+        where = {"declared": f"--ranks-per-node {self.ranks_per_node}", "mpi": "MPI's shared-memory split",
+                 "default": "the default"}[self.source]
+        by_node: dict[int, list[int]] = {}
+        for rank, node in enumerate(self.rank_nodes(colocated, servers)):
+            by_node.setdefault(node, []).append(rank)
+        listed = "; ".join(f"node {node}: ranks {_span(ranks)}" for node, ranks in list(by_node.items())[:8])
+        more = f"; ... {len(by_node) - 8} more" if len(by_node) > 8 else ""
+        return (f"nodes: {self.nodes} of {self.ranks_per_node} worker(s) (from {where}); {listed}{more}; "
+                "rank 0, the scheduler, on node 0")
+
+    def record(self) -> dict:
+        """The trace's ``topology`` attribute."""
+        return {"workers": self.workers, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
+                "source": self.source, "rank0_node": 0}
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
+        else ", ".join(map(str, ranks))
+
+
+def mpi_nodes(comm) -> list[int]:
+    """Collective over ``comm``: the node of every rank as MPI's shared-memory split finds it,
+    each node named by its lowest rank in ``comm``."""
+    from .gpu import node_of
+
+    return comm.allgather(node_of(comm)[0])
+
+
+def _found_ranks_per_node(nodes: Sequence[int], first_worker: int) -> tuple[int | None, str]:
+    """(workers per node, a description) of MPI's ``nodes`` (per rank), or (None, why) where
+    its nodes do not hold equal runs of consecutive workers."""
+    workers = list(nodes[first_worker:])
+    runs: list[tuple[int, int]] = []
+    for node in workers:
+        if runs and runs[-1][0] == node:
+            runs[-1] = (node, runs[-1][1] + 1)
+        else:
+            runs.append((node, 1))
+    distinct = len({node for node, _ in runs})
+    counts = sorted({count for _, count in runs})
+    shown = f"{distinct} node(s) holding {', '.join(str(c) for _, c in runs[:8])}{' ...' if len(runs) > 8 else ''} worker(s)"
+    if distinct != len(runs) or len(counts) != 1:
+        return None, shown + " (not equal runs of consecutive workers)"
+    return counts[0], shown
+
+
+def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None = None,
+                     two_rounds: bool = False) -> tuple[Topology, str, list[str]]:
+    """(the run's :class:`Topology`, its exchange, notes) for a world of ``size`` ranks;
+    ``nodes``: MPI's node of each rank (:func:`mpi_nodes`; None where there is no MPI, as for
+    ``mpigrad train --check``); ``two_rounds``: the codec runs two rounds (PowerSGD), which
+    the hierarchical exchange does not run yet. UsageError (one line) for nodes that cannot
+    be: L that does not divide the workers, ``auto`` without MPI or on uneven nodes,
+    ``--exchange hierarchical`` on one node or with a two-round codec."""
+    workers = size - config.non_worker_ranks()
+    notes: list[str] = []
+    declared = config.ranks_per_node
+    found, seen = (None, "") if nodes is None else _found_ranks_per_node(nodes, config.non_worker_ranks())
+    if declared == AUTO:
+        if nodes is None:
+            raise UsageError("--ranks-per-node auto takes the nodes MPI finds at launch: give a number to check the "
+                             "job without MPI")
+        if found is None:
+            raise UsageError(f"--ranks-per-node auto: MPI places the workers on {seen}: give --ranks-per-node L, or "
+                             "launch with as many workers on every node, in rank order (e.g. mpirun --map-by slot)")
+        L, source = found, "mpi"
+    else:
+        L, source = int(declared), ("default" if declared == 1 else "declared")
+        if workers % L:
+            raise UsageError(f"--ranks-per-node {L} does not divide the {workers} workers: launch a multiple of "
+                             f"{L} workers (mpiexec -n {L * max(1, workers // L) + config.non_worker_ranks()}), or "
+                             "choose L among their divisors")
+        if nodes is not None and L > 1 and found != L:
+            notes.append(f"note: --ranks-per-node {L} declares {workers // L} node(s) of {L} worker(s); MPI sees "
+                         f"{seen}: the declared nodes are used (by the network model, and by the exchange's groups)")
+    topology = Topology(workers, L, source)
+    exchange = config.exchange
+    if exchange == "hierarchical":
+        if topology.nodes == 1:
+            raise UsageError(f"--exchange hierarchical on one node ({workers} workers, {L} per node): nothing "
+                             "crosses a NIC; use --exchange flat, or declare nodes with --ranks-per-node")
+        if two_rounds:
+            raise UsageError("--exchange hierarchical with a two-round codec (PowerSGD's factors) is not built yet: "
+                             "use --exchange flat")
+        if L == 1:
+            notes.append("note: --exchange hierarchical with one worker per node is the flat exchange")
+            exchange = "flat"
+    elif exchange == AUTO:
+        hierarchical = config.colocated and L > 1 and topology.nodes > 1 and not two_rounds and not config.pipeline
+        exchange = "hierarchical" if hierarchical else "flat"
+        if L > 1 and not hierarchical and topology.nodes > 1:
+            notes.append("note: nodes of several workers, flat exchange (the hierarchical one does not run with "
+                         f"{'a two-round codec' if two_rounds else '--pipeline'} yet)")
+    cores = os.cpu_count() or 1
+    if L > cores:
+        notes.append(f"note: {L} workers per node, more than this machine's {cores} cores: the modelled nodes "
+                     "share them (compute is charged in CPU time)")
+    return topology, exchange, notes
