@@ -24,6 +24,23 @@ others (star: one copy after another; tree: ceil(log2 P) rounds) while it receiv
 P - 1 other shards, again the slower of the two. Rank 0 takes part in neither round; its
 loss gather and Control broadcast (to the P workers) are as before.
 
+Nodes of several workers (``--ranks-per-node L > 1``, colocated servers only): worker w sits
+on node w // L (rank 0 beside node 0's workers; its loss gather and Control broadcast are
+charged as above: a few bytes each). A node has one NIC of ``bandwidth``, full duplex, which
+the node's concurrent flows share: in a round the node's NIC sends every byte its workers
+send to other nodes and receives every byte they receive from them, and each worker pays
+``latency`` per message it sends (or receives) across, one after another, while the bytes
+share the NIC (a node's outbound side takes the most latency any of its workers pays plus
+the node's outbound bytes over the rate; likewise inbound). Inside the node each worker has
+a link of its own (``intra_bandwidth``, ``intra_latency``; full duplex, messages one after
+another) that carries its messages to the node's other workers. A round takes the slowest
+of every NIC's two sides and every worker's intra-node link's two sides, which run at once
+(:class:`Nodes`). The flat colocated exchange's frames and shards go wherever their
+receivers are; the hierarchical one (``IterationTraffic.hierarchical``) adds a
+reduce-scatter and an all-gather of float slices inside the nodes (``Nodes.intra``), and its
+frames and shards cross nodes only between the workers of one local rank. With L = 1 none
+of this applies and every charge is the per-link model's, to the last bit.
+
 Local work runs in parallel across ranks, so a modelled iteration charges the slowest
 worker's compute and encode, then the slowest server's decode/average/encode and rank 0's
 policy time, or a fixed ``compute_time`` in place of the compute plus the cost model's
@@ -55,7 +72,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-__all__ = ["LinkModel", "IterationTraffic", "PipelinedTraffic", "iteration_seconds", "comm_start", "Constant", "Steps", "Markov",
+__all__ = ["LinkModel", "Nodes", "NodeRound", "IterationTraffic", "PipelinedTraffic", "iteration_seconds", "comm_start", "Constant", "Steps", "Markov",
            "Network", "transfer_seconds"]
 
 
@@ -292,6 +309,79 @@ def comm_start(sim_start: float, compute_time: float | None, t_compute: float) -
 
 
 @dataclass(frozen=True)
+class NodeRound:
+    """One round's charge on nodes: ``seconds`` (the slowest NIC side or intra-node link side),
+    ``nic_seconds`` and ``intra_seconds`` (the slowest of each kind), and the bytes that
+    crossed NICs (each message once) and that stayed inside nodes."""
+
+    seconds: float
+    nic_seconds: float = 0.0
+    intra_seconds: float = 0.0
+    nic_bytes: int = 0
+    intra_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Nodes of ``ranks_per_node`` workers: each node's NIC (the run's bandwidth and latency,
+    given to :meth:`round`) and each worker's link inside its node (``intra_bandwidth``
+    bytes/s, ``intra_latency`` s per message)."""
+
+    ranks_per_node: int
+    intra_bandwidth: float
+    intra_latency: float
+
+    def node_of(self, worker: int) -> int:
+        return worker // self.ranks_per_node
+
+    def round(self, messages: Sequence[tuple[int, int, int]], bandwidth: float, latency: float) -> NodeRound:
+        """Messages ``(nbytes, sending worker, receiving worker)`` sent at once (none of 0
+        bytes, none to itself): the NICs' sides at ``bandwidth``, each worker paying
+        ``latency`` per message across, and each worker's intra-node link's sides."""
+        nic_out: dict[int, int] = {}
+        nic_in: dict[int, int] = {}
+        lat_out: dict[int, int] = {}
+        lat_in: dict[int, int] = {}
+        intra_out: dict[int, float] = {}
+        intra_in: dict[int, float] = {}
+        nic_bytes = intra_bytes = 0
+        for nbytes, sender, receiver in messages:
+            a, b = self.node_of(sender), self.node_of(receiver)
+            if a == b:
+                seconds = self.intra_latency + nbytes / self.intra_bandwidth
+                intra_out[sender] = intra_out.get(sender, 0.0) + seconds
+                intra_in[receiver] = intra_in.get(receiver, 0.0) + seconds
+                intra_bytes += nbytes
+            else:
+                nic_out[a] = nic_out.get(a, 0) + nbytes
+                nic_in[b] = nic_in.get(b, 0) + nbytes
+                lat_out[sender] = lat_out.get(sender, 0) + 1
+                lat_in[receiver] = lat_in.get(receiver, 0) + 1
+                nic_bytes += nbytes
+
+        def side(node_bytes: dict[int, int], counts: dict[int, int]) -> float:
+            worst: dict[int, int] = {}
+            for worker, count in counts.items():
+                node = self.node_of(worker)
+                worst[node] = max(worst.get(node, 0), count)
+            return max((worst.get(node, 0) * latency + n / bandwidth for node, n in node_bytes.items()), default=0.0)
+
+        nic = max(side(nic_out, lat_out), side(nic_in, lat_in))
+        intra = max(max(intra_out.values(), default=0.0), max(intra_in.values(), default=0.0))
+        return NodeRound(max(nic, intra), nic, intra, nic_bytes, intra_bytes)
+
+    def intra(self, slice_bytes: Sequence[int], workers: int) -> NodeRound:
+        """A reduce-scatter (or all-gather) of slices inside every node of ``workers``
+        workers: local rank j receives slice j (``slice_bytes[j]`` bytes) from each other
+        worker of its node (and in the all-gather sends its own to each: the same messages
+        the other way, the same time)."""
+        L = self.ranks_per_node
+        messages = [(slice_bytes[j], node * L + i, node * L + j) for node in range(workers // L)
+                    for i in range(L) for j in range(L) if i != j and slice_bytes[j]]
+        return self.round(messages, math.inf, 0.0)
+
+
+@dataclass(frozen=True)
 class LinkModel:
     bandwidth: float           # bytes per second
     latency: float             # seconds per message
@@ -302,6 +392,9 @@ class LinkModel:
     #: the phases take ``start`` (simulated seconds) and know the ranks (servers 0..S-1,
     #: workers S..S+P-1).
     network: Network | None = None
+    #: Nodes of several workers (``--ranks-per-node L > 1``; colocated servers), else None:
+    #: every worker a node of its own, each with its link.
+    nodes: Nodes | None = None
 
     def message(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth
@@ -387,7 +480,11 @@ class LinkModel:
 
     def gradients(self, frames_in: Sequence[Sequence[int]], colocated: bool = False, start: float = 0.0) -> float:
         """Each server gathers its shard's frames (``frames_in[s]``, in worker order); the
-        slowest server ends the round. Colocated: the slowest link direction of any node."""
+        slowest server ends the round. Colocated: the slowest link direction of any node; on
+        nodes of several workers (``nodes``), :meth:`Nodes.round` of the frames (a 0 in
+        ``frames_in``: no frame)."""
+        if self.nodes is not None and colocated:
+            return self.node_gradients(frames_in).seconds
         if self.network is None:
             if not colocated:
                 return max(self.gather(sizes) for sizes in frames_in)
@@ -408,9 +505,13 @@ class LinkModel:
         return max(inbound, outbound)
 
     def broadcasts(self, workers: int, frames_out: Sequence[int], colocated: bool = False,
-                   start: float = 0.0) -> float:
+                   start: float = 0.0, hierarchical: bool = False) -> float:
         """Server s broadcasts ``frames_out[s]`` bytes to the workers (and rank 0 when s > 0).
-        Colocated: node s sends its shard to the P - 1 other workers while it receives theirs."""
+        Colocated: node s sends its shard to the P - 1 other workers while it receives theirs;
+        on nodes of several workers, :meth:`Nodes.round` of those copies (``hierarchical``: to
+        the other workers of its local rank only)."""
+        if self.nodes is not None and colocated:
+            return self.node_broadcasts(workers, frames_out, hierarchical).seconds
         if self.network is None:
             if not colocated:
                 return max(self.bcast(n, workers + (s > 0)) for s, n in enumerate(frames_out))
@@ -437,6 +538,38 @@ class LinkModel:
                       for s in range(workers))
         return max(outbound, inbound)
 
+    def node_gradients(self, frames_in: Sequence[Sequence[int]]) -> NodeRound:
+        """The gradient round on ``nodes``: worker w's frame to shard s (served by worker s)."""
+        return self.nodes.round([(n, w, s) for s, sizes in enumerate(frames_in) for w, n in enumerate(sizes)
+                                 if w != s and n], self.bandwidth, self.latency)
+
+    def node_broadcasts(self, workers: int, frames_out: Sequence[int], hierarchical: bool = False) -> NodeRound:
+        """The broadcast round on ``nodes``: shard s's average to every other worker, or
+        (``hierarchical``) to the other workers of its local rank."""
+        L = self.nodes.ranks_per_node
+        return self.nodes.round([(n, s, w) for s, n in enumerate(frames_out) for w in range(workers)
+                                 if w != s and (not hierarchical or w % L == s % L)], self.bandwidth, self.latency)
+
+    def node_intra(self, slice_bytes: Sequence[int], workers: int) -> NodeRound:
+        """A hierarchical exchange's reduce-scatter (or all-gather) inside the nodes."""
+        return self.nodes.intra(slice_bytes, workers)
+
+    def node_breakdown(self, traffic: "IterationTraffic") -> NodeRound:
+        """The gradient rounds of ``traffic`` on ``nodes``, summed: seconds, the slowest NICs'
+        and intra-node links' seconds of each round, and the bytes across NICs and inside
+        nodes (the hierarchical exchange's slices among them)."""
+        parts = []
+        for frames_in, frames_out in traffic._rounds():
+            if traffic.hierarchical:
+                parts.append(self.node_intra(traffic.slice_bytes, traffic.workers))
+            parts.append(self.node_gradients(frames_in))
+            parts.append(self.node_broadcasts(traffic.workers, frames_out, traffic.hierarchical))
+            if traffic.hierarchical:
+                parts.append(self.node_intra(traffic.slice_bytes, traffic.workers))
+        return NodeRound(sum(p.seconds for p in parts), sum(p.nic_seconds for p in parts),
+                         sum(p.intra_seconds for p in parts), sum(p.nic_bytes for p in parts),
+                         sum(p.intra_bytes for p in parts))
+
     def comm_seconds(self, traffic: "IterationTraffic", start: float = 0.0, sent: float | None = None) -> float:
         """One iteration's modelled communication from simulated time ``start``
         (``comm_start``): its phases, summed in the order the runtime charges them (so that
@@ -453,8 +586,13 @@ class LinkModel:
             t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated,
                                    start=start + t_comm)
         for frames_in, frames_out in traffic._rounds():  # a two-round codec's rounds one after the other
+            if traffic.hierarchical:
+                t_comm += self.node_intra(traffic.slice_bytes, traffic.workers).seconds
             t_comm += self.gradients(frames_in, colocated, start=start + t_comm)
-            t_comm += self.broadcasts(traffic.workers, frames_out, colocated, start=start + t_comm)
+            t_comm += self.broadcasts(traffic.workers, frames_out, colocated, start=start + t_comm,
+                                      hierarchical=traffic.hierarchical)
+            if traffic.hierarchical:
+                t_comm += self.node_intra(traffic.slice_bytes, traffic.workers).seconds
         return t_comm
 
     def pipelined(self, traffic: "PipelinedTraffic", start: float = 0.0, sent: float | None = None) -> float:
@@ -574,6 +712,12 @@ class IterationTraffic:
     frames_in2: tuple[tuple[int, ...], ...] = ()
     frames_out2: tuple[int, ...] = ()
     ahead: bool = False
+    #: The hierarchical exchange (colocated, nodes of L = ``len(slice_bytes)`` workers): a
+    #: reduce-scatter of ``slice_bytes[j]``-byte slices inside each node before the gradient
+    #: round and an all-gather after the broadcast, whose copies go to the workers of the
+    #: shard's local rank only; ``frames_in`` is 0 where a worker sends a shard no frame.
+    hierarchical: bool = False
+    slice_bytes: tuple[int, ...] = ()
 
     def _rounds(self):
         """(frames_in, frames_out) of each round."""
@@ -606,7 +750,17 @@ class IterationTraffic:
     def copies_out(self) -> tuple[int, ...]:
         """How many copies of each server's broadcast cross a link."""
         P = self.workers
+        if self.hierarchical:
+            return tuple(P // len(self.slice_bytes) - 1 for _ in range(self.servers))
         return tuple(P - 1 if self.colocated else P + (s > 0) for s in range(self.servers))
+
+    @property
+    def intra_bytes(self) -> int:
+        """Bytes of the hierarchical exchange's slices inside the nodes (both collectives)."""
+        if not self.hierarchical:
+            return 0
+        L = len(self.slice_bytes)
+        return 2 * (self.workers // L) * (L - 1) * sum(self.slice_bytes)
 
     @property
     def bytes_up(self) -> int:
@@ -623,20 +777,23 @@ class IterationTraffic:
 
     @classmethod
     def from_totals(cls, bytes_up: int, bytes_down: int, frames_in: Sequence[Sequence[int]],
-                    frames_out: Sequence[int], colocated: bool = False, ahead: bool = False) -> "IterationTraffic":
+                    frames_out: Sequence[int], colocated: bool = False, ahead: bool = False,
+                    slice_bytes: Sequence[int] = ()) -> "IterationTraffic":
         """The traffic whose ``bytes_up`` and ``bytes_down`` these are: the loss report's and
         the Control's sizes solved from them (a trace records the totals and the frames).
         ValueError when no whole sizes give those totals."""
         frames_in = tuple(tuple(int(n) for n in sizes) for sizes in frames_in)
         frames_out = tuple(int(n) for n in frames_out)
-        probe = cls(0, 0, frames_in, frames_out, colocated)
+        slices = tuple(int(n) for n in slice_bytes)
+        probe = cls(0, 0, frames_in, frames_out, colocated, hierarchical=bool(slices), slice_bytes=slices)
         P, S = probe.workers, probe.servers
         loss, loss_left = divmod(int(bytes_up) - probe.bytes_up, P)
         control, control_left = divmod(int(bytes_down) - probe.bytes_down, P if colocated else P + S - 1)
         if loss < 0 or control < 0 or loss_left or control_left:
             raise ValueError(f"bytes up {bytes_up} and down {bytes_down} do not add up from the frames "
                              f"({frames_in} in, {frames_out} out)")
-        return cls(loss, control, frames_in, frames_out, colocated, ahead=ahead)
+        return cls(loss, control, frames_in, frames_out, colocated, ahead=ahead, hierarchical=bool(slices),
+                   slice_bytes=slices)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from . import options
-from .clockmodel import LinkModel, Network
+from .clockmodel import LinkModel, Network, Nodes
 from .errors import UsageError
 from .units import (format_rate, network_from, parse_bandwidth, parse_duration, parse_interval, parse_latency,
                     parse_link_bandwidth, parse_rate)
@@ -682,10 +682,13 @@ class RunConfig:
         return network_from(self.bandwidth, self.latency, self.link_bandwidth, self.seed)
 
     def link_model(self) -> LinkModel:
-        """The clock's network model of this run."""
+        """The clock's network model of this run (nodes of several workers where
+        ``ranks_per_node`` > 1: their NICs and intra-node links, :class:`~.clockmodel.Nodes`)."""
         network = self.network()
         if network is None:
-            return LinkModel(self.bandwidth, self.latency, self.net_mode, self.broadcast)
+            nodes = (Nodes(self.ranks_per_node, self.intra_bandwidth, self.intra_latency)
+                     if isinstance(self.ranks_per_node, int) and self.ranks_per_node > 1 else None)
+            return LinkModel(self.bandwidth, self.latency, self.net_mode, self.broadcast, nodes=nodes)
         return LinkModel(network.bandwidth.at(0.0), network.latency.at(0.0), self.net_mode, self.broadcast, network)
 
     @property

@@ -13,6 +13,7 @@ from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
 from mpigrad.runtime.exchange import ways
 from mpigrad.runtime.exchange.colocated import Colocated, ColocatedRank0, ColocatedWorker
+from mpigrad.runtime.exchange.hierarchical import Hierarchical, HierarchicalRank0, HierarchicalWorker
 from mpigrad.runtime.exchange.pipeline import Pipelined, PipelinedRank0, PipelinedWorker
 from mpigrad.runtime.exchange.servers import SeparateServers, ServersRank0, ServersShardServer, ServersWorker
 from mpigrad.runtime.exchange.tworounds import LowRankRank0, LowRankRounds, LowRankShardServer, LowRankWorker
@@ -33,14 +34,15 @@ COMBINATIONS = [
     (dict(servers=1, **POWERSGD), ["servers", "lowrank"], LowRankRounds, SeparateServers),
     (dict(servers=2, **POWERSGD), ["servers", "lowrank"], LowRankRounds, SeparateServers),
     (dict(servers="colocated", **POWERSGD), ["colocated", "lowrank"], LowRankRounds, Colocated),
+    (dict(servers="colocated", ranks_per_node=2, exchange="hierarchical"), ["hierarchical"], Hierarchical, None),
 ]
 
 
 def test_the_registry_names_the_ways():
-    assert ways.EXCHANGES.names() == ["colocated", "lowrank", "pipelined", "servers"]
+    assert ways.EXCHANGES.names() == ["colocated", "hierarchical", "lowrank", "pipelined", "servers"]
     assert ways.EXCHANGES.lookup("servers") is SeparateServers
-    with pytest.raises(UsageError, match="unknown exchange 'hierarchical'; available: colocated, lowrank"):
-        ways.EXCHANGES.lookup("hierarchical")
+    with pytest.raises(UsageError, match="unknown exchange 'ring'; available: colocated, hierarchical, lowrank"):
+        ways.EXCHANGES.lookup("ring")
 
 
 @pytest.mark.parametrize("options, names, way, inner", COMBINATIONS)
@@ -80,6 +82,7 @@ SIDES = [
     ((LowRankWorker, ServersWorker), (), (LowRankRank0, ServersRank0)),
     ((LowRankWorker, ServersWorker), (LowRankShardServer, ServersShardServer), (LowRankRank0, ServersRank0)),
     ((LowRankWorker, ColocatedWorker), (), (LowRankRank0, ColocatedRank0)),
+    ((HierarchicalWorker,), (), (HierarchicalRank0,)),
 ]
 
 
@@ -107,7 +110,7 @@ def run(tmp_path, options, workers=2):
 
 @pytest.mark.parametrize("options, sides", [(c[0], s) for c, s in zip(COMBINATIONS, SIDES)],
                          ids=["star", "sharded", "colocated", "pipelined", "powersgd-star", "powersgd-sharded",
-                              "powersgd-colocated"])
+                              "powersgd-colocated", "hierarchical"])
 def test_each_way_runs_through_the_roles_with_its_sides(tmp_path, monkeypatch, options, sides):
     seen = {"worker": set(), "shard": set(), "rank0": set()}
 

@@ -15,6 +15,12 @@ The new network may be a schedule (``--bandwidth 10MB/s@0s,1GB/s@60s``, ``markov
 simulated time the runtime would have sent them at (``clockmodel.comm_start``), and a Markov
 schedule draws from the run's seed, as a run with that network would.
 
+Nodes (``--ranks-per-node L``): the run's nodes, or others (``ranks_per_node``), with
+``intra_bandwidth`` and ``intra_latency`` (default the run's) for the links inside a node; a
+flat exchange's messages are the same on any nodes, so it is re-charged on another L; a
+hierarchical one's depend on L (its slices, recorded in the ``shards`` attribute, and which
+workers exchange frames), so it is re-charged on its own L only.
+
 Refused: a trace that is not complete, one whose network was not modelled (``--net-mode
 off``), and one whose policy reads the clock (``Policy.reads_clock``: its bits, hence its
 bytes and losses, would differ on another network).
@@ -30,13 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from .. import options
-from ..clockmodel import IterationTraffic, LinkModel, comm_start, iteration_seconds
+from ..clockmodel import IterationTraffic, LinkModel, Nodes, comm_start, iteration_seconds
 from ..costmodel import CostModel, CostModelError, LocalWork, resolve
 from ..config import BROADCASTS, COLOCATED
 from ..units import format_network_value, network_from
 from ..errors import UsageError
 from ..policies import PolicyError, policy_class
 from ..trace import TraceError, read_raw
+from ..trace.schema import NODE_COLUMNS, node_step_columns
 from ..trace.writer import write_closed
 from .labels import flat_config
 
@@ -44,12 +51,15 @@ __all__ = ["retime", "retime_refusal"]
 
 #: The config keys of a run's network (``link_bandwidth`` recorded where it is set).
 NETWORK_KEYS = ("bandwidth", "latency", "broadcast", "link_bandwidth")
+#: The config keys of a run's nodes, recorded with the network where it had several workers a node.
+NODE_KEYS = ("ranks_per_node", "intra_bandwidth", "intra_latency")
 
 
 def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: float | str,
            latency: float | str | None = None, broadcast: str | None = None,
            link_bandwidth: dict[str, float | str] | None = None, force: bool = False,
-           cost_model: str | None = None) -> str:
+           cost_model: str | None = None, ranks_per_node: int | None = None, intra_bandwidth: float | None = None,
+           intra_latency: float | None = None) -> str:
     """Write ``output``: the trace ``source`` re-charged at ``bandwidth`` (bytes/s, or a
     schedule as ``config.parse_bandwidth`` keeps it), ``latency`` (s or a schedule; default
     the run's), ``broadcast`` (default the run's) and ``link_bandwidth`` (rank -> rate or
@@ -76,11 +86,23 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     except UsageError as exc:
         raise TraceError(str(exc)) from None
     broadcast = config["broadcast"] if broadcast is None else broadcast
-    link = (LinkModel(bandwidth, latency, "virtual", broadcast) if network is None else
+    nodes, node_keys = _nodes(source, config, ranks_per_node, intra_bandwidth, intra_latency)
+    if nodes is not None and (network is not None or broadcast != "star"):
+        raise TraceError("nodes of several workers are charged at one constant --bandwidth and --latency, with star "
+                         "broadcasts: no schedule, --link-bandwidth or --broadcast tree|mpich with them")
+    link = (LinkModel(bandwidth, latency, "virtual", broadcast, nodes=nodes) if network is None else
             LinkModel(network.bandwidth.at(0.0), network.latency.at(0.0), "virtual", broadcast, network))
     arrays = {table: dict(columns) for table, columns in raw.arrays.items()}
     steps = arrays["steps"]
-    traffic = _recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED)
+    slice_bytes = (raw.attrs.get("shards") or {}).get("slice_bytes") if config.get("exchange") == "hierarchical" else None
+    if config.get("exchange") == "hierarchical" and not slice_bytes:
+        raise TraceError(f"{source}: a hierarchical run whose trace records no slices (shards.slice_bytes)")
+    traffic = _recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED,
+                                slice_bytes=slice_bytes or ())
+    if nodes is not None and traffic and traffic[0].workers % nodes.ranks_per_node:
+        raise TraceError(f"{source}: {nodes.ranks_per_node} workers per node do not divide its {traffic[0].workers} "
+                         "workers")
+    specs = _node_columns(raw.specs, steps, link, traffic)
     compute_time = config.get("compute_time")
     local = _local_costs(source, raw.attrs, compute_time, cost_model)
     local_memo: dict[tuple[int, ...], float] = {}
@@ -104,17 +126,57 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     if "eval" in arrays:
         arrays["eval"]["sim_time"] = _at_iterations(source, steps["iteration"], sim_time,
                                                     arrays["eval"]["iteration"])
-    new_config = {**config, "bandwidth": bandwidth, "latency": latency, "broadcast": broadcast, "retimed": True}
+    new_config = {**config, "bandwidth": bandwidth, "latency": latency, "broadcast": broadcast, **node_keys,
+                  "retimed": True}
     if links or "link_bandwidth" in config:
         new_config["link_bandwidth"] = links
     attrs = {**raw.attrs, "config": new_config, "retimed_from": str(source),
              "cost_model": local[0].to_dict() if local else None,
              "local_work": local[1].to_dict() if local else raw.attrs.get("local_work"),
-             "retimed_from_network": {key: config[key] for key in NETWORK_KEYS if key in config and config[key] != {}},
+             "retimed_from_network": {key: config[key] for key in NETWORK_KEYS + NODE_KEYS * (int(config.get(
+                 "ranks_per_node", 1)) > 1) if key in config and config[key] != {}},
              "retimed_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    write_closed(output, raw.specs, arrays, attrs)
+    write_closed(output, specs, arrays, attrs)
     return (f"wrote {output}: {len(sim_time)} iterations re-timed from {_network(config)} to {_network(new_config)}: "
             f"{old_end:.1f} s -> {sim:.1f} s simulated")
+
+
+def _nodes(path: Path, config: dict, ranks_per_node: int | None, intra_bandwidth: float | None,
+           intra_latency: float | None) -> tuple[Nodes | None, dict]:
+    """The nodes a trace is re-charged on (None: a worker per node) and the config keys that
+    say so; TraceError for nodes its run cannot be re-charged on."""
+    recorded = int(config.get("ranks_per_node", 1))
+    L = recorded if ranks_per_node is None else int(ranks_per_node)
+    bandwidth = float(config.get("intra_bandwidth", 10e9) if intra_bandwidth is None else intra_bandwidth)
+    latency = float(config.get("intra_latency", 5e-6) if intra_latency is None else intra_latency)
+    if L < 1:
+        raise TraceError(f"ranks_per_node must be at least 1, got {L}")
+    if not (bandwidth > 0 and math.isfinite(bandwidth)) or not (latency >= 0 and math.isfinite(latency)):
+        raise TraceError("intra_bandwidth must be positive and intra_latency >= 0")
+    keys = {"ranks_per_node": L, "intra_bandwidth": bandwidth, "intra_latency": latency} if L > 1 or recorded > 1 else {}
+    if L == recorded and L == 1:
+        return None, keys
+    if config.get("exchange") == "hierarchical" and L != recorded:
+        raise TraceError(f"{path}: a hierarchical run's messages depend on its {recorded} workers per node (its "
+                         f"slices, and who exchanges frames): re-run it on nodes of {L} instead")
+    if flat_config(config).get("servers") != COLOCATED:
+        raise TraceError(f"{path}: nodes of several workers are modelled for --servers colocated runs only")
+    return (Nodes(L, bandwidth, latency) if L > 1 else None), keys
+
+
+def _node_columns(specs: dict, steps: dict, link: LinkModel, traffic: list[IterationTraffic]) -> dict:
+    """The table specs of the re-timed trace, with ``steps``' node columns (``bytes_nic``,
+    ...) charged again on ``link``'s nodes, or dropped where it has none."""
+    steps_spec = {name: spec for name, spec in specs["steps"].items() if name not in NODE_COLUMNS}
+    for name in NODE_COLUMNS:
+        steps.pop(name, None)
+    if link.nodes is not None:
+        parts = [link.node_breakdown(t) for t in traffic]
+        columns = node_step_columns()
+        steps_spec.update({name: (np.dtype(dtype), shape) for name, (dtype, shape) in columns.items()})
+        for name, attr in zip(NODE_COLUMNS, ("nic_bytes", "intra_bytes", "nic_seconds", "intra_seconds")):
+            steps[name] = np.array([getattr(p, attr) for p in parts], dtype=columns[name][0])
+    return {**specs, "steps": steps_spec}
 
 
 def _local_costs(path: Path, attrs: dict, compute_time, choice: str | None) -> tuple[CostModel, LocalWork] | None:
@@ -145,8 +207,11 @@ def _local_costs(path: Path, attrs: dict, compute_time, choice: str | None) -> t
 def _network(config: dict) -> str:
     links = "".join(f" rank {rank} {format_network_value(value)}"
                     for rank, value in sorted((config.get("link_bandwidth") or {}).items(), key=lambda kv: int(kv[0])))
+    nodes = int(config.get("ranks_per_node", 1))
     return (f"{format_network_value(config['bandwidth'])}{links} latency "
-            f"{format_network_value(config['latency'], 'latency')} {config['broadcast']}")
+            f"{format_network_value(config['latency'], 'latency')} {config['broadcast']}"
+            + (f", nodes of {nodes} workers (inside: {format_network_value(config['intra_bandwidth'])})"
+               if nodes > 1 else ""))
 
 
 #: Codecs whose iterations exchange two rounds (mpigrad.codecs: ``Codec.two_rounds``), named
@@ -198,9 +263,9 @@ def retime_refusal(config) -> str | None:
     return None
 
 
-def _recorded_traffic(path: Path, raw, colocated: bool = False) -> list[IterationTraffic]:
+def _recorded_traffic(path: Path, raw, colocated: bool = False, slice_bytes=()) -> list[IterationTraffic]:
     """Each steps row's messages, from the trace's columns (``colocated``: the run's
-    workers served the shards)."""
+    workers served the shards; ``slice_bytes``: a hierarchical run's slices)."""
     arrays = raw.arrays
     steps, servers = arrays["steps"], arrays.get("servers")
     if servers is None:
@@ -226,7 +291,8 @@ def _recorded_traffic(path: Path, raw, colocated: bool = False) -> list[Iteratio
         try:
             traffic.append(IterationTraffic.from_totals(steps["bytes_up"][row], steps["bytes_down"][row],
                                                         frames_in[row], servers["bytes_out"][row], colocated,
-                                                        ahead=bool(ahead[row]) if ahead is not None else False))
+                                                        ahead=bool(ahead[row]) if ahead is not None else False,
+                                                        slice_bytes=slice_bytes))
         except ValueError as exc:
             raise TraceError(f"{path}: iteration {int(iterations[row])}: {exc}") from None
     return traffic

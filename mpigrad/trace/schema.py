@@ -21,7 +21,7 @@ from .. import options
 
 __all__ = [
     "SCHEMA_VERSION", "FORMAT_NAME", "TraceError", "Columns", "STEPS_COLUMNS", "EVAL_COLUMNS",
-    "TABLE_NAMES", "step_columns", "layer_step_columns", "workers_columns", "servers_columns", "checksum_columns", "default_tables",
+    "TABLE_NAMES", "step_columns", "layer_step_columns", "node_step_columns", "NODE_COLUMNS", "workers_columns", "servers_columns", "checksum_columns", "default_tables",
     "validate_tables", "column_spec", "flat_names",
 ]
 
@@ -93,6 +93,20 @@ def layer_step_columns(layers: int, settings: bool = False) -> dict[str, tuple[s
     if settings:
         columns["setting_layers"] = ("i4", (layers,))
     return columns
+
+
+def node_step_columns() -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The steps columns of a run on nodes of several workers (``--ranks-per-node L > 1``):
+    the bytes that crossed NICs (each message once, every node together), the bytes that
+    stayed inside nodes (the hierarchical exchange's slices, and the flat exchange's frames
+    between workers of one node), and the seconds of the slowest NIC side and of the slowest
+    intra-node link side, summed over the gradient rounds (their maximum is ``t_comm``'s
+    share of those rounds)."""
+    return dict(zip(NODE_COLUMNS, (("i8", ()), ("i8", ()), ("f8", ()), ("f8", ()))))
+
+
+#: The names of ``node_step_columns``, in order.
+NODE_COLUMNS = ("bytes_nic", "bytes_intra", "t_nic", "t_intra")
 
 
 def workers_columns(workers: int) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -37,12 +37,14 @@ class ShardAggregator:
     """
 
     def __init__(self, config: RunConfig, channel: Channel, shard, decoder, compressor, total: int,
-                 broadcast_bits: int | None, device: torch.device | None = None):
+                 broadcast_bits: int | None, device: torch.device | None = None, contributors: list[int] | None = None):
         """``device``: the sum lives in that device's memory (the device path: ``decoder``
-        and ``compressor`` are then device compressors, runtime/exchange/device.py)."""
+        and ``compressor`` are then device compressors, runtime/exchange/device.py).
+        ``contributors``: the ranks whose frames of this shard it averages, in rank order
+        (default every worker; a hierarchical exchange's: one worker of each node)."""
         self.config, self.channel, self.shard = config, channel, shard
         self.decoder, self.compressor, self.broadcast_bits = decoder, compressor, broadcast_bits
-        self.workers = channel.workers
+        self.workers = list(channel.workers if contributors is None else contributors)
         self.grad_sum = (np.zeros(total, np.float32) if device is None
                          else torch.zeros(total, dtype=torch.float32, device=device))
         self.quantized = [piece for piece in shard.pieces if piece.quantized]
@@ -60,7 +62,7 @@ class ShardAggregator:
 
     def aggregate(self, m: int, local: tuple[int, np.ndarray] | None = None,
                   tag: int = TAG_GRAD) -> tuple[list[int], float, float]:
-        """Receive and sum every worker's frame of this shard; return (bytes per worker,
+        """Receive and sum every contributor's frame of this shard; return (bytes per contributor,
         slowest worker's encode s, decode CPU s). ``local``: (this rank, its own frame) for a
         worker that serves a shard (colocated): that frame is not received but taken as is.
         ``tag``: the round's (TAG_FACTORS for a two-round codec's second).

@@ -32,7 +32,7 @@ class Colocated(Way):
 
     @staticmethod
     def chosen(config: RunConfig) -> bool:
-        return config.colocated and not config.pipeline
+        return config.colocated and not config.pipeline and config.exchange != "hierarchical"
 
     def worker(self, parts: WorkerParts) -> "ColocatedWorker":
         return ColocatedWorker(parts)
@@ -55,9 +55,14 @@ class ColocatedWorker(WorkerSide):
         if replica.codecs_on_device:  # the same codecs as the worker's: the same path
             decoder, server_compressor = on_device(replica, decoder, server_compressor)
         self.server_compressor = server_compressor
+        #: The shards this worker's frames go to (``post``'s frames, in this order), the ranks
+        #: whose frames of its own shard it averages, and the ranks its shard's average goes to:
+        #: every shard and every worker here (a hierarchical exchange: its node's slice, and the
+        #: workers of its local rank).
+        self.sent_shards, self.contributors, self.broadcast_peers = self.exchange_groups(channel)
         self.aggregator = ShardAggregator(config, channel, self.shards[self.served], decoder,
                                           self.server_compressor, layout.total, broadcast_codec(config)[1],
-                                          device=decoder.device)
+                                          device=decoder.device, contributors=self.contributors)
         self.n_layers = len(layout.quantized)
         self.report = ServerReport.buffer(len(channel.workers), max(self.n_layers, 1))
         # PowerSGD's policies read the workers' setting errors, not the average (message 11)
@@ -78,16 +83,29 @@ class ColocatedWorker(WorkerSide):
         before it receives: no send waits on a receive not yet posted), then wait for the sends."""
         describe = lambda pending: (f"server rank(s) {', '.join(map(str, pending))} took no {what} "  # noqa: E731
                                     f"for iteration {m}")
-        pending = self.channel.start_send([(frame, rank) for s, (frame, rank) in enumerate(zip(frames, self.server_ranks))
-                                           if s != self.served], tag)
-        sizes, encode, decode = aggregator.aggregate(m, local=(self.rank, frames[self.served]), tag=tag)
+        targets = list(zip(self.sent_shards, frames))
+        pending = self.channel.start_send([(frame, self.server_ranks[s]) for s, frame in targets if s != self.served],
+                                          tag)
+        own = frames[self.sent_shards.index(self.served)]
+        sizes, encode, decode = aggregator.aggregate(m, local=(self.rank, own), tag=tag)
         self.channel.finish_send(pending, describe)
+        sizes = self.sizes_by_worker(sizes)
         if first:
             self.sizes, self.worker_encode, self.t_decode = sizes, encode, decode
         else:
             self.sizes = [a + b for a, b in zip(self.sizes, sizes)]
             self.worker_encode += encode
             self.t_decode += decode
+
+    def exchange_groups(self, channel) -> tuple[list[int], list[int], list[int]]:
+        """(the shards this worker sends frames to, the ranks whose frames of its shard it
+        averages, the ranks it sends its shard's average to)."""
+        return list(range(self.servers)), list(channel.workers), [rank for rank in channel.workers if rank != self.rank]
+
+    def sizes_by_worker(self, sizes: list[int]) -> list[int]:
+        """The aggregator's frame bytes per contributor as the ServerReport has them: one per
+        worker (here, every worker contributes)."""
+        return sizes
 
     def take_broadcast(self, m: int, aggregator, transform, compressor, shards, bits, decode, what: str,
                        first: bool = True) -> None:
@@ -105,7 +123,7 @@ class ColocatedWorker(WorkerSide):
     def _exchange_shards(self, m: int, agg, transform, decode) -> float:
         """:meth:`take_broadcast`'s exchange; return the encode's CPU seconds."""
         t_encode = agg.encode(self.control_msg.bits, transform)
-        others = [rank for rank in self.channel.workers if rank != self.rank]
+        others = self.broadcast_peers
         pending = self.channel.start_send([(agg.frame, rank) for rank in others], TAG_BCAST)
         arrivals = self.channel.frames(others, TAG_BCAST, self.bcast_buffers,
                                        lambda pending: f"worker rank(s) {', '.join(map(str, pending))} "

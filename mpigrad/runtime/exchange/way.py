@@ -169,22 +169,24 @@ class WorkerSide:
         """After the update of iteration m; ``sync``: the buffers' synchronisation is due."""
 
     # ---- the transport, which a way around this one reuses -------------------------------
-    def encode_gradient(self) -> list[np.ndarray]:
-        """This iteration's gradient (``parts.gradient()``) encoded at the Control's bits,
-        one frame per shard, each stamped with the encode's CPU seconds (the gradient's
-        copy included); error frames where the codec refuses a gradient that is not finite."""
+    def encode_gradient(self, gradient: Callable[[], Any] | None = None, shards=None) -> list[np.ndarray]:
+        """This iteration's gradient (``gradient()``, by default ``parts.gradient()``) encoded
+        at the Control's bits, one frame per shard of ``shards`` (by default every shard),
+        each stamped with the encode's CPU seconds (the gradient's making included); error
+        frames where the codec refuses a gradient that is not finite."""
         bits = self.control_msg.bits
+        shards = self.shards if shards is None else shards
         start = time.process_time()
-        grad = self.parts.gradient()
+        grad = (gradient or self.parts.gradient)()
         try:
-            frames = self.parts.compressor.encode_shards(grad, bits, self.shards)
+            frames = self.parts.compressor.encode_shards(grad, bits, shards)
             seconds = time.process_time() - start
             for frame in frames:
                 FrameHeader.set_encode_seconds(frame, seconds)
         except CodecError:
             if finite(grad):
                 raise
-            frames = [error_frame()] * self.servers
+            frames = [error_frame()] * len(shards)
         return frames
 
     def post(self, m: int, frames: list[np.ndarray], tag: int, what: str, aggregator, first: bool = True) -> None:

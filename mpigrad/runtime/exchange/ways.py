@@ -17,6 +17,7 @@ from ...config import RunConfig
 from ...errors import UsageError
 from ...registry import Registry
 from .colocated import Colocated
+from .hierarchical import Hierarchical
 from .pipeline import Pipelined
 from .servers import SeparateServers
 from .tworounds import LowRankRounds
@@ -28,6 +29,7 @@ __all__ = ["EXCHANGES", "choose_exchange", "exchange_names"]
 EXCHANGES: Registry = Registry("exchange", UsageError, plugin_hint="")
 EXCHANGES.register(SeparateServers, "servers")    # --servers S: the star (S = 1) or S sharded servers
 EXCHANGES.register(Colocated, "colocated")        # --servers colocated: each worker serves a shard
+EXCHANGES.register(Hierarchical, "hierarchical")  # --exchange hierarchical: colocated on nodes, slices across
 EXCHANGES.register(Pipelined, "pipelined")        # --pipeline: colocated, bucket by bucket in backward
 EXCHANGES.register(LowRankRounds, "lowrank")      # a two-round codec (powersgd) around one of them
 

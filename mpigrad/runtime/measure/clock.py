@@ -100,9 +100,14 @@ class IterationClock:
         self._add("gradients", self.link.gradients(sizes_per_server, self.colocated,
                                                    start=self.comm_start + self.t_comm))
 
-    def broadcasts(self, bytes_per_server: list[int]) -> None:
+    def broadcasts(self, bytes_per_server: list[int], hierarchical: bool = False) -> None:
+        """``hierarchical``: each shard's average goes to the workers of its local rank only."""
         self._add("broadcast", self.link.broadcasts(self.workers, bytes_per_server, self.colocated,
-                                                    start=self.comm_start + self.t_comm))
+                                                    start=self.comm_start + self.t_comm, hierarchical=hierarchical))
+
+    def intra(self, phase: str, slice_bytes) -> None:
+        """A hierarchical exchange's reduce-scatter or all-gather inside the nodes."""
+        self._add(phase, self.link.node_intra(slice_bytes, self.workers).seconds)
 
     def _add(self, phase: str, seconds: float) -> None:
         charged = self.link.charge(seconds)

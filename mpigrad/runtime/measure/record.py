@@ -12,6 +12,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ...trace.schema import NODE_COLUMNS
+
 
 @dataclass
 class IterationRecord:
@@ -41,6 +43,9 @@ class IterationRecord:
     settings: list[int] | None = None           # PowerSGD with menus: each layer's setting code
     control_ahead: bool | None = None           # control = "ahead": whether this Control went before the losses
     lr: float | None = None                     # the iteration's learning rate, where a schedule or warm-up moves it
+    #: Nodes of several workers: (bytes across NICs, bytes inside nodes, the NICs' seconds,
+    #: the intra-node links' seconds) of the gradient rounds (``LinkModel.node_breakdown``).
+    nodes: tuple[int, int, float, float] | None = None
 
 
 _get = operator.attrgetter
@@ -51,7 +56,9 @@ TABLE_COLUMNS: dict[str, dict[str, Callable[[IterationRecord], object]]] = {
               "norm_ratio": _get("norm_ratio"), "bytes_up": _get("bytes_up"), "bytes_down": _get("bytes_down"),
               "t_compute": _get("t_compute"), "t_encode": _get("t_encode"), "t_decode": _get("t_decode"),
               "t_comm": _get("t_comm"), "t_policy": _get("t_policy"), "setting_layers": _get("settings"),
-              "control_ahead": lambda r: int(r.control_ahead), "lr": _get("lr")},
+              "control_ahead": lambda r: int(r.control_ahead), "lr": _get("lr"),
+              "bytes_nic": lambda r: r.nodes[0], "bytes_intra": lambda r: r.nodes[1],
+              "t_nic": lambda r: r.nodes[2], "t_intra": lambda r: r.nodes[3]},
     "workers": {"iteration": _get("iteration"), "loss": _get("worker_losses"),
                 "t_compute": _get("worker_compute"), "bytes_sent": _get("worker_bytes")},
     "servers": {"iteration": _get("iteration"), "bytes_in": _get("server_bytes_in"),
@@ -66,6 +73,6 @@ def table_block(table: str, records: list[IterationRecord]) -> dict[str, list]:
     flush gathers 100 records, and per-row dicts were most of its Python time). ``setting_layers``
     and ``control_ahead`` only for records that carry them (a run's records all do, or none)."""
     absent = {"setting_layers": records[0].settings is None, "control_ahead": records[0].control_ahead is None,
-              "lr": records[0].lr is None}
+              "lr": records[0].lr is None, **dict.fromkeys(NODE_COLUMNS, records[0].nodes is None)}
     return {column: [value(r) for r in records] for column, value in TABLE_COLUMNS[table].items()
             if not absent.get(column, False)}

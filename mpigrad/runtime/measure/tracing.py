@@ -44,7 +44,8 @@ class RunTrace:
         from ...optim import rate_moves
 
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings,
-                            ahead=config.control == "ahead", lr=rate_moves(config.lr_schedule, config.lr_warmup))
+                            ahead=config.control == "ahead", lr=rate_moves(config.lr_schedule, config.lr_warmup),
+                            nodes=config.link_model().nodes is not None)
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
                                                flush_every=config.trace_flush,
@@ -57,6 +58,8 @@ class RunTrace:
             "tf32": apply_tf32(config.tf32),  # what torch used (runtime/plan/gpu.py)
             "waits": waits or {},  # which ranks polled without sleeping (wire/channel.set_waiting)
             "hosts": hosts,
+            # The nodes the launch resolved (runtime/plan/topology.py); absent in-process.
+            **({"topology": config.topology.record()} if config.topology is not None else {}),
             "ranks": len(hosts),
             "workers": workers,
             "servers": servers,
@@ -78,13 +81,16 @@ class RunTrace:
 
     @staticmethod
     def tables(layers: int, workers: int, servers: int, policy_columns, settings: bool = False,
-               ahead: bool = False, lr: bool = False) -> dict[str, dict]:
+               ahead: bool = False, lr: bool = False, nodes: bool = False) -> dict[str, dict]:
         """The trace's tables for a run of ``workers`` workers and ``servers`` servers
         (``settings``: with ``steps/setting_layers``, PowerSGD's per-layer settings;
         ``ahead``: with ``steps/control_ahead``, whether each iteration's Control went ahead of
         its losses, ``control = "ahead"``; ``lr``: with ``steps/lr``, each iteration's rate,
-        where a schedule or warm-up moves it)."""
+        where a schedule or warm-up moves it; ``nodes``: with ``steps/bytes_nic``, ``bytes_intra``,
+        ``t_nic`` and ``t_intra``, a run on nodes of several workers)."""
         extra = schema.layer_step_columns(layers, settings)
+        if nodes:
+            extra.update(schema.node_step_columns())
         if ahead:
             extra["control_ahead"] = ("i1", ())
         if lr:

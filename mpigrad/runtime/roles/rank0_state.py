@@ -38,8 +38,12 @@ class Rank0State:
 
     def shard_record(self) -> dict:
         """The trace's record of the layout's cut and shards: the ``--shard-chunk`` setting,
-        the chunk sizes it resolved to, and each shard's pieces as (offset, size)."""
-        return {"setting": self.config.shard_chunk, **self.chunks.to_dict(), "pieces": self.shard_plan()}
+        the chunk sizes it resolved to, each shard's pieces as (offset, size), and a
+        hierarchical exchange's slices (``slice_bytes``: bytes of each local rank's slice
+        inside a node, at ``--intra-codec``; what ``trace retime`` charges them with)."""
+        slices = getattr(self.exchange, "slice_bytes", None)
+        return {"setting": self.config.shard_chunk, **self.chunks.to_dict(), "pieces": self.shard_plan(),
+                **({"slice_bytes": list(slices)} if slices is not None else {})}
 
     def shard_plan(self) -> list[list[tuple[int, int]]]:
         """Each shard's pieces as (offset, size): which server holds which piece's codec

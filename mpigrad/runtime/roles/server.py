@@ -232,7 +232,8 @@ class ParameterServer(Evaluation, Rank0State):
             norm_ratio=exchange.norm_ratio(servers) if self.config.norm_due(m) else [math.nan] * max(self.n_layers, 1),
             checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings,
             control_ahead=it["ahead"] if self.config.control == "ahead" else None,
-            lr=None if self.replica.rate is None or self.replica.rate.constant else self.lr)
+            lr=None if self.replica.rate is None or self.replica.rate.constant else self.lr,
+            nodes=self._node_record(traffic))
         self.bytes_total += record.bytes_up + record.bytes_down
         self.last_comm_ms, self.last_bytes = 1e3 * t_comm, record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]
@@ -243,6 +244,14 @@ class ParameterServer(Evaluation, Rank0State):
         return run_iteration(self, m)
 
     # ---- helpers of the phases ----------------------------------------------------------------
+    def _node_record(self, traffic) -> tuple[int, int, float, float] | None:
+        """``IterationRecord.nodes`` of this iteration's traffic (None: a worker per node)."""
+        link = self.clock.link
+        if link.nodes is None:
+            return None
+        parts = link.node_breakdown(traffic)
+        return parts.nic_bytes, parts.intra_bytes, parts.nic_seconds, parts.intra_seconds
+
     def _local_work(self) -> LocalWork:
         """What the cost model charges per iteration: the pieces of every shard, the codecs."""
         down, down_bits = broadcast_codec(self.config)

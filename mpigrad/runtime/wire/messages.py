@@ -62,6 +62,14 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     settings of the menu, on the worker's M_i; ``LowRank.setting_errors``).
                     Off the clock, like message 6 (L x K x 8 bytes, once per decision).
 
+12. slices         ``--exchange hierarchical`` only, before 3 and after 4, between the workers
+                    of one node: in the reduce-scatter each worker sends its gradient's slice i
+                    (the pieces of the shards local rank i's workers serve across nodes) to the
+                    node's local rank i, tag INTRA; in the all-gather local rank i sends its
+                    slice of the decoded average to the node's other workers, tag GATHER. Each
+                    float32[n] (``--intra-codec fp32``) or uint16[n] (fp16, bf16), n fixed by
+                    the layout: no length on the wire, the receive buffer is exactly n.
+
 Outside the iteration's order:
 
 8. ``ErrorReport``  a worker or shard server that raised -> rank 0, tag ERROR, uint8: magic
@@ -96,6 +104,8 @@ TAG_BCAST = 19   # message 4 with colocated servers: the shard's frame, point to
 TAG_FACTORS = 20  # message 3b: a worker's second-round factors (PowerSGD's Q_i)
 TAG_BACKWARD = 21  # message 10: a pipelined worker's backward times
 TAG_SETTINGS = 22  # message 11: a worker's errors at each low-rank setting
+TAG_INTRA = 23    # message 12: a worker's slice of its gradient to its node's local rank
+TAG_GATHER = 24   # message 12: a local rank's slice of the average to its node's workers
 
 # Control commands.
 CONTINUE = 1

@@ -1,0 +1,242 @@
+"""The hierarchical exchange (``--exchange hierarchical``): only what crosses a node's NIC
+goes through the codecs.
+
+Colocated servers on nodes of L workers (``--ranks-per-node L``, :mod:`..plan.topology`):
+worker w serves shard w, as with the flat exchange, and the shards of local rank j's workers
+across the N nodes make *slice* j of the gradient. One iteration:
+
+1. inside each node, a reduce-scatter at ``--intra-codec`` precision (message 12): each
+   worker sends slice i of its gradient to the node's local rank i, which adds the node's L
+   slices in local-rank order (float32) and takes their mean;
+2. across nodes, each local rank j runs the flat colocated exchange of its slice with local
+   rank j of the other nodes: it encodes its node's mean of the N shards of slice j at the
+   Control's bits (error feedback, DGC's velocity and the policies as with the flat one),
+   sends shard k to node k's local rank j, averages the N node means of its own shard,
+   re-encodes it and sends it to the N - 1 others (messages 3 and 4 within the local rank);
+3. inside each node, an all-gather (message 12): local rank j sends its slice of the
+   decoded average to the node's other workers.
+
+Every worker then holds the same decoded average, bit for bit: a slice sent at fp16 or bf16
+is rounded on its owner too before it is applied. Rank 0 takes part in neither, as with the
+flat colocated exchange: it gathers the P ServerReports, whose frame bytes count one frame
+per node (0 for the workers of other local ranks, which send it nothing), and charges the
+clock with the nodes' model (:mod:`mpigrad.clockmodel`, ``Nodes``).
+
+Not built yet (refused by the config's checks, :func:`..plan.topology.resolve_topology`):
+the pipelined iteration, two-round codecs (PowerSGD's factors) and the device path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ...config import RunConfig
+from ...errors import UsageError
+from ..plan.topology import Topology
+from ..wire import TAG_GATHER, TAG_GRAD, TAG_INTRA, FrameLength
+from .colocated import Colocated, ColocatedRank0, ColocatedWorker
+from .way import Rank0Parts, WorkerParts
+
+__all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "IntraCodec", "run_topology", "slice_shards"]
+
+
+def run_topology(config: RunConfig, workers: int) -> Topology:
+    """The run's nodes as the launch resolved them (``config.topology``), else (an in-process
+    run) from ``config.ranks_per_node``."""
+    topology = config.topology
+    if topology is None:
+        if not isinstance(config.ranks_per_node, int):
+            raise UsageError("--ranks-per-node auto is resolved at launch: give a number for an in-process run")
+        topology = Topology(workers, config.ranks_per_node, "declared")
+    return topology
+
+
+def slice_shards(topology: Topology, local: int) -> list[int]:
+    """The shards of slice ``local``: those its workers (local rank ``local`` of each node) serve."""
+    return topology.cross_group(local)
+
+
+class IntraCodec:
+    """The precision of the slices inside a node: ``fp32`` (exact), ``fp16`` (IEEE half,
+    rounded to nearest even) or ``bf16`` (the top 16 bits of a float32, rounded to nearest
+    even). ``encode(values, out)`` writes ``values`` (float32) into ``out`` (``buffer(n)``);
+    ``decode(buf)`` gives float32 values."""
+
+    def __init__(self, name: str):
+        if name not in ("fp32", "fp16", "bf16"):
+            raise UsageError(f"intra_codec must be one of fp32, fp16, bf16, got {name!r}")
+        self.name = name
+        self.dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[name]
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    def buffer(self, n: int) -> np.ndarray:
+        return np.empty(n, self.dtype)
+
+    def encode(self, values: np.ndarray, out: np.ndarray) -> None:
+        if self.name == "bf16":
+            bits = values.view(np.uint32)
+            rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+            nan = np.isnan(values)
+            np.right_shift(rounded, np.uint32(16), out=rounded)
+            out[:] = rounded
+            out[nan] = 0x7FC0  # a NaN stays one (rounding could carry it into infinity)
+        else:
+            with np.errstate(over="ignore"):  # beyond fp16's range: infinity, as torch's cast gives
+                out[:] = values
+
+    def decode(self, buf: np.ndarray) -> np.ndarray:
+        if self.name == "bf16":
+            return (buf.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return buf.astype(np.float32, copy=False)
+
+
+class Hierarchical(Colocated):
+    """Colocated servers in nodes of several workers: reduce-scatter, slices across, all-gather."""
+
+    @staticmethod
+    def chosen(config: RunConfig) -> bool:
+        return config.colocated and not config.pipeline and config.exchange == "hierarchical"
+
+    def worker(self, parts: WorkerParts) -> "HierarchicalWorker":
+        return HierarchicalWorker(parts)
+
+    def rank0(self, parts: Rank0Parts) -> "HierarchicalRank0":
+        return HierarchicalRank0(parts)
+
+
+class HierarchicalWorker(ColocatedWorker):
+    """A worker of local rank j on node k: it serves its shard among the workers of local
+    rank j, and the node's slice j inside the node."""
+
+    def __init__(self, parts: WorkerParts):
+        if parts.replica.codecs_on_device:
+            raise UsageError("--exchange hierarchical on the device path (codecs on the GPU) is not built yet: "
+                             "use --exchange flat")
+        channel = parts.channel
+        workers = list(channel.workers)
+        topology = run_topology(parts.config, len(workers))
+        index = workers.index(channel.rank)
+        self.topology, self.local = topology, topology.local_rank(index)
+        #: The node's workers' ranks in local-rank order, and this worker's slice of every shard.
+        self.node_ranks = [workers[w] for w in topology.node_workers(topology.node_of(index))]
+        super().__init__(parts)
+        self.codec_slices = [[self.shards[s] for s in slice_shards(topology, i)] for i in range(topology.ranks_per_node)]
+        self.slice_pieces = [[piece for shard in shards for piece in shard.pieces] for shards in self.codec_slices]
+        self.slice_sizes = [sum(piece.size for piece in pieces) for pieces in self.slice_pieces]
+        self.intra = IntraCodec(parts.config.intra_codec)
+        L = topology.ranks_per_node
+        self.peers = [i for i in range(L) if i != self.local]
+        self.send_slices = {i: self.intra.buffer(self.slice_sizes[i]) for i in self.peers}
+        self.recv_slices = {i: self.intra.buffer(self.slice_sizes[self.local]) for i in self.peers}
+        self.own_slice = self.intra.buffer(self.slice_sizes[self.local])
+        self.gathered = {i: self.intra.buffer(self.slice_sizes[i]) for i in self.peers}
+        self.node_mean = np.zeros(parts.replica.layout.total, np.float32)
+        self._scratch = np.empty(self.slice_sizes[self.local], np.float32)
+        self.t_intra = 0.0
+
+    # ---- the reduce-scatter inside the node ------------------------------------------------
+    def gradients(self, m: int) -> None:
+        frames = self.encode_gradient(lambda: self._node_mean(m), self.codec_slices[self.local])
+        self.post(m, frames, TAG_GRAD, "gradient", self.aggregator)
+
+    def _node_mean(self, m: int) -> np.ndarray:
+        """Reduce-scatter this iteration's gradient inside the node; return ``node_mean``,
+        whose slice ``local`` holds the node's mean (the rest is not read)."""
+        grad = self.parts.gradient()
+        for i in self.peers:
+            self._pack(grad, self.slice_pieces[i], self.send_slices[i])
+        pending = self.channel.start_send([(self.send_slices[i], self.node_ranks[i]) for i in self.peers],
+                                          TAG_INTRA)
+        self.channel.recv([(self.recv_slices[i], self.node_ranks[i]) for i in self.peers], TAG_INTRA,
+                          lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} sent no slice "
+                                          f"for iteration {m}")
+        own = self._scratch
+        self._pack(grad, self.slice_pieces[self.local], own)
+        total = None
+        for i in range(self.topology.ranks_per_node):  # local-rank order: the same float sum on any run
+            part = own if i == self.local else self.intra.decode(self.recv_slices[i])
+            total = part.copy() if total is None else np.add(total, part, out=total)
+        np.multiply(total, np.float32(1.0 / self.topology.ranks_per_node), out=total)
+        self._unpack(total, self.slice_pieces[self.local], self.node_mean)
+        self.channel.finish_send(pending, lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} "
+                                                          f"took no slice for iteration {m}")
+        return self.node_mean
+
+    # ---- the all-gather inside the node ----------------------------------------------------
+    def broadcast(self, m: int) -> None:
+        super().broadcast(m)
+        update = self.replica.codec_update
+        own = self._scratch
+        self._pack(update, self.slice_pieces[self.local], own)
+        self.intra.encode(own, self.own_slice)
+        if self.intra.name != "fp32":  # the owner applies what its node receives
+            self._unpack(self.intra.decode(self.own_slice), self.slice_pieces[self.local], update)
+        pending = self.channel.start_send([(self.own_slice, self.node_ranks[i]) for i in self.peers], TAG_GATHER)
+        self.channel.recv([(self.gathered[i], self.node_ranks[i]) for i in self.peers], TAG_GATHER,
+                          lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} sent no average "
+                                          f"slice for iteration {m}")
+        for i in self.peers:
+            self._unpack(self.intra.decode(self.gathered[i]), self.slice_pieces[i], update)
+        self.channel.finish_send(pending, lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} "
+                                                          f"took no average slice for iteration {m}")
+
+    def exchange_groups(self, channel) -> tuple[list[int], list[int], list[int]]:
+        """Slice ``local``'s shards, the workers of local rank ``local`` (who send this worker
+        their nodes' frames of its shard), and those of them but this one (its average's)."""
+        shards = slice_shards(self.topology, self.local)
+        ranks = [channel.workers[w] for w in shards]
+        return shards, ranks, [rank for rank in ranks if rank != channel.rank]
+
+    def sizes_by_worker(self, sizes: list[int]) -> list[int]:
+        """One entry per worker: the frame of each node's worker of this local rank, 0 for the rest."""
+        by_rank = dict(zip(self.contributors, sizes))
+        return [by_rank.get(rank, 0) for rank in self.channel.workers]
+
+    def _pack(self, source: np.ndarray, pieces, out: np.ndarray) -> None:
+        """``source``'s elements of ``pieces``, one after another, into ``out`` (at its precision)."""
+        pos = 0
+        if out.dtype == np.float32:
+            for piece in pieces:
+                out[pos:pos + piece.size] = source[piece.offset:piece.offset + piece.size]
+                pos += piece.size
+            return
+        values = self._scratch if out.size == self._scratch.size else np.empty(out.size, np.float32)
+        self._pack(source, pieces, values)
+        self.intra.encode(values, out)
+
+    @staticmethod
+    def _unpack(values: np.ndarray, pieces, out: np.ndarray) -> None:
+        pos = 0
+        for piece in pieces:
+            out[piece.offset:piece.offset + piece.size] = values[pos:pos + piece.size]
+            pos += piece.size
+
+
+class HierarchicalRank0(ColocatedRank0):
+    """Rank 0 of the hierarchical exchange: as the flat colocated one's, with the slices'
+    bytes for the clock (the same every iteration: the layout's and ``--intra-codec``'s)."""
+
+    def __init__(self, parts: Rank0Parts):
+        super().__init__(parts)
+        topology = run_topology(parts.config, self.workers)
+        itemsize = IntraCodec(parts.config.intra_codec).itemsize
+        self.slice_bytes = tuple(itemsize * sum(piece.size for s in slice_shards(topology, i)
+                                                for piece in self.shards[s].pieces)
+                                 for i in range(topology.ranks_per_node))
+
+    def charge(self, m: int) -> None:
+        """The reduce-scatter, the gradient round, the broadcast within each local rank, the
+        all-gather: in the order ``LinkModel.comm_seconds`` charges a hierarchical traffic."""
+        self.clock.intra("intra_reduce", self.slice_bytes)
+        self.clock.gradients([r.sizes for r in self.server_reports])
+        self.clock.broadcasts([FrameLength.NBYTES + n for n in self.frame_bytes], hierarchical=True)
+        self.clock.intra("intra_gather", self.slice_bytes)
+
+    def traffic(self, m: int, ahead: bool):
+        traffic, frames_down = super().traffic(m, ahead)
+        return dataclasses.replace(traffic, hierarchical=True, slice_bytes=self.slice_bytes), frames_down
