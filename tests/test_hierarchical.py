@@ -245,3 +245,14 @@ def test_bad_nodes_are_refused_before_any_iteration(tmp_path, mpi_env):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and message in lines[0], result.stderr
         assert not (tmp_path / "bad.h5").exists()
+
+
+def test_retime_takes_the_nodes_on_its_command_line(runs, tmp_path, capsys):
+    from mpigrad.cli import main
+
+    flat1 = runs["4-bit flat"][1]
+    out = tmp_path / "cli.h5"
+    assert main(["trace", "retime", flat1.trace, "--bandwidth", "10MB/s", "--ranks-per-node", "2", "--intra-bandwidth", "1GB/s",
+                 "-o", str(out)]) == 0
+    assert "nodes of 2 workers (inside: 1GB/s)" in capsys.readouterr().out
+    assert load(out).config["intra_bandwidth"] == 1e9

@@ -14,7 +14,7 @@ import sys
 from typing import Callable
 
 from ..config import BROADCASTS
-from ..units import parse_bandwidth, parse_latency, parse_link_bandwidth
+from ..units import parse_bandwidth, parse_duration, parse_latency, parse_link_bandwidth, parse_rate
 from ..errors import UsageError
 from ..trace import Trace, TraceError, load
 from .tables import (CLOCKS, METRICS, AnalysisError, accuracy_table, export_csv, fit_width, parse_points, render,
@@ -104,6 +104,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     retime.add_argument("--link-bandwidth", action="append", metavar="RANK=RATE|SCHEDULE",
                         help="rank RANK's link at its own rate or schedule, repeatable (default: the run's)")
     retime.add_argument("--broadcast", choices=BROADCASTS, help="broadcast shape (default: the run's)")
+    retime.add_argument("--ranks-per-node", type=int, metavar="L",
+                        help="charge the run on nodes of L workers, each behind one NIC at --bandwidth (default: "
+                             "the run's nodes; a flat colocated run takes any L that divides its workers, a "
+                             "hierarchical one only its own)")
+    retime.add_argument("--intra-bandwidth", metavar="RATE", help="with nodes: each worker's link inside its node "
+                        "(default: the run's)")
+    retime.add_argument("--intra-latency", metavar="DURATION", help="with nodes: the latency inside a node "
+                        "(default: the run's)")
     retime.add_argument("--cost-model", metavar="none|default|FILE",
                         help="charge the run's local work (a --compute-time run's policy, encode, decode, average) "
                              "by this cost model instead of the one the run recorded; none: charge none")
@@ -289,7 +297,10 @@ def _retime(args: argparse.Namespace) -> int:
     latency = None if args.latency is None else parse_latency(args.latency)
     links = None if args.link_bandwidth is None else parse_link_bandwidth(args.link_bandwidth)
     print(retime(args.file, args.output, bandwidth=parse_bandwidth(args.bandwidth), latency=latency,
-                 broadcast=args.broadcast, link_bandwidth=links, force=args.force, cost_model=args.cost_model))
+                 broadcast=args.broadcast, link_bandwidth=links, force=args.force, cost_model=args.cost_model,
+                 ranks_per_node=args.ranks_per_node,
+                 intra_bandwidth=None if args.intra_bandwidth is None else parse_rate(args.intra_bandwidth),
+                 intra_latency=None if args.intra_latency is None else parse_duration(args.intra_latency)))
     return 0
 
 
