@@ -1,11 +1,13 @@
 """``mpigrad lab``: build N namespaces on a bridge with rate-limited links, check each link's
-rate, run a command one rank per node (link events on a schedule), and remove it all.
+rate, run a command one rank per node or L ranks per node (link events on a schedule), and
+remove it all.
 
     mpigrad lab --nodes 3 --rate 10MB/s                       # build, check the links, remove
     mpigrad lab --nodes 3 --rate 10MB/s -- train --iterations 50 --net-mode off
     mpigrad lab --nodes 3 --event 20s:node2:down -- train --timeout 10 ...
     mpigrad lab --nodes 3 --rate 10MB/s@0s,100MB/s@60s,repeat@120s -- train --net-mode off ...
     mpigrad lab --nodes 2 --launch each -- python ddp_peer.py  # RANK, MASTER_ADDR, ... set
+    mpigrad lab --nodes 2 --ranks-per-node 2 -- train --servers colocated ...  # 5 ranks: 3 in node 0, 2 in node 1
 
 Exit: the command's exit code; 2 for a usage error or a host that cannot build a lab (one
 line: not root, no ip netns, no tbf); 1 when the lab itself fails; 130 on Ctrl-C. Whatever
@@ -24,8 +26,8 @@ from ..errors import UsageError
 from ..trace import network as run_network
 from ..units import is_schedule, parse_duration, parse_schedule
 from .host import LabError, require_lab
-from .launch import CommandRun, each_plan, expand_command, mpi_plan
-from .netns import Lab, Topology
+from .launch import CommandRun, Placement, each_plan, expand_command, mpi_plan, pass_ranks_per_node
+from .netns import Lab, Topology, traffic
 from .ratecheck import check_links, summary
 from .shaping import EventSchedule, LinkEvent, Links, RateSchedules
 
@@ -34,15 +36,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = ("A command starting with 'train' runs as 'python -m mpi4py -m mpigrad train ...'. "
                      "Needs root (or a container with NET_ADMIN, or a VM): see docs/lab.rst.")
-    parser.add_argument("--nodes", type=int, default=3, help="nodes, one rank each (default 3)")
+    parser.add_argument("--nodes", type=int, default=3, help="nodes, one rank each unless --ranks-per-node (default 3)")
+    parser.add_argument("--ranks-per-node", metavar="L",
+                        help="L ranks in every node's namespace, behind the node's one link; the ranks of a node talk "
+                             "through shared memory (MPICH) or loopback (gloo's TCP), not the link. --launch mpi starts "
+                             "N*L+1 ranks: rank 0, mpigrad's scheduler, an extra rank in node 0 (node 0 holds ranks "
+                             "0..L, node k ranks kL+1..kL+L, as mpigrad train places them); --launch each N*L (node k "
+                             "holds ranks kL..kL+L-1). A train command gets --ranks-per-node L added when it has none "
+                             "(another L there is refused). The rate check stays one transfer per link. Default: one "
+                             "rank per node, rank I in node I")
     parser.add_argument("--rate", default="10MB/s", metavar="RATE|SCHEDULE",
                         help="every link's rate, both directions, e.g. 10MB/s, 80Mbit/s (default 10MB/s); or a "
                              "schedule as mpigrad train --bandwidth takes it (10MB/s@0s,100MB/s@60s[,repeat@120s], "
                              "markov:10MB/s,100MB/s,dwell=30s,60s), followed on the real clock from the command's "
                              "start: tc changes the links at the scheduled times")
     parser.add_argument("--node-rate", action="append", metavar="I=RATE|SCHEDULE",
-                        help="node I's link at another rate or schedule (node I holds rank I: as train's "
-                             "--link-bandwidth I=...)")
+                        help="node I's link at another rate or schedule (one rank per node: node I holds rank I, as "
+                             "train's --link-bandwidth I=...; with --ranks-per-node, the link node I's ranks share)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of markov: schedules (default 0; give the train run's --seed for the same draw)")
     parser.add_argument("--latency", help="added one-way delay per link end, e.g. 1ms (needs netem in the kernel; "
@@ -51,13 +61,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="at TIME after the command starts: down, up or rate=RATE, e.g. 5s:node2:down, "
                              "3s:node1:rate=1MB/s")
     parser.add_argument("--launch", choices=["mpi", "each"], default="mpi",
-                        help="mpi: one mpiexec, rank I in node I (default); each: the command once per node")
+                        help="mpi: one mpiexec, rank I in node I or as --ranks-per-node places them (default); each: "
+                             "the command once per node (once per rank with --ranks-per-node)")
     parser.add_argument("--name", default="mgl", help="lab name, the prefix of its namespaces (default mgl)")
     parser.add_argument("--subnet", default="10.77.0.0/24", help="the nodes' addresses (default 10.77.0.0/24)")
     parser.add_argument("--check", choices=["mpi", "tcp", "none"], default=None,
                         help="rate check before the command: MPI messages under mpiexec, plain TCP sockets, or "
                              "none (default: mpi with --launch mpi, tcp with --launch each)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run (after --)")
+
+
+def _ranks_per_node(value: str | None) -> int | None:
+    """``--ranks-per-node L``: a whole number >= 1, None when not given (one rank per node)."""
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise UsageError(f"--ranks-per-node {value!r}: give a whole number L >= 1 of ranks per node (the lab places "
+                         "the ranks; train's auto then finds them)")
+    return int(value)
 
 
 def _rates(args: argparse.Namespace) -> dict[int, object]:
@@ -112,13 +133,16 @@ def run(args: argparse.Namespace) -> int:
     if clash:
         raise UsageError(f"--event rate=... on node(s) {', '.join(map(str, clash))}, whose rate follows a schedule: "
                          "put the change in the schedule")
+    placement = Placement.of(args.launch, args.nodes, _ranks_per_node(args.ranks_per_node))
+    command = pass_ranks_per_node(command, placement.ranks_per_node)
     support = require_lab()
     if latency and support.latency_reason:
         raise UsageError(support.latency_reason)
     plan = None
     if command:
         command = expand_command(command, args.launch)
-        plan = mpi_plan(topology, command) if args.launch == "mpi" else each_plan(topology, command)
+        plan = (mpi_plan(topology, command, placement=placement) if args.launch == "mpi"
+                else each_plan(topology, command, placement))
         # Every process learns the lab's network: mpigrad train records it in its trace.
         network = run_network.lab_network(args.nodes, _rate_texts(args, rates), latency,
                                           [e.text() for e in sorted(events, key=lambda e: e.at)], args.seed)
@@ -128,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     lab = Lab(topology, log=log)
     try:
         check = args.check or ("tcp" if args.launch == "each" else "mpi")
-        code = _run_in_lab(lab, rates, latency, events, plan, check, log)
+        code = _run_in_lab(lab, rates, latency, events, plan, placement, check, log)
     except LabError as exc:
         print(f"mpigrad lab: error: {exc}", file=sys.stderr, flush=True)
         code = 1
@@ -157,7 +181,7 @@ def _remove(lab: Lab, log, sigterm_handler) -> bool:
 
 
 def _run_in_lab(lab: Lab, rates: dict[int, object], latency: float, events: list[LinkEvent], plan,
-                check: str, log) -> int:
+                placement: Placement, check: str, log) -> int:
     topology = lab.topology
     lab.build()
     links = Links(topology, latency)
@@ -172,6 +196,12 @@ def _run_in_lab(lab: Lab, rates: dict[int, object], latency: float, events: list
         log(summary(check_links(topology, links, check, log=log)))
     if plan is None:
         return 0
+    nodes = placement.ranks_per_node is not None
+    if nodes:
+        scheduler = " (rank 0: the scheduler)" if placement.scheduler else ""
+        log(f"lab: {placement.ranks} ranks, {placement.ranks_per_node} per node{scheduler}: {placement.describe()}; "
+            "the ranks of a node talk through shared memory (MPICH) or loopback (TCP), not its link")
+    before = _traffic(topology, log) if nodes else None
     schedule = EventSchedule(links, events, log=log)
     rate_schedules = RateSchedules(links, rates, log=log)
     running = CommandRun(plan)
@@ -188,4 +218,19 @@ def _run_in_lab(lab: Lab, rates: dict[int, object], latency: float, events: list
         finally:
             signal.signal(signal.SIGINT, interrupt)
     log(f"lab: command exited {result.returncode} after {result.seconds:.1f} s")
+    after = _traffic(topology, log) if before else None
+    for node, counted, now in zip(topology.node_list, before or [], after or []):
+        spent = now - counted
+        log(f"lab: node {node.index} during the command: link {spent.sent / 1e6:.3f} MB out, "
+            f"{spent.received / 1e6:.3f} MB in; loopback {spent.loopback / 1e6:.3f} MB")
     return result.returncode
+
+
+def _traffic(topology: Topology, log) -> list | None:
+    """Every node's byte counters (``netns.traffic``), or None, said in one line, where they
+    cannot be read: the counts are a report, never a reason to fail the command."""
+    try:
+        return [traffic(node) for node in topology.node_list]
+    except LabError as exc:
+        log(f"lab: no traffic counts: {exc}")
+        return None

@@ -91,6 +91,31 @@ class Topology:
         return namespace == self.hub or re.fullmatch(rf"{re.escape(self.name)}-\d+", namespace) is not None
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes a node's interfaces counted (frames, headers included): ``sent`` and
+    ``received`` on its link (``lab0``, what tbf shapes), ``loopback`` on its ``lo`` (TCP
+    between its own processes, e.g. gloo peers of one node; MPICH's shared memory shows on
+    neither)."""
+
+    sent: int
+    received: int
+    loopback: int
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.sent - other.sent, self.received - other.received, self.loopback - other.loopback)
+
+
+def traffic(node: Node) -> Traffic:
+    """What ``node``'s interfaces have counted since the lab was built (``ip -s link``)."""
+    done = run(["ip", "-n", node.namespace, "-j", "-s", "link", "show"])
+    try:
+        stats = {link["ifname"]: link["stats64"] for link in json.loads(done.stdout)}
+        return Traffic(stats[IFACE]["tx"]["bytes"], stats[IFACE]["rx"]["bytes"], stats["lo"]["tx"]["bytes"])
+    except (ValueError, KeyError, TypeError):
+        raise LabError(f"ip -s link in {node.namespace} gave no byte counters for {IFACE} and lo") from None
+
+
 def owner_alias(pid: int) -> str:
     """The bridge alias that records lab owner ``pid`` (with its start time: pids are reused)."""
     stat = _stat(pid)
