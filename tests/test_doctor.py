@@ -72,6 +72,7 @@ def test_doctor_text_report_warns_about_oversubscription():
     assert "world size       2 (rank 0 server, 1 worker)" in out
     assert "not under Slurm (SLURM_NTASKS unset)" in out
     assert f"{socket.gethostname()}: 2 ranks (0-1) on " in out
+    assert "\nnodes (MPI's shared-memory split): 1 node(s): node 0 ranks 0-1 (" in out  # one machine: one node
     assert f"warning: host {socket.gethostname()}: 2 ranks x {threads} threads = {2 * threads} threads " \
            f"on {CPUS} CPUs: oversubscribed" in out
     assert f"warning: OMP_NUM_THREADS exceeds {threads} thread(s) per rank on ranks 0-1" in out

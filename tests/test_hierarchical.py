@@ -224,6 +224,8 @@ def test_two_nodes_of_two_workers_under_mpi(tmp_path, mpi_env):
                      mpi_env)
     assert result.returncode == 0, result.stderr + result.stdout[-2000:]
     assert "--ranks-per-node 2 declares 2 node(s) of 2 worker(s); MPI sees 1 node(s)" in result.stdout
+    assert ("nodes: 2 of 2 worker(s) (from --ranks-per-node 2); node 0: ranks 0-2; node 1: ranks 3, 4; rank 0, "
+            "the scheduler, on node 0; exchange: hierarchical") in result.stdout
     trace = load(trace_path)
     assert trace.complete and len(trace.steps) == 12
     assert trace.config["exchange"] == "hierarchical" and trace.config["ranks_per_node"] == 2

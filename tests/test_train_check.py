@@ -65,6 +65,39 @@ def test_the_world_from_slurm_or_unknown(tmp_path):
             "not checked; this run needs at least 2") in done.stdout.splitlines()
 
 
+def test_the_nodes_after_the_world_and_bad_nodes_in_one_line(tmp_path):
+    """Nodes of several workers (tests/test_topology.py has the rule): the ``nodes:`` line
+    after the world's, then the notes (here Slurm's tasks per node, which do not give node 0
+    rank 0's slot); nodes that cannot be, refused as at launch."""
+    done = check(tmp_path, "--servers", "colocated", "--ranks-per-node", "2", "--iterations", "5",
+                 SLURM_NTASKS="5", SLURM_TASKS_PER_NODE="3,2(x1)", SLURM_DISTRIBUTION="block")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    world = lines.index("world: 5 ranks (SLURM_NTASKS): colocated servers, 4 worker(s)")
+    assert lines[world + 1].startswith("nodes: 2 of 2 worker(s) (from --ranks-per-node 2); node 0: ranks 0-2; "
+                                       "node 1: ranks 3, 4; rank 0, the scheduler, on node 0; exchange: hierarchical")
+    assert not [line for line in lines if "Slurm" in line]  # Slurm's layout gives node 0 rank 0's slot: no note
+    done = check(tmp_path, "--servers", "colocated", "--ranks-per-node", "2", "--iterations", "5",
+                 SLURM_NTASKS="5", SLURM_TASKS_PER_NODE="2(x2),1")
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if "note" in line] == [
+        "mpigrad: note: --ranks-per-node 2 wants 3,2 tasks per node (rank 0 and 2 workers on node 0, 2 on each other); "
+        "Slurm lays out 2(x2),1 (SLURM_TASKS_PER_NODE): the declared nodes are used (by the network model, and by the "
+        "exchange's groups, which then do not follow the machines): ask Slurm for that layout, or declare the L it gives"]
+    for argv, line in [
+        (["--ranks", "4", "--ranks-per-node", "2"], "--ranks-per-node 2 does not divide the 3 workers: launch a multiple "
+         "of 2 workers (mpiexec -n 3), or choose L among their divisors"),
+        (["--ranks", "3", "--ranks-per-node", "2", "--exchange", "hierarchical"], "--exchange hierarchical on one node "
+         "(2 workers, 2 per node): nothing crosses a NIC; use --exchange flat, or declare nodes with --ranks-per-node"),
+    ]:
+        done = check(tmp_path, "--servers", "colocated", *argv)
+        assert (done.returncode, done.stderr.splitlines(), done.stdout) == (2, [f"mpigrad train: error: {line}"], ""), argv
+    done = check(tmp_path, "--servers", "colocated", "--ranks-per-node", "auto", "--iterations", "5", "--ranks", "5")
+    assert done.returncode == 0, done.stderr
+    assert ("nodes: resolved at launch from MPI's shared-memory split (--ranks-per-node auto), and the exchange with "
+            "them (--exchange auto)") in done.stdout.splitlines()
+
+
 def test_bad_jobs_are_one_line_and_exit_2(tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "old.h5").write_bytes(b"")

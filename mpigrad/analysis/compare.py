@@ -260,7 +260,9 @@ BASELINE_CODECS = ("fp32", "fp16", "powersgd")
 
 #: Config keys of the network model, and the network the run really had (``labels.NETWORK_KEY``):
 #: vs_best_fixed compares groups that agree on them (and on ``link_bandwidth.RANK``, each rank's own link).
-NETWORK_KEYS = ("bandwidth", "latency", "net_mode", "broadcast", NETWORK_KEY)
+#: ``nodes``: the nodes and their exchange (labels.py folds ranks_per_node, exchange and
+#: intra_codec into it): a ratio compares runs on the same nodes.
+NETWORK_KEYS = ("bandwidth", "latency", "net_mode", "broadcast", NETWORK_KEY, "nodes")
 
 
 def network_label(config: dict[str, Any], keys: Sequence[str]) -> str:

@@ -20,9 +20,9 @@ from ..units import format_duration, format_rate
 from ..trace import Trace, method_label
 
 __all__ = ["flat_config", "differing_keys", "group_key", "group_labels", "run_labels", "format_value",
-           "labelled_config", "NETWORK_KEY", "clock_name", "common_clock", "SIMULATED", "WALL_CLOCK",
-           "MIXED_CLOCKS", "file_labels", "loss_quantity", "LOSS_WITH_L2", "LOSS_ALONE", "SCRIPT_LOSS",
-           "LOSS_TAGS"]
+           "labelled_config", "NETWORK_KEY", "NODES_KEY", "NODE_KEYS", "nodes_label", "trace_ranks_per_node",
+           "clock_name", "common_clock", "SIMULATED", "WALL_CLOCK", "MIXED_CLOCKS", "file_labels", "loss_quantity",
+           "LOSS_WITH_L2", "LOSS_ALONE", "SCRIPT_LOSS", "LOSS_TAGS"]
 
 #: Keys that say how a run was run or written, not what was trained: never a difference.
 BOOKKEEPING = frozenset({"trace", "force", "resume", "checkpoint", "progress_every", "trace_flush",
@@ -44,10 +44,16 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
 
     A training config's update rule (``config.RECIPE_KEYS``: optimizer, schedule, warm-up) is
     one key, ``recipe``, in a few words (``config.describe_recipe``; ``sgd`` for the paper's
-    plain SGD, also in traces written before optimizers existed, and in DDP's)."""
+    plain SGD, also in traces written before optimizers existed, and in DDP's); by the same
+    rule its nodes (``NODE_KEYS``: workers per node, exchange, the precision inside a node) are
+    one key, ``nodes`` (``nodes_label``: ``one per node`` for the model's default, also in
+    traces written before the option existed; ``2x2 hier``), which ``labelled_config`` gives
+    with the run's number of nodes."""
     defaults = {**_defaults(), RETIMED_KEY: False}
-    if config and set(config) <= set(defaults) | _NESTED_KEYS | {NETWORK_KEY}:
+    if config and set(config) <= set(defaults) | _NESTED_KEYS | {NETWORK_KEY, NODES_KEY}:
         config = normal_shard_chunk({**defaults, **config})
+        config = {key: value for key, value in config.items() if key not in NODE_KEYS} | {
+            NODES_KEY: config.get(NODES_KEY) or nodes_label(config)}
     if config and "lr" in config:
         config = {key: value for key, value in config.items() if key not in RECIPE_KEYS} | {
             RECIPE_KEY: describe_recipe(config)}
@@ -56,6 +62,36 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
 
 #: The key of a training config's update rule in labels and groups (``flat_config``).
 RECIPE_KEY = "recipe"
+#: The key of a training config's nodes in labels and groups (``flat_config``), and the
+#: config keys it stands for.
+NODES_KEY = "nodes"
+NODE_KEYS = ("ranks_per_node", "exchange", "intra_codec")
+#: The exchanges' short names in a ``nodes`` label.
+_EXCHANGE_TAGS = {"hierarchical": "hier", "flat": "flat"}
+
+
+def trace_ranks_per_node(config: Any) -> int:
+    """A trace's workers per node from its recorded config: the resolved
+    ``ranks_per_node`` (the launch writes the number), 1 for a trace written before the
+    option existed (or by the TraceWriter API without it)."""
+    value = config.get("ranks_per_node", 1) if isinstance(config, dict) else 1
+    return value if type(value) is int and value >= 1 else 1
+
+
+def nodes_label(config: dict[str, Any], workers: int | None = None) -> str:
+    """A run's nodes in a few words, from its config (``NODE_KEYS``): ``one per node`` for one
+    worker per node (the model's default: the exchange is the flat one), else N x L and the
+    exchange, ``2x2 hier``, ``2x2 flat``, with the precision inside a node where a
+    hierarchical exchange did not keep float32 (``2x2 hier fp16``); ``L per node`` in place of
+    ``NxL`` where ``workers`` is unknown."""
+    L = trace_ranks_per_node(config)
+    if L == 1:
+        return "one per node"
+    shape = f"{workers // L}x{L}" if isinstance(workers, int) and workers >= L else f"{L} per node"
+    exchange = str(config.get("exchange", "auto"))
+    text = f"{shape} {_EXCHANGE_TAGS.get(exchange, exchange)}"
+    intra = config.get("intra_codec", "fp32")
+    return f"{text} {intra}" if exchange == "hierarchical" and intra != "fp32" else text
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -168,13 +204,15 @@ def common_clock(clocks: Sequence[str]) -> str:
 
 
 def labelled_config(trace: Trace) -> dict[str, Any]:
-    """What a run is labelled and grouped by: its config and its network (``NETWORK_KEY``);
-    a lab run timed by the network model, not by its links, says so (``lab 20MB/s, timed by
-    the model``: its times are the model's, whatever the links' rate)."""
+    """What a run is labelled and grouped by: its config, its network (``NETWORK_KEY``) and
+    its nodes (``NODES_KEY``: ``nodes_label`` with the trace's workers); a lab run timed by
+    the network model, not by its links, says so (``lab 20MB/s, timed by the model``: its
+    times are the model's, whatever the links' rate)."""
     network = trace.network
     if network != "host" and clock_name(trace.config) == SIMULATED:
         network += ", timed by the model"
-    return {**trace.config, NETWORK_KEY: network}
+    workers = trace.attrs.get("workers")
+    return {**trace.config, NETWORK_KEY: network, NODES_KEY: nodes_label(trace.config, workers)}
 
 
 def run_labels(traces: Sequence[Trace]) -> list[str]:

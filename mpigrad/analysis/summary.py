@@ -21,11 +21,11 @@ import numpy as np
 from ..config import describe_recipe
 from ..units import format_duration
 from ..trace import STEPS_COLUMNS, Trace, network
-from .labels import WALL_CLOCK, clock_name
+from .labels import WALL_CLOCK, clock_name, nodes_label, trace_ranks_per_node
 from .tables import CLOCKS, AnalysisError, Column
 
 __all__ = ["require_steps", "marked_label", "smoothed_loss", "time_to_target", "iterations_to_target", "overhead_fraction",
-           "compression_ratio", "summarize", "summary_columns", "describe"]
+           "compression_ratio", "summarize", "summary_columns", "describe", "nodes_text"]
 
 
 def require_steps(trace: Trace) -> None:
@@ -189,6 +189,9 @@ def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
     for resume in attrs.get("resumes", []):
         lines.append(("resumed", f"at iteration {resume.get('at_iteration')} on {resume.get('time')}"))
     lines.append(("network", network.details(attrs)))
+    nodes = nodes_text(trace)
+    if nodes:
+        lines.append(("nodes", nodes))
     for key in ("argv", "hostnames", "hosts", "ranks", "slurm", "seed"):
         if key in attrs:
             value = attrs[key]
@@ -199,7 +202,8 @@ def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
         lines.append(("versions", ", ".join(f"{k} {str(v).splitlines()[0] if str(v) else v}"
                                             for k, v in versions.items())))
     shown = {"format", "schema_version", "mpigrad_version", "start_time", "end_time", "complete",
-             "status", "error", "last_iteration", "config", "resumes", "network", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions"}
+             "status", "error", "last_iteration", "config", "resumes", "network", "argv", "hostnames", "hosts", "ranks", "slurm", "seed", "versions",
+             *(("topology",) if nodes else ())}
     others = [(key, _duration(value) if key.endswith("_seconds") else _compact(value))
               for key, value in attrs.items() if key not in shown]
     if full:
@@ -208,6 +212,27 @@ def describe(trace: Trace, full: bool = False) -> list[tuple[str, str]]:
     pairs = [f"{key}={_summarised(_compact(value), value, INFO_WIDTH // 2)}"
              for key, value in sorted(trace.config.items())]
     return lines + [("config", "\n".join(_wrapped(pairs, INFO_WIDTH)))]
+
+
+def nodes_text(trace: Trace) -> str | None:
+    """`trace info`'s ``nodes`` line for a run of nodes of several workers (the config's
+    resolved ``ranks_per_node`` > 1; None for one worker per node, as in every trace written
+    before the option existed): N nodes of L workers, the exchange and, from the ``topology``
+    attribute where the run recorded it, where L came from."""
+    config = trace.config if isinstance(trace.config, dict) else {}
+    L = trace_ranks_per_node(config)
+    if L == 1:
+        return None
+    topology = trace.attrs.get("topology")
+    topology = topology if isinstance(topology, dict) else {}
+    workers = topology.get("workers", trace.attrs.get("workers"))
+    exchange = config.get("exchange", "auto")
+    text = (f"{workers // L} of {L} workers" if isinstance(workers, int) else f"{L} workers each") + (
+        f" ({nodes_label(config, workers)}), {exchange} exchange")
+    if exchange == "hierarchical":
+        text += f", {config.get('intra_codec', 'fp32')} inside each node"
+    source = {"declared": "--ranks-per-node", "mpi": "MPI's shared-memory split (auto)"}.get(topology.get("source"))
+    return text + (f"; L from {source}" if source else "") + f"; rank 0 on node {topology.get('rank0_node', 0)}"
 
 
 def _summarised(text: str, value: Any = None, width: int = INFO_WIDTH) -> str:

@@ -71,8 +71,10 @@ class Topology:
         """One line for the start-up text and ``mpigrad doctor``: the nodes, where L came
         from, the ranks of each node (up to 8 nodes listed) and where rank 0 sits."""
         if self.ranks_per_node == 1 and self.source == "default":
+            beside = ("rank 0, the scheduler, beside worker 0" if colocated else
+                      "rank 0 and the other server ranks on links of their own")
             return (f"nodes: {self.workers} of one worker each (the model's default; --ranks-per-node L declares "
-                    "nodes of several); rank 0, the scheduler, beside worker 0")
+                    f"nodes of several); {beside}")
         where = {"declared": f"--ranks-per-node {self.ranks_per_node}", "mpi": "MPI's shared-memory split",
                  "default": "the default"}[self.source]
         by_node: dict[int, list[int]] = {}
@@ -168,7 +170,7 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
             notes.append("note: nodes of several workers, flat exchange (the hierarchical one does not run with "
                          f"{'a two-round codec' if two_rounds else '--pipeline'} yet)")
     cores = os.cpu_count() or 1
-    if L > cores:
+    if nodes is not None and L > cores:  # at launch: this machine's cores are the job's
         notes.append(f"note: {L} workers per node, more than this machine's {cores} cores: the modelled nodes "
                      "share them (compute is charged in CPU time)")
     return topology, exchange, notes

@@ -7,7 +7,9 @@ Run it exactly as the training run will be launched::
 
 Rank 0 gathers from every rank its host, pid, CPU affinity, thread variables, torch and
 Numba pool sizes and library versions, and prints one report: the MPI library, world
-size, ranks per host, versions, the ``SLURM_NTASKS`` check and oversubscription warnings.
+size, ranks per host, the nodes of MPI's shared-memory split (and Slurm's tasks per node;
+with ``--ranks-per-node``, the run's nodes against both), versions, the ``SLURM_NTASKS``
+check and oversubscription warnings.
 Exit 0 when the launch is usable (warnings included), 2 when the world size does not
 match ``SLURM_NTASKS`` or an option or variable is invalid.
 """
@@ -19,9 +21,12 @@ import json
 import os
 from dataclasses import asdict
 
+from ...config import RunConfig, parse_ranks_per_node, parse_servers
 from ...errors import UsageError
 from ...machine import mpi_implementation, mpi_library_line, mpi_library_version
 from ..plan.gpu import cuda_aware_mpi, node_of, plan_world, visible_devices
+from ..plan.nodes import format_counts, slurm_layout, slurm_nodes_notes
+from ..plan.topology import resolve_topology
 from ..plan.environment import (
                                 THREAD_VARIABLES, RankInfo, check_world_size, format_ranks, oversubscription_warnings,
                                 probe_rank, ranks_per_host, threads_per_rank,
@@ -39,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the run's --servers, for the rank -> GPU map (colocated: rank 0 takes no GPU)")
     parser.add_argument("--share-gpu", action="store_true",
                         help="the run's --share-gpu: GPU ranks may share a device")
+    parser.add_argument("--ranks-per-node", default=None, metavar="L|auto",
+                        help="the run's --ranks-per-node: its nodes checked against MPI's shared-memory split and "
+                             "Slurm's tasks per node (default: the nodes are only reported)")
     parser.add_argument("--json", action="store_true",
                         help="print the report as one JSON object instead of text")
 
@@ -62,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
         threads, error = threads_per_rank(args.threads), None
     except UsageError as exc:
         threads, error = 1, str(exc)
+    if error is None and args.ranks_per_node is not None:
+        try:
+            parse_ranks_per_node(args.ranks_per_node)
+        except UsageError as exc:
+            error = str(exc)
     gathered = comm.gather((probe_rank(rank), library_versions(), error), root=0)
     devices = comm.gather((rank, *node_of(comm), *visible_devices()), root=0)
     outcome = None
@@ -69,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         report = _report(MPI, gathered, size, threads,
                          gpus=_gpus(devices, args.servers == "colocated", args.share_gpu))
         report["servers"] = args.servers
+        report["nodes"] = _nodes(devices, size, args.servers, args.ranks_per_node)
         print(json.dumps(report, indent=1) if args.json else _format(report), flush=True)
         outcome = report["error"]
     outcome = comm.bcast(outcome, root=0)
@@ -94,6 +108,49 @@ def _gpus(devices: list, colocated: bool, share: bool) -> dict:
             report["map"] = plan_world(devices, colocated, share)
         except UsageError as exc:
             report["refused"] = str(exc)
+    return report
+
+
+def _nodes(devices: list, size: int, servers: str = "1", ranks_per_node: str | None = None,
+           environ=os.environ) -> dict:
+    """The nodes of the launch from the gathered ``devices`` entries (rank, node, host, ...):
+    ``of_rank``, each rank's node as MPI's shared-memory split finds it, numbered from 0 in
+    rank order, and ``hosts``, each node's host; ``slurm``, Slurm's tasks per node where its
+    variables say them (``plan.nodes.slurm_layout``: ``tasks_per_node``, ``from``; ``error``
+    for a value that cannot be read); for the run's ``ranks_per_node`` (``--ranks-per-node``,
+    with ``servers``), the nodes the launch would resolve on MPI's
+    (``plan.topology.resolve_topology``: ``resolved``, ``exchange``, ``topology``) with the
+    notes of that and of Slurm's layout (``plan.nodes.slurm_nodes_notes``), or ``refused``,
+    the launch's one line."""
+    order: dict = {}
+    of_rank, hosts = [], []
+    for _, node, host, *_ in sorted(devices, key=lambda entry: entry[0]):
+        if node not in order:
+            order[node] = len(order)
+            hosts.append(host)
+        of_rank.append(order[node])
+    report = {"of_rank": of_rank, "hosts": hosts, "slurm": None, "ranks_per_node": ranks_per_node,
+              "resolved": None, "exchange": None, "topology": None, "notes": [], "refused": None}
+    try:
+        layout = slurm_layout(environ, size)
+        if layout is not None:
+            report["slurm"] = {"tasks_per_node": list(layout.counts) or None, "nodes": len(layout.counts)
+                               or layout.nodes_only, "from": layout.variable}
+    except UsageError as exc:
+        report["slurm"] = {"error": str(exc)}
+    if ranks_per_node is None:
+        return report
+    try:
+        config = RunConfig(servers=parse_servers(servers), ranks_per_node=parse_ranks_per_node(ranks_per_node))
+        if size <= config.non_worker_ranks():
+            raise UsageError(f"a world of {size} rank(s) has no workers to put on nodes")
+        topology, exchange, notes = resolve_topology(config, size, of_rank)
+        notes += slurm_nodes_notes(config, size, topology, environ=environ)
+    except UsageError as exc:
+        report["refused"] = str(exc)
+        return report
+    report.update(resolved=topology.describe(config.colocated, config.non_worker_ranks()), exchange=exchange,
+                  topology=topology.record(), notes=notes)
     return report
 
 
@@ -175,6 +232,7 @@ def _format(report: dict) -> str:
         lines.append(f"  {host}: {len(infos)} rank{'s' * (len(infos) != 1)} "
                      f"({format_ranks([i.rank for i in infos])}) on {len(cpus)} CPUs "
                      f"[{format_ranks(sorted(cpus))}]")
+    lines.extend(_format_nodes(report.get("nodes")))
     lines.append("ranks")
     lines.append("  rank  host                  pid      cpus          torch  numba  "
                  + "  ".join(name.split("_")[0] for name in THREAD_VARIABLES))
@@ -189,6 +247,34 @@ def _format(report: dict) -> str:
     if report["error"] is None:
         lines.append("launch OK" + (" (with warnings)" if report["warnings"] else ""))
     return "\n".join(lines)
+
+
+def _format_nodes(nodes: dict | None) -> list[str]:
+    """The report's nodes lines (``_nodes``): MPI's node map (up to 8 nodes listed), Slurm's
+    tasks per node, and the run's nodes where ``--ranks-per-node`` was given."""
+    if not nodes:
+        return []
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes["of_rank"]):
+        by_node.setdefault(node, []).append(rank)
+    listed = "; ".join(f"node {node} ranks {format_ranks(ranks)} ({nodes['hosts'][node]})"
+                       for node, ranks in list(by_node.items())[:8])
+    more = f"; ... {len(by_node) - 8} more" if len(by_node) > 8 else ""
+    lines = [f"nodes (MPI's shared-memory split): {len(by_node)} node(s): {listed}{more}"]
+    slurm = nodes.get("slurm")
+    if slurm and "error" in slurm:
+        lines.append(f"  Slurm            {slurm['error']}")
+    elif slurm and slurm["tasks_per_node"]:
+        lines.append(f"  Slurm            {format_counts(slurm['tasks_per_node'])} tasks per node ({slurm['from']})")
+    elif slurm:
+        lines.append(f"  Slurm            {slurm['nodes']} node(s) ({slurm['from']}), tasks per node not set")
+    L = nodes.get("ranks_per_node")
+    if nodes.get("refused"):
+        lines.append(f"  a run with --ranks-per-node {L} would be refused: {nodes['refused']}")
+    elif nodes.get("resolved"):
+        lines.append(f"  --ranks-per-node {L}: {nodes['resolved']}; exchange {nodes['exchange']} (--exchange auto)")
+    lines.extend(f"  {note}" for note in nodes.get("notes", []))
+    return lines
 
 
 def _format_gpus(gpus: dict | None) -> list[str]:

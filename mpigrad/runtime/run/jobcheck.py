@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...config import RunConfig
+from ...config import AUTO, RunConfig
 from ...errors import UsageError
 from ..plan.checks import base_codec, check_options, check_trace, check_world
 from ..plan.environment import _positive_int_variable
+from ..plan.nodes import nodes_line, slurm_nodes_notes
+from ..plan.topology import resolve_topology
 
 
 def assumed_world(config: RunConfig, ranks: int | None, environ=os.environ) -> tuple[int | None, str]:
@@ -35,16 +37,18 @@ def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -
     """``mpigrad train --check``: every check of a launch, in this process, without MPI (no
     rank starts): the options (``check_options``, as every launch), the trace path
     (``check_trace``), the world of the assumed size (``assumed_world``, ``check_world``),
-    the data, augmentation and model (as ``session.check_launch``), the layout with its
-    pieces and shards, and the optimizer and schedule over those pieces (``train_replica``).
+    its nodes (``check_nodes``), the data, augmentation and model (as
+    ``session.check_launch``), the layout with its pieces and shards, and the optimizer and
+    schedule over those pieces (``train_replica``).
     Returns the report's lines; UsageError (one line) on the first problem. Not checked: what
-    only the launched ranks know (the PMI, MPI's thread level, each rank's GPU), and, without
-    an assumed size, the world."""
+    only the launched ranks know (the PMI, MPI's thread level, each rank's GPU, the nodes MPI
+    finds), and, without an assumed size, the world."""
     check_options(config)
     check_trace(config)
     size, source = assumed_world(config, ranks, environ)
     if size is not None:
         check_world(config, size)
+    nodes = check_nodes(config, size, environ)
     import mpi4py
 
     mpi4py.rc.initialize = False  # preflight imports MPI: not started here
@@ -87,8 +91,33 @@ def check_job(config: RunConfig, ranks: int | None = None, environ=os.environ) -
     else:
         servers = "colocated servers" if config.colocated else f"{config.non_worker_ranks()} server rank(s)"
         lines.append(f"world: {size} ranks ({source}): {servers}, {workers} worker(s)")
+    lines += nodes
     lines.append(f"trace: {config.trace} ({'resumed' if config.resume else 'overwritten' if Path(config.trace).exists() else 'new'}), "
                  f"checkpoint {config.checkpoint_path}")
     lines.append("not checked here: the MPI launch (PMI, thread level)"
                  + (", each rank's GPU" if config.device != "cpu" else "") + "; mpigrad doctor checks the launch")
     return lines
+
+
+def check_nodes(config: RunConfig, size: int | None, environ=os.environ) -> list[str]:
+    """The report's ``nodes:`` line and its notes (``mpigrad: note: ...``) for a world of
+    ``size`` ranks (None: unknown): the nodes as the launch resolves them
+    (``plan.topology.resolve_topology`` without MPI's nodes: UsageError, one line, for a
+    ``--ranks-per-node L`` that does not divide the workers or ``--exchange hierarchical`` on
+    one node), and Slurm's tasks per node against them (``plan.nodes.slurm_nodes_notes``).
+    ``--ranks-per-node auto`` is not refused: MPI's nodes settle it at launch, and where
+    Slurm's variables lay the job out the notes say what the launch would find there."""
+    two_rounds = base_codec(config).two_rounds
+    L = config.ranks_per_node
+    if L == AUTO:
+        line = ("nodes: resolved at launch from MPI's shared-memory split (--ranks-per-node auto), and the "
+                f"exchange with them (--exchange {config.exchange})")
+        notes = slurm_nodes_notes(config, size, None, two_rounds, environ) if size is not None else []
+        return [line, *(f"mpigrad: {note}" for note in notes)]
+    if size is None:
+        return [] if L == 1 else [f"nodes: {L} worker(s) per node (--ranks-per-node {L}): not checked without the "
+                                  f"world's size, which needs a multiple of {L} workers"]
+    topology, exchange, notes = resolve_topology(config, size, None, two_rounds=two_rounds)
+    notes += slurm_nodes_notes(config, size, topology, two_rounds, environ)
+    line = nodes_line(topology, exchange, config)
+    return [*([line] if line else []), *(f"mpigrad: {note}" for note in notes)]

@@ -1,5 +1,5 @@
-"""Rank 0's start-up text: what the run is (model, codec, policy, shards, network, cost
-model, warm-ups, where the ranks wait) in the lines a researcher reads at the head of a
+"""Rank 0's start-up text: what the run is (model, codec, policy, shards, network, nodes,
+cost model, warm-ups, where the ranks wait) in the lines a researcher reads at the head of a
 job's log."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from ..exchange.build import broadcast_codec, piece_bytes
 from ..exchange.device import codec_path
 from ..plan.checks import replaced_bits_note
 from ..plan.environment import format_ranks
+from ..plan.nodes import nodes_line
 from .script import _SCRIPT_NAMED, SCRIPT_KEYS
 
 
@@ -37,6 +38,9 @@ def describe_run(config, server, size: int, log, warm_up_s: float | None = None,
     if server.servers > 1:
         log(shard_description(server.shards, server.codec, server.chunks, config.shard_chunk))
     log(f"network: {network_description(config)}")
+    nodes = nodes_line(config.topology, config.exchange, config) if config.topology is not None else None
+    if nodes:  # the launch resolved them (in-process loopback runs have none)
+        log(nodes)
     note = replaced_bits_note(config, server.codec)
     if note:
         log(note)
@@ -115,7 +119,9 @@ def shard_description(shards, codec, chunks, setting) -> str:
 
 
 def network_description(config) -> str:
-    """The network model in words, the rate in bytes and in bits (``10MB/s (80Mbit/s)``)."""
+    """The network model in words, the rate in bytes and in bits (``10MB/s (80Mbit/s)``);
+    with nodes of several workers (``ranks_per_node`` L > 1) the rate is each node's NIC,
+    and the links inside a node follow (``--intra-bandwidth``, ``--intra-latency``)."""
     if config.net_mode == "off":
         return "not modelled (net_mode off: the simulated clock is the wall clock)"
     clock = "simulated clock" if config.net_mode == "virtual" else "real sleeps"
@@ -124,6 +130,11 @@ def network_description(config) -> str:
     latency = (f"{config.latency} (schedule)" if isinstance(config.latency, str) else format_duration(config.latency))
     links = "".join(f", rank {rank}'s link {format_network_value(value)}"
                     for rank, value in sorted(config.link_bandwidth.items(), key=lambda item: int(item[0])))
+    L = config.ranks_per_node
+    if isinstance(L, int) and L > 1:
+        return (f"{rate} per node's NIC (shared by its {L} workers), latency {latency} per message; inside a node "
+                f"{format_rate(config.intra_bandwidth)} per worker's link, latency "
+                f"{format_duration(config.intra_latency)}; {config.broadcast} broadcast, {clock}")
     return (f"{rate} per link{links}, latency {latency} per message, "
             f"{config.broadcast} broadcast, {clock}")
 
