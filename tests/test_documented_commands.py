@@ -79,6 +79,8 @@ EXCLUDED = [
      r"runs/api[/a-z0-9]*\.h5| --ddp)$",
      "tests/test_api_mpi.py runs examples/api/train.py with fix2.toml, mqgrad.toml and fp32.toml, and under DDP"),
     (r"^python examples/map/run\.py", _MAP),
+    (r"^python examples/nodes/run\.py", "the nodes' comparison: 39 runs, about 23 minutes (tests/test_nodes_example.py "
+                                       "runs its --smoke version end to end)"),
     (r"^mpigrad trace compare runs/hard/", "reads the teacher task's traces (" + _HARD + ")"),
     (r"^mpiexec .*--device cuda", "needs a GPU (CI has none: tests/test_device_path_mpi.py runs the device path "
                                   "in Numba's CUDA simulator, docs/gpu.rst's simulator command too)"),

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..config import RECIPE_KEYS, describe_recipe, normal_shard_chunk
+from ..config import OPTIONS, RECIPE_KEYS, describe_recipe, normal_shard_chunk
 from ..units import format_duration, format_rate
 from ..trace import Trace, method_label
 
@@ -105,8 +105,7 @@ def _flatten(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-_NESTED_KEYS = frozenset({"model_opts", "data_opts", "codec_opts", "policy_opts", "link_bandwidth", "optimizer_opts",
-                          "lr_schedule_opts"})
+_NESTED_KEYS = frozenset(name for name, option in OPTIONS.items() if isinstance(option.default, dict))
 
 
 @functools.cache
