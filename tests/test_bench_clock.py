@@ -21,6 +21,9 @@ def _lab_reason():
     (["--broadcast", "ring"], "broadcast must be one of star, tree, mpich"),
     (["--iterations", "4", "--warmup", "3"], "--iterations must exceed --warmup"),
     (["--servers", "pipeline", "--codecs", "powersgd2q8"], "--servers pipeline does not run two-round codecs"),
+    (["--servers", "1", "--ranks-per-node", "2"], "--ranks-per-node L > 1 needs --servers colocated"),
+    (["--workers", "3", "--servers", "colocated", "--ranks-per-node", "2"], "a --workers P that L divides"),
+    (["--exchange", "ring"], "exchange must be one of auto, flat, hierarchical"),
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, args, message):
     assert cli_main(["bench", "clock", *args]) == 2
@@ -103,3 +106,20 @@ def test_an_existing_out_file_is_refused_without_force(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{out} exists; pass --force to overwrite it" in err, err
     assert out.read_text() == "keep me"
+
+
+@pytest.mark.lab
+@pytest.mark.mpi
+@pytest.mark.skipif(_lab_reason() is not None, reason="mpigrad lab cannot run here")
+def test_nodes_of_two_workers_in_the_lab_give_both_clocks():
+    """2 nodes of 2 workers, flat and hierarchical: each row says its nodes and exchange, and
+    the hierarchical one's simulated gradients and broadcast hold its intra-node phases."""
+    command = [sys.executable, "-m", "mpigrad", "bench", "clock", "--workers", "4", "--servers", "colocated",
+               "--ranks-per-node", "2", "--exchange", "flat,hierarchical", "--codecs", "uniform2", "--rates", "20MB/s",
+               "--iterations", "6", "--warmup", "2", "--", "--model-opt", "fc_sizes=[64,64]"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    assert [(r["ranks_per_node"], r["exchange"]) for r in rows] == [(2, "flat"), (2, "hierarchical")]
+    for row in rows:
+        assert row["real_s"] > 0 and row["sim_s"] > 0 and row["phases"]["gradients"][1] > 0

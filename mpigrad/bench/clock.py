@@ -1,7 +1,9 @@
 """``mpigrad bench clock``: the simulated clock held against a real rate-limited network.
 
 Each configuration trains once in a network lab (``mpigrad lab``: one node per rank, every
-link tbf-limited both ways at the rate) with ``--net-mode virtual --bandwidth`` the same
+link tbf-limited both ways at the rate; with ``--ranks-per-node L``, nodes of L workers
+behind one such link, whose workers talk through shared memory, and the run's
+``--ranks-per-node L`` with each ``--exchange``) with ``--net-mode virtual --bandwidth`` the same
 rate: the ranks' messages cross the real links, so rank 0's wall clock is the real run, while
 its simulated clock charges the modelled messages plus the measured local work (no
 ``--compute-time``). Both clocks advance over the same iterations. Per configuration, over
@@ -58,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, of {', '.join(CODECS)} (default fp32,uniform2,uniform8)")
     parser.add_argument("--broadcast", default="star", help="comma-separated broadcast models: star, tree, mpich (default star)")
     parser.add_argument("--rates", default="10MB/s,100MB/s", help="comma-separated link rates (default 10MB/s,100MB/s)")
+    parser.add_argument("--ranks-per-node", default="1",
+                        help="comma-separated workers per node L (default 1: a node per rank); L > 1 runs colocated "
+                             "servers only, in a lab of P/L nodes of L (mpigrad lab --ranks-per-node)")
+    parser.add_argument("--exchange", default="auto",
+                        help="comma-separated exchanges for L > 1: flat, hierarchical (default auto: hierarchical)")
     parser.add_argument("--iterations", type=int, default=15, help="iterations per run (default 15)")
     parser.add_argument("--warmup", type=int, default=4, help="iterations left out (default 4)")
     parser.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
@@ -98,6 +105,24 @@ def _count(text: str) -> int:
 PIPELINE = "pipeline"  # --servers item: colocated servers and the pipelined iteration
 
 
+EXCHANGES = ("auto", "flat", "hierarchical")
+
+
+def _exchange(name: str) -> str:
+    if name not in EXCHANGES:
+        raise UsageError(f"exchange must be one of {', '.join(EXCHANGES)}, got {name!r}")
+    return "hierarchical" if name == "auto" else name
+
+
+def _node_layouts(counts: list[int], exchanges: list[str], workers: list[int], layouts: list) -> list[tuple[int, str]]:
+    """(L, exchange) of every node layout asked for; UsageError where L > 1 has no run to
+    take it (no colocated layout, or no P it divides)."""
+    if any(L > 1 for L in counts) and (COLOCATED not in layouts or not any(p % L == 0 for L in counts if L > 1
+                                                                           for p in workers)):
+        raise UsageError("--ranks-per-node L > 1 needs --servers colocated and a --workers P that L divides")
+    return [(1, "flat")] * (1 in counts) + [(L, exchange) for L in counts if L > 1 for exchange in exchanges]
+
+
 def _layout(text: str):
     return PIPELINE if text == PIPELINE else parse_servers(text)
 
@@ -110,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     codecs = _items(args.codecs, "--codecs", _codec)
     broadcasts = _items(args.broadcast, "--broadcast", _broadcast)
     rates = _items(args.rates, "--rates", lambda text: (text, parse_rate(text)))
+    nodes = _node_layouts(_items(args.ranks_per_node, "--ranks-per-node", _count),
+                          _items(args.exchange, "--exchange", _exchange), workers, layouts)
     if PIPELINE in layouts and TWO_ROUNDS.intersection(codecs):
         raise UsageError(f"--servers pipeline does not run two-round codecs ({', '.join(sorted(TWO_ROUNDS))})")
     if args.iterations <= args.warmup + 1:
@@ -121,20 +148,24 @@ def run(args: argparse.Namespace) -> int:
     extra = [a for a in args.train_args if a != "--"] or ["--model-opt", "fc_sizes=[1024,2048]", "--lr", "0.02"]
     print(f"mpigrad bench clock: simulated against real per iteration, in a network lab; {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}; train options: {' '.join(extra)}", flush=True)
-    header = (f"{'P':>3} {'S':>4} {'codec':>9} {'bcast':>5} {'rate':>8} {'real s/it':>10} {'sim s/it':>9} "
+    header = (f"{'P':>3} {'S':>4} {'L':>2} {'exch':>4} {'codec':>9} {'bcast':>5} {'rate':>8} {'real s/it':>10} {'sim s/it':>9} "
               f"{'sim/real':>9} {'local s':>8} {'real comm':>10} {'sim comm':>9} {'comm s/r':>9}")
     print(header, flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="mpigrad-bench-clock-") as tmp:
-        for p, layout, codec, broadcast, (rate_text, _) in itertools.product(workers, layouts, codecs, broadcasts,
-                                                                            rates):
+        for p, layout, codec, broadcast, (rate_text, _), (L, exchange) in itertools.product(
+                workers, layouts, codecs, broadcasts, rates, nodes):
+            if L > 1 and (layout != COLOCATED or p % L or codec in TWO_ROUNDS):
+                continue  # nodes of several workers: colocated one-round runs whose P they divide
             trace = Path(tmp) / f"run-{len(results)}.h5"
             ranks = p + (1 if layout in (COLOCATED, PIPELINE) else layout)
+            lab_nodes = ["--nodes", str(ranks)] if L == 1 else ["--nodes", str(p // L), "--ranks-per-node", str(L)]
+            train_nodes = [] if L == 1 else ["--exchange", exchange]
             sharding = (["--servers", COLOCATED, "--pipeline"] if layout == PIPELINE else ["--servers", str(layout)]) + \
                 (["--shard-chunk", str(SHARD_CHUNK)] if layout != 1 and codec not in TWO_ROUNDS else [])
-            command = [sys.executable, "-m", "mpigrad", "lab", "--nodes", str(ranks), "--rate", rate_text,
+            command = [sys.executable, "-m", "mpigrad", "lab", *lab_nodes, "--rate", rate_text,
                        "--name", "mgbc", "--check", "none", "--", "train", "--policy", "fixed", *CODECS[codec],
-                       *sharding, "--broadcast", broadcast, "--bandwidth", rate_text, "--net-mode", "virtual",
+                       *sharding, *train_nodes, "--broadcast", broadcast, "--bandwidth", rate_text, "--net-mode", "virtual",
                        "--iterations", str(args.iterations), "--eval-every", "0", "--progress-every", "0",
                        "--trace", str(trace), *extra]
             phase_dir = Path(tmp) / f"phases-{len(results)}"
@@ -144,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
                 print(done.stdout[-2000:] + done.stderr[-2000:], file=sys.stderr)
                 raise UsageError(f"the run P={p} S={layout} {codec} {broadcast} at {rate_text} failed "
                                  f"(exit {done.returncode})")
-            row = dict(workers=p, servers=layout, codec=codec, broadcast=broadcast, rate=rate_text,
+            row = dict(workers=p, servers=layout, ranks_per_node=L, exchange=exchange if L > 1 else "flat",
+                       codec=codec, broadcast=broadcast, rate=rate_text,
                        **_clocks(trace, args.warmup),
                        phases=_phases(phase_dir, p, layout, args.warmup, codec in TWO_ROUNDS))
             results.append(row)
@@ -233,9 +265,11 @@ def _phases(directory: Path, workers: int, layout, warmup: int, two_rounds: bool
         for phase, span in spans.items():
             real[phase].append(span)
         charged = ranks[0].get("sim", {})
+        # a hierarchical exchange's reduce-scatter is on the way of the gradients, its all-gather the broadcast's
+        inside = {"gradients": ("pipelined", "intra_reduce"), "broadcast": ("intra_gather",)}
         for phase in PHASES:
             name = "local" if phase == "compute" else phase
-            sim[phase].append(charged.get(name, 0.0) + (charged.get("pipelined", 0.0) if phase == "gradients" else 0))
+            sim[phase].append(charged.get(name, 0.0) + sum(charged.get(part, 0.0) for part in inside.get(phase, ())))
     return {phase: [float(np.median(real[phase])), float(np.median(sim[phase]))] if real[phase] else [0.0, 0.0]
             for phase in PHASES}
 
@@ -246,6 +280,7 @@ def _format_phases(phases: dict[str, list[float]]) -> str:
 
 def _format(r: dict) -> str:
     servers = {COLOCATED: "col", PIPELINE: "pipe"}.get(r["servers"], r["servers"])
-    return (f"{r['workers']:>3} {servers:>4} {r['codec']:>9} {r['broadcast']:>5} {r['rate']:>8} {r['real_s']:>10.3f} "
+    return (f"{r['workers']:>3} {servers:>4} {r.get('ranks_per_node', 1):>2} {r.get('exchange', 'flat')[:4]:>4} "
+            f"{r['codec']:>9} {r['broadcast']:>5} {r['rate']:>8} {r['real_s']:>10.3f} "
             f"{r['sim_s']:>9.3f} {r['sim_over_real']:>9.2f} {r['local_s']:>8.3f} {r['real_comm_s']:>10.3f} "
             f"{r['sim_comm_s']:>9.3f} {r['comm_sim_over_real']:>9.2f}")
