@@ -17,8 +17,8 @@ so the parts need not add up to ``s/it`` exactly):
   callbacks and falls under ``rest``. Zero for DDP fp32 (no hook).
 - ``wire``: the bytes the busiest node sends or receives per iteration at the lab's link rate
   (``--lab``), node by node from the trace's per-server and per-worker bytes
-  (:func:`node_bytes`: unequal shards load one node more); ``-`` on loopback, where it is
-  part of ``rest``.
+  (:func:`node_bytes`: unequal shards load one node more; on nodes of several workers each
+  NIC's bytes, the trace's ``bytes_nic`` / N); ``-`` on loopback, where it is part of ``rest``.
 - ``rest``: ``s/it`` minus the others: waiting for messages and for the slowest rank, the
   protocol's own steps, and (DDP) what its all-reduce does not overlap with backward.
 
@@ -82,10 +82,18 @@ def node_bytes(trace, workers: int, servers: int, symmetric: bool) -> np.ndarray
       ``bytes_sent[k]`` and receives every broadcast.
 
     Shards of unequal size (a layer too large to share, without ``--shard-chunk``) load one
-    node more than the others, and this is what the links see. Without those columns (DDP,
-    whose ring is balanced): every node sends and receives (up + down) / P, or with S
-    separate servers each server's link max(up, down) / S."""
+    node more than the others, and this is what the links see. On nodes of several workers
+    (``steps/bytes_nic``): each NIC's bytes, the mean over the nodes
+    (``analysis.peers.nic_bytes_per_node``; the hierarchical exchange loads them evenly).
+    Without those columns (DDP, whose ring is balanced): every node sends and receives (up +
+    down) / P, or with S separate servers each server's link max(up, down) / S."""
+    from ..analysis.peers import nic_bytes_per_node
+
     steps = trace.steps
+    if not trace.config.get("peer") and "bytes_nic" in steps.columns:
+        nic = nic_bytes_per_node(trace)
+        if nic is not None:
+            return nic
     up = steps["bytes_up"].to_numpy(float)
     down = steps["bytes_down"].to_numpy(float)
     per_node = None if trace.config.get("peer") else _per_node_bytes(trace, workers, servers, symmetric)

@@ -31,6 +31,21 @@ matrix and r = min(n, m, rank). A DDP trace splits them as bytes_up = P x the re
 half and bytes_down = P x the all-gather half, so bytes_up + bytes_down is every byte on the
 wire, as in an mpigrad trace.
 
+Nodes (``--ranks-per-node L``, default the config's ``ranks_per_node``; docs/peers.rst,
+"Nodes"): both sides on the same N = P / L nodes of L workers. DDP's ranks in node order
+(node k holds ranks kL..kL+L-1; in the lab ``--launch each --ranks-per-node L``), so that
+gloo's ring crosses each node's NIC once each way; mpigrad with colocated servers (the one
+layout train builds for nodes of several workers; ``--servers colocated`` is added, an
+explicit ``--servers S`` after ``--`` refused) and ``--ranks-per-node L``, its exchange
+hierarchical by ``auto`` for L > 1, rank 0 beside node 0's workers. Each method's row then
+has the bytes out of each node's NIC per iteration: in the lab, measured (frames, headers
+included) with the lab's counters (``lab.netns.traffic``): DDP's first rank of each node reads
+its node's counters when the steady iterations begin and after the loop (each after a
+barrier of every rank), mpigrad's are the lab's counts over the whole command
+(:func:`lab_traffic`) over its iterations; and always by the model
+(``analysis.peers.nic_bytes_per_node``: a ring in node order puts 2 (P - 1) / P x G out of each
+NIC, mpigrad's trace its ``bytes_nic`` / N).
+
 Progress on stdout: a line as each run (a variant or mpigrad on one seed) starts and ends,
 and one every ``--progress-interval`` seconds while processes run (DDP's rank 0 reports its
 variants through a file, ``_ChildReport``).
@@ -94,6 +109,8 @@ VARIANTS = {v.name: v for v in (
 POWERSGD_MIN_COMPRESSION_RATE = 2
 #: Keys of an mpigrad config that describe mpigrad's method, absent from a DDP trace's config.
 _METHOD_KEYS = ("codec", "codec_opts", "bits", "policy", "policy_opts")
+#: The name of the labs the bench builds (``mpigrad lab --name``), one at a time.
+LAB_NAME = "mgbp"
 
 
 # ---- bytes on the wire ----------------------------------------------------------------------
@@ -176,6 +193,10 @@ class RankRecord:
     compute: list[float] = dataclasses.field(default_factory=list)  # forward + backward (--breakdown)
     rank_losses: list[list[float]] | None = None
     network: dict[str, Any] | None = None  # the rank's network (trace/network.current: a lab's, or the host's)
+    #: A node's first rank in a lab of nodes: its node's NIC over the steady iterations
+    #: (``_NodeCounter``: node, sent, received, iterations); after merging ``node_nic``, every node's.
+    nic: dict[str, int] | None = None
+    node_nic: list[dict[str, int]] | None = None
 
 
 def _ddp_rank(spec: dict[str, Any], rank: int) -> list[RankRecord]:
@@ -247,9 +268,13 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     fp32_bytes = ring_allreduce_bytes(workers, n_params)
     report = _ChildReport(spec, variant.name) if rank == 0 else None
     clock = _GradientClock(model, tally) if spec.get("breakdown") and device.type == "cpu" else None
+    counter = _NodeCounter(spec["count_nic"]) if spec.get("count_nic") else None
+    first = first_steady(spec.get("warmup", 0), spec["powersgd_start"] if variant.hook == "powersgd" else None)
     dist.barrier()
     start = time.perf_counter()
     for m in range(spec["iterations"]):
+        if counter is not None and m == first:
+            counter.begin()
         for group in optimizer.param_groups:
             group["lr"] = rate.at(m)
         idx = sampler.next_batch()
@@ -274,6 +299,8 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
         record.bytes_per_node.append(sent if variant.hook != "allreduce" else fp32_bytes)
         if report:
             report.iteration(len(record.losses))
+    if counter is not None and first < spec["iterations"]:
+        record.nic = counter.end(spec["iterations"] - first)
     if report:
         report.done(len(record.losses), record.wall_times[-1] if record.wall_times else 0.0)
     if variant.hook == "powersgd" and any(c != 1 for c in record.hook_calls[2:]):
@@ -281,6 +308,40 @@ def _train_variant(variant: PeerVariant, config, dataset, rank: int, spec: dict,
     if spec.get("breakdown") and clock is None:  # on a GPU: the host's clock does not see the kernels
         record.compute = [_bare_compute(ddp, model, dataset, config, device)] * len(record.losses)
     return record
+
+
+class _NodeCounter:
+    """A DDP rank's view of its node's NIC in a lab of nodes (``lab`` its name; the node from
+    the lab's MPIGRAD_LAB_NODE): at :meth:`begin` and :meth:`end` every rank waits at a
+    barrier, so that no earlier iteration's bytes are still in flight, and the node's first
+    rank (LOCAL_RANK 0) reads the frames its link counted (``lab.netns.traffic``, headers
+    included); the other ranks read nothing (their node's count is the first rank's)."""
+
+    def __init__(self, lab: str):
+        from ..lab.netns import Topology
+
+        self.node = Topology(lab, int(os.environ["MPIGRAD_LAB_NODES"])).node(int(os.environ["MPIGRAD_LAB_NODE"]))
+        self.reads = os.environ.get("LOCAL_RANK", "0") == "0"
+        self.before = None
+
+    def _read(self):
+        import torch.distributed as dist
+
+        from ..lab.netns import traffic
+
+        dist.barrier()
+        return traffic(self.node) if self.reads else None
+
+    def begin(self) -> None:
+        self.before = self._read()
+
+    def end(self, iterations: int) -> dict[str, int] | None:
+        """{node, sent, received, iterations} since :meth:`begin` (None on the other ranks)."""
+        after = self._read()
+        if after is None or self.before is None:
+            return None
+        spent = after - self.before
+        return {"node": self.node.index, "sent": spent.sent, "received": spent.received, "iterations": iterations}
 
 
 class _GradientClock:
@@ -385,6 +446,14 @@ class PeerRow:
     final_loss: float                    # smoothed, mean over the runs
     iteration_vs_mpigrad: float | None = None
     target_vs_mpigrad: float | None = None
+    #: On nodes (``--ranks-per-node``): bytes out of each node's NIC per iteration (as many
+    #: come in), in the lab measured (the mean over nodes and runs of ``nic_measured``; None
+    #: where the counts could not be read), on loopback the model's; the model's
+    #: (``analysis.peers.nic_bytes_per_node``, median over the steady iterations); each
+    #: node's measured, mean over the runs. None off nodes.
+    nic_bytes_per_node: float | None = None
+    nic_bytes_per_node_model: float | None = None
+    nic_measured: list[float] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -421,7 +490,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address of DDP's rendezvous (default 127.0.0.1: loopback)")
     parser.add_argument("--lab", default=None, metavar="RATE",
                         help="run every method in a network lab at this link rate, e.g. 10MB/s (root; one node "
-                             "per rank; docs/lab.rst); default: loopback")
+                             "per rank, or per L workers with --ranks-per-node; docs/lab.rst); default: loopback")
+    parser.add_argument("--ranks-per-node", type=int, default=None, metavar="L",
+                        help="both sides on nodes of L workers (L must divide P; default: the config's "
+                             "ranks_per_node, 1: a node per rank as before): DDP's ranks in node order (node k holds "
+                             "ranks kL..kL+L-1), so that its ring crosses each NIC once each way; mpigrad with "
+                             "colocated servers (added: the one layout train builds for nodes; --servers S after -- "
+                             "is refused) and --ranks-per-node L, its exchange hierarchical by auto for L > 1, "
+                             "rank 0 beside node 0's workers. Each row gets the bytes out of each node's NIC per "
+                             "iteration: with --lab measured by the lab's counters (P/L >= 2 nodes), else the "
+                             "model's (docs/peers.rst, Nodes)")
     parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside python, else PATH)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="'mpigrad train' options after --, applied to both, e.g. -- --model-opt fc_sizes=[64,64]")
@@ -490,6 +568,74 @@ def align_powersgd_start(config, variants: Sequence[str], start: int) -> tuple[l
     return [], None
 
 
+def bench_ranks_per_node(args: argparse.Namespace, config) -> int | None:
+    """The bench's nodes: ``--ranks-per-node L``, else the config's (or the options after
+    ``--``) ``ranks_per_node`` where it is more than 1; None: a node per rank, as before.
+    UsageError (one line) for L < 1, ``auto`` (the bench places DDP's ranks itself), or two
+    different Ls."""
+    declared = config.ranks_per_node
+    if args.ranks_per_node is None:
+        if declared == "auto":
+            raise UsageError("ranks_per_node auto (the config or the options after --): bench peers places DDP's "
+                             "ranks on the nodes itself: give bench peers --ranks-per-node L")
+        return declared if isinstance(declared, int) and declared > 1 else None
+    if args.ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
+    if isinstance(declared, int) and declared not in (1, args.ranks_per_node):
+        raise UsageError(f"--ranks-per-node {args.ranks_per_node}, and the config (or the options after --) declare "
+                         f"ranks_per_node {declared}: give one L, to bench peers")
+    return args.ranks_per_node
+
+
+def node_train_options(train_args: Sequence[str], config, ranks_per_node: int) -> list[str]:
+    """The train options that put mpigrad's run on the bench's nodes: ``--ranks-per-node L``
+    and, unless the config is colocated already, ``--servers colocated`` (the one layout
+    train builds for nodes of several workers; at L = 1 too, so that the nodes are DDP's:
+    each worker's, rank 0 beside node 0's). UsageError (one line) where the options after
+    ``--`` give separate servers."""
+    options = ["--ranks-per-node", str(ranks_per_node)]
+    if config.colocated:
+        return options
+    if any(a == "--servers" or a.startswith("--servers=") for a in train_args):
+        raise UsageError(f"--ranks-per-node {ranks_per_node}: mpigrad runs with colocated servers on the bench's "
+                         f"nodes (train builds nodes of several workers for that layout only), not --servers "
+                         f"{config.servers}: drop --servers after --")
+    return [*options, "--servers", "colocated"]
+
+
+def check_nodes(ranks_per_node: int, workers: int, lab: bool) -> None:
+    """UsageError (one line) where nodes of ``ranks_per_node`` cannot hold ``workers``: L must
+    divide P, and a lab (``lab``) needs at least two nodes."""
+    if workers % ranks_per_node:
+        raise UsageError(f"--ranks-per-node {ranks_per_node} does not divide the {workers} workers: give P = N x L "
+                         "workers (--workers), or an L among P's divisors")
+    if lab and workers // ranks_per_node < 2:
+        raise UsageError(f"--lab with --ranks-per-node {ranks_per_node}: {workers} workers make one node, and a lab "
+                         "needs at least 2: give more workers (--workers) or a smaller L")
+
+
+def node_exchange(config, workers: int) -> str:
+    """The exchange mpigrad's run of ``workers`` takes on the config's nodes (``auto``
+    resolved as the launch resolves it: runtime/plan/topology.py); UsageError (one line) for
+    one it refuses."""
+    from ..runtime.plan.checks import base_codec
+    from ..runtime.plan.topology import resolve_topology
+
+    return resolve_topology(config, workers + config.non_worker_ranks(), None,
+                            two_rounds=base_codec(config).two_rounds)[1]
+
+
+def nodes_line(config, workers: int, ranks_per_node: int, lab: bool) -> str:
+    """The header's line on the nodes: N x L, how each side sits on them, where the NIC bytes come from."""
+    exchange = node_exchange(config, workers)
+    nodes = workers // ranks_per_node
+    source = ("the lab's counters (frames, headers included)" if lab else
+              "the model (a ring in node order: 2 (P - 1) / P x G out of each NIC; mpigrad: its trace's bytes_nic / N)")
+    return (f"nodes: {nodes} of {ranks_per_node} worker(s); DDP's ranks in node order (its ring crosses each NIC "
+            f"once each way); mpigrad colocated, rank 0 beside node 0's workers, {exchange} exchange; NIC bytes per "
+            f"node per iteration from {source}")
+
+
 def _check_task(config, workers: int) -> None:
     """UsageError now for data or model options that would fail inside every rank."""
     from ..data import DataError, ShardSampler
@@ -524,10 +670,16 @@ def run(args: argparse.Namespace) -> int:
     if config.momentum_correction:
         raise UsageError("bench peers gives DDP the config's optimizer, and momentum correction has no DDP twin: "
                          "compare with --optimizer-opt momentum=M instead (the same update in float32)")
+    ranks_per_node = bench_ranks_per_node(args, config)
+    if ranks_per_node is not None:
+        args.train_args = [*args.train_args, *node_train_options(args.train_args, config, ranks_per_node)]
+        config = _config(args)
     ranks = declared_ranks(args.config)
     workers = args.workers if args.workers is not None else (ranks - config.non_worker_ranks() if ranks else 2)
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
+    if ranks_per_node is not None:
+        check_nodes(ranks_per_node, workers, args.lab is not None)
     if args.mpigrad and ranks and ranks != workers + config.non_worker_ranks():
         raise UsageError(f"{args.config} is written for {ranks} ranks (its '# ranks: {ranks}' line), but "
                          f"{workers} workers with --servers {config.servers} need "
@@ -569,6 +721,8 @@ def run(args: argparse.Namespace) -> int:
           f"seed(s) {', '.join(map(str, seeds))}, {threads} thread(s)/rank; "
           f"{'a network lab at ' + args.lab + ' per link' if args.lab else 'DDP over ' + args.address}; "
           f"{powersgd}{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+    if ranks_per_node is not None:
+        print(nodes_line(config, workers, ranks_per_node, args.lab is not None), flush=True)
     if start_line:
         print(start_line, flush=True)
     if sharing:
@@ -579,6 +733,8 @@ def run(args: argparse.Namespace) -> int:
                                               if args.progress_interval else ""), flush=True)
 
     runs: dict[str, list[Path]] = {name: [] for name in methods}
+    measured: dict[str, list[list[float] | None]] = {name: [] for name in methods}  # NIC bytes per node, per run
+    counting = args.lab is not None and ranks_per_node is not None
     try:
         for seed in seeds:
             seeded = dataclasses.replace(config, seed=seed)
@@ -586,23 +742,31 @@ def run(args: argparse.Namespace) -> int:
                     "backend": backend,
                     "iterations": config.iterations, "powersgd_start": start, "address": args.address,
                     "port": _free_port(args.address), "out": str(out), "progress": str(out / "ddp-progress.txt"),
-                    "breakdown": args.breakdown}
+                    "breakdown": args.breakdown, "warmup": args.warmup, "ranks_per_node": ranks_per_node,
+                    "count_nic": LAB_NAME if counting else None,
+                    "exchange": node_exchange(config, workers) if ranks_per_node else None}
             records = _run_ddp(spec, env, progress, args.lab) if variants else {}
             for name in variants:
                 runs[name].append(_write_peer_trace(_trace_path(out, name, seed), seeded, VARIANTS[name],
                                                     records[name], spec))
+                counts = records[name].node_nic
+                measured[name].append([c["sent"] / c["iterations"] for c in counts] if counts else None)
             if args.mpigrad:
-                runs["mpigrad"].append(_run_mpigrad(args, seeded, workers, out, env, progress))
+                trace, nic = _run_mpigrad(args, seeded, workers, out, env, progress, ranks_per_node)
+                runs["mpigrad"].append(trace)
+                measured["mpigrad"].append(nic)
     except RuntimeError as exc:
         print(f"mpigrad bench peers: error: {exc}", file=sys.stderr)
         return 1
-    rows = [_row(paths, workers, args) for paths in runs.values()]
+    rows = [_row(paths, workers, args, ranks_per_node is not None, measured[name]) for name, paths in runs.items()]
     if args.mpigrad:
         _ratios(rows, rows[-1])
-    _print_table(rows, args.target_loss, args.smooth)
+    _print_table(rows, args.target_loss, args.smooth, ranks_per_node is not None, args.lab is not None)
     breakdown = _breakdown(runs, workers, args, out, seeds, config) if args.breakdown else None
     report = {"bench": "peers", "workers": workers, "seeds": seeds, "address": args.address, "lab": args.lab,
-              "powersgd_start": start,
+              "powersgd_start": start, "ranks_per_node": ranks_per_node,
+              "nodes": workers // ranks_per_node if ranks_per_node else None,
+              "nic_source": None if ranks_per_node is None else "lab" if counting else "model",
               "target_loss": args.target_loss, "smooth": args.smooth, "warmup": args.warmup,
               "cpus": os.cpu_count(), "config": config.to_dict(), "rows": [dataclasses.asdict(r) for r in rows],
               "breakdown": breakdown}
@@ -629,11 +793,15 @@ def _outputs(out: Path, methods: Sequence[str], seeds: Sequence[int]) -> list[Pa
             *(_phase_dir(out, seed) for seed in seeds if "mpigrad" in methods)]
 
 
-def _first_steady(trace, warmup: int) -> int:
+def first_steady(warmup: int, powersgd_start: int | None = None) -> int:
     """The first iteration a row counts: max(warmup, PowerSGD's start + 1) (its first
     compressed iteration allocates its factors)."""
-    powersgd_start = (trace.config.get("peer") or {}).get("start_powerSGD_iter")
     return max(warmup, powersgd_start + 1 if powersgd_start is not None else 0)
+
+
+def _first_steady(trace, warmup: int) -> int:
+    """:func:`first_steady` of a trace (a DDP trace's PowerSGD start is in its ``peer``)."""
+    return first_steady(warmup, (trace.config.get("peer") or {}).get("start_powerSGD_iter"))
 
 
 def _breakdown(runs: dict[str, list[Path]], workers: int, args, out: Path, seeds, config) -> dict:
@@ -678,9 +846,13 @@ def _check_lab(args: argparse.Namespace) -> None:
         raise UsageError("--lab and --address exclude each other: in a lab DDP meets at node 0's address")
 
 
-def _lab_command(nodes: int, rate: str, launch: str, command: list[str]) -> list[str]:
-    return [sys.executable, "-m", "mpigrad", "lab", "--nodes", str(nodes), "--rate", rate, "--launch", launch,
-            "--name", "mgbp", "--", *command]
+def _lab_command(ranks: int, rate: str, launch: str, command: list[str], ranks_per_node: int | None = None) -> list[str]:
+    """The lab command for ``ranks`` ranks: a node each, or (``ranks_per_node`` L) ``ranks``
+    workers on ``ranks`` / L nodes of L (the lab adds rank 0 in node 0 under ``--launch mpi``)."""
+    nodes = ["--nodes", str(ranks)] if not ranks_per_node else ["--nodes", str(ranks // ranks_per_node),
+                                                                "--ranks-per-node", str(ranks_per_node)]
+    return [sys.executable, "-m", "mpigrad", "lab", *nodes, "--rate", rate, "--launch", launch,
+            "--name", LAB_NAME, "--", *command]
 
 
 def _method_name(method: str, config) -> str:
@@ -764,9 +936,11 @@ class _ChildLines:
 
 
 def _run_ddp(spec: dict, env: dict, progress: _Progress, lab: str | None = None) -> dict[str, RankRecord]:
-    """Start the P DDP ranks (each in a lab node of its own with ``lab``, a link rate), wait
-    (``progress``: rank 0's word on each variant), and merge their records: losses averaged
-    over ranks (mpigrad's global loss), times and bytes from rank 0."""
+    """Start the P DDP ranks (with ``lab``, a link rate: each in a lab node of its own, or
+    with ``spec["ranks_per_node"]`` L to a node in rank order), wait (``progress``: rank 0's
+    word on each variant), and merge their records: losses averaged over ranks (mpigrad's
+    global loss), times and bytes from rank 0, every node's NIC count (``node_nic``) from
+    the ranks that read one."""
     out = Path(spec["out"])
     spec_path = out / "ddp-spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -775,7 +949,7 @@ def _run_ddp(spec: dict, env: dict, progress: _Progress, lab: str | None = None)
     child = [sys.executable, "-m", "mpigrad.bench.peers", str(spec_path)]
     if lab is not None:  # one process, the lab, starts every rank (rank and address from its variables)
         logs = [out / "ddp-lab.log"]
-        commands = [_lab_command(spec["workers"], lab, "each", [*child, "lab"])]
+        commands = [_lab_command(spec["workers"], lab, "each", [*child, "lab"], spec.get("ranks_per_node"))]
     else:
         logs = [out / f"ddp-rank{rank}.log" for rank in range(spec["workers"])]
         commands = [[*child, str(rank)] for rank in range(spec["workers"])]
@@ -800,6 +974,8 @@ def _run_ddp(spec: dict, env: dict, progress: _Progress, lab: str | None = None)
         first.hook_seconds = np.max([r[k]["hook_seconds"] for r in per_rank], axis=0).tolist()
         if first.compute:
             first.compute = np.max([r[k]["compute"] for r in per_rank], axis=0).tolist()
+        counted = sorted((r[k]["nic"] for r in per_rank if r[k].get("nic")), key=lambda count: count["node"])
+        first.nic, first.node_nic = None, counted or None
         merged[name] = first
     for rank in range(spec["workers"]):
         (out / f"rank{rank}.json").unlink()
@@ -825,6 +1001,11 @@ def _write_peer_trace(path: Path, config, variant: PeerVariant, record: RankReco
     peer_config["peer"] = {"system": "torch DDP", "hook": variant.hook, "rank": variant.rank,
                            "start_powerSGD_iter": spec["powersgd_start"] if variant.hook == "powersgd" else None,
                            "buckets": "one" if variant.hook == "powersgd" else "default"}
+    if spec.get("ranks_per_node"):  # nodes of L ranks, in rank order: the ring crosses each NIC once each way
+        peer_config["peer"]["ranks_per_node"] = spec["ranks_per_node"]
+        # the nodes of the mpigrad run it ran beside, exchange resolved, as mpigrad's trace
+        # records them: trace compare puts the two on the same nodes (its ratios need that)
+        peer_config["exchange"] = spec["exchange"]
     attrs = {network.ATTR: record.network or dict(network.HOST),  # as mpigrad's own runs record it
              "argv": " ".join(sys.argv), "workers": workers, "servers": 0, "seed": config.seed,
              "peer": json.dumps(peer_config["peer"]), **collect_versions()}
@@ -890,7 +1071,11 @@ def _backend(config, workers: int) -> tuple[str, str | None]:
     return ddp_backend("cuda", workers, torch.cuda.device_count())
 
 
-def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Progress) -> Path:
+def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Progress,
+                 ranks_per_node: int | None = None) -> tuple[Path, list[float] | None]:
+    """Run mpigrad's method on one seed: (its trace, and in a lab of nodes of
+    ``ranks_per_node`` workers the bytes out of each node's link per iteration, the lab's
+    counts over the whole command (:func:`lab_traffic`) over the iterations, else None)."""
     import shutil
 
     from ..mpiexec import mpiexec_command
@@ -903,7 +1088,7 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Pr
              "--eval-every", "0", "--progress-every", str(max(1, config.iterations // 50)), "--trace", str(trace),
              "--force"]
     if args.lab is not None:
-        command = _lab_command(ranks, args.lab, "mpi", train)
+        command = _lab_command(workers if ranks_per_node else ranks, args.lab, "mpi", train, ranks_per_node)
     else:
         command = mpiexec_command(ranks, [sys.executable, "-m", "mpi4py", "-m", "mpigrad", *train], args.mpiexec)
     log = out / f"mpigrad-seed{config.seed}.log"
@@ -923,8 +1108,29 @@ def _run_mpigrad(args, config, workers: int, out: Path, env: dict, progress: _Pr
         raise RuntimeError(f"the mpigrad run failed (exit {proc.returncode}; log: {log})")
     progress.finished(f"{config.iterations} iterations in {time.monotonic() - progress.since:.1f} s "
                       "(start-up included)")
+    counted = lab_traffic(log.read_text(errors="replace")) if args.lab is not None and ranks_per_node else {}
     log.unlink()
-    return trace
+    nic = [counted[node]["out"] / config.iterations for node in sorted(counted)] if counted else None
+    return trace, nic
+
+
+#: The lab's line on a node's counters after its command (``mpigrad lab --ranks-per-node``,
+#: lab/cli.py), e.g. ``lab: node 0 during the command: link 0.552 MB out, 0.555 MB in; loopback 0.000 MB``.
+_LAB_TRAFFIC = re.compile(r"lab: node (\d+) during the command: link ([\d.]+) MB out, ([\d.]+) MB in; "
+                          r"loopback ([\d.]+) MB\s*$")
+
+
+def lab_traffic(log: str) -> dict[int, dict[str, float]]:
+    """Each node's bytes ``out``, ``in`` (its link) and ``loopback`` during a lab's command,
+    from the lines ``mpigrad lab`` prints after it (to 1 kB: they are in MB to 3 decimals);
+    empty where it printed none (one rank per node, or counters it could not read)."""
+    found = {}
+    for line in log.splitlines():
+        match = _LAB_TRAFFIC.search(line)
+        if match:
+            found[int(match.group(1))] = {key: float(value) * 1e6 for key, value in
+                                          zip(("out", "in", "loopback"), match.group(2, 3, 4))}
+    return found
 
 
 def run_progress(log: str) -> str | None:
@@ -937,14 +1143,18 @@ def run_progress(log: str) -> str | None:
     return None
 
 
-def _row(paths: list[Path], workers: int, args) -> PeerRow:
+def _row(paths: list[Path], workers: int, args, nodes: bool = False,
+         measured: Sequence[list[float] | None] = ()) -> PeerRow:
     """The row of one method's traces: time and byte statistics over the iterations from
     max(warmup, PowerSGD's start + 1) on (its first compressed iteration allocates its
-    factors), pooled over the runs; the target as ``trace compare`` reads it."""
+    factors), pooled over the runs; the target as ``trace compare`` reads it. ``nodes``: on
+    nodes of several ranks, also the NIC's bytes per node (``measured``: each run's per node
+    per iteration from the lab, None where not measured)."""
+    from ..analysis.peers import nic_bytes_per_node
     from ..analysis.summary import iterations_to_target, smoothed_loss, time_to_target
     from ..trace import load
 
-    steady, sent, received, its, seconds, final = [], [], [], [], [], []
+    steady, sent, received, its, seconds, final, nic = [], [], [], [], [], [], []
     for path in paths:
         trace = load(path)
         steps = trace.steps
@@ -960,12 +1170,18 @@ def _row(paths: list[Path], workers: int, args) -> PeerRow:
         sent.append((up + down) / workers if symmetric else up / workers)
         received.append(sent[-1] if symmetric else down / workers)
         final.append(float(smoothed_loss(trace, args.smooth)[-1]))
+        modelled = nic_bytes_per_node(trace) if nodes else None
+        if modelled is not None:
+            nic.append(modelled[first:])
         if args.target_loss is not None:
             its.append(iterations_to_target(trace, args.target_loss, args.smooth))
             seconds.append(time_to_target(trace, args.target_loss, "wall", args.smooth))
     times, sent_all, received_all = (np.concatenate(x) for x in (steady, sent, received))
     reached_its = [x for x in its if x is not None]
     reached_seconds = [x for x in seconds if x is not None]
+    model = float(np.median(np.concatenate(nic))) if nic and np.concatenate(nic).size else None
+    counts = [run for run in measured if run]
+    each = np.mean(counts, axis=0).tolist() if counts and len({len(run) for run in counts}) == 1 else None
     return PeerRow(
         method=trace.label, traces=[p.name for p in paths], iterations=len(steps),
         s_per_iteration=float(np.median(times)) if times.size else None,
@@ -976,7 +1192,10 @@ def _row(paths: list[Path], workers: int, args) -> PeerRow:
         reached=len(reached_its) if args.target_loss is not None else None,
         iterations_to_target=float(np.mean(reached_its)) if reached_its else None,
         seconds_to_target=float(np.mean(reached_seconds)) if reached_seconds else None,
-        final_loss=float(np.mean(final)))
+        final_loss=float(np.mean(final)),
+        nic_bytes_per_node=(float(np.mean(each)) if each else None) if args.lab is not None else model,
+        nic_bytes_per_node_model=model,
+        nic_measured=each)
 
 
 def _ratios(rows: list[PeerRow], mpigrad: PeerRow) -> None:
@@ -987,18 +1206,29 @@ def _ratios(rows: list[PeerRow], mpigrad: PeerRow) -> None:
             row.target_vs_mpigrad = row.seconds_to_target / mpigrad.seconds_to_target
 
 
-def _print_table(rows: list[PeerRow], target: float | None, smooth: int) -> None:
+def _print_table(rows: list[PeerRow], target: float | None, smooth: int, nodes: bool = False,
+                 lab: bool = False) -> None:
+    """The table; on ``nodes``, after s/it the MB out of each node's NIC per iteration
+    (measured in the ``lab``, with the model's beside it; else the model's)."""
     def f(value, spec):
         return "-" if value is None else format(value, spec)
 
+    def mb(value):
+        return None if value is None else value / 1e6
+
     goal = f"{target:g}" if target is not None else "-"
-    print(f"{'method':<22} {'s/it':>7} {'p10-p90 s':>13} {'MB sent/node/it':>16} {'MB recv/node/it':>16} "
+    nic_head = (f" {'NIC MB/node/it':>15}" + (f" {'model':>8}" if lab else "")) if nodes else ""
+    print(f"{'method':<22} {'s/it':>7} {'p10-p90 s':>13}{nic_head} {'MB sent/node/it':>16} {'MB recv/node/it':>16} "
           f"{'reached':>8} {'its to ' + goal:>10} {'s to ' + goal:>9} {'loss(' + str(smooth) + ')':>9} "
           f"{'x mpigrad s/it':>15} {'x mpigrad to target':>20}")
     for r in rows:
         spread = f"{f(r.s_p10, '.3f')}-{f(r.s_p90, '.3f')}"
         reached = f"{r.reached}/{len(r.traces)}" if r.reached is not None else "-"
-        print(f"{r.method:<22} {f(r.s_per_iteration, '.3f'):>7} {spread:>13} {f(r.sent_mb_per_node, '.3f'):>16} "
+        nic = ""
+        if nodes:
+            nic = f" {f(mb(r.nic_bytes_per_node), '.3f'):>15}"
+            nic += f" {f(mb(r.nic_bytes_per_node_model), '.3f'):>8}" if lab else ""
+        print(f"{r.method:<22} {f(r.s_per_iteration, '.3f'):>7} {spread:>13}{nic} {f(r.sent_mb_per_node, '.3f'):>16} "
               f"{f(r.received_mb_per_node, '.3f'):>16} {reached:>8} {f(r.iterations_to_target, '.1f'):>10} "
               f"{f(r.seconds_to_target, '.1f'):>9} {r.final_loss:>9.4f} {f(r.iteration_vs_mpigrad, '.2f'):>15} "
               f"{f(r.target_vs_mpigrad, '.2f'):>20}", flush=True)
