@@ -22,6 +22,7 @@ COMMANDS = {
     "bench": ("mpigrad.bench", "throughput benchmarks (codecs, iteration overhead)"),
     "data": ("mpigrad.data.cli", "fetch and verify datasets on a login node"),
     "sweep": ("mpigrad.runtime.run.sweep", "run a file's mpigrad train runs one after another in one MPI job"),
+    "simulate": ("mpigrad.simulate.cli", "replay mpigrad's iterations and DDP's on a SimGrid platform at any scale"),
     "doctor": ("mpigrad.runtime.run.doctor", "check the MPI launch, threads and versions"),
     "lab": ("mpigrad.lab.cli", "run on real rate-limited links: network namespaces on one machine (root)"),
 }

@@ -91,6 +91,10 @@ EXCLUDED = [
     (r"^mpigrad trace compare bench-peers/", "reads bench peers' traces (tests/test_bench_peers.py compares them)"),
     (r"^mpigrad trace retime", "the placeholders are written through the TraceWriter API, with none of the "
                                "bytes a run records (tests/test_retime.py re-times real runs)"),
+    (r"^mpigrad simulate \S+\.h5", "replays a recorded run's trace, which the docs' placeholders are not "
+                                   "(tests/test_simulate.py replays real runs)"),
+    (r"^python examples/scale/run\.py", "the map at scale: 60 SimGrid simulations, 1 to 3 minutes "
+                                        "(tests/test_simulate.py simulates each layout and the peers)"),
 ]
 
 #: (regex, replacement) applied to a command before it runs: short but real runs.

@@ -116,3 +116,15 @@ def test_the_circle_finder_finds_a_lazy_circle():
     # and the wing test sees a lazy upward import: session imports the roles below it
     assert wing("mpigrad.runtime.run.session") > wing("mpigrad.runtime.roles.server")
     assert "mpigrad.runtime.roles.server" in edges["mpigrad.runtime.run.session"]
+
+
+def test_the_runtime_does_not_import_the_simulation():
+    """mpigrad.simulate replays the runtime's messages (it imports the runtime's builders);
+    the runtime never imports it, and its engine (the child process SimGrid runs in) imports
+    neither the runtime nor the rest of the simulation."""
+    graph = module_imports()
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("mpigrad.runtime")
+                    for t in targets if t.startswith("mpigrad.simulate"))
+    assert not upward, f"the runtime imports the simulation: {upward}"
+    engine = graph["mpigrad.simulate.engine"]
+    assert engine <= {"mpigrad.errors", "mpigrad.simulate.simgrid_module"}, sorted(engine)

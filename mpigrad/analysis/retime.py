@@ -47,7 +47,7 @@ from ..trace.schema import NODE_COLUMNS, node_step_columns
 from ..trace.writer import write_closed
 from .labels import flat_config
 
-__all__ = ["retime", "retime_refusal"]
+__all__ = ["retime", "retime_refusal", "recorded_traffic", "local_costs"]
 
 #: The config keys of a run's network (``link_bandwidth`` recorded where it is set).
 NETWORK_KEYS = ("bandwidth", "latency", "broadcast", "link_bandwidth")
@@ -97,14 +97,14 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     slice_bytes = (raw.attrs.get("shards") or {}).get("slice_bytes") if config.get("exchange") == "hierarchical" else None
     if config.get("exchange") == "hierarchical" and not slice_bytes:
         raise TraceError(f"{source}: a hierarchical run whose trace records no slices (shards.slice_bytes)")
-    traffic = _recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED,
+    traffic = recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED,
                                 slice_bytes=slice_bytes or ())
     if nodes is not None and traffic and traffic[0].workers % nodes.ranks_per_node:
         raise TraceError(f"{source}: {nodes.ranks_per_node} workers per node do not divide its {traffic[0].workers} "
                          "workers")
     specs = _node_columns(raw.specs, steps, link, traffic)
     compute_time = config.get("compute_time")
-    local = _local_costs(source, raw.attrs, compute_time, cost_model)
+    local = local_costs(source, raw.attrs, compute_time, cost_model)
     local_memo: dict[tuple[int, ...], float] = {}
     t_comm = np.empty(len(traffic))
     sim_time = np.empty(len(traffic))
@@ -179,7 +179,7 @@ def _node_columns(specs: dict, steps: dict, link: LinkModel, traffic: list[Itera
     return {**specs, "steps": steps_spec}
 
 
-def _local_costs(path: Path, attrs: dict, compute_time, choice: str | None) -> tuple[CostModel, LocalWork] | None:
+def local_costs(path: Path, attrs: dict, compute_time, choice: str | None) -> tuple[CostModel, LocalWork] | None:
     """(model, work) that charge the trace's local work, None for none: the recorded model
     (``choice`` None), none, or the model ``choice`` names, at the recorded ``local_work``."""
     if compute_time is None:
@@ -263,7 +263,7 @@ def retime_refusal(config) -> str | None:
     return None
 
 
-def _recorded_traffic(path: Path, raw, colocated: bool = False, slice_bytes=()) -> list[IterationTraffic]:
+def recorded_traffic(path: Path, raw, colocated: bool = False, slice_bytes=()) -> list[IterationTraffic]:
     """Each steps row's messages, from the trace's columns (``colocated``: the run's
     workers served the shards; ``slice_bytes``: a hierarchical run's slices)."""
     arrays = raw.arrays

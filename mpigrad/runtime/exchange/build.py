@@ -15,6 +15,7 @@ from ...data import Dataset, load_dataset
 from ...feedback import ErrorFeedback
 from ...models import build_model
 from ...optim import LearningRate, UpdateRule
+from ...costmodel import LocalWork
 from ..plan.checks import base_codec, broadcast_codec
 from ..plan.gpu import resolve_device
 from .compressor import GradientCompressor
@@ -163,3 +164,20 @@ def build_broadcast_compressor(config: RunConfig, codec: Codec, compressor: Grad
     if down.get_config() == codec.get_config():
         return compressor
     return _compressor(config, compressor.pieces, down, SERVER_STREAM)
+
+
+def local_work(config: RunConfig, codec: Codec, policy, shards, workers: int) -> LocalWork:
+    """What the cost model charges per iteration (:mod:`mpigrad.costmodel`): the pieces of
+    every shard and the codecs, of ``workers`` workers. The one rule for rank 0
+    (``ParameterServer``) and ``mpigrad simulate``."""
+    down, down_bits = broadcast_codec(config)
+    if down_bits is None and not down.takes_policy_bits:
+        down_bits = down.fixed_bits
+    elif down_bits is None and not codec.takes_policy_bits:
+        # The trace then records the workers' fixed bits, not the policy's: name the
+        # broadcast's width here (a policy that cannot move bits for such a codec).
+        lowest, highest = policy.bits_range()
+        down_bits = lowest if lowest == highest else None
+    return LocalWork(workers, codec.codec_id, None if codec.takes_policy_bits else codec.fixed_bits,
+                     down.codec_id, down_bits, config.error_feedback,
+                     tuple(tuple((p.layer, p.size) for p in shard.pieces) for shard in shards), config.policy)

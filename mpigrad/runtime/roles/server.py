@@ -19,10 +19,10 @@ import torch
 
 from ...config import RunConfig
 from ...errors import TrainingError
-from ...costmodel import LocalWork
 from ...policies import Observation, PolicyError, SettingCosts, check_decision, get_policy
 from ..measure import checkpoint
-from ..exchange.build import base_codec, broadcast_codec, build_replica, build_shards, load_data, shard_chunks, release_data, script_replica
+from ..exchange.build import (base_codec, build_replica, build_shards, load_data, local_work, shard_chunks, release_data,
+                              script_replica)
 from ..exchange.buffers import BufferSync, sync_due
 from ..exchange.way import Rank0Parts
 from ..exchange.ways import choose_exchange
@@ -85,7 +85,8 @@ class ParameterServer(Evaluation, Rank0State):
         cpu_clock = threads_per_rank(config.threads) == 1 and workers_device(config) == "cpu"
         self.clock = IterationClock(link, self.workers, self.servers, cpu_clock, config.compute_time,
                                     colocated=self.colocated, cost_model=cost_model(config),
-                                    local_work=self._local_work())
+                                    local_work=local_work(config, self.codec, self.policy, self.shards,
+                                                          self.workers))
         self.control_msg = Control(self.n_layers)
         #: Rank 0's side of the run's way of aggregating (:mod:`..exchange.ways`).
         self.exchange = choose_exchange(config).rank0(Rank0Parts(
@@ -252,21 +253,6 @@ class ParameterServer(Evaluation, Rank0State):
         parts = link.node_breakdown(traffic)
         return parts.nic_bytes, parts.intra_bytes, parts.nic_seconds, parts.intra_seconds
 
-    def _local_work(self) -> LocalWork:
-        """What the cost model charges per iteration: the pieces of every shard, the codecs."""
-        down, down_bits = broadcast_codec(self.config)
-        if down_bits is None and not down.takes_policy_bits:
-            down_bits = down.fixed_bits
-        elif down_bits is None and not self.codec.takes_policy_bits:
-            # The trace then records the workers' fixed bits, not the policy's: name the
-            # broadcast's width here (a policy that cannot move bits for such a codec).
-            lowest, highest = self.policy.bits_range()
-            down_bits = lowest if lowest == highest else None
-        return LocalWork(self.workers, self.codec.codec_id,
-                         None if self.codec.takes_policy_bits else self.codec.fixed_bits,
-                         down.codec_id, down_bits, self.config.error_feedback,
-                         tuple(tuple((p.layer, p.size) for p in shard.pieces) for shard in self.shards),
-                         self.config.policy)
 
 
     def _check_replicas(self, m: int, reports: list[LossReport]) -> list[int] | None:

@@ -1,0 +1,210 @@
+"""A replay plan run on SimGrid, in a process of its own.
+
+SimGrid allows one ``Engine`` per process, so every simulation runs in a child process:
+:func:`run_plan` starts ``python -m mpigrad.simulate.engine``, writes the plan to it as JSON
+and reads the result back. The child imports SimGrid and nothing of mpigrad but this
+module, :mod:`.simgrid_module` and :mod:`mpigrad.errors`.
+
+The plan (a :class:`~.plan.Plan`'s ``to_json``): ``platform`` (a SimGrid XML file),
+``model`` (a key of :data:`NETWORK_MODELS`), ``hosts`` (the host of each rank),
+``programs`` (distinct iterations, each a list of phases) and ``sequence`` (the program of
+each simulated iteration). A phase is ``{"work": {rank: seconds}, "messages": [[src, dst,
+bytes], ...], "send_wait": W, "recv_wait": W, "post_at": A}``. Every rank runs the phases
+it takes part in, in order: it executes its work (``this_actor.execute(seconds * speed)``,
+its host's speed), or posts its receives (``get_async``; with ``post_at``, already at the
+first of its phases from that earlier one on) and then its sends (``put_async``); it waits
+for them before it goes on to the next phase where W is null, else only before phase W (a
+later phase's index) or at the end of the iteration (``"end"``), going on meanwhile. A
+transfer starts when both ends are posted (SimGrid's rendezvous); each ordered pair of ranks
+has one mailbox, matched in order, which both ends post in the same order. ``hosts[rank]``
+indexes the platform's hosts in natural order of their names (``node-2`` before ``node-10``).
+
+The result: ``ends[m][k]``, the latest time any rank finished its part of phase k of
+iteration m (a work's end, the last of its transfers' ``finish_time``; None where no rank
+took part), and ``clock``, the simulated time at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from ..errors import UsageError
+
+__all__ = ["NETWORK_MODELS", "run_plan", "natural_key", "main"]
+
+#: SimGrid's network models by the name ``--network-model`` takes, as ``--cfg`` options.
+#: ``cm02``: CM02 without the TCP window (``TCP-gamma:0``) and without the 5 % of every
+#: flow's rate charged to its reverse path (``crosstraffic:0``): a single flow takes
+#: latency + bytes / bandwidth, concurrent flows share links max-min fairly. ``lv08``:
+#: SimGrid's default (CM02 fitted to TCP: latency x 13.01, bandwidth x 0.97, the window
+#: cap, cross traffic on).
+NETWORK_MODELS = {
+    "cm02": ["--cfg=network/model:CM02", "--cfg=network/TCP-gamma:0", "--cfg=network/crosstraffic:0"],
+    "lv08": ["--cfg=network/model:LV08"],
+}
+
+
+def run_plan(plan: dict, timeout: float | None = None) -> dict:
+    """Run ``plan`` (the JSON object above) in a child process; return its result.
+    UsageError (one line) where SimGrid is missing, refuses the platform or fails."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "mpigrad.simulate.engine"], input=json.dumps(plan),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"the SimGrid simulation ran past {timeout:g} s") from None
+    if done.returncode == 2 and done.stdout.startswith("error: "):
+        raise UsageError(done.stdout[len("error: "):].strip())
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip() and "->" not in line]
+        raise UsageError(f"the SimGrid simulation failed (exit {done.returncode}): "
+                         f"{lines[-1].strip() if lines else 'no message'}")
+    return json.loads(done.stdout)
+
+
+def _rank_steps(programs: list, ranks: int) -> list[list[list[tuple]]]:
+    """``steps[rank][program]``: (phase index, work seconds, sends [(dst, bytes)], receives
+    [src], send wait, receive wait, early) of each phase ``rank`` takes part in, in order;
+    ``early``: the later phases (index, [src]) whose receives it posts after this phase's
+    (their ``post_at`` is this phase or one before it that ``rank`` has no part in)."""
+    steps = [[[] for _ in programs] for _ in range(ranks)]
+    for index, phases in enumerate(programs):
+        for k, phase in enumerate(phases):
+            work = {int(rank): float(seconds) for rank, seconds in phase.get("work", {}).items() if seconds > 0}
+            sends: dict[int, list] = {}
+            recvs: dict[int, list] = {}
+            for src, dst, n in phase.get("messages", ()):
+                if n > 0:
+                    sends.setdefault(src, []).append((dst, int(n)))
+                    recvs.setdefault(dst, []).append(src)
+            for rank in sorted(set(work) | set(sends) | set(recvs)):
+                steps[rank][index].append([k, work.get(rank, 0.0), sends.get(rank, []), recvs.get(rank, []),
+                                           phase.get("send_wait"), phase.get("recv_wait"), []])
+        for rank in range(ranks):
+            mine = steps[rank][index]
+            for later in mine:
+                post_at = programs[index][later[0]].get("post_at")
+                if post_at is None or not later[3]:
+                    continue
+                first = next(step for step in mine if step[0] >= post_at)
+                if first is not later:
+                    first[6].append((later[0], later[3]))
+            steps[rank][index] = [tuple(step) for step in mine]
+    return steps
+
+
+def _simulate(plan: dict) -> dict:
+    from .simgrid_module import load_simgrid
+
+    sg = load_simgrid()
+    model = plan.get("model", "cm02")
+    if model not in NETWORK_MODELS:
+        raise UsageError(f"unknown network model {model!r}; choose from {', '.join(NETWORK_MODELS)}")
+    engine = sg.Engine(["mpigrad-simulate", "--log=root.thresh:critical", *NETWORK_MODELS[model]])
+    try:
+        engine.load_platform(plan["platform"])
+    except Exception as exc:  # noqa: BLE001 - SimGrid raises its own types
+        raise UsageError(f"SimGrid refuses the platform {plan['platform']}: {exc}") from None
+    hosts = sorted(engine.all_hosts, key=lambda host: natural_key(host.name))
+    needed = max(plan["hosts"]) + 1
+    if needed > len(hosts):
+        raise UsageError(f"the platform {plan['platform']} has {len(hosts)} host(s); the simulation needs {needed}")
+    programs, sequence = plan["programs"], plan["sequence"]
+    ends: list[list[float | None]] = [[None] * len(programs[index]) for index in sequence]
+    errors: list[str] = []
+    boxes: dict[tuple[int, int], object] = {}
+
+    def box(src: int, dst: int):
+        key = (src, dst)
+        if key not in boxes:
+            boxes[key] = sg.Mailbox.by_name(f"{src}>{dst}")
+        return boxes[key]
+
+    def record(m: int, k: int, t: float) -> None:
+        if ends[m][k] is None or t > ends[m][k]:
+            ends[m][k] = t
+
+    def finish(m: int, k: int, comms: list) -> None:
+        sg.Comm.wait_all(comms)
+        record(m, k, max(comm.finish_time for comm in comms))
+
+    def rank_main(rank: int, steps: list) -> None:
+        try:
+            speed = sg.this_actor.get_host().speed
+            for m, index in enumerate(sequence):
+                pending: list[tuple] = []  # (wait before phase, phase, comms)
+                held: list = []  # the receives' data handles, until their comms are done
+                early: dict[int, list] = {}  # phase -> its receives, posted with an earlier phase
+                for k, work, sends, recvs, send_wait, recv_wait, posts in steps[index]:
+                    for due in [p for p in pending if p[0] != "end" and p[0] <= k]:
+                        pending.remove(due)
+                        finish(m, due[1], due[2])
+                    if work > 0:
+                        sg.this_actor.execute(work * speed)
+                        record(m, k, sg.Engine.clock)
+                    gets = early.pop(k, None)
+                    if gets is None:
+                        gets = [box(src, rank).get_async() for src in recvs]  # (comm, data): keep both alive
+                    held.append(gets)
+                    for later, sources in posts:  # then the receives of later phases posted with this one
+                        early[later] = [box(src, rank).get_async() for src in sources]
+                        held.append(early[later])
+                    puts = [box(rank, dst).put_async(None, n) for dst, n in sends]
+                    now = []
+                    for comms, wait in (([comm for comm, _ in gets], recv_wait), (puts, send_wait)):
+                        if comms and wait is None:
+                            now += comms
+                        elif comms:
+                            pending.append((wait, k, comms))
+                    if now:
+                        finish(m, k, now)
+                for _, k, comms in pending:
+                    finish(m, k, comms)
+        except Exception as exc:  # noqa: BLE001 - reported by the parent in one line
+            errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+            raise
+
+    steps = _rank_steps(programs, len(plan["hosts"]))
+    for rank, host in enumerate(plan["hosts"]):
+        sg.Actor.create(f"rank-{rank}", hosts[host], rank_main, rank, steps[rank])
+    engine.run()
+    if errors:
+        raise UsageError(f"the simulation failed: {errors[0]}")
+    return {"ends": ends, "clock": engine.clock, "hosts": [host.name for host in hosts[:needed]],
+            "simgrid_version": ".".join(map(str, sg.simgrid_version)) if isinstance(sg.simgrid_version, tuple)
+            else str(sg.simgrid_version)}
+
+
+def natural_key(name: str) -> list:
+    """The sort key of a host name in natural order: its runs of digits as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _one_cpu() -> None:
+    """Keep the child on one CPU: SimGrid runs one actor thread at a time, handing over at
+    every call into it, and handing over on one CPU costs less than across CPUs."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[os.getpid() % len(cpus)]})
+    except (AttributeError, OSError):  # not Linux, or not allowed: no matter
+        pass
+
+
+def main() -> int:
+    """The child: a plan on stdin, its result on stdout (``error: LINE`` and exit 2 for a
+    refusal)."""
+    _one_cpu()
+    try:
+        result = _simulate(json.load(sys.stdin))
+    except UsageError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

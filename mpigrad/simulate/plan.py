@@ -1,0 +1,268 @@
+"""What each rank does in one simulated iteration: phases of local work and of messages.
+
+mpigrad's iteration (:func:`mpigrad_phases`), from an :class:`~mpigrad.clockmodel.IterationTraffic`
+in the runtime's order (``runtime/roles/iteration.py``; ``LinkModel.comm_seconds`` charges
+the same phases): the workers' compute; the losses, each worker to rank 0; the Control, rank
+0 to every worker (and to the other servers), a star; with the hierarchical exchange the
+reduce-scatter inside each node; the gradient frames, worker w's frame of shard s to the
+rank serving it (none of 0 bytes, none to itself); each server's broadcast, one copy to each
+receiver (a star: point to point, as colocated servers send it; the runtime's ``Ibcast`` of
+separate servers is replayed the same way); the all-gather inside the nodes; a two-round
+codec's second round; the rest of the local work. The losses go eagerly (a worker goes on
+before rank 0 has its report), the servers take the gradient frames as they come (their
+receives are posted with the losses', so that a frame does not wait for the loss gather),
+and with the Control ahead (``traffic.ahead``) rank 0 sends the Control when the iteration
+starts and the workers wait for it only before they send their frames, so that its way
+overlaps the compute, as the runtime does. The servers' reports to
+rank 0 (a few hundred bytes, off mpigrad's clock too) are not sent.
+
+The peers (:func:`ring_phases` and the functions after it): DDP's ring all-reduce (2 (P -
+1) steps, each rank sending its successor 1/P of the buffer, ranks in node order), and the
+hierarchical all-reduce (a ring inside each node reduce-scatters, local rank j of every node
+all-reduces its 1/L across the nodes in a ring of its own, a ring inside each node
+all-gathers), after the same compute.
+
+A phase's time in the breakdown (:func:`breakdown`): how much later the last rank ends it
+than the last rank ended the phase before it in the iteration's order (or the iteration
+before), so that the phases add up to the iteration; a phase whose messages all arrived while
+others ran (the Control ahead, during the compute) takes 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..clockmodel import IterationTraffic
+from .platform import Placement
+
+__all__ = ["Phase", "Program", "mpigrad_phases", "ring_phases", "hierarchical_allreduce_phases", "ddp_phases",
+           "breakdown", "nic_bytes", "PHASE_ORDER"]
+
+#: The breakdown's order of mpigrad's phases (an iteration's order; the Control ahead is
+#: sent first but counted here, where it is waited for).
+PHASE_ORDER = ("compute", "losses", "control", "intra_reduce", "gradients", "broadcast", "intra_gather",
+               "gradients2", "broadcast2", "local")
+
+
+@dataclass
+class Phase:
+    """``work`` (rank -> seconds), or ``messages`` ``(sender, receiver, bytes)``; the senders
+    wait for their sends at ``send_wait`` and the receivers for their receives at
+    ``recv_wait``: None (at once, before the next phase), ``"end"`` (the iteration's end) or
+    the name of a later phase (just before it). ``post_with``: an earlier phase, with which
+    the receivers post their receives (as MPI queues a message that comes before its
+    receive is posted), else they post them at this phase."""
+
+    name: str
+    work: dict[int, float] = field(default_factory=dict)
+    messages: list[tuple[int, int, int]] = field(default_factory=list)
+    send_wait: str | None = None
+    recv_wait: str | None = None
+    post_with: str | None = None
+
+
+@dataclass
+class Program:
+    """One iteration's phases in the order the ranks run them, and the breakdown's order of
+    their indices."""
+
+    phases: list[Phase]
+    order: list[int] | None = None
+
+    def to_json(self) -> list[dict]:
+        """The engine's form (``engine.py``): a wait named by a later phase becomes its index."""
+        index = {}
+        for k, phase in enumerate(self.phases):
+            index.setdefault(phase.name, k)
+
+        def wait(name: str | None, k: int):
+            if name is None or name == "end":
+                return name
+            later = [j for j, phase in enumerate(self.phases) if phase.name == name and j > k]
+            return later[0] if later else "end"
+
+        def earlier(name: str | None, k: int):
+            if name is None:
+                return None
+            before = [j for j, phase in enumerate(self.phases) if phase.name == name and j < k]
+            return before[-1] if before else None
+
+        return [{"work": {str(r): s for r, s in phase.work.items() if s > 0},
+                 "messages": [list(m) for m in phase.messages if m[2] > 0],
+                 "send_wait": wait(phase.send_wait, k), "recv_wait": wait(phase.recv_wait, k),
+                 "post_at": earlier(phase.post_with, k)}
+                for k, phase in enumerate(self.phases)]
+
+    def breakdown_order(self) -> list[int]:
+        return list(range(len(self.phases))) if self.order is None else self.order
+
+
+def _ranks(traffic: IterationTraffic):
+    """(rank of worker w, rank serving shard s), as ``clockmodel._ranks``."""
+    if traffic.colocated:
+        return (lambda w: w + 1), (lambda s: s + 1)
+    S = traffic.servers
+    return (lambda w: S + w), (lambda s: s)
+
+
+def _intra(traffic: IterationTraffic, name: str, ranks_per_node: int, worker, gather: bool) -> Phase:
+    """The hierarchical exchange's reduce-scatter (local rank i sends slice j to local rank j
+    of its node) or all-gather (the same messages the other way)."""
+    L, P = ranks_per_node, traffic.workers
+    messages = []
+    for node in range(P // L):
+        for i in range(L):
+            for j in range(L):
+                if i != j and traffic.slice_bytes[j]:
+                    a, b = worker(node * L + i), worker(node * L + j)
+                    messages.append((b, a, traffic.slice_bytes[j]) if gather else (a, b, traffic.slice_bytes[j]))
+    return Phase(name, messages=messages)
+
+
+def mpigrad_phases(traffic: IterationTraffic, ranks_per_node: int, compute: float, rest: float) -> Program:
+    """mpigrad's iteration of ``traffic`` on nodes of ``ranks_per_node`` workers (the
+    hierarchical exchange's groups), ``compute`` seconds of compute on every worker first and
+    ``rest`` seconds of its other local work last."""
+    P, S = traffic.workers, traffic.servers
+    worker, server = _ranks(traffic)
+    workers = [worker(w) for w in range(P)]
+    control_to = workers if traffic.colocated else [*workers, *range(1, S)]
+    first_exchange = "intra_reduce" if traffic.hierarchical else "gradients"
+    phases = []
+    if traffic.ahead:
+        phases.append(Phase("control", messages=[(0, r, traffic.control_bytes) for r in control_to],
+                            send_wait="losses", recv_wait=first_exchange))
+    phases.append(Phase("compute", work={r: compute for r in workers}))
+    phases.append(Phase("losses", messages=[(r, 0, traffic.loss_bytes) for r in workers], send_wait="end"))
+    if not traffic.ahead:
+        phases.append(Phase("control", messages=[(0, r, traffic.control_bytes) for r in control_to]))
+    L = ranks_per_node
+    for round_, (frames_in, frames_out) in enumerate(traffic._rounds()):
+        suffix = "2" if round_ else ""
+        if traffic.hierarchical:
+            phases.append(_intra(traffic, "intra_reduce", L, worker, gather=False))
+        phases.append(Phase("gradients" + suffix, messages=[
+            (worker(w), server(s), n) for s, sizes in enumerate(frames_in) for w, n in enumerate(sizes)
+            if n and not (traffic.colocated and w == s)]))
+        if not round_:  # a worker's frames follow its loss report: they are taken as they come
+            phases[-1].post_with = "losses"
+        copies = []
+        for s, n in enumerate(frames_out):
+            if traffic.colocated:
+                receivers = [w for w in range(P) if w != s and (not traffic.hierarchical or w % L == s % L)]
+                copies += [(server(s), worker(w), n) for w in receivers]
+            else:
+                copies += [(server(s), worker(w), n) for w in range(P)] + ([(server(s), 0, n)] if s else [])
+        phases.append(Phase("broadcast" + suffix, messages=copies))
+        if traffic.hierarchical:
+            phases.append(_intra(traffic, "intra_gather", L, worker, gather=True))
+    phases.append(Phase("local", work={r: rest for r in workers}))
+    order = sorted(range(len(phases)), key=lambda k: (PHASE_ORDER.index(phases[k].name), k))
+    return Program(phases, order)
+
+
+# ---- the peers -----------------------------------------------------------------------------
+def _chunks(nbytes: int, parts: int) -> list[int]:
+    """``nbytes`` cut into ``parts`` pieces as even as whole bytes allow."""
+    base, extra = divmod(int(nbytes), parts)
+    return [base + (k < extra) for k in range(parts)]
+
+
+def ring_phases(name: str, ring: list[int], nbytes: int) -> list[Phase]:
+    """A ring all-reduce of ``nbytes`` over the ranks ``ring`` (in ring order): a
+    reduce-scatter then an all-gather, 2 (n - 1) steps, in step k rank ``ring[i]`` sends its
+    successor the chunk (i - k) mod n (chunks as even as bytes allow)."""
+    n = len(ring)
+    if n < 2 or nbytes <= 0:
+        return []
+    chunks = _chunks(nbytes, n)
+    phases = []
+    for step in range(2 * (n - 1)):
+        phases.append(Phase(name, messages=[(ring[i], ring[(i + 1) % n], chunks[(i - step) % n]) for i in range(n)]))
+    return phases
+
+
+def _half_ring(name: str, ring: list[int], nbytes: int) -> list[Phase]:
+    """A ring reduce-scatter (or all-gather) of ``nbytes``: n - 1 steps of 1/n each."""
+    n = len(ring)
+    if n < 2 or nbytes <= 0:
+        return []
+    chunks = _chunks(nbytes, n)
+    return [Phase(name, messages=[(ring[i], ring[(i + 1) % n], chunks[(i - step) % n]) for i in range(n)])
+            for step in range(n - 1)]
+
+
+def _parallel(groups: list[list[Phase]]) -> list[Phase]:
+    """Phases of disjoint groups of ranks run side by side: step k of each in one phase."""
+    steps = max((len(g) for g in groups), default=0)
+    merged = []
+    for k in range(steps):
+        parts = [g[k] for g in groups if k < len(g)]
+        merged.append(Phase(parts[0].name, messages=[m for p in parts for m in p.messages]))
+    return merged
+
+
+def hierarchical_allreduce_phases(nbytes: int, nodes: int, ranks_per_node: int) -> list[Phase]:
+    """The hierarchical all-reduce of ``nbytes`` on ranks 0..N L - 1 (rank r on node r // L):
+    a ring reduce-scatter inside every node, a ring all-reduce of each local rank's 1/L across
+    the nodes (the L rings at once), a ring all-gather inside every node."""
+    L, N = ranks_per_node, nodes
+    node_rings = [[node * L + i for i in range(L)] for node in range(N)]
+    cross_rings = [[node * L + j for node in range(N)] for j in range(L)]
+    share = _chunks(nbytes, L)
+    phases = _parallel([_half_ring("intra_reduce", ring, nbytes) for ring in node_rings])
+    # Local rank j holds the node's sum of chunk (j + 1) mod L after the reduce-scatter.
+    phases += _parallel([ring_phases("allreduce", ring, share[(j + 1) % L]) for j, ring in enumerate(cross_rings)])
+    phases += _parallel([_half_ring("intra_gather", ring, nbytes) for ring in node_rings])
+    return phases
+
+
+def ddp_phases(collectives: list[tuple[str, int]], workers: int, compute: float, nodes: int = 1,
+               ranks_per_node: int = 1, hierarchical: bool = False) -> Program:
+    """A peer's iteration on ``workers`` ranks (rank r is worker r): ``compute`` seconds, then
+    each collective ``(name, bytes)`` in turn, a ring all-reduce over the ranks in node order
+    (``hierarchical``: the hierarchical all-reduce on ``nodes`` of ``ranks_per_node``)."""
+    phases = [Phase("compute", work={r: compute for r in range(workers)})]
+    for name, nbytes in collectives:
+        if hierarchical:
+            phases += hierarchical_allreduce_phases(nbytes, nodes, ranks_per_node)
+        else:
+            phases += ring_phases(name, list(range(workers)), nbytes)
+    return Program(phases)
+
+
+# ---- what the results say ------------------------------------------------------------------
+def breakdown(programs: list[Program], sequence: list[int],
+              ends: list[list[float | None]]) -> tuple[list[float], dict[str, float]]:
+    """(each iteration's seconds, the mean seconds of each phase name per iteration) of the
+    iterations ``sequence`` (indices into ``programs``) from the engine's ``ends[m][k]`` (the
+    last rank's end of phase k of iteration m): see the module's docstring. Each iteration
+    starts where the one before ended; the phases add up to the iterations."""
+    seconds, totals, t = [], {}, 0.0
+    for m, index in enumerate(sequence):
+        program = programs[index]
+        start = t
+        for k in program.breakdown_order():
+            name = program.phases[k].name
+            totals.setdefault(name, 0.0)
+            end = ends[m][k]
+            if end is None:
+                continue
+            end = max(t, end)
+            totals[name] += end - t
+            t = end
+        seconds.append(t - start)
+    return seconds, {name: total / max(len(sequence), 1) for name, total in totals.items()}
+
+
+def nic_bytes(program: Program, placement: Placement, hosts: int) -> list[tuple[int, int]]:
+    """(out, in) bytes of each host's NIC in one iteration of ``program``: every message
+    between ranks on two hosts, once on each side."""
+    out, into = [0] * hosts, [0] * hosts
+    for phase in program.phases:
+        for src, dst, n in phase.messages:
+            a, b = placement.host[src], placement.host[dst]
+            if a != b and n > 0:
+                out[a] += n
+                into[b] += n
+    return list(zip(out, into))

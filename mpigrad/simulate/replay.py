@@ -1,0 +1,199 @@
+"""A simulation: mpigrad's iterations and the peers' on one platform, run on SimGrid.
+
+:func:`simulate` takes the iterations (each an :class:`~mpigrad.clockmodel.IterationTraffic`
+with its local work), the platform and the peers, runs each method's iterations in one
+SimGrid simulation of its own (``engine.py``), and returns a :class:`Simulation`: per method
+the seconds per iteration (the mean: the last rank's end of the last iteration over their
+count), the phases' breakdown (``plan.breakdown``), each NIC's bytes per iteration, and
+mpigrad's own clock on the same network where the platform is generated.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..clockmodel import IterationTraffic
+from ..errors import UsageError
+from .engine import NETWORK_MODELS, run_plan
+from .plan import Program, breakdown, ddp_phases, mpigrad_phases, nic_bytes
+from .platform import Placement, Platform
+from .simgrid_module import check_simgrid
+
+__all__ = ["Iteration", "MethodResult", "Simulation", "peer_labels", "DEFAULT_PEERS", "simulate", "peer_collectives"]
+
+#: The peers by name (``--peers``): DDP's variants as ``mpigrad bench peers`` names them
+#: (``bench/peers.py`` ``VARIANTS``), and the hierarchical all-reduce in float32.
+HIERARCHICAL = "hierarchical"
+DEFAULT_PEERS = ("fp32", "fp16", "powersgd2", HIERARCHICAL)
+
+
+def _variants() -> dict:
+    from ..bench.peers import VARIANTS
+
+    return VARIANTS
+
+
+def peer_labels() -> dict[str, str]:
+    """Each peer's name (``--peers``) and label."""
+    return {**{name: variant.label for name, variant in _variants().items()},
+            HIERARCHICAL: "hierarchical all-reduce fp32"}
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One iteration to simulate: its messages, the compute before them and the rest of the
+    local work after them (seconds, on every worker); the peers' iteration has the same
+    compute."""
+
+    traffic: IterationTraffic
+    compute: float
+    rest: float
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    """One method's simulated iterations: ``seconds_per_iteration`` (mean), each iteration's
+    seconds, the mean seconds of each phase, and each host's NIC (out, in) bytes per
+    iteration; ``clock``: mpigrad's clock on the same network (``seconds_per_iteration``,
+    ``comm_seconds``, and for a trace ``recorded_t_comm``), None where it cannot say."""
+
+    name: str
+    label: str
+    seconds_per_iteration: float
+    iteration_seconds: tuple[float, ...]
+    phases: dict[str, float]
+    nic_bytes_per_node: tuple[tuple[int, int], ...]
+    hosts: tuple[str, ...] = ()
+    clock: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "seconds_per_iteration": self.seconds_per_iteration,
+                "iteration_seconds": list(self.iteration_seconds), "phases": self.phases,
+                "nic_bytes_per_node": [{"host": host, "out": out, "in": into}
+                                       for host, (out, into) in zip(self.hosts, self.nic_bytes_per_node)],
+                **({"clock": self.clock} if self.clock is not None else {})}
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A simulation's record: the platform, the network model, the iterations' count and
+    what they were (``source``), mpigrad's result, the peers', the notes."""
+
+    platform: Platform
+    model: str
+    iterations: int
+    source: str
+    mpigrad: MethodResult
+    peers: tuple[MethodResult, ...] = ()
+    notes: tuple[str, ...] = ()
+    simgrid_version: str = ""
+    colocated: bool = True
+
+    def to_json(self) -> dict:
+        """``--json``: mpigrad's figures at the top level, the peers by name."""
+        top = self.mpigrad.to_json()
+        return {"seconds_per_iteration": top.pop("seconds_per_iteration"), "phases": top.pop("phases"),
+                "nic_bytes_per_node": top.pop("nic_bytes_per_node"), "model": self.model,
+                "method": top.pop("label"), **top, "iterations": self.iterations, "source": self.source,
+                "platform": self.platform.record(), "simgrid_version": self.simgrid_version,
+                "peers": {peer.name: peer.to_json() for peer in self.peers}, "notes": list(self.notes)}
+
+
+@dataclass
+class _Runs:
+    """Distinct programs and the sequence of them, for one method."""
+
+    programs: list[Program] = field(default_factory=list)
+    sequence: list[int] = field(default_factory=list)
+    _keys: dict = field(default_factory=dict)
+
+    def add(self, key, build) -> None:
+        if key not in self._keys:
+            self._keys[key] = len(self.programs)
+            self.programs.append(build())
+        self.sequence.append(self._keys[key])
+
+
+def _run(name: str, label: str, runs: _Runs, placement: Placement, platform: Platform, model: str,
+         folder: str, clock: dict | None = None) -> tuple[MethodResult, str]:
+    plan = {"platform": platform.write(folder), "model": model, "hosts": list(placement.host),
+            "programs": [program.to_json() for program in runs.programs], "sequence": runs.sequence}
+    result = run_plan(plan)
+    count = len(runs.sequence)
+    seconds, phases = breakdown(runs.programs, runs.sequence, result["ends"])
+    hosts = platform.hosts
+    totals = [[0, 0] for _ in range(hosts)]
+    for index in runs.sequence:
+        for host, (out, into) in enumerate(nic_bytes(runs.programs[index], placement, hosts)):
+            totals[host][0] += out
+            totals[host][1] += into
+    per_node = tuple((round(out / count), round(into / count)) for out, into in totals)
+    mean = sum(seconds) / count if count else 0.0
+    return (MethodResult(name, label, mean, tuple(seconds), phases, per_node, tuple(result.get("hosts", ())), clock),
+            result.get("simgrid_version", ""))
+
+
+def peer_collectives(peer: str, shapes: Sequence[Sequence[int]]) -> list[tuple[str, int]]:
+    """The all-reduces of one iteration of ``peer`` for parameters of ``shapes``, as (name,
+    bytes): DDP fp32 (and the hierarchical all-reduce) the whole gradient in float32, the fp16
+    hook half of it, PowerSGD three float32 all-reduces: the uncompressed tensors, the P
+    factors, the Q factors (``bench.peers.powersgd_elements``: torch's rule of which matrices
+    it compresses, n x r and m x r factors of each)."""
+    import math
+
+    elements = sum(math.prod(shape) for shape in shapes)
+    if peer in ("fp32", HIERARCHICAL):
+        return [("allreduce", 4 * elements)]
+    variant = _variants().get(peer)
+    if variant is None:
+        raise UsageError(f"unknown peer {peer!r}; choose from {', '.join(peer_labels())} (or none)")
+    if variant.hook == "fp16":
+        return [("allreduce", 2 * elements)]
+    if variant.hook == "powersgd":
+        from ..bench.peers import powersgd_elements
+
+        rest, p, q = powersgd_elements(shapes, variant.rank)
+        return [("allreduce_rest", 4 * rest), ("allreduce_p", 4 * p), ("allreduce_q", 4 * q)]
+    return [("allreduce", 4 * elements)]
+
+
+def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str, source: str, model: str = "cm02",
+             peers: Sequence[str] = (), shapes: Sequence[Sequence[int]] = (), clock: list[dict] | None = None,
+             notes: Sequence[str] = ()) -> Simulation:
+    """Simulate ``iterations`` of mpigrad and of each of ``peers`` on ``platform`` (SimGrid's
+    network ``model``: a key of ``engine.NETWORK_MODELS``); ``clock``: mpigrad's clock of each
+    iteration (dicts of seconds), averaged into the result. UsageError (one line)."""
+    if model not in NETWORK_MODELS:
+        raise UsageError(f"--network-model must be one of {', '.join(NETWORK_MODELS)}, got {model!r}")
+    if not iterations:
+        raise UsageError("nothing to simulate: no iterations")
+    first = iterations[0].traffic
+    placement = Placement.of(platform, first.workers, first.servers, first.colocated)
+    L = platform.ranks_per_node
+    if first.hierarchical and len(first.slice_bytes) != L:
+        raise UsageError(f"a hierarchical exchange of {len(first.slice_bytes)} workers per node runs on nodes of "
+                         f"that many, not {L}")
+    ours = _Runs()
+    for it in iterations:
+        ours.add((it.traffic, it.compute, it.rest), lambda it=it: mpigrad_phases(it.traffic, L, it.compute, it.rest))
+    mean_clock = None
+    if clock:
+        mean_clock = {key: sum(c[key] for c in clock) / len(clock) for key in clock[0]}
+    check_simgrid()
+    with tempfile.TemporaryDirectory(prefix="mpigrad-simulate-") as folder:
+        result, version = _run("mpigrad", label, ours, placement, platform, model, folder, mean_clock)
+        peer_results = []
+        workers = first.workers
+        peer_placement = Placement.workers_only(platform)
+        for peer in peers:
+            collectives = peer_collectives(peer, shapes)
+            runs = _Runs()
+            for it in iterations:
+                runs.add(it.compute, lambda it=it: ddp_phases(collectives, workers, it.compute, platform.nodes, L,
+                                                              hierarchical=peer == HIERARCHICAL))
+            peer_result, _ = _run(peer, peer_labels()[peer], runs, peer_placement, platform, model, folder)
+            peer_results.append(peer_result)
+    return Simulation(platform, model, len(iterations), source, result, tuple(peer_results), tuple(notes), version,
+                      first.colocated)
