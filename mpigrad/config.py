@@ -742,28 +742,41 @@ class RunConfig:
             (not self.momentum_correction or not self.pipeline,
              "momentum correction with --pipeline is not built: the pipelined iteration encodes bucket by bucket "
              "(drop one of them)"),
-            (self.ranks_per_node in (1, AUTO) or self.colocated,
-             "--ranks-per-node L > 1 is built for --servers colocated (separate server ranks have no place on the "
-             "nodes yet): use --servers colocated, or drop --ranks-per-node"),
             (self.exchange != "hierarchical" or self.colocated,
              "--exchange hierarchical needs --servers colocated (each local rank's slice is served by the workers "
              "of its local rank across nodes), not --servers S"),
-            (not self.pipeline or self.ranks_per_node in (1, AUTO),
-             "--pipeline with --ranks-per-node L > 1 is not built (the pipelined clock has one link per worker): "
-             "drop one of them"),
             (not self.pipeline or self.exchange != "hierarchical",
              "--pipeline with --exchange hierarchical is not built yet (the reduce-scatter inside a node waits for "
              "the whole gradient): drop one of them"),
-            (self.ranks_per_node in (1, AUTO) or (not self.link_bandwidth and not isinstance(self.bandwidth, str)
-                                                  and not isinstance(self.latency, str)),
-             "--ranks-per-node L > 1 models each node's NIC at one constant --bandwidth and --latency: a schedule "
-             "or --link-bandwidth with nodes is not built"),
-            (self.ranks_per_node in (1, AUTO) or self.broadcast == "star",
-             "--ranks-per-node L > 1 models colocated shards as the runtime sends them, point to point: drop "
-             "--broadcast (tree and mpich model MPI's broadcasts across ranks of their own links)"),
             (self.net_mode != "off" or self.network() is None,
              "a bandwidth or latency schedule or --link-bandwidth needs a modelled network (net_mode virtual "
              "or sleep); with net_mode off nothing is charged (in the lab, give the schedule to mpigrad lab --rate)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+        if self.ranks_per_node != AUTO:
+            self.check_nodes(self.ranks_per_node)
+
+    def check_nodes(self, ranks_per_node: int) -> None:
+        """UsageError (one line) where this run cannot have nodes of ``ranks_per_node``
+        workers: the one rule for a declared L (``validate``) and one the launch finds
+        (``--ranks-per-node auto``, runtime/plan/topology.py)."""
+        if ranks_per_node == 1:
+            return
+        checks = [
+            (self.colocated,
+             "--ranks-per-node L > 1 is built for --servers colocated (separate server ranks have no place on the "
+             "nodes yet): use --servers colocated, or drop --ranks-per-node"),
+            (not self.pipeline,
+             "--pipeline with --ranks-per-node L > 1 is not built (the pipelined clock has one link per worker): "
+             "drop one of them"),
+            (not self.link_bandwidth and not isinstance(self.bandwidth, str) and not isinstance(self.latency, str),
+             "--ranks-per-node L > 1 models each node's NIC at one constant --bandwidth and --latency: a schedule "
+             "or --link-bandwidth with nodes is not built"),
+            (self.broadcast == "star",
+             "--ranks-per-node L > 1 models colocated shards as the runtime sends them, point to point: drop "
+             "--broadcast (tree and mpich model MPI's broadcasts across ranks of their own links)"),
         ]
         for ok, message in checks:
             if not ok:

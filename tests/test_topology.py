@@ -86,6 +86,33 @@ def test_the_exchange_auto_and_hierarchical_resolve_to():
     assert (exchange, notes) == ("flat", ["note: --exchange hierarchical with one worker per node is the flat exchange"])
 
 
+def test_gpu_workers_and_what_auto_finds_are_held_to_the_nodes_rules():
+    """Workers on GPUs: auto takes the flat exchange (the hierarchical one's slices are host
+    arrays), an explicit hierarchical is refused; an L that auto finds meets the config's own
+    refusals of nodes (separate servers, schedules, ...) as a declared one does."""
+    _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, device="cuda"), 5)
+    assert exchange == "flat" and notes == ["note: nodes of several workers, flat exchange (the hierarchical one does "
+                                            "not run with workers on GPUs yet)"]
+    with pytest.raises(UsageError, match=r"^--exchange hierarchical with --device cuda is not built yet"):
+        resolve_topology(colocated(ranks_per_node=2, device="cuda", exchange="hierarchical"), 5)
+    for config, pattern in [(RunConfig(ranks_per_node="auto"), "is built for --servers colocated"),
+                            (colocated(ranks_per_node="auto", bandwidth="1MB/s@0s,2MB/s@5s"), "a schedule")]:
+        with pytest.raises(UsageError, match=pattern):
+            resolve_topology(config, 5, [0, 0, 0, 3, 3] if config.colocated else [0, 0, 0, 3, 3])
+
+
+def test_a_checkpoint_from_before_the_nodes_resumes():
+    """Written before the nodes' options existed: none of them in its identity; a run at their
+    defaults (the launch resolves exchange auto to flat) resumes it, one on nodes does not."""
+    from mpigrad.runtime.measure import checkpoint
+
+    now = {**RunConfig.from_sources(None, {}).to_dict(), "exchange": "flat"}
+    before = {key: value for key, value in now.items()
+              if key not in ("ranks_per_node", "exchange", "intra_codec", "intra_bandwidth", "intra_latency")}
+    assert checkpoint.identity(now, 3) == checkpoint.identity(before, 3)
+    assert checkpoint.identity({**now, "ranks_per_node": 2}, 3) != checkpoint.identity(now, 3)
+
+
 def test_a_declared_L_wins_over_mpi_with_a_note():
     topology, exchange, notes = resolve_topology(colocated(ranks_per_node=2), 5, [0] * 5)
     assert (topology.source, exchange) == ("declared", "hierarchical")

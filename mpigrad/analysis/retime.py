@@ -145,7 +145,10 @@ def _nodes(path: Path, config: dict, ranks_per_node: int | None, intra_bandwidth
            intra_latency: float | None) -> tuple[Nodes | None, dict]:
     """The nodes a trace is re-charged on (None: a worker per node) and the config keys that
     say so; TraceError for nodes its run cannot be re-charged on."""
-    recorded = int(config.get("ranks_per_node", 1))
+    recorded = config.get("ranks_per_node", 1)
+    if type(recorded) is not int or recorded < 1:
+        raise TraceError(f"{path}: its ranks_per_node {recorded!r} is not a number of workers (a trace of mpigrad "
+                         "train records the nodes its launch resolved)")
     L = recorded if ranks_per_node is None else int(ranks_per_node)
     bandwidth = float(config.get("intra_bandwidth", 10e9) if intra_bandwidth is None else intra_bandwidth)
     latency = float(config.get("intra_latency", 5e-6) if intra_latency is None else intra_latency)

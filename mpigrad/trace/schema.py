@@ -100,8 +100,9 @@ def node_step_columns() -> dict[str, tuple[str, tuple[int, ...]]]:
     the bytes that crossed NICs (each message once, every node together), the bytes that
     stayed inside nodes (the hierarchical exchange's slices, and the flat exchange's frames
     between workers of one node), and the seconds of the slowest NIC side and of the slowest
-    intra-node link side, summed over the gradient rounds (their maximum is ``t_comm``'s
-    share of those rounds)."""
+    intra-node link side, each summed over the gradient rounds (each round charges the larger
+    of its two; with ``--net-mode off`` they are still the model's, while ``t_comm`` is
+    measured)."""
     return dict(zip(NODE_COLUMNS, (("i8", ()), ("i8", ()), ("f8", ()), ("f8", ()))))
 
 

@@ -32,7 +32,8 @@ class Colocated(Way):
 
     @staticmethod
     def chosen(config: RunConfig) -> bool:
-        return config.colocated and not config.pipeline and config.exchange != "hierarchical"
+        return config.colocated and not config.pipeline and not (config.exchange == "hierarchical"
+                                                                   and config.ranks_per_node != 1)
 
     def worker(self, parts: WorkerParts) -> "ColocatedWorker":
         return ColocatedWorker(parts)

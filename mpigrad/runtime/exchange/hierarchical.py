@@ -22,8 +22,11 @@ flat colocated exchange: it gathers the P ServerReports, whose frame bytes count
 per node (0 for the workers of other local ranks, which send it nothing), and charges the
 clock with the nodes' model (:mod:`mpigrad.clockmodel`, ``Nodes``).
 
-Not built yet (refused by the config's checks, :func:`..plan.topology.resolve_topology`):
-the pipelined iteration, two-round codecs (PowerSGD's factors) and the device path.
+Not built yet (refused by the config's checks and :func:`..plan.topology.resolve_topology`,
+whose ``auto`` takes the flat exchange for them): the pipelined iteration, two-round codecs
+(PowerSGD's factors) and workers on GPUs. The cost model (``--compute-time``) charges a
+hierarchical run the flat exchange's local work (every shard's encode and decode), not
+its slice's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ from .colocated import Colocated, ColocatedRank0, ColocatedWorker
 from .way import Rank0Parts, WorkerParts
 
 __all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "IntraCodec", "run_topology", "slice_shards"]
+
+
+def hierarchical(config: RunConfig) -> bool:
+    """Whether a run of ``config`` takes the hierarchical exchange: colocated, sequential,
+    ``--exchange hierarchical`` on nodes of several workers (with one worker per node it is
+    the flat exchange, which :class:`~.colocated.Colocated` runs)."""
+    return (config.colocated and not config.pipeline and config.exchange == "hierarchical"
+            and config.ranks_per_node != 1)
 
 
 def run_topology(config: RunConfig, workers: int) -> Topology:
@@ -100,7 +111,7 @@ class Hierarchical(Colocated):
 
     @staticmethod
     def chosen(config: RunConfig) -> bool:
-        return config.colocated and not config.pipeline and config.exchange == "hierarchical"
+        return hierarchical(config)
 
     def worker(self, parts: WorkerParts) -> "HierarchicalWorker":
         return HierarchicalWorker(parts)
@@ -141,7 +152,11 @@ class HierarchicalWorker(ColocatedWorker):
 
     # ---- the reduce-scatter inside the node ------------------------------------------------
     def gradients(self, m: int) -> None:
-        frames = self.encode_gradient(lambda: self._node_mean(m), self.codec_slices[self.local])
+        """The reduce-scatter, then the frames of this node's mean of the slice: the codec's
+        encode seconds are the encode's alone (the reduce-scatter's wait is communication,
+        which the clock charges as such)."""
+        node_mean = self._node_mean(m)
+        frames = self.encode_gradient(lambda: node_mean, self.codec_slices[self.local])
         self.post(m, frames, TAG_GRAD, "gradient", self.aggregator)
 
     def _node_mean(self, m: int) -> np.ndarray:

@@ -49,7 +49,11 @@ ADDED_AT_DEFAULT = {"link_bandwidth": {}, "cost_model": "none", "control": "pape
                     # the l2 term in the loss, no augmentation (mpigrad/optim.py, data/augment.py)
                     "optimizer": "sgd", "optimizer_opts": {}, "lr_schedule": None, "lr_schedule_opts": {},
                     "lr_warmup": 0, "lr_scaling": "none", "weight_decay_in": "loss", "augment": "none",
-                    "augment_opts": {}, "autocast": "none", "momentum_correction": 0.0}
+                    "augment_opts": {}, "autocast": "none", "momentum_correction": 0.0,
+                    # nodes (issue 62): a worker per node, the flat exchange (the identity is
+                    # taken after the launch resolved ``auto``), its defaults inside a node
+                    "ranks_per_node": 1, "exchange": "flat", "intra_codec": "fp32", "intra_bandwidth": 10e9,
+                    "intra_latency": 5e-6}
 
 
 def identity(config: dict[str, Any], world_size: int) -> dict[str, Any]:

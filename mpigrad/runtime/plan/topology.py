@@ -22,6 +22,7 @@ from typing import Sequence
 
 from ...config import AUTO, RunConfig
 from ...errors import UsageError
+from .gpu import workers_device
 
 __all__ = ["Topology", "resolve_topology", "mpi_nodes"]
 
@@ -152,6 +153,9 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
             notes.append(f"note: --ranks-per-node {L} declares {workers // L} node(s) of {L} worker(s); MPI sees "
                          f"{seen}: the declared nodes are used (by the network model, and by the exchange's groups)")
     topology = Topology(workers, L, source)
+    if declared == AUTO:  # the config's own refusals of nodes, now that L is known
+        config.check_nodes(L)
+    on_gpu = workers_device(config) != "cpu"
     exchange = config.exchange
     if exchange == "hierarchical":
         if topology.nodes == 1:
@@ -160,15 +164,20 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
         if two_rounds:
             raise UsageError("--exchange hierarchical with a two-round codec (PowerSGD's factors) is not built yet: "
                              "use --exchange flat")
+        if on_gpu and L > 1:
+            raise UsageError(f"--exchange hierarchical with --device {config.device} is not built yet (its slices "
+                             "are host arrays): use --exchange flat, or --device cpu")
         if L == 1:
             notes.append("note: --exchange hierarchical with one worker per node is the flat exchange")
             exchange = "flat"
     elif exchange == AUTO:
-        hierarchical = config.colocated and L > 1 and topology.nodes > 1 and not two_rounds and not config.pipeline
+        hierarchical = (config.colocated and L > 1 and topology.nodes > 1 and not two_rounds and not config.pipeline
+                        and not on_gpu)
         exchange = "hierarchical" if hierarchical else "flat"
         if L > 1 and not hierarchical and topology.nodes > 1:
-            notes.append("note: nodes of several workers, flat exchange (the hierarchical one does not run with "
-                         f"{'a two-round codec' if two_rounds else '--pipeline'} yet)")
+            why = "a two-round codec" if two_rounds else "--pipeline" if config.pipeline else "workers on GPUs"
+            notes.append(f"note: nodes of several workers, flat exchange (the hierarchical one does not run with "
+                         f"{why} yet)")
     cores = os.cpu_count() or 1
     if nodes is not None and L > cores:  # at launch: this machine's cores are the job's
         notes.append(f"note: {L} workers per node, more than this machine's {cores} cores: the modelled nodes "

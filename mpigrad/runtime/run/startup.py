@@ -80,8 +80,9 @@ def waits_description(mode: str, waits: dict[str, list[int]]) -> str:
             f"{format_ranks(waits['sleep'])} (auto: by the cores of each node)")
 
 
-#: Config keys the ``network:`` line states (in their units), left out of the ``config:`` line.
-_NETWORK_KEYS = ("bandwidth", "latency", "link_bandwidth")
+#: Config keys the ``network:`` line states (in their units), left out of the ``config:`` line
+#: (the links inside a node: stated where nodes hold several workers, else of no use).
+_NETWORK_KEYS = ("bandwidth", "latency", "link_bandwidth", "intra_bandwidth", "intra_latency")
 
 
 def config_description(config, codec=None, script: bool = False) -> str:
