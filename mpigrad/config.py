@@ -74,26 +74,26 @@ EXCHANGE_KINDS = (AUTO, "flat", "hierarchical")
 INTRA_CODECS = ("fp32", "fp16", "bf16")
 
 
-def parse_ranks_per_node(value: Any) -> int | str:
-    """``--ranks-per-node``: a whole number L >= 1 of workers per node, or ``auto``."""
-    if isinstance(value, str) and value.strip() == AUTO:
-        return AUTO
+def _count_or_word(value: Any, word: str, refusal: str) -> int | str:
+    """A whole number >= 1 (a TOML integer or its digits) or ``word``; UsageError ``refusal``
+    (with ``got VALUE``) otherwise."""
+    if isinstance(value, str) and value.strip() == word:
+        return word
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"ranks_per_node must be a number of workers (at least 1) or {AUTO!r}, got {value!r}")
+        raise UsageError(f"{refusal} or {word!r}, got {value!r}")
     return value
+
+
+def parse_ranks_per_node(value: Any) -> int | str:
+    """``--ranks-per-node``: a whole number L >= 1 of workers per node, or ``auto``."""
+    return _count_or_word(value, AUTO, "ranks_per_node must be a number of workers (at least 1)")
 
 
 def parse_servers(value: Any) -> int | str:
     """``--servers``: a whole number S >= 1 of server ranks, or ``colocated``."""
-    if isinstance(value, str) and value.strip() == COLOCATED:
-        return COLOCATED
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"servers must be a number of server ranks (at least 1) or {COLOCATED!r}, got {value!r}")
-    return value
+    return _count_or_word(value, COLOCATED, "servers must be a number of server ranks (at least 1)")
 
 
 def parse_shard_chunk(value: Any) -> int | str:
