@@ -148,7 +148,8 @@ class HierarchicalWorker(ColocatedWorker):
         self.gathered = {i: self.intra.buffer(self.slice_sizes[i]) for i in self.peers}
         self.node_mean = np.zeros(parts.replica.layout.total, np.float32)
         self._scratch = np.empty(self.slice_sizes[self.local], np.float32)
-        self.t_intra = 0.0
+        #: float32 staging of a slice sent at fp16 or bf16, one per slice size (no allocation per iteration)
+        self._staging = {n: np.empty(n, np.float32) for n in set(self.slice_sizes)}
 
     # ---- the reduce-scatter inside the node ------------------------------------------------
     def gradients(self, m: int) -> None:
@@ -220,7 +221,7 @@ class HierarchicalWorker(ColocatedWorker):
                 out[pos:pos + piece.size] = source[piece.offset:piece.offset + piece.size]
                 pos += piece.size
             return
-        values = self._scratch if out.size == self._scratch.size else np.empty(out.size, np.float32)
+        values = self._staging[out.size]
         self._pack(source, pieces, values)
         self.intra.encode(values, out)
 
