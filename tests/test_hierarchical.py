@@ -18,7 +18,7 @@ from mpigrad.analysis.retime import retime
 from mpigrad.clockmodel import IterationTraffic, LinkModel, Nodes
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
-from mpigrad.runtime.exchange.hierarchical import IntraCodec
+from mpigrad.runtime.exchange.intra import IntraCodec
 from mpigrad.trace import TraceError, load
 from test_exchanges import run
 

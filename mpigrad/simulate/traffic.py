@@ -78,7 +78,8 @@ def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int]) 
     from ..runtime.exchange.build import (base_codec, broadcast_codec, build_broadcast_compressor,
                                           build_compressor, build_replica, build_shards, load_data)
     from ..runtime.exchange.broadcast import broadcast_widths
-    from ..runtime.exchange.hierarchical import IntraCodec, run_topology, slice_shards
+    from ..runtime.exchange.hierarchical import run_topology, slice_shards
+    from ..runtime.exchange.intra import IntraCodec
     from ..runtime.wire.messages import Control, FrameLength, LossReport
 
     if config.pipeline:

@@ -40,9 +40,10 @@ from ...errors import UsageError
 from ..plan.topology import Topology
 from ..wire import TAG_GATHER, TAG_GRAD, TAG_INTRA, FrameLength
 from .colocated import Colocated, ColocatedRank0, ColocatedWorker
+from .intra import IntraCodec
 from .way import Rank0Parts, WorkerParts
 
-__all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "IntraCodec", "run_topology", "slice_shards"]
+__all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "run_topology", "slice_shards"]
 
 
 def hierarchical(config: RunConfig) -> bool:
@@ -67,43 +68,6 @@ def run_topology(config: RunConfig, workers: int) -> Topology:
 def slice_shards(topology: Topology, local: int) -> list[int]:
     """The shards of slice ``local``: those its workers (local rank ``local`` of each node) serve."""
     return topology.cross_group(local)
-
-
-class IntraCodec:
-    """The precision of the slices inside a node: ``fp32`` (exact), ``fp16`` (IEEE half,
-    rounded to nearest even) or ``bf16`` (the top 16 bits of a float32, rounded to nearest
-    even). ``encode(values, out)`` writes ``values`` (float32) into ``out`` (``buffer(n)``);
-    ``decode(buf)`` gives float32 values."""
-
-    def __init__(self, name: str):
-        if name not in ("fp32", "fp16", "bf16"):
-            raise UsageError(f"intra_codec must be one of fp32, fp16, bf16, got {name!r}")
-        self.name = name
-        self.dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[name]
-
-    @property
-    def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
-
-    def buffer(self, n: int) -> np.ndarray:
-        return np.empty(n, self.dtype)
-
-    def encode(self, values: np.ndarray, out: np.ndarray) -> None:
-        if self.name == "bf16":
-            bits = values.view(np.uint32)
-            rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-            nan = np.isnan(values)
-            np.right_shift(rounded, np.uint32(16), out=rounded)
-            out[:] = rounded
-            out[nan] = 0x7FC0  # a NaN stays one (rounding could carry it into infinity)
-        else:
-            with np.errstate(over="ignore"):  # beyond fp16's range: infinity, as torch's cast gives
-                out[:] = values
-
-    def decode(self, buf: np.ndarray) -> np.ndarray:
-        if self.name == "bf16":
-            return (buf.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        return buf.astype(np.float32, copy=False)
 
 
 class Hierarchical(Colocated):
