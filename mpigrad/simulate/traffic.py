@@ -78,8 +78,7 @@ def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int]) 
     from ..runtime.exchange.build import (base_codec, broadcast_codec, build_broadcast_compressor,
                                           build_compressor, build_replica, build_shards, load_data)
     from ..runtime.exchange.broadcast import broadcast_widths
-    from ..runtime.exchange.hierarchical import run_topology, slice_shards
-    from ..runtime.exchange.intra import IntraCodec
+    from ..runtime.exchange.hierarchical import run_topology, slice_bytes
     from ..runtime.wire.messages import Control, FrameLength, LossReport
 
     if config.pipeline:
@@ -116,9 +115,7 @@ def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int]) 
         topology = run_topology(config, workers)
         L = topology.ranks_per_node
         frames_in = tuple(tuple(up[s] if w % L == s % L else 0 for w in range(workers)) for s in range(shard_count))
-        itemsize = IntraCodec(config.intra_codec).itemsize
-        slices = tuple(itemsize * sum(piece.size for s in slice_shards(topology, i) for piece in shards[s].pieces)
-                       for i in range(L))
+        slices = slice_bytes(topology, shards, config.intra_codec)
     else:
         frames_in = tuple(tuple(up[s] for _ in range(workers)) for s in range(shard_count))
     frames_out = tuple(FrameLength.NBYTES + size(down, shard, down_widths) for shard in shards)

@@ -43,7 +43,7 @@ from .colocated import Colocated, ColocatedRank0, ColocatedWorker
 from .intra import IntraCodec
 from .way import Rank0Parts, WorkerParts
 
-__all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "run_topology", "slice_shards"]
+__all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "run_topology", "slice_bytes", "slice_shards"]
 
 
 def hierarchical(config: RunConfig) -> bool:
@@ -68,6 +68,14 @@ def run_topology(config: RunConfig, workers: int) -> Topology:
 def slice_shards(topology: Topology, local: int) -> list[int]:
     """The shards of slice ``local``: those its workers (local rank ``local`` of each node) serve."""
     return topology.cross_group(local)
+
+
+def slice_bytes(topology: Topology, shards, intra_codec: str) -> tuple[int, ...]:
+    """The bytes of each slice (local rank 0, 1, ...) as a node's workers send it each other at
+    ``intra_codec``: one message of the reduce-scatter or the all-gather."""
+    codec = IntraCodec(intra_codec)
+    return tuple(codec.nbytes(sum(piece.size for s in slice_shards(topology, i) for piece in shards[s].pieces))
+                 for i in range(topology.ranks_per_node))
 
 
 class Hierarchical(Colocated):
@@ -185,7 +193,7 @@ class HierarchicalWorker(ColocatedWorker):
                 out[pos:pos + piece.size] = source[piece.offset:piece.offset + piece.size]
                 pos += piece.size
             return
-        values = self._staging[out.size]
+        values = self._staging[sum(piece.size for piece in pieces)]
         self._pack(source, pieces, values)
         self.intra.encode(values, out)
 
@@ -204,10 +212,7 @@ class HierarchicalRank0(ColocatedRank0):
     def __init__(self, parts: Rank0Parts):
         super().__init__(parts)
         topology = run_topology(parts.config, self.workers)
-        itemsize = IntraCodec(parts.config.intra_codec).itemsize
-        self.slice_bytes = tuple(itemsize * sum(piece.size for s in slice_shards(topology, i)
-                                                for piece in self.shards[s].pieces)
-                                 for i in range(topology.ranks_per_node))
+        self.slice_bytes = slice_bytes(topology, self.shards, parts.config.intra_codec)
 
     def charge(self, m: int) -> None:
         """The reduce-scatter, the gradient round, the broadcast within each local rank, the

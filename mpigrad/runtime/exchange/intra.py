@@ -24,9 +24,9 @@ class IntraCodec:
         self.name = name
         self.dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[name]
 
-    @property
-    def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
+    def nbytes(self, n: int) -> int:
+        """The bytes of ``buffer(n)``: one slice of ``n`` values as it goes to another worker."""
+        return n * np.dtype(self.dtype).itemsize
 
     def buffer(self, n: int) -> np.ndarray:
         return np.empty(n, self.dtype)
