@@ -559,13 +559,13 @@ class LinkModel:
         and intra-node links' seconds of each round, and the bytes across NICs and inside
         nodes (the hierarchical exchange's slices among them)."""
         parts = []
-        for frames_in, frames_out in traffic._rounds():
-            if traffic.hierarchical:
+        for phase, frames in traffic.phases():
+            if phase == "intra":
                 parts.append(self.node_intra(traffic.slice_bytes, traffic.workers))
-            parts.append(self.node_gradients(frames_in))
-            parts.append(self.node_broadcasts(traffic.workers, frames_out, traffic.hierarchical))
-            if traffic.hierarchical:
-                parts.append(self.node_intra(traffic.slice_bytes, traffic.workers))
+            elif phase == "up":
+                parts.append(self.node_gradients(frames))
+            else:
+                parts.append(self.node_broadcasts(traffic.workers, frames, traffic.hierarchical))
         return NodeRound(sum(p.seconds for p in parts), sum(p.nic_seconds for p in parts),
                          sum(p.intra_seconds for p in parts), sum(p.nic_bytes for p in parts),
                          sum(p.intra_bytes for p in parts))
@@ -585,14 +585,14 @@ class LinkModel:
             t_comm = self.losses(traffic.workers, traffic.loss_bytes, start, traffic.servers, colocated)
             t_comm += self.control(traffic.workers, traffic.servers, traffic.control_bytes, colocated,
                                    start=start + t_comm)
-        for frames_in, frames_out in traffic._rounds():  # a two-round codec's rounds one after the other
-            if traffic.hierarchical:
+        for phase, frames in traffic.phases():
+            if phase == "intra":
                 t_comm += self.node_intra(traffic.slice_bytes, traffic.workers).seconds
-            t_comm += self.gradients(frames_in, colocated, start=start + t_comm)
-            t_comm += self.broadcasts(traffic.workers, frames_out, colocated, start=start + t_comm,
-                                      hierarchical=traffic.hierarchical)
-            if traffic.hierarchical:
-                t_comm += self.node_intra(traffic.slice_bytes, traffic.workers).seconds
+            elif phase == "up":
+                t_comm += self.gradients(frames, colocated, start=start + t_comm)
+            else:
+                t_comm += self.broadcasts(traffic.workers, frames, colocated, start=start + t_comm,
+                                          hierarchical=traffic.hierarchical)
         return t_comm
 
     def pipelined(self, traffic: "PipelinedTraffic", start: float = 0.0, sent: float | None = None) -> float:
@@ -723,6 +723,15 @@ class IterationTraffic:
         """(frames_in, frames_out) of each round."""
         first = ((self.frames_in, self.frames_out),)
         return first + ((self.frames_in2, self.frames_out2),) if self.frames_in2 else first
+
+    def phases(self):
+        """The gradient rounds' phases in the order they run, as (kind, frames): ``("up",
+        frames_in)`` and ``("down", frames_out)`` per round (a two-round codec's one after the
+        other), and in a hierarchical exchange ``("intra", None)`` before the first round (the
+        reduce-scatter inside the nodes) and after the last (the all-gather)."""
+        rounds = [(kind, frames) for frames_in, frames_out in self._rounds()
+                  for kind, frames in (("up", frames_in), ("down", frames_out))]
+        return [("intra", None), *rounds, ("intra", None)] if self.hierarchical else rounds
 
     @property
     def servers(self) -> int:

@@ -35,6 +35,8 @@ COMBINATIONS = [
     (dict(servers=2, **POWERSGD), ["servers", "lowrank"], LowRankRounds, SeparateServers),
     (dict(servers="colocated", **POWERSGD), ["colocated", "lowrank"], LowRankRounds, Colocated),
     (dict(servers="colocated", ranks_per_node=2, exchange="hierarchical"), ["hierarchical"], Hierarchical, None),
+    (dict(servers="colocated", ranks_per_node=2, exchange="hierarchical", **POWERSGD), ["hierarchical", "lowrank"],
+     LowRankRounds, Hierarchical),
 ]
 
 
@@ -83,6 +85,7 @@ SIDES = [
     ((LowRankWorker, ServersWorker), (LowRankShardServer, ServersShardServer), (LowRankRank0, ServersRank0)),
     ((LowRankWorker, ColocatedWorker), (), (LowRankRank0, ColocatedRank0)),
     ((HierarchicalWorker,), (), (HierarchicalRank0,)),
+    ((LowRankWorker, HierarchicalWorker), (), (LowRankRank0, HierarchicalRank0)),
 ]
 
 
@@ -110,7 +113,7 @@ def run(tmp_path, options, workers=2):
 
 @pytest.mark.parametrize("options, sides", [(c[0], s) for c, s in zip(COMBINATIONS, SIDES)],
                          ids=["star", "sharded", "colocated", "pipelined", "powersgd-star", "powersgd-sharded",
-                              "powersgd-colocated", "hierarchical"])
+                              "powersgd-colocated", "hierarchical", "powersgd-hierarchical"])
 def test_each_way_runs_through_the_roles_with_its_sides(tmp_path, monkeypatch, options, sides):
     seen = {"worker": set(), "shard": set(), "rank0": set()}
 

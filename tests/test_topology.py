@@ -68,8 +68,9 @@ def test_what_cannot_be_is_refused_in_one_line():
         with pytest.raises(UsageError, match=pattern) as caught:
             resolve_topology(config, size)
         assert "\n" not in str(caught.value)
-    with pytest.raises(UsageError, match=r"two-round codec .*use --exchange flat"):
-        resolve_topology(colocated(ranks_per_node=2, exchange="hierarchical"), 5, two_rounds=True)
+    menus = dict(codec="powersgd", codec_opts={"ranks": [1, 2]})
+    with pytest.raises(UsageError, match=r"PowerSGD's per-layer settings .*use --exchange flat"):
+        resolve_topology(colocated(ranks_per_node=2, exchange="hierarchical", **menus), 5)
 
 
 def test_the_exchange_auto_and_hierarchical_resolve_to():
@@ -79,9 +80,11 @@ def test_the_exchange_auto_and_hierarchical_resolve_to():
     assert resolve_topology(colocated(ranks_per_node=2), 3)[1] == "flat"        # one node
     assert resolve_topology(colocated(ranks_per_node=1), 5)[1] == "flat"        # one worker per node
     assert resolve_topology(colocated(ranks_per_node=2, exchange="flat"), 5)[1] == "flat"
-    _, exchange, notes = resolve_topology(colocated(ranks_per_node=2), 5, two_rounds=True)
+    assert resolve_topology(colocated(ranks_per_node=2, codec="powersgd"), 5)[1] == "hierarchical"
+    _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, codec="powersgd",
+                                                    codec_opts={"ranks": [1, 2]}), 5)
     assert exchange == "flat" and notes == ["note: nodes of several workers, flat exchange (the hierarchical one does "
-                                            "not run with a two-round codec yet)"]
+                                            "not run with PowerSGD's per-layer settings yet)"]
     _, exchange, notes = resolve_topology(colocated(exchange="hierarchical"), 5)
     assert (exchange, notes) == ("flat", ["note: --exchange hierarchical with one worker per node is the flat exchange"])
 

@@ -9,8 +9,8 @@ workers as 4 nodes of 1, and as 2 nodes of 2 with the flat and the hierarchical 
 The settings are examples/compare's (base.toml: the embedded digits, the paper CNN with
 ``fc_sizes = [1024, 2048]``, 400 iterations, 50 ms of compute charged per iteration, 10 MB/s
 and 0.5 ms per NIC on the simulated clock) with colocated servers and 4 workers: mpiexec -n 5.
-Methods: FP32, Fix 2/4/8, MQGrad (from 2 bits, 2..8) and PowerSGD r2 with 8-bit factors
-(flat only: the hierarchical exchange does not run two-round codecs yet); seeds 1, 2, 3.
+Methods: FP32, Fix 2/4/8, MQGrad (from 2 bits, 2..8) and PowerSGD r2 with 8-bit factors;
+seeds 1, 2, 3.
 
 The runs go one after another in one MPI job (``mpigrad sweep``). A flat run's messages do
 not depend on its nodes, and where its policy does not read the clock neither do its bits
@@ -64,8 +64,6 @@ def plan(out: Path, methods=tuple(METHODS), seeds=SEEDS,
     for method in methods:
         options = METHODS[method]
         for layout, (L, exchange) in LAYOUTS.items():
-            if method == "lowrank" and exchange == "hierarchical":
-                continue
             for seed in seeds:
                 trace = trace_of(out, method, layout, seed)
                 if layout == "2x2-flat" and method in RETIMED:

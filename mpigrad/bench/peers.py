@@ -618,11 +618,9 @@ def node_exchange(config, workers: int) -> str:
     """The exchange mpigrad's run of ``workers`` takes on the config's nodes (``auto``
     resolved as the launch resolves it: runtime/plan/topology.py); UsageError (one line) for
     one it refuses."""
-    from ..runtime.plan.checks import base_codec
     from ..runtime.plan.topology import resolve_topology
 
-    return resolve_topology(config, workers + config.non_worker_ranks(), None,
-                            two_rounds=base_codec(config).two_rounds)[1]
+    return resolve_topology(config, workers + config.non_worker_ranks(), None)[1]
 
 
 def nodes_line(config, workers: int, ranks_per_node: int, lab: bool) -> str:

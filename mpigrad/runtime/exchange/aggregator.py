@@ -209,12 +209,15 @@ def unpack_average(shard, average: np.ndarray, out: np.ndarray) -> None:
             pos += piece.size
 
 
-def factor_aggregators(config: RunConfig, channel: Channel, lowrank: LowRank, server: int) -> tuple:
+def factor_aggregators(config: RunConfig, channel: Channel, lowrank: LowRank, server: int,
+                       contributors: list[int] | None = None) -> tuple:
     """Server ``server``'s aggregators of a two-round codec's factors under the running plan
-    (``lowrank.current``): (round 1, round 2), built on the plan's first use and kept with it."""
+    (``lowrank.current``): (round 1, round 2), built on the plan's first use and kept with it;
+    ``contributors``: the ranks whose frames they average (None: every worker)."""
     plan = lowrank.current
     if plan.aggregators is None:
-        plan.aggregators = tuple(ShardAggregator(config, channel, shards[server], compressor, compressor, size, None)
+        plan.aggregators = tuple(ShardAggregator(config, channel, shards[server], compressor, compressor, size, None,
+                                                 contributors=contributors)
                                  for shards, compressor, size in ((plan.rounds[0], plan.compressor1, plan.p_size),
                                                                   (plan.rounds[1], plan.compressor2, plan.q_size)))
     return plan.aggregators

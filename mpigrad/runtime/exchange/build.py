@@ -108,10 +108,23 @@ def script_replica(config: RunConfig, model: torch.nn.Module) -> Replica:
 
 def shard_chunks(config: RunConfig, layout: Layout, servers: int) -> Chunks:
     """How the run cuts its layout into pieces with ``servers`` servers (``--shard-chunk``;
-    auto keeps whole layers for a plugin optimizer, which gets each piece as a layer)."""
+    auto keeps whole layers for a plugin optimizer, which gets each piece as a layer). A
+    two-round codec under the hierarchical exchange keeps whole layers (its factor shards'
+    pieces): a node's slice of the gradient is then whole matrices, whose factors the slice's
+    local rank computes."""
     from ...plugins import is_plugin
 
+    if base_codec(config).two_rounds and hierarchical_exchange(config):
+        return Chunks()
     return resolve_chunks(config.shard_chunk, layout, servers, whole_layers=is_plugin(config.optimizer))
+
+
+def hierarchical_exchange(config: RunConfig) -> bool:
+    """Whether a run of ``config`` takes the hierarchical exchange: colocated, sequential,
+    ``--exchange hierarchical`` on nodes of several workers (with one worker per node it is
+    the flat exchange)."""
+    return (config.colocated and not config.pipeline and config.exchange == "hierarchical"
+            and config.ranks_per_node != 1)
 
 
 def build_shards(config: RunConfig, layout: Layout, codec: Codec, shards: int) -> tuple[Shard, ...]:

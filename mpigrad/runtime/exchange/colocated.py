@@ -19,7 +19,8 @@ from ...config import RunConfig
 from ...policies import policy_class
 from .aggregator import ShardAggregator
 from .buffers import ParameterSync
-from .build import SERVER_STREAM, broadcast_codec, build_broadcast_compressor, build_compressor
+from .build import (SERVER_STREAM, broadcast_codec, build_broadcast_compressor, build_compressor,
+                    hierarchical_exchange)
 from .device import on_device
 from .way import Rank0Parts, Rank0Side, Way, WorkerParts, WorkerSide
 from ..wire import TAG_AVERAGE, TAG_BCAST, TAG_REPORT, FrameError, FrameLength, ReceiveBuffers, ServerReport
@@ -32,8 +33,7 @@ class Colocated(Way):
 
     @staticmethod
     def chosen(config: RunConfig) -> bool:
-        return config.colocated and not config.pipeline and not (config.exchange == "hierarchical"
-                                                                   and config.ranks_per_node != 1)
+        return config.colocated and not config.pipeline and not hierarchical_exchange(config)
 
     def worker(self, parts: WorkerParts) -> "ColocatedWorker":
         return ColocatedWorker(parts)

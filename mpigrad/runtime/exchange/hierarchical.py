@@ -22,9 +22,16 @@ flat colocated exchange: it gathers the P ServerReports, whose frame bytes count
 per node (0 for the workers of other local ranks, which send it nothing), and charges the
 clock with the nodes' model (:mod:`mpigrad.clockmodel`, ``Nodes``).
 
+PowerSGD (``--codec powersgd``, :mod:`.tworounds` around this way): the shards are whole
+layers (``build.shard_chunks``), so slice j is whole matrices; local rank j computes the
+factors of its slice's layers from its node's mean M_k = (node mean of g) + e_k (the error
+memory its own, over those layers), the two rounds run within local rank j as above, it
+writes P^ Q^T for its layers, and the all-gather brings the node's other slices. With a
+lossy ``--intra-codec`` the memory is M_k - P^ Q^T before the all-gather's rounding.
+
 Not built yet (refused by the config's checks and :func:`..plan.topology.resolve_topology`,
-whose ``auto`` takes the flat exchange for them): the pipelined iteration, two-round codecs
-(PowerSGD's factors) and workers on GPUs. The cost model (``--compute-time``) charges a
+whose ``auto`` takes the flat exchange for them): the pipelined iteration, PowerSGD's
+per-layer settings (menus) and workers on GPUs. The cost model (``--compute-time``) charges a
 hierarchical run the flat exchange's local work (every shard's encode and decode), not
 its slice's.
 """
@@ -39,19 +46,12 @@ from ...config import RunConfig
 from ...errors import UsageError
 from ..plan.topology import Topology
 from ..wire import TAG_GATHER, TAG_GRAD, TAG_INTRA, FrameLength
+from .build import hierarchical_exchange
 from .colocated import Colocated, ColocatedRank0, ColocatedWorker
 from .intra import IntraCodec
 from .way import Rank0Parts, WorkerParts
 
 __all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "run_topology", "slice_bytes", "slice_shards"]
-
-
-def hierarchical(config: RunConfig) -> bool:
-    """Whether a run of ``config`` takes the hierarchical exchange: colocated, sequential,
-    ``--exchange hierarchical`` on nodes of several workers (with one worker per node it is
-    the flat exchange, which :class:`~.colocated.Colocated` runs)."""
-    return (config.colocated and not config.pipeline and config.exchange == "hierarchical"
-            and config.ranks_per_node != 1)
 
 
 def run_topology(config: RunConfig, workers: int) -> Topology:
@@ -83,7 +83,7 @@ class Hierarchical(Colocated):
 
     @staticmethod
     def chosen(config: RunConfig) -> bool:
-        return hierarchical(config)
+        return hierarchical_exchange(config)
 
     def worker(self, parts: WorkerParts) -> "HierarchicalWorker":
         return HierarchicalWorker(parts)
@@ -128,11 +128,11 @@ class HierarchicalWorker(ColocatedWorker):
         """The reduce-scatter, then the frames of this node's mean of the slice: the codec's
         encode seconds are the encode's alone (the reduce-scatter's wait is communication,
         which the clock charges as such)."""
-        node_mean = self._node_mean(m)
+        node_mean = self.frame_gradient(m)
         frames = self.encode_gradient(lambda: node_mean, self.codec_slices[self.local])
         self.post(m, frames, TAG_GRAD, "gradient", self.aggregator)
 
-    def _node_mean(self, m: int) -> np.ndarray:
+    def frame_gradient(self, m: int) -> np.ndarray:
         """Reduce-scatter this iteration's gradient inside the node; return ``node_mean``,
         whose slice ``local`` holds the node's mean (the rest is not read)."""
         grad = self.parts.gradient()
@@ -158,6 +158,11 @@ class HierarchicalWorker(ColocatedWorker):
     # ---- the all-gather inside the node ----------------------------------------------------
     def broadcast(self, m: int) -> None:
         super().broadcast(m)
+        self.gather_update(m)
+
+    def gather_update(self, m: int) -> None:
+        """The all-gather inside the node of the decoded update: this worker's slice to the
+        node's others (rounded to ``--intra-codec`` on the owner too), theirs into its update."""
         update = self.replica.codec_update
         own = self._scratch
         self._pack(update, self.slice_pieces[self.local], own)

@@ -234,6 +234,29 @@ class LowRank:
         self.error: np.ndarray | None = None   # worker: e_i over [0, memory_end), from the first compressed iteration
         self.q_memory: np.ndarray | None = None  # worker: each layer's last Q, m x R
         self.matrix = np.empty(self.memory_end if worker else 0, np.float32)  # worker: M_i
+        #: The low-rank layers whose factors this worker computes and whose update it writes,
+        #: and whether the other layers' piece is among them (None: all; ``own``).
+        self.owned: frozenset[int] | None = None
+        self.owns_rest = True
+
+    def own(self, shards) -> None:
+        """Compute and apply only the layers of ``shards`` (whole-layer factor shards: a
+        hierarchical exchange's slice, whose other layers the node's other workers own);
+        the error memory, M_i and the update are then kept over those layers alone."""
+        self.owned = frozenset(piece.layer for shard in shards for piece in shard.pieces if piece.quantized)
+        self.owns_rest = any(not piece.quantized for shard in shards for piece in shard.pieces)
+
+    def _owns(self, layer: int) -> bool:
+        return self.owned is None or layer in self.owned
+
+    def _memory_ranges(self) -> list[tuple[int, int]]:
+        """The (offset, end) ranges of [0, memory_end) this worker keeps M_i and e_i over."""
+        if self.owned is None:
+            return [(0, self.memory_end)]
+        ranges = [(offset, offset + n * m) for layer, (offset, n, m, _) in enumerate(self.shapes) if layer in self.owned]
+        if self.owns_rest and self.memory_end > self.matrix_end:
+            ranges.append((self.matrix_end, self.memory_end))
+        return ranges
 
     # ---- plans --------------------------------------------------------------------------
     def plan(self, codes) -> FactorPlan:
@@ -308,22 +331,26 @@ class LowRank:
                 generator = torch.Generator().manual_seed(derive_seed(self.seed, LOWRANK_STREAM, layer))
                 q = self._q_memory(layer)
                 q.copy_(torch.randn(q.shape[0], q.shape[1], generator=generator))
-        np.add(grad[:self.memory_end], self.error, out=self.matrix)
+        for begin, end in self._memory_ranges():
+            np.add(grad[begin:end], self.error[begin:end], out=self.matrix[begin:end])
         p_buf = self.p_buf
         for lay in self.layers:
+            if not self._owns(lay.layer):
+                continue
             if lay.r:
                 times_factor(self._mat(self.matrix, lay).t(), self._start_q(lay.layer, lay.r), self._p(p_buf, lay))
             else:
                 p_buf[lay.p_offset:lay.p_offset + lay.p_size] = self.matrix[lay.offset:lay.offset + lay.p_size]
-        rest = self.p_size - self.rest.size
-        source = self.matrix if self.memory_end > self.matrix_end else grad
-        p_buf[rest:] = source[self.rest.offset:self.rest.offset + self.rest.size]
+        if self.owns_rest:
+            rest = self.p_size - self.rest.size
+            source = self.matrix if self.memory_end > self.matrix_end else grad
+            p_buf[rest:] = source[self.rest.offset:self.rest.offset + self.rest.size]
         return p_buf
 
     def second_factors(self) -> np.ndarray:
         """Round 2's vector: Q_i = M_i^T P^ per rank layer (P^ decoded into ``p_buf``)."""
         for lay in self.layers:
-            if lay.r:
+            if lay.r and self._owns(lay.layer):
                 times_factor(self._mat(self.matrix, lay), self._p(self.p_buf, lay), self._q(self.q_buf, lay))
         return self.q_buf
 
@@ -393,14 +420,18 @@ class LowRank:
         ``update``; a worker then keeps e_i = M_i - M^ (over ``memory_end``) and Q."""
         p_buf, q_buf = self.p_buf, self.q_buf
         for lay in self.layers:
+            if not self._owns(lay.layer):
+                continue
             if lay.r:
                 outer_products(self._p(p_buf, lay), self._q(q_buf, lay), self._mat(update, lay))
             else:
                 update[lay.offset:lay.offset + lay.p_size] = p_buf[lay.p_offset:lay.p_offset + lay.p_size]
-        rest = self.p_size - self.rest.size
-        update[self.rest.offset:self.rest.offset + self.rest.size] = p_buf[rest:]
+        if self.owns_rest:
+            rest = self.p_size - self.rest.size
+            update[self.rest.offset:self.rest.offset + self.rest.size] = p_buf[rest:]
         if self.worker:
-            np.subtract(self.matrix, update[:self.memory_end], out=self.error)
+            for begin, end in self._memory_ranges():
+                np.subtract(self.matrix[begin:end], update[begin:end], out=self.error[begin:end])
             if not self.codec.mixed:  # one plan: Q memory and round 2 share their layout
                 self.q_memory[:] = q_buf
                 return

@@ -88,6 +88,11 @@ class LowRankWorker(Around):
         self.parts, self.control_msg = parts, parts.control
         self.lowrank = _low_rank(parts, worker=True)
         self.inner = inner.worker(parts)
+        #: The factor shards this worker's frames go to (``inner.sent_shards``; a hierarchical
+        #: exchange's slice, whose layers alone this worker computes).
+        self.sent_shards = self.inner.sent_shards
+        if len(self.sent_shards) < self.inner.servers:
+            self.lowrank.own([self.lowrank.shards[s] for s in self.sent_shards])
         self.factor_aggregators = self._aggregators()
 
     def _aggregators(self) -> tuple:
@@ -96,7 +101,7 @@ class LowRankWorker(Around):
         served = self.inner.served
         if served is None:
             return None, None
-        return factor_aggregators(self.parts.config, self.parts.channel, self.lowrank, served)
+        return factor_aggregators(self.parts.config, self.parts.channel, self.lowrank, served, self.inner.contributors)
 
     def control(self, m: int) -> None:
         self.inner.control(m)
@@ -107,8 +112,8 @@ class LowRankWorker(Around):
     def gradients(self, m: int) -> None:
         if not self.lowrank.active(m):
             return self.inner.gradients(m)
+        grad = self.inner.frame_gradient(m)
         start = time.process_time()
-        grad = self.parts.gradient()
         lowrank = self.lowrank  # round 1: P_i = M_i Q and the other layers
         self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.rounds[0], TAG_GRAD, start, 0)
 
@@ -140,19 +145,20 @@ class LowRankWorker(Around):
         start = time.process_time()
         lowrank.apply(self.parts.replica.update_host)  # the update P^ Q^T, the error memory, the next Q
         self.inner.add_decode_seconds(time.process_time() - start)
+        self.inner.gather_update(m)
 
     def _send_factors(self, m: int, vector: np.ndarray, compressor, shards, tag: int, start: float,
                       round_: int) -> None:
         """Encode a round's factors into one frame per server and send them (the inner's ``post``)."""
         try:
-            frames = [compressor.encode(vector, self.control_msg.bits, shard) for shard in shards]
+            frames = [compressor.encode(vector, self.control_msg.bits, shards[s]) for s in self.sent_shards]
             seconds = time.process_time() - start
             for frame in frames:
                 FrameHeader.set_encode_seconds(frame, seconds)
         except CodecError:
             if np.isfinite(vector).all():
                 raise
-            frames = [error_frame()] * self.inner.servers
+            frames = [error_frame()] * len(self.sent_shards)
         self.inner.post(m, frames, tag, "factors", self.factor_aggregators[round_], first=round_ == 0)
 
     def reports(self, m: int, one_round: bool = True) -> None:
@@ -229,6 +235,12 @@ class LowRankRank0(Around):
         self.setting_sizes = lowrank.setting_sizes() if self.mixed else None
         n_layers = len(parts.replica.layout.quantized)
         self.setting_rows = [np.zeros((n_layers, len(codec.menu))) for _ in parts.channel.workers] if self.mixed else []
+        #: The hierarchical exchange's slices inside the nodes (``inner.slice_bytes``), else ().
+        self.slice_bytes = tuple(getattr(self.inner, "slice_bytes", ()))
+        workers = len(parts.channel.workers)
+        #: Whether worker w sends shard s factor frames: every worker, or (hierarchical) the workers of s's local rank.
+        L = len(self.slice_bytes) or 1
+        self.sends = [[L == 1 or w % L == s % L for w in range(workers)] for s in range(parts.channel.servers)]
 
     def _serves(self, m: int) -> bool:
         """True when iteration m is two rounds' and rank 0 serves shard 0 in it."""
@@ -302,10 +314,15 @@ class LowRankRank0(Around):
             return self.inner.charge(m)
         clock = self.parts.clock  # each round charged as it went: P up, P^ down, Q up, Q down
         rounds = self._factor_frames_in(self.inner.server_reports)
+        hierarchical = bool(self.slice_bytes)  # and around them the slices inside the nodes
+        if hierarchical:
+            clock.intra("intra_reduce", self.slice_bytes)
         clock.gradients(rounds[0])
-        clock.broadcasts([FrameLength.NBYTES + n for n in self.factor_bytes[0]])
+        clock.broadcasts([FrameLength.NBYTES + n for n in self.factor_bytes[0]], hierarchical=hierarchical)
         clock.gradients(rounds[1])
-        clock.broadcasts([FrameLength.NBYTES + n for n in self.factor_bytes[1]])
+        clock.broadcasts([FrameLength.NBYTES + n for n in self.factor_bytes[1]], hierarchical=hierarchical)
+        if hierarchical:
+            clock.intra("intra_gather", self.slice_bytes)
 
     def traffic(self, m: int, ahead: bool) -> tuple[IterationTraffic, list[int]]:
         if not self.lowrank.active(m):
@@ -316,7 +333,8 @@ class LowRankRank0(Around):
         first_in, second_in = (tuple(tuple(sizes) for sizes in frames)
                                for frames in self._factor_frames_in(self.inner.server_reports))
         traffic = IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes, first_in, tuple(frames_down),
-                                   self.parts.channel.colocated, second_in, second_down, ahead)
+                                   self.parts.channel.colocated, second_in, second_down, ahead,
+                                   hierarchical=bool(self.slice_bytes), slice_bytes=self.slice_bytes)
         return traffic, [a + b for a, b in zip(frames_down, second_down)]
 
     def record_bits(self, m: int, bits: list[int]) -> tuple[list[int], list[int] | None]:
@@ -334,16 +352,18 @@ class LowRankRank0(Around):
         """Two rounds: the frames into each server per round and worker. Shard 0's come
         measured; another server reports the rounds' sum per worker, which its fixed factor
         frame sizes (float32, set by the layout) split; TrainingError when they do not add up.
-        Colocated, every shard is a worker's (its own frame counted, not charged)."""
+        Colocated, every shard is a worker's (its own frame counted, not charged); in a
+        hierarchical exchange only the workers of its local rank send it frames (0 for the rest)."""
         inner = self.inner
         own = inner.served is not None
         workers = len(self.parts.channel.workers)
         first, second = ([list(inner.sizes)], [list(self.sizes2)]) if own else ([], [])
         sizes1, sizes2 = self.lowrank.frame_sizes(inner.bits)
         for s, report in zip(inner.remote_shards, reports[1:] if own else reports):
-            if any(n != sizes1[s] + sizes2[s] for n in report.sizes):
+            sends = self.sends[s]
+            if any(n != (sizes1[s] + sizes2[s] if sends[w] else 0) for w, n in enumerate(report.sizes)):
                 raise TrainingError(f"server rank {inner.server_of[s]} received factor frames of {report.sizes} "
                                     f"bytes, not {sizes1[s]} + {sizes2[s]}")
-            first.append([sizes1[s]] * workers)
-            second.append([sizes2[s]] * workers)
+            first.append([sizes1[s] if sends[w] else 0 for w in range(workers)])
+            second.append([sizes2[s] if sends[w] else 0 for w in range(workers)])
         return first, second

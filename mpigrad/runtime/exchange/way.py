@@ -130,6 +130,8 @@ class WorkerSide:
     applies_update = False
     #: The pipelined exchange: backward runs inside it (``begin`` gives it the loss).
     pipelined = False
+    #: The worker ranks whose frames the served shard's aggregator averages (None: every worker).
+    contributors: list[int] | None = None
 
     def __init__(self, parts: WorkerParts):
         self.parts = parts
@@ -138,6 +140,17 @@ class WorkerSide:
         self.shards, self.control_msg = parts.shards, parts.control
         self.t_decode = self.t_encode = self.worker_encode = 0.0
         self.bytes_out = 0
+        #: The shards this worker's frames go to, one frame each in this order (``post``).
+        self.sent_shards = list(range(self.servers))
+
+    def frame_gradient(self, m: int):
+        """The gradient this worker's frames of iteration m carry (flat host values): its own
+        here; the hierarchical exchange's, its node's mean over the slice it sends."""
+        return self.parts.gradient()
+
+    def gather_update(self, m: int) -> None:
+        """After the decoded update of iteration m is written (by a wrapping way, e.g.
+        PowerSGD's rounds): nothing here; the hierarchical exchange's all-gather inside the node."""
 
     def begin(self, m: int, lr: float, loss: torch.Tensor | None) -> None:
         """Iteration m begins at rate ``lr``; ``loss``: the loop's loss tensor (a pipelined

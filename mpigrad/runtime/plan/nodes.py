@@ -123,13 +123,12 @@ def slurm_layout(environ: Mapping[str, str] = os.environ, size: int | None = Non
     return None
 
 
-def slurm_nodes_notes(config: RunConfig, size: int, topology: Topology | None = None, two_rounds: bool = False,
+def slurm_nodes_notes(config: RunConfig, size: int, topology: Topology | None = None,
                       environ: Mapping[str, str] = os.environ) -> list[str]:
     """Notes (``note: ...`` lines) on Slurm's tasks per node against the run's nodes (the rule
     in the module docstring): ``topology``, the resolved nodes of a declared
     ``--ranks-per-node L``; for ``--ranks-per-node auto`` without a topology, what the launch
-    would resolve on Slurm's layout (``two_rounds``: the codec's, as ``resolve_topology``
-    takes it). None (``[]``) outside Slurm, for the default of one worker per node, and for
+    would resolve on Slurm's layout. None (``[]``) outside Slurm, for the default of one worker per node, and for
     nodes MPI found (MPI's split is then the truth); a note that nothing is compared under a
     distribution other than block, or for a Slurm variable that cannot be read (they only
     inform: never an error)."""
@@ -169,7 +168,7 @@ def slurm_nodes_notes(config: RunConfig, size: int, topology: Topology | None = 
     seen = format_counts(_counts(found))
     if auto:
         try:
-            resolved, exchange, _ = resolve_topology(config, size, found, two_rounds=two_rounds)
+            resolved, exchange, _ = resolve_topology(config, size, found)
         except UsageError as exc:
             return [f"note: Slurm's layout of {seen} tasks per node ({layout.variable}): --ranks-per-node auto "
                     f"would be refused at launch: {exc}"]

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from ...config import AUTO, RunConfig
 from ...errors import UsageError
+from .checks import base_codec
 from .gpu import workers_device
 
 __all__ = ["Topology", "resolve_topology", "mpi_nodes"]
@@ -123,14 +124,14 @@ def _found_ranks_per_node(nodes: Sequence[int], first_worker: int) -> tuple[int 
     return counts[0], shown
 
 
-def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None = None,
-                     two_rounds: bool = False) -> tuple[Topology, str, list[str]]:
+def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None = None
+                     ) -> tuple[Topology, str, list[str]]:
     """(the run's :class:`Topology`, its exchange, notes) for a world of ``size`` ranks;
     ``nodes``: MPI's node of each rank (:func:`mpi_nodes`; None where there is no MPI, as for
-    ``mpigrad train --check``); ``two_rounds``: the codec runs two rounds (PowerSGD), which
-    the hierarchical exchange does not run yet. UsageError (one line) for nodes that cannot
-    be: L that does not divide the workers, ``auto`` without MPI or on uneven nodes,
-    ``--exchange hierarchical`` on one node or with a two-round codec."""
+    ``mpigrad train --check``). UsageError (one line) for nodes that cannot be: L that does
+    not divide the workers, ``auto`` without MPI or on uneven nodes, ``--exchange
+    hierarchical`` on one node or with PowerSGD's per-layer settings (``ranks``/``widths``
+    menus), which it does not run yet."""
     workers = size - config.non_worker_ranks()
     notes: list[str] = []
     declared = config.ranks_per_node
@@ -156,14 +157,15 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
     if declared == AUTO:  # the config's own refusals of nodes, now that L is known
         config.check_nodes(L)
     on_gpu = workers_device(config) != "cpu"
+    per_layer = bool(getattr(base_codec(config), "mixed", False))
     exchange = config.exchange
     if exchange == "hierarchical":
         if topology.nodes == 1:
             raise UsageError(f"--exchange hierarchical on one node ({workers} workers, {L} per node): nothing "
                              "crosses a NIC; use --exchange flat, or declare nodes with --ranks-per-node")
-        if two_rounds:
-            raise UsageError("--exchange hierarchical with a two-round codec (PowerSGD's factors) is not built yet: "
-                             "use --exchange flat")
+        if per_layer:
+            raise UsageError("--exchange hierarchical with PowerSGD's per-layer settings (--codec-opt ranks=/widths=) "
+                             "is not built yet: use --exchange flat, or one rank for every layer")
         if on_gpu and L > 1:
             raise UsageError(f"--exchange hierarchical with --device {config.device} is not built yet (its slices "
                              "are host arrays): use --exchange flat, or --device cpu")
@@ -171,11 +173,11 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
             notes.append("note: --exchange hierarchical with one worker per node is the flat exchange")
             exchange = "flat"
     elif exchange == AUTO:
-        hierarchical = (config.colocated and L > 1 and topology.nodes > 1 and not two_rounds and not config.pipeline
+        hierarchical = (config.colocated and L > 1 and topology.nodes > 1 and not per_layer and not config.pipeline
                         and not on_gpu)
         exchange = "hierarchical" if hierarchical else "flat"
         if L > 1 and not hierarchical and topology.nodes > 1:
-            why = "a two-round codec" if two_rounds else "--pipeline" if config.pipeline else "workers on GPUs"
+            why = "PowerSGD's per-layer settings" if per_layer else "--pipeline" if config.pipeline else "workers on GPUs"
             notes.append(f"note: nodes of several workers, flat exchange (the hierarchical one does not run with "
                          f"{why} yet)")
     cores = os.cpu_count() or 1

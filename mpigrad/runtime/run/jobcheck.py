@@ -107,17 +107,16 @@ def check_nodes(config: RunConfig, size: int | None, environ=os.environ) -> list
     one node), and Slurm's tasks per node against them (``plan.nodes.slurm_nodes_notes``).
     ``--ranks-per-node auto`` is not refused: MPI's nodes settle it at launch, and where
     Slurm's variables lay the job out the notes say what the launch would find there."""
-    two_rounds = base_codec(config).two_rounds
     L = config.ranks_per_node
     if L == AUTO:
         line = ("nodes: resolved at launch from MPI's shared-memory split (--ranks-per-node auto), and the "
                 f"exchange with them (--exchange {config.exchange})")
-        notes = slurm_nodes_notes(config, size, None, two_rounds, environ) if size is not None else []
+        notes = slurm_nodes_notes(config, size, None, environ=environ) if size is not None else []
         return [line, *(f"mpigrad: {note}" for note in notes)]
     if size is None:
         return [] if L == 1 else [f"nodes: {L} worker(s) per node (--ranks-per-node {L}): not checked without the "
                                   f"world's size, which needs a multiple of {L} workers"]
-    topology, exchange, notes = resolve_topology(config, size, None, two_rounds=two_rounds)
-    notes += slurm_nodes_notes(config, size, topology, two_rounds, environ)
+    topology, exchange, notes = resolve_topology(config, size, None)
+    notes += slurm_nodes_notes(config, size, topology, environ=environ)
     line = nodes_line(topology, exchange, config)
     return [*([line] if line else []), *(f"mpigrad: {note}" for note in notes)]

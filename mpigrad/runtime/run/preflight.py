@@ -97,7 +97,7 @@ def _launch_problem(config, size: int, model=None, nodes=None) -> tuple[str | No
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
         check_world(config, size, script=model is not None)
-        resolved = resolve_topology(config, size, nodes, two_rounds=base_codec(config).two_rounds)
+        resolved = resolve_topology(config, size, nodes)
         check_thread_level(config, MPI.Query_thread())
         if model is None:
             dataset = load_data(config)
