@@ -96,7 +96,13 @@ class Session:
 
     Like ``mpigrad train`` it sets torch's and Numba's threads per rank (``threads``, else
     ``SLURM_CPUS_PER_TASK``, else 1) and catches SIGUSR1 and SIGTERM (a stop at the next
-    iteration's end).
+    iteration's end). When the run ends on this rank (its last exchange, ``serve()``'s
+    return, :meth:`close`, an error) it puts back what it changed in the process: the thread
+    counts and variables, TF32, the signals' handlers, the runtime's module state
+    (``runtime/run/world.py``, ``ProcessState``; the global RNGs are the script's and stay
+    as the script left them). So one process can run Session after Session, on
+    ``MPI.COMM_WORLD`` or on a communicator split from it, as ``mpigrad sweep`` runs
+    ``train`` runs; the one-line error hook stays installed (once per process).
 
     Collective: every rank constructs it with the same arguments. A bad option, a model that
     differs between ranks or an optimizer over other parameters raises :class:`UsageError`
@@ -108,11 +114,25 @@ class Session:
     with any uncaught exception. Other exceptions keep their tracebacks.
     """
 
+    #: The process as the script had it before the Session (``ProcessState``), until ``_end``.
+    _process = None
+
     def __init__(self, model, config: str | None = None, *, optimizer=None, resume: dict | None = None, comm=None,
                  **options: Any):
         from mpi4py import MPI
 
+        from .runtime.run.world import ProcessState
+
         started = time.monotonic()
+        self._process = ProcessState.taken()
+        self._done = False
+        try:
+            self._start(MPI, model, config, optimizer, resume, comm, options, started)
+        except BaseException:
+            self._end()
+            raise
+
+    def _start(self, MPI, model, config, optimizer, resume, comm, options, started) -> None:  # noqa: N803
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         install_one_line_errors(self.rank)
@@ -211,7 +231,7 @@ class Session:
                                             model=self.model, resume_state=self._resume)
             return run_other_rank(self.config, self._channel, self.model)
         finally:
-            self._done = True
+            self._end()
             report_late_kernels(self.rank, self._watch)
 
     # ---- a worker -----------------------------------------------------------------------
@@ -336,8 +356,12 @@ class Session:
         raise UsageError(text)
 
     def _end(self) -> None:
+        """The run is over on this rank: no exit hook, and the process as before the Session."""
         self._done = True
         atexit.unregister(self._at_exit)
+        if self._process is not None:
+            self._process.restore(rng=False)
+            self._process = None
 
     def _at_exit(self) -> None:
         if self._done or _uncaught:  # an uncaught exception ends the script: it said why

@@ -89,9 +89,10 @@ class ProcessState:
         rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         return cls(values, rng, frozenset(t.ident for t in threading.enumerate()), _open_hdf5_files())
 
-    def restore(self) -> None:
+    def restore(self, rng: bool = True) -> None:
         """Put the process back as it was when taken (threads and files excepted: they are
-        the run's to end, and :meth:`differences` names them)."""
+        the run's to end, and :meth:`differences` names them); ``rng=False``: the global
+        RNGs excepted too (a script's Session: they are the script's own)."""
         values = self.values
         torch.set_num_threads(values["torch threads"])
         numba.set_num_threads(values["Numba threads"])
@@ -105,6 +106,8 @@ class ProcessState:
         for sig in STOP_SIGNALS:
             signal.signal(sig, values[f"handler of {signal.Signals(sig).name}"])
         _restore_module_state(values)
+        if not rng:
+            return
         python, numpy, torch_rng = self.rng
         random.setstate(python)
         np.random.set_state(numpy)
