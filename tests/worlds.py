@@ -38,6 +38,8 @@ START_SECONDS = 120
 SERVER = Path(__file__).resolve().with_name("world_server.py")
 LEFT_STATE = 97
 ABORTED = "aborted"
+#: What MPICH and Open MPI print on a rank's stderr for its MPI_Abort.
+MPI_ABORT_SAID = ("application called MPI_Abort(", "MPI_ABORT was invoked on rank")
 #: A run with an injected fault goes to an ``mpiexec`` of its own: it would abort a warm world.
 FAULT = "MPIGRAD_INJECT_FAULT"
 
@@ -175,11 +177,15 @@ class WorldPool:
         stdout, stderr = world.output(number, ranks)
         aborted = any(text.endswith(ABORTED) for text in codes)  # every rank wrote before the abort ended them
         codes = [_code(text) for text in codes]
-        if LEFT_STATE in codes or aborted:  # the next scenario must not inherit it, nor a dying world
+        # A rank that said MPI_Abort failed the run, whatever the code files hold: one CI run
+        # (stop 68) read 0 for a scenario whose rank 1 printed MPI_Abort(MPI_COMM_WORLD, 5),
+        # for a reason not found. A failed run must never read as passed.
+        said_abort = any(text in stderr for text in MPI_ABORT_SAID)
+        if LEFT_STATE in codes or aborted or said_abort:  # the next scenario must not inherit it, nor a dying world
             world.kill()
             world.log.close()
             self.world = None
-        code = next((c for c in codes if c), 0)
+        code = next((c for c in codes if c), 1 if said_abort else 0)
         return subprocess.CompletedProcess(request, code, stdout, stderr)
 
     def close(self) -> None:
