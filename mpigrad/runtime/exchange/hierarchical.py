@@ -43,11 +43,12 @@ import dataclasses
 import numpy as np
 
 from ...config import RunConfig
-from ...errors import UsageError
+from ...errors import TrainingError, UsageError
 from ..plan.topology import Topology
-from ..wire import TAG_GATHER, TAG_GRAD, TAG_INTRA, FrameLength
+from ..wire import TAG_GATHER, TAG_GRAD, TAG_INTRA, FrameLength, is_error_frame
 from .build import hierarchical_exchange
 from .colocated import Colocated, ColocatedRank0, ColocatedWorker
+from .device import finite
 from .intra import IntraCodec
 from .way import Rank0Parts, WorkerParts
 
@@ -130,7 +131,19 @@ class HierarchicalWorker(ColocatedWorker):
         which the clock charges as such)."""
         node_mean = self.frame_gradient(m)
         frames = self.encode_gradient(lambda: node_mean, self.codec_slices[self.local])
+        if frames and is_error_frame(frames[0]):  # the node's mean is not finite: name whose slice made it so
+            raise TrainingError(self._non_finite(m))
         self.post(m, frames, TAG_GRAD, "gradient", self.aggregator)
+
+    def _non_finite(self, m: int) -> str:
+        """The line for a node mean that is not finite: the first node worker whose slice
+        (this worker's own, or one received) holds a value that is not (the servers would
+        name this worker, whose frames carry the node's mean)."""
+        for i in range(self.topology.ranks_per_node):
+            part = self._scratch if i == self.local else self.intra.decode(self.recv_slices[i])
+            if not finite(part):
+                return f"worker rank {self.node_ranks[i]} computed a non-finite gradient at iteration {m}"
+        return f"worker rank {self.rank} computed a non-finite gradient at iteration {m}"
 
     def frame_gradient(self, m: int) -> np.ndarray:
         """Reduce-scatter this iteration's gradient inside the node; return ``node_mean``,
@@ -138,6 +151,8 @@ class HierarchicalWorker(ColocatedWorker):
         grad = self.parts.gradient()
         for i in self.peers:
             self._pack(grad, self.slice_pieces[i], self.send_slices[i])
+            if self.intra.name == "fp16" and not finite(self.send_slices[i]):
+                self._check_half_range(m, self.send_slices[i].size)
         pending = self.channel.start_send([(self.send_slices[i], self.node_ranks[i]) for i in self.peers],
                                           TAG_INTRA)
         self.channel.recv([(self.recv_slices[i], self.node_ranks[i]) for i in self.peers], TAG_INTRA,
@@ -167,6 +182,10 @@ class HierarchicalWorker(ColocatedWorker):
         own = self._scratch
         self._pack(update, self.slice_pieces[self.local], own)
         self.intra.encode(own, self.own_slice)
+        if self.intra.name == "fp16" and not finite(self.own_slice) and finite(own):
+            raise TrainingError(f"worker rank {self.rank}: the average update reaches {float(np.abs(own).max()):.3g} "
+                                f"at iteration {m}, beyond fp16's range (65504) inside its node: use --intra-codec "
+                                "bf16 or fp32")
         if self.intra.name != "fp32":  # the owner applies what its node receives
             self._unpack(self.intra.decode(self.own_slice), self.slice_pieces[self.local], update)
         pending = self.channel.start_send([(self.own_slice, self.node_ranks[i]) for i in self.peers], TAG_GATHER)
@@ -189,6 +208,16 @@ class HierarchicalWorker(ColocatedWorker):
         """One entry per worker: the frame of each node's worker of this local rank, 0 for the rest."""
         by_rank = dict(zip(self.contributors, sizes))
         return [by_rank.get(rank, 0) for rank in self.channel.workers]
+
+    def _check_half_range(self, m: int, n: int) -> None:
+        """A slice that fp16 made infinite (its float32 values were finite, beyond 65504):
+        TrainingError naming this worker and the way out; a slice already not finite goes on
+        (the node's owner names it)."""
+        values = self._staging[n]
+        if finite(values):
+            raise TrainingError(f"worker rank {self.rank}: its gradient reaches {float(np.abs(values).max()):.3g} at "
+                                f"iteration {m}, beyond fp16's range (65504) inside its node: use --intra-codec "
+                                "bf16 or fp32")
 
     def _pack(self, source: np.ndarray, pieces, out: np.ndarray) -> None:
         """``source``'s elements of ``pieces``, one after another, into ``out`` (at its precision)."""
