@@ -222,7 +222,10 @@ class LocalWork:
     the broadcast's fixed widths, None where they follow the policy's bits per layer.
     ``feedback``: the error-feedback mode (``none``, ``residual``, ``accumulate``), which
     applies to the workers' encode and the servers' re-encode. ``policy``: the bit policy's
-    id, whose decision rank 0 makes before the gradients are sent.
+    id, whose decision rank 0 makes before the gradients are sent. ``slices``: the
+    hierarchical exchange's L workers per node (1: the flat exchange): a worker of local rank
+    j encodes and decodes only the shards s with s % L == j, a server decodes the N = P / L
+    frames of its local rank's workers, and a worker's reduce-scatter adds L float32 slices.
     """
 
     workers: int
@@ -233,6 +236,7 @@ class LocalWork:
     feedback: str
     shards: tuple[tuple[tuple[int, int], ...], ...]
     policy: str = ""
+    slices: int = 1
 
     def seconds(self, model: CostModel, bits: Sequence[int]) -> float:
         """Local work on the simulated clock: rank 0's policy decision, the slowest worker's
@@ -257,25 +261,33 @@ class LocalWork:
                 t += model.seconds(*key, "decode", n) + model.operation(f"feedback:{self.feedback}", n)
             return t
 
-        worker = 0.0
-        for shard in self.shards:
-            for layer, n in shard:
-                worker += encode(layer, n, up(layer))
+        L = self.slices
+        slices = [[shard for s, shard in enumerate(self.shards) if s % L == j] for j in range(L)]
+        worker = 0.0  # the slowest local rank's (all of them with one slice)
+        for shards in slices:
+            t = 0.0
+            for shard in shards:
+                for layer, n in shard:
+                    t += encode(layer, n, up(layer))
+                    if L > 1:  # the node's L slices added, and their mean
+                        t += (L - 1) * model.seconds(*FLOAT32, "accumulate", n) + model.operation("average", n)
+            worker = max(worker, t)
+        contributors = self.workers // L
         server = 0.0
         for shard in self.shards:
             t = 0.0
             for layer, n in shard:
                 key = up(layer)
-                t += model.seconds(*key, "decode", n) + (self.workers - 1) * model.seconds(*key, "accumulate", n)
+                t += model.seconds(*key, "decode", n) + (contributors - 1) * model.seconds(*key, "accumulate", n)
             for layer, n in shard:
                 t += model.operation("average", n)
             for layer, n in shard:
                 t += encode(layer, n, down(layer))
             server = max(server, t)
         broadcast = 0.0
-        for shard in self.shards:
-            for layer, n in shard:
-                broadcast += model.seconds(*down(layer), "decode", n)
+        for shards in slices:
+            broadcast = max(broadcast, sum(model.seconds(*down(layer), "decode", n)
+                                           for shard in shards for layer, n in shard))
         policy = model.policy(self.policy, self.quantized) if self.policy else 0.0
         return policy + worker + server + broadcast
 
@@ -292,7 +304,8 @@ class LocalWork:
     def to_dict(self) -> dict[str, Any]:
         return {"workers": self.workers, "codec": self.codec, "codec_bits": self.codec_bits,
                 "down_codec": self.down_codec, "down_bits": self.down_bits, "feedback": self.feedback,
-                "shards": [[list(piece) for piece in shard] for shard in self.shards], "policy": self.policy}
+                "shards": [[list(piece) for piece in shard] for shard in self.shards], "policy": self.policy,
+                "slices": self.slices}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LocalWork":
@@ -302,7 +315,7 @@ class LocalWork:
                        str(data["down_codec"]), None if data["down_bits"] is None else int(data["down_bits"]),
                        str(data["feedback"]),
                        tuple(tuple((int(layer), int(n)) for layer, n in shard) for shard in data["shards"]),
-                       str(data.get("policy", "")))
+                       str(data.get("policy", "")), int(data.get("slices", 1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise CostModelError(f"malformed local_work record: {exc}") from None
 

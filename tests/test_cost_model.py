@@ -120,6 +120,25 @@ def test_two_servers_charge_the_slowest_and_feedback_adds_decode_and_memory():
     assert LocalWork.from_dict(json.loads(json.dumps(feedback.to_dict()))) == feedback
 
 
+def test_the_hierarchical_exchange_charges_each_worker_its_slice():
+    """4 workers in nodes of 2 (``slices=2``): local rank j encodes and decodes the shards
+    s with s % 2 == j, and adds its node's 2 float32 slices (accumulate, average); a server
+    decodes the N = 2 frames of its local rank's workers; with one slice it is the flat charge."""
+    model = CostModel.from_dict(document(sign={1: ((0.0, 1.0), (0.0, 1.0), (0.0, 1.0))}))
+    shards = (((0, 100),), ((1, 10),), ((2, 40),), ((3, 20),))
+    flat = LocalWork(4, "sign", 1, "sign", 1, "none", shards)
+    nodes = LocalWork(4, "sign", 1, "sign", 1, "none", shards, slices=2)
+    intra = lambda n: 3.0 + 1e-3 * n  # noqa: E731  (one fp32 accumulate at L - 1 = 1, the mean)
+    worker = max(100 + intra(100) + 40 + intra(40), 10 + intra(10) + 20 + intra(20))
+    server = 100 + 1 * 100 + 0.1 + 100  # shard 0: decode, N - 1 = 1 accumulate, average, re-encode
+    broadcast = max(100 + 40, 10 + 20)
+    assert nodes.seconds(model, [1] * 4) == pytest.approx(worker + server + broadcast, rel=1e-15)
+    assert flat.seconds(model, [1] * 4) == pytest.approx(170 + (100 + 3 * 100 + 0.1 + 100) + 170, rel=1e-15)
+    assert LocalWork.from_dict(json.loads(json.dumps(nodes.to_dict()))) == nodes
+    old = {key: value for key, value in flat.to_dict().items() if key != "slices"}  # a trace from before
+    assert LocalWork.from_dict(old) == flat
+
+
 def test_none_adds_exactly_nothing():
     """iteration_seconds with no charge is the old compute_time + t_comm, bit for bit."""
     for compute, comm in [(0.02, 0.026240000000000003), (0.1, 1 / 3), (0.0, 0.7)]:

@@ -191,6 +191,9 @@ def local_work(config: RunConfig, codec: Codec, policy, shards, workers: int) ->
         # broadcast's width here (a policy that cannot move bits for such a codec).
         lowest, highest = policy.bits_range()
         down_bits = lowest if lowest == highest else None
+    L = config.ranks_per_node
+    slices = L if hierarchical_exchange(config) and isinstance(L, int) else 1
     return LocalWork(workers, codec.codec_id, None if codec.takes_policy_bits else codec.fixed_bits,
                      down.codec_id, down_bits, config.error_feedback,
-                     tuple(tuple((p.layer, p.size) for p in shard.pieces) for shard in shards), config.policy)
+                     tuple(tuple((p.layer, p.size) for p in shard.pieces) for shard in shards), config.policy,
+                     slices)

@@ -31,9 +31,8 @@ lossy ``--intra-codec`` the memory is M_k - P^ Q^T before the all-gather's round
 
 Not built yet (refused by the config's checks and :func:`..plan.topology.resolve_topology`,
 whose ``auto`` takes the flat exchange for them): the pipelined iteration, PowerSGD's
-per-layer settings (menus) and workers on GPUs. The cost model (``--compute-time``) charges a
-hierarchical run the flat exchange's local work (every shard's encode and decode), not
-its slice's.
+per-layer settings (menus) and workers on GPUs. The cost model charges each worker its
+slice's local work (``costmodel.LocalWork``'s ``slices``).
 """
 
 from __future__ import annotations
