@@ -318,6 +318,23 @@ def test_earlier_results_are_kept_unless_forced(tmp_path, capsys):
     assert "--target-loss LOSS --smooth" in capsys.readouterr().out  # no target given: a placeholder
 
 
+def test_an_earlier_breakdowns_phase_logs_are_replaced_with_force(tmp_path, capsys):
+    """--breakdown's phase-log folder of an earlier run: without --force one line, exit 2; with
+    it the bench goes on (the run empties the folder: a phase log appends), here to the next
+    check, which refuses the workers."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    out = tmp_path / "out"
+    (out / "phases-seed1").mkdir(parents=True)
+    command = ["bench", "peers", "--config", str(config), "--out", str(out), "--variants", "fp32", "--breakdown",
+               "--iterations", "3", "--seeds", "1"]
+    assert cli_main(command) == 2
+    assert f"{out / 'phases-seed1'} exists; pass --force to overwrite it" in capsys.readouterr().err
+    assert cli_main([*command, "--force", "--workers", "3", "--ranks-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "exists" not in err and "is a directory" not in err and err.count("\n") == 1, err
+
+
 @pytest.mark.mpi
 def test_progress_lines_while_runs_go_and_no_powersgd_without_it(tmp_path):
     config = tmp_path / "tiny.toml"

@@ -695,6 +695,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     methods = [*variants, *(["mpigrad"] if args.mpigrad else [])]
     check_overwrite(_outputs(out, methods, seeds), args.force, error=UsageError)
+    phase_dirs = [_phase_dir(out, seed) for seed in seeds] if args.breakdown and args.mpigrad else []
+    for folder in phase_dirs if not args.force else ():  # a run empties its own (they append)
+        if folder.exists():
+            raise UsageError(f"{folder} exists; pass --force to overwrite it")
     _check_task(config, workers)
     if args.lab is not None:
         _check_lab(args)
@@ -786,9 +790,9 @@ def _phase_dir(out: Path, seed: int) -> Path:
 
 
 def _outputs(out: Path, methods: Sequence[str], seeds: Sequence[int]) -> list[Path]:
-    """Every result file a run writes in ``out``: its traces, peers.json and phase logs."""
-    return [*(_trace_path(out, method, seed) for seed in seeds for method in methods), out / "peers.json",
-            *(_phase_dir(out, seed) for seed in seeds if "mpigrad" in methods)]
+    """Every result file a run writes in ``out``: its traces and peers.json (the phase logs'
+    folders, ``--breakdown``'s, are checked apart: a folder is never a result file)."""
+    return [*(_trace_path(out, method, seed) for seed in seeds for method in methods), out / "peers.json"]
 
 
 def first_steady(warmup: int, powersgd_start: int | None = None) -> int:
