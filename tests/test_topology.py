@@ -386,3 +386,17 @@ def test_compare_labels_name_the_nodes_where_runs_differ_in_them(tmp_path, capsy
     code, out = _trace_cli(capsys, "compare", old, one, "--target-loss", "1.5", "--format", "csv")
     table = pd.read_csv(io.StringIO(out), keep_default_na=False)
     assert code == 0 and table["method"].tolist() == ["Fix (2-bit)"] and table["runs"].tolist() == ["2/2"]
+
+
+def test_a_peers_config_takes_the_nodes_key_as_mpigrads_does():
+    """A DDP trace's config (``bench peers``: a training config with ``peer`` and other keys
+    of its own) has its nodes in one ``nodes`` key, as mpigrad's: no ``exchange=`` or
+    ``ranks_per_node=`` label tells the two apart when they ran on the same nodes."""
+    from mpigrad.analysis.labels import flat_config
+    from mpigrad.config import RunConfig
+
+    mpigrad = RunConfig(servers="colocated", ranks_per_node=2, exchange="hierarchical").to_dict()
+    ddp = {**mpigrad, "peer": "ddp", "label": "DDP fp32"}
+    for config in (mpigrad, ddp):
+        flat = flat_config(config)
+        assert flat["nodes"] == "2 per node hier" and not {"ranks_per_node", "exchange", "intra_codec"} & set(flat)

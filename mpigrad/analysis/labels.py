@@ -52,6 +52,7 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     defaults = {**_defaults(), RETIMED_KEY: False}
     if config and set(config) <= set(defaults) | _NESTED_KEYS | {NETWORK_KEY, NODES_KEY}:
         config = normal_shard_chunk({**defaults, **config})
+    if config and (NODES_KEY in config or "ranks_per_node" in config):  # a peer's (DDP's) config too
         config = {key: value for key, value in config.items() if key not in NODE_KEYS} | {
             NODES_KEY: config.get(NODES_KEY) or nodes_label(config)}
     if config and "lr" in config:
