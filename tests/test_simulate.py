@@ -305,3 +305,88 @@ def test_the_engine_imports_neither_torch_nor_the_runtime():
     heavy = "{'torch', 'mpi4py', 'numba', 'mpigrad.runtime', 'numpy'}"
     code = f"import sys, mpigrad.simulate.engine; assert not {heavy} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- the hosts' replay: one actor per node (--replay hosts) ---------------------------------
+def test_the_hosts_plan_sums_across_hosts_and_takes_the_largest_inside_one():
+    from mpigrad.simulate.plan import Groups, aggregate
+
+    traffic = _hier_traffic()
+    program = mpigrad_phases(traffic, 2, 0.01, 0.001)
+    placement = Placement.of(Platform(2, 2), 4, 4, True)
+    groups = Groups.of(placement.host, alone=(0,))
+    assert groups.group == (0, 1, 1, 2, 2) and groups.host == (0, 0, 1)
+    merged = aggregate(program, groups)
+    assert [p.name for p in merged.phases] == [p.name for p in program.phases] and merged.order == program.order
+    assert nic_bytes(merged, Placement(groups.host), 2) == nic_bytes(program, placement, 2)
+    intra = merged.phases[3]  # intra_reduce: node 1's two workers' slices, the larger of the two
+    assert sorted(intra.messages) == [(1, 1, 800), (2, 2, 800)]
+    compute = merged.phases[1]
+    assert compute.work == {1: 0.01, 2: 0.01}
+    # a message between hosts of less than `tiny` of its phase's largest: left out, its time a floor
+    phase = Program([Phase("x", messages=[(1, 3, 1000), (2, 3, 1)], recv_wait=None)])
+    thin = aggregate(phase, Groups.of((0, 1, 2, 3)), tiny=1e-2, latency=1e-5, bandwidth=1e6)
+    assert thin.phases[0].messages == [(1, 3, 1000)]
+    assert thin.phases[0].floor == pytest.approx({2: 1e-5 + 1e-6, 3: 1e-5 + 1e-6})
+
+
+def test_a_rings_steps_are_taken_a_few_at_a_time_with_their_latencies():
+    from mpigrad.simulate.plan import Groups, compress_steps, ring_phases
+
+    steps = ring_phases("allreduce", [0, 1, 2, 3], 4000)
+    program = compress_steps(Program(steps), Groups.of((0, 1, 2, 3)), 1e-3, 1e-6, most=2)
+    messages = [p for p in program.phases if p.messages]
+    waits = [p for p in program.phases if p.work]
+    assert len(steps) == 6 and len(messages) == 2 and len(waits) == 2
+    assert sum(n for p in messages for _, _, n in p.messages) == sum(n for p in steps for _, _, n in p.messages)
+    assert all(p.work == {g: 2e-3 for g in range(4)} for p in waits)  # 3 steps: 2 latencies more
+    assert compress_steps(Program(steps, order=list(range(6))), Groups.of((0, 1, 2, 3)), 1e-3, 1e-6,
+                          most=2).phases == steps  # mpigrad's own phases are never merged
+
+
+def test_auto_takes_the_exact_replay_up_to_its_threshold():
+    from mpigrad.simulate.replay import EXACT_UP_TO, replay_mode
+
+    assert replay_mode("auto", EXACT_UP_TO) == "exact" and replay_mode("auto", EXACT_UP_TO + 1) == "hosts"
+    assert replay_mode("exact", 10_000) == "exact" and replay_mode("hosts", 3) == "hosts"
+    with pytest.raises(UsageError, match="--replay must be one of"):
+        replay_mode("fast", 3)
+
+
+@needs_simgrid
+@pytest.mark.parametrize("exchange", ["flat", "hierarchical"])
+def test_the_hosts_replay_gives_the_exact_replays_times(exchange):
+    from mpigrad.simulate.sources import simulate_config
+
+    config = _config(dict(servers="colocated", ranks_per_node=2, exchange=exchange, bandwidth=1e7, latency=1e-4,
+                          compute_time=0.01))
+    peers = ["fp32", "hierarchical"]
+    exact = simulate_config(config, 4, sample=1, peers=peers, replay="exact")
+    hosts = simulate_config(config, 4, sample=1, peers=peers, replay="hosts")
+    assert exact.replay == "exact" and hosts.replay == "hosts"
+    for a, b in zip((exact.mpigrad, *exact.peers), (hosts.mpigrad, *hosts.peers)):
+        assert b.seconds_per_iteration == pytest.approx(a.seconds_per_iteration, rel=2e-3), a.name
+        assert b.nic_bytes_per_node == a.nic_bytes_per_node
+        assert b.timing["actors"] <= 5 < a.timing["actors"] and b.timing["transfers"] <= a.timing["transfers"]
+
+
+@needs_simgrid
+def test_time_prints_how_long_each_simulation_took(capsys):
+    code, out, err = cli(capsys, "--nodes", "2", "--config", REPO / "examples" / "compare" / "fix2.toml",
+                         "--servers", "colocated", "--sample", "1", "--peers", "fp32", "--time")
+    assert code == 0, err
+    timed = [line for line in out.splitlines() if line.startswith("  simulated in ")]
+    assert len(timed) == 2 and all("s CPU" in line and "exact replay" in line for line in timed)
+    assert out.splitlines()[-1].startswith("simulations: ")
+    code, out, err = cli(capsys, "--nodes", "2", "--config", REPO / "examples" / "compare" / "fix2.toml",
+                         "--servers", "colocated", "--sample", "1", "--peers", "none", "--json", "--replay", "hosts")
+    result = json.loads(out)
+    assert result["replay"] == "hosts" and {"wall", "cpu", "run_cpu", "actors", "transfers"} <= set(result["timing"])
+
+
+@needs_simgrid
+def test_the_scale_examples_smoke_run():
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "scale" / "run.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Fix 2 hier" in done.stdout and "DDP fp32" in done.stdout and "2x4" in done.stdout

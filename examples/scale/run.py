@@ -1,23 +1,29 @@
-"""A map at scale, simulated: seconds per iteration of mpigrad's FP32 and Fix 2/4/8 (colocated
-servers, the flat and the hierarchical exchange) and of DDP's ring all-reduce in fp32 and
-with the fp16 hook, on 2, 8 and 32 nodes of 4 workers at 1 and 10 Gb/s, replayed on SimGrid
-(``mpigrad simulate``, docs/simulate.rst).
+"""A map at scale, simulated: seconds per iteration of mpigrad's FP32, FP16 and Fix 2/4/8
+(colocated servers, the flat and the hierarchical exchange) against DDP's ring all-reduce in
+fp32, with the fp16 hook, with the PowerSGD hook (rank 2) and the hierarchical all-reduce, on
+2 to 256 nodes of 4 workers at 1 to 100 Gb/s, replayed on SimGrid (``mpigrad simulate``,
+docs/simulate.rst), and where each stops paying against DDP.
 
-    python examples/scale/run.py                          # the table (RST) and the crossovers
-    python examples/scale/run.py --nodes 2,8 --rates 1Gb/s --sample 2
+    python examples/scale/run.py                          # the whole map: some 10 minutes here
+    python examples/scale/run.py --nodes 2,8 --rates 1Gb/s
+    python examples/scale/run.py --smoke                  # 2 nodes, one rate, two columns (tests)
 
 The task is examples/compare's (the paper CNN with fc [1024, 2048] on the embedded digits:
 9.16 MB of float32 gradient; 50 ms of compute per iteration, the codecs' work by the cost
 model), each message 10 us, inside a node 10 GB/s and 5 us. No training runs: each
 iteration's messages come from the config (``mpigrad.simulate.traffic.traffic_of``), every
-iteration alike, so one iteration (``--sample 1``, the default here) says as much as more.
-Needs ``apt-get install python3-simgrid``. Prints the table that docs/simulate.rst shows,
-then the crossovers: where, along the nodes at one rate, the order of two methods turns.
+iteration alike, so one iteration says as much as more. ``--replay auto`` (the command's
+default): the exact replay up to 128 ranks, one actor per node above. Prints the table that
+docs/results.rst shows, the crossovers (for each of mpigrad's columns and each rate, the node
+counts where it beats the fastest of DDP's variants, and where that stops), the share of the
+per-message latency at the largest node count (the same cells at latency 0), and with
+``--figure PATH`` a figure of the table. Needs ``apt-get install python3-simgrid``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -29,38 +35,48 @@ from mpigrad.units import parse_rate
 
 REPO = Path(__file__).resolve().parents[2]
 #: mpigrad's methods: (column, examples/compare config).
-METHODS = [("FP32", "fp32"), ("Fix 2", "fix2"), ("Fix 4", "fix4"), ("Fix 8", "fix8")]
+METHODS = [("FP32", "fp32"), ("FP16", "fp16"), ("Fix 2", "fix2"), ("Fix 4", "fix4"), ("Fix 8", "fix8")]
 EXCHANGES = [("flat", "flat"), ("hier", "hierarchical")]
 #: DDP's variants as ``mpigrad simulate --peers`` names them, and their columns.
-PEERS = [("fp32", "DDP fp32"), ("fp16", "DDP fp16")]
+PEERS = [("fp32", "DDP fp32"), ("fp16", "DDP fp16"), ("powersgd2", "PowerSGD r2"), ("hierarchical", "DDP hier")]
 RANKS_PER_NODE = 4
 LATENCY = "10us"
+NODES = "2,8,32,128,256"
+RATES = "1Gb/s,10Gb/s,100Gb/s"
+#: ``--smoke``: one small cell, two columns.
+SMOKE = dict(nodes="2", rates="10Gb/s", methods="fix2", exchanges="hier", peers="fp32")
 
 
-def cell(nodes: int, rate: str, sample: int) -> dict[str, float]:
+def _config(name: str, exchange: str, rate: str, latency: str) -> RunConfig:
+    return RunConfig.from_sources(str(REPO / "examples" / "compare" / f"{name}.toml"), {
+        "servers": "colocated", "ranks_per_node": RANKS_PER_NODE, "exchange": exchange, "bandwidth": rate,
+        "latency": latency})
+
+
+def cell(nodes: int, rate: str, methods, exchanges, peers, latency: str = LATENCY,
+         timings: list | None = None) -> dict[str, float]:
     """Seconds per iteration of every column on ``nodes`` nodes of 4 at ``rate``."""
     seconds: dict[str, float] = {}
-    for column, name in METHODS:
-        for tag, exchange in EXCHANGES:
-            config = RunConfig.from_sources(str(REPO / "examples" / "compare" / f"{name}.toml"), {
-                "servers": "colocated", "ranks_per_node": RANKS_PER_NODE, "exchange": exchange,
-                "bandwidth": rate, "latency": LATENCY})
-            peers = [peer for peer, _ in PEERS] if (name, exchange) == ("fp32", "flat") else []
-            simulation = simulate_config(config, nodes, sample=sample, peers=peers)
+    for k, (column, name) in enumerate(methods):
+        for j, (tag, exchange) in enumerate(exchanges):
+            wanted = [peer for peer, _ in peers] if (k, j) == (0, 0) else []
+            simulation = simulate_config(_config(name, exchange, rate, latency), nodes, sample=1, peers=wanted)
             seconds[f"{column} {tag}"] = simulation.mpigrad.seconds_per_iteration
-            for peer, result in zip(PEERS, simulation.peers):
-                seconds[peer[1]] = result.seconds_per_iteration
+            for (_, label), result in zip(peers, simulation.peers):
+                seconds[label] = result.seconds_per_iteration
+            if timings is not None:
+                timings += [result.timing for result in (simulation.mpigrad, *simulation.peers)]
     return seconds
 
 
-def columns() -> list[str]:
-    return [f"{column} {tag}" for column, _ in METHODS for tag, _ in EXCHANGES] + [label for _, label in PEERS]
+def ours(methods, exchanges) -> list[str]:
+    return [f"{column} {tag}" for column, _ in methods for tag, _ in exchanges]
 
 
-def table(results: dict[tuple[int, str], dict[str, float]]) -> str:
+def table(results: dict[tuple[int, str], dict[str, float]], columns: list[str]) -> str:
     """The results as an RST simple table, seconds per iteration."""
-    heads = ["nodes", "rate", *columns()]
-    rows = [[f"{nodes}x{RANKS_PER_NODE}", rate, *(f"{seconds[c]:.4f}" for c in columns())]
+    heads = ["nodes", "rate", *columns]
+    rows = [[f"{nodes}x{RANKS_PER_NODE}", rate, *(f"{seconds[c]:.4f}" for c in columns)]
             for (nodes, rate), seconds in results.items()]
     widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(heads)]
     rule = "  ".join("=" * w for w in widths)
@@ -69,58 +85,132 @@ def table(results: dict[tuple[int, str], dict[str, float]]) -> str:
     return "\n".join([rule, line(heads), rule, *(line(r) for r in rows), rule])
 
 
-def pairs() -> list[tuple[str, str]]:
-    """The pairs whose order the crossovers follow: each method flat against hierarchical,
-    and each of mpigrad's columns against each of DDP's."""
-    ours = [f"{column} {tag}" for column, _ in METHODS for tag, _ in EXCHANGES]
-    return ([(f"{column} flat", f"{column} hier") for column, _ in METHODS]
-            + [(x, label) for x in ours for _, label in PEERS])
-
-
-def crossovers(results: dict[tuple[int, str], dict[str, float]]) -> list[str]:
-    """Where the faster of two columns (``pairs``) changes from one node count to the next at
-    one rate, and the fastest column of each cell."""
+def crossovers(results: dict[tuple[int, str], dict[str, float]], mine: list[str], theirs: list[str]) -> list[str]:
+    """For each rate and each of ``mine``: the node counts where it beats the fastest of
+    ``theirs`` (by how much at the largest of them), and the first node count from which it
+    does not; and each cell's fastest column."""
     lines = []
     rates = list(dict.fromkeys(rate for _, rate in results))
     for rate in rates:
         cells = sorted((nodes, seconds) for (nodes, r), seconds in results.items() if r == rate)
-        for (n0, a), (n1, b) in zip(cells, cells[1:]):
-            for x, y in pairs():
-                if (a[x] < a[y]) != (b[x] < b[y]):
-                    faster, slower = (x, y) if b[x] < b[y] else (y, x)
-                    lines.append(f"{rate}: {faster} overtakes {slower} between {n0} and {n1} nodes "
-                                 f"({b[faster]:.4f} against {b[slower]:.4f} s at {n1})")
+        for column in mine:
+            wins = [nodes for nodes, s in cells if s[column] < min(s[t] for t in theirs)]
+            if not wins:
+                lines.append(f"{rate}: {column} never beats DDP's best")
+                continue
+            last = max(wins)
+            s = dict(cells)[last]
+            best = min(theirs, key=s.get)
+            stops = [nodes for nodes, _ in cells if nodes > last]
+            lines.append(f"{rate}: {column} beats DDP's best at {', '.join(map(str, wins))} node(s) "
+                         f"({s[column]:.4f} against {best} {s[best]:.4f} s at {last})"
+                         + (f"; not from {stops[0]} on" if stops else ""))
         for nodes, seconds in cells:
-            best = min(columns(), key=seconds.get)
-            lines.append(f"{rate}, {nodes} nodes: fastest {best} ({seconds[best]:.4f} s)")
+            fastest = min(mine + theirs, key=seconds.get)
+            lines.append(f"{rate}, {nodes} nodes: fastest {fastest} ({seconds[fastest]:.4f} s)")
     return lines
+
+
+def figure(results, mine: list[str], theirs: list[str], path: str) -> None:
+    """Seconds per iteration against the node count, one panel per rate (matplotlib, Agg)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rates = list(dict.fromkeys(rate for _, rate in results))
+    fig = Figure(figsize=(4.2 * len(rates), 3.6))
+    FigureCanvasAgg(fig)
+    for k, rate in enumerate(rates):
+        ax = fig.add_subplot(1, len(rates), k + 1)
+        cells = sorted((nodes, seconds) for (nodes, r), seconds in results.items() if r == rate)
+        xs = [nodes for nodes, _ in cells]
+        for column in mine + theirs:
+            style = "--" if column in theirs else ("-" if column.endswith("hier") else ":")
+            ax.plot(xs, [s[column] for _, s in cells], style, marker="o", markersize=3, label=column)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{rate}, nodes of {RANKS_PER_NODE}")
+        ax.set_xlabel("nodes")
+        if k == 0:
+            ax.set_ylabel("s per iteration")
+    fig.axes[-1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _pick(names: str, table_: list) -> list:
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    picked = [entry for entry in table_ if entry[1] in wanted or entry[0] in wanted]
+    if len(picked) != len(wanted):
+        raise UsageError(f"unknown column among {names!r}; choose from {', '.join(e[1] for e in table_)}")
+    return picked
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", default="2,8,32", help="node counts (default 2,8,32), 4 workers each")
-    parser.add_argument("--rates", default="1Gb/s,10Gb/s", help="NIC rates (default 1Gb/s,10Gb/s)")
-    parser.add_argument("--sample", type=int, default=1, help="iterations simulated per cell (default 1)")
+    parser.add_argument("--nodes", default=NODES, help=f"node counts (default {NODES}), 4 workers each")
+    parser.add_argument("--rates", default=RATES, help=f"NIC rates (default {RATES})")
+    parser.add_argument("--methods", default=",".join(name for _, name in METHODS),
+                        help="mpigrad's methods (examples/compare configs; default all)")
+    parser.add_argument("--exchanges", default="flat,hier", help="flat, hier or both (default)")
+    parser.add_argument("--peers", default=",".join(name for name, _ in PEERS), help="DDP's variants (default all)")
+    parser.add_argument("--no-latency-share", action="store_true",
+                        help="skip the cells at latency 0 that give the latency's share at the largest node count")
+    parser.add_argument("--figure", metavar="PATH", help="also draw the table (PNG)")
+    parser.add_argument("--json", metavar="PATH", help="also write the cells as JSON")
+    parser.add_argument("--smoke", action="store_true", help="one small cell (2 nodes, 10Gb/s, Fix 2 hier, DDP fp32)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.no_latency_share = True
     try:
         nodes = [int(n) for n in args.nodes.split(",")]
         rates = [rate.strip() for rate in args.rates.split(",")]
         for rate in rates:
             parse_rate(rate)
+        methods = _pick(args.methods, METHODS)
+        exchanges = _pick(args.exchanges, EXCHANGES)
+        peers = _pick(args.peers, [(label, name) for name, label in PEERS])
+        peers = [(name, label) for label, name in peers]
         started = time.monotonic()
-        results = {}
+        results, timings = {}, []
         for n in nodes:
             for rate in rates:
-                results[(n, rate)] = cell(n, rate, args.sample)
+                results[(n, rate)] = cell(n, rate, methods, exchanges, peers, timings=timings)
                 print(f"# {n} nodes at {rate}: done after {time.monotonic() - started:.0f} s", file=sys.stderr,
                       flush=True)
+        shares = {}
+        if not args.no_latency_share:
+            largest = max(nodes)
+            for rate in rates:
+                shares[rate] = cell(largest, rate, methods, exchanges, peers, latency="0us")
     except (UsageError, ValueError) as exc:
         print(f"examples/scale/run.py: error: {exc}", file=sys.stderr)
         return 2
-    print(table(results))
+    mine = ours(methods, exchanges)
+    theirs = [label for _, label in peers]
+    print(table(results, mine + theirs))
     print()
-    for line in crossovers(results):
+    for line in crossovers(results, mine, theirs):
         print(line)
+    if shares:
+        largest = max(nodes)
+        print()
+        print(f"the latency's share at {largest} nodes of {RANKS_PER_NODE} ({LATENCY} per message; the same cells "
+              "at 0):")
+        for rate, zero in shares.items():
+            full = results[(largest, rate)]
+            print(f"{rate}: " + ", ".join(f"{c} {100 * (full[c] - zero[c]) / full[c]:.1f} %" for c in mine + theirs))
+    simulated = sum(t["seconds"] for t in timings)
+    cpu = sum(t["cpu"] for t in timings)
+    print(f"\n# {len(timings)} simulations: {simulated:.0f} s, SimGrid children {cpu:.0f} s of CPU; "
+          f"{time.monotonic() - started:.0f} s in all", file=sys.stderr)
+    if args.figure:
+        figure(results, mine, theirs, args.figure)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cells": [{"nodes": n, "rate": r, "seconds": s}
+                                                         for (n, r), s in results.items()],
+                                               "latency_zero": shares}, indent=1))
     return 0
 
 

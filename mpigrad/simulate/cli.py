@@ -29,14 +29,14 @@ __all__ = ["add_arguments", "run"]
 #: The options of ``mpigrad train`` that describe the platform, taken with a trace too.
 PLATFORM_OPTIONS = ("bandwidth", "latency", "ranks_per_node", "intra_bandwidth", "intra_latency")
 #: This command's own options (the rest are ``mpigrad train``'s).
-OWN_OPTIONS = ("source", "nodes", "platform", "sample", "spread", "network_model", "peers", "json")
+OWN_OPTIONS = ("source", "nodes", "platform", "sample", "spread", "network_model", "peers", "json", "replay", "time")
 #: The iterations simulated by default.
 DEFAULT_SAMPLE = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..runtime.run.launch import add_arguments as train_arguments
-    from .replay import DEFAULT_PEERS, peer_labels
+    from .replay import DEFAULT_PEERS, EXACT_UP_TO, REPLAYS, peer_labels
 
     parser.description = ("simulate mpigrad's iterations, and DDP's, on a SimGrid platform: from a trace, or from "
                           "a config (mpigrad train's options) on --nodes N of --ranks-per-node L workers")
@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--peers", default=",".join(DEFAULT_PEERS), metavar="LIST",
                        help=f"the peers simulated beside mpigrad on the same platform (default "
                             f"{','.join(DEFAULT_PEERS)}; none for none): {', '.join(peer_labels())}")
+    group.add_argument("--replay", default="auto", choices=REPLAYS,
+                       help=f"exact: one SimGrid actor per rank, every message a flow of its own; hosts: one actor "
+                            f"per node, one flow per pair of nodes and phase (its ranks' bytes summed), a peer's ring "
+                            f"steps a few at a time (docs/simulate.rst measures what it changes); auto (default): "
+                            f"exact up to {EXACT_UP_TO} ranks, else hosts")
+    group.add_argument("--time", action="store_true", help="also print how long each simulation took: wall and CPU "
+                       "seconds of its SimGrid child, its actors and flows")
     group.add_argument("--json", action="store_true", help="print the results as one JSON object")
     train_arguments(parser)
     parser.epilog = ("The options of mpigrad train describe the simulated run (with a trace: only the platform's, "
@@ -105,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     peers = _peers(args.peers)
     from .sources import simulate_config, simulate_trace
 
-    common = dict(sample=args.sample, model=args.network_model, peers=peers, platform_file=args.platform)
+    common = dict(sample=args.sample, model=args.network_model, peers=peers, platform_file=args.platform,
+                  replay=args.replay)
     if args.source:
         given = [name for name in _given(args) if name not in PLATFORM_OPTIONS]
         if args.config or given:
@@ -130,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(simulation.to_json(), indent=1))
     else:
-        print(describe(simulation))
+        print(describe(simulation, timing=args.time))
     return 0
 
 
@@ -138,12 +146,22 @@ def _megabytes(n: float) -> str:
     return f"{n / 1e6:.3g}"
 
 
-def describe(simulation) -> str:
+def timing_line(timing: dict) -> str:
+    """``--time``: how long one method's simulation took."""
+    return (f"  simulated in {timing['seconds']:.2f} s ({timing['replay']} replay; SimGrid child "
+            f"{timing['wall']:.2f} s wall, {timing['cpu']:.2f} s CPU, of which the run {timing['run_wall']:.2f} s "
+            f"wall, {timing['run_cpu']:.2f} s CPU; {timing['actors']} actors, {timing['transfers']} flows for "
+            f"{timing['messages']} messages of {timing['ranks']} ranks)")
+
+
+def describe(simulation, timing: bool = False) -> str:
     """The text report: the platform, then each method's seconds per iteration, its phases
-    and its busiest NICs."""
+    and its busiest NICs (``timing``: and how long its simulation took)."""
+    replay = "" if simulation.replay == "exact" else f", {simulation.replay} replay (one actor per node)"
     lines = [f"mpigrad simulate: {simulation.platform.describe(simulation.colocated)}",
-             f"SimGrid {simulation.simgrid_version}, network model {simulation.model}; {simulation.source}"]
+             f"SimGrid {simulation.simgrid_version}, network model {simulation.model}{replay}; {simulation.source}"]
     lines += simulation.notes
+    total = 0.0
     for result in (simulation.mpigrad, *simulation.peers):
         head = f"{result.label}: {result.seconds_per_iteration:.4g} s/iteration"
         if result.clock:
@@ -160,4 +178,9 @@ def describe(simulation) -> str:
             name = lambda h: result.hosts[h] if h < len(result.hosts) else f"host {h}"  # noqa: E731
             lines.append(f"  NIC MB per iteration: most out {_megabytes(result.nic_bytes_per_node[out][0])} "
                          f"({name(out)}), most in {_megabytes(result.nic_bytes_per_node[into][1])} ({name(into)})")
+        if timing and result.timing:
+            lines.append(timing_line(result.timing))
+            total += result.timing["seconds"]
+    if timing:
+        lines.append(f"simulations: {total:.2f} s in all")
     return "\n".join(lines)

@@ -9,12 +9,14 @@ The plan (a :class:`~.plan.Plan`'s ``to_json``): ``platform`` (a SimGrid XML fil
 ``model`` (a key of :data:`NETWORK_MODELS`), ``hosts`` (the host of each rank),
 ``programs`` (distinct iterations, each a list of phases) and ``sequence`` (the program of
 each simulated iteration). A phase is ``{"work": {rank: seconds}, "messages": [[src, dst,
-bytes], ...], "send_wait": W, "recv_wait": W, "post_at": A}``. Every rank runs the phases
-it takes part in, in order: it executes its work (``this_actor.execute(seconds * speed)``,
+bytes], ...], "send_wait": W, "recv_wait": W, "post_at": A, "floor": {rank: seconds}}``.
+Every rank runs the phases it takes part in, in order: it executes its work (``this_actor.execute(seconds * speed)``,
 its host's speed), or posts its receives (``get_async``; with ``post_at``, already at the
 first of its phases from that earlier one on) and then its sends (``put_async``); it waits
 for them before it goes on to the next phase where W is null, else only before phase W (a
-later phase's index) or at the end of the iteration (``"end"``), going on meanwhile. A
+later phase's index) or at the end of the iteration (``"end"``), going on meanwhile; with a
+``floor``, it ends the phase no sooner than that long after it posted (messages left out of
+the plan whose time it still takes: ``plan.aggregate``'s tiny ones). A
 transfer starts when both ends are posted (SimGrid's rendezvous); each ordered pair of ranks
 has one mailbox, matched in order, which both ends post in the same order. ``hosts[rank]``
 indexes the platform's hosts in natural order of their names (``node-2`` before ``node-10``).
@@ -29,8 +31,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
+import time
 
 from ..errors import UsageError
 
@@ -49,20 +53,33 @@ NETWORK_MODELS = {
 
 
 def run_plan(plan: dict, timeout: float | None = None) -> dict:
-    """Run ``plan`` (the JSON object above) in a child process; return its result.
-    UsageError (one line) where SimGrid is missing, refuses the platform or fails."""
+    """Run ``plan`` (the JSON object above) in a child process; return its result, with
+    ``timing``: the child's ``wall`` and ``cpu`` seconds as the parent saw them (start,
+    SimGrid, exit), and the child's own ``run_wall``/``run_cpu`` (the simulation alone),
+    ``actors`` and ``transfers``. UsageError (one line) where SimGrid is missing, refuses
+    the platform or fails."""
+    started, before = time.monotonic(), _children_cpu()
     try:
         done = subprocess.run([sys.executable, "-m", "mpigrad.simulate.engine"], input=json.dumps(plan),
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise UsageError(f"the SimGrid simulation ran past {timeout:g} s") from None
+    wall, cpu = time.monotonic() - started, _children_cpu() - before
     if done.returncode == 2 and done.stdout.startswith("error: "):
         raise UsageError(done.stdout[len("error: "):].strip())
     if done.returncode != 0:
         lines = [line for line in done.stderr.splitlines() if line.strip() and "->" not in line]
         raise UsageError(f"the SimGrid simulation failed (exit {done.returncode}): "
                          f"{lines[-1].strip() if lines else 'no message'}")
-    return json.loads(done.stdout)
+    result = json.loads(done.stdout)
+    result["timing"] = {"wall": wall, "cpu": cpu, **result.get("timing", {})}
+    return result
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of this process's children that have ended."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _rank_steps(programs: list, ranks: int) -> list[list[list[tuple]]]:
@@ -74,15 +91,17 @@ def _rank_steps(programs: list, ranks: int) -> list[list[list[tuple]]]:
     for index, phases in enumerate(programs):
         for k, phase in enumerate(phases):
             work = {int(rank): float(seconds) for rank, seconds in phase.get("work", {}).items() if seconds > 0}
+            floor = {int(rank): float(seconds) for rank, seconds in phase.get("floor", {}).items() if seconds > 0}
             sends: dict[int, list] = {}
             recvs: dict[int, list] = {}
             for src, dst, n in phase.get("messages", ()):
                 if n > 0:
                     sends.setdefault(src, []).append((dst, int(n)))
                     recvs.setdefault(dst, []).append(src)
-            for rank in sorted(set(work) | set(sends) | set(recvs)):
+            for rank in sorted(set(work) | set(sends) | set(recvs) | set(floor)):
                 steps[rank][index].append([k, work.get(rank, 0.0), sends.get(rank, []), recvs.get(rank, []),
-                                           phase.get("send_wait"), phase.get("recv_wait"), []])
+                                           phase.get("send_wait"), phase.get("recv_wait"), [],
+                                           floor.get(rank, 0.0)])
         for rank in range(ranks):
             mine = steps[rank][index]
             for later in mine:
@@ -138,13 +157,14 @@ def _simulate(plan: dict) -> dict:
                 pending: list[tuple] = []  # (wait before phase, phase, comms)
                 held: list = []  # the receives' data handles, until their comms are done
                 early: dict[int, list] = {}  # phase -> its receives, posted with an earlier phase
-                for k, work, sends, recvs, send_wait, recv_wait, posts in steps[index]:
+                for k, work, sends, recvs, send_wait, recv_wait, posts, floor in steps[index]:
                     for due in [p for p in pending if p[0] != "end" and p[0] <= k]:
                         pending.remove(due)
                         finish(m, due[1], due[2])
                     if work > 0:
                         sg.this_actor.execute(work * speed)
                         record(m, k, sg.Engine.clock)
+                    posted = sg.Engine.clock
                     gets = early.pop(k, None)
                     if gets is None:
                         gets = [box(src, rank).get_async() for src in recvs]  # (comm, data): keep both alive
@@ -161,6 +181,10 @@ def _simulate(plan: dict) -> dict:
                             pending.append((wait, k, comms))
                     if now:
                         finish(m, k, now)
+                    if floor > 0:  # the elided messages' own time (the hosts' replay: plan.aggregate)
+                        if sg.Engine.clock < posted + floor:
+                            sg.this_actor.sleep_until(posted + floor)
+                        record(m, k, posted + floor)
                 for _, k, comms in pending:
                     finish(m, k, comms)
         except Exception as exc:  # noqa: BLE001 - reported by the parent in one line
@@ -170,10 +194,15 @@ def _simulate(plan: dict) -> dict:
     steps = _rank_steps(programs, len(plan["hosts"]))
     for rank, host in enumerate(plan["hosts"]):
         sg.Actor.create(f"rank-{rank}", hosts[host], rank_main, rank, steps[rank])
+    started, cpu = time.monotonic(), time.process_time()
     engine.run()
+    timing = {"run_wall": time.monotonic() - started, "run_cpu": time.process_time() - cpu,
+              "actors": len(plan["hosts"]),
+              "transfers": sum(1 for index in sequence for phase in programs[index]
+                               for message in phase.get("messages", ()) if message[2] > 0)}
     if errors:
         raise UsageError(f"the simulation failed: {errors[0]}")
-    return {"ends": ends, "clock": engine.clock, "hosts": [host.name for host in hosts[:needed]],
+    return {"ends": ends, "clock": engine.clock, "hosts": [host.name for host in hosts[:needed]], "timing": timing,
             "simgrid_version": ".".join(map(str, sg.simgrid_version)) if isinstance(sg.simgrid_version, tuple)
             else str(sg.simgrid_version)}
 

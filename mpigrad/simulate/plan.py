@@ -31,17 +31,18 @@ others ran (the Control ahead, during the compute) takes 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ..clockmodel import IterationTraffic
 from .platform import Placement
 
 __all__ = ["Phase", "Program", "mpigrad_phases", "ring_phases", "hierarchical_allreduce_phases", "ddp_phases",
-           "breakdown", "nic_bytes", "PHASE_ORDER"]
+           "breakdown", "nic_bytes", "PHASE_ORDER", "Groups", "aggregate", "compress_steps", "TINY"]
 
 #: The breakdown's order of mpigrad's phases (an iteration's order; the Control ahead is
 #: sent first but counted here, where it is waited for).
-PHASE_ORDER = ("compute", "losses", "control", "intra_reduce", "gradients", "broadcast", "intra_gather",
-               "gradients2", "broadcast2", "local")
+PHASE_ORDER = ("compute", "losses", "control", "intra_reduce", "gradients", "broadcast", "gradients2",
+               "broadcast2", "intra_gather", "local")
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Phase:
     send_wait: str | None = None
     recv_wait: str | None = None
     post_with: str | None = None
+    floor: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,7 +92,8 @@ class Program:
         return [{"work": {str(r): s for r, s in phase.work.items() if s > 0},
                  "messages": [list(m) for m in phase.messages if m[2] > 0],
                  "send_wait": wait(phase.send_wait, k), "recv_wait": wait(phase.recv_wait, k),
-                 "post_at": earlier(phase.post_with, k)}
+                 "post_at": earlier(phase.post_with, k),
+                 **({"floor": {str(r): t for r, t in phase.floor.items()}} if phase.floor else {})}
                 for k, phase in enumerate(self.phases)]
 
     def breakdown_order(self) -> list[int]:
@@ -137,25 +140,29 @@ def mpigrad_phases(traffic: IterationTraffic, ranks_per_node: int, compute: floa
     if not traffic.ahead:
         phases.append(Phase("control", messages=[(0, r, traffic.control_bytes) for r in control_to]))
     L = ranks_per_node
-    for round_, (frames_in, frames_out) in enumerate(traffic._rounds()):
-        suffix = "2" if round_ else ""
-        if traffic.hierarchical:
-            phases.append(_intra(traffic, "intra_reduce", L, worker, gather=False))
-        phases.append(Phase("gradients" + suffix, messages=[
-            (worker(w), server(s), n) for s, sizes in enumerate(frames_in) for w, n in enumerate(sizes)
-            if n and not (traffic.colocated and w == s)]))
-        if not round_:  # a worker's frames follow its loss report: they are taken as they come
-            phases[-1].post_with = "losses"
-        copies = []
-        for s, n in enumerate(frames_out):
-            if traffic.colocated:
-                receivers = [w for w in range(P) if w != s and (not traffic.hierarchical or w % L == s % L)]
-                copies += [(server(s), worker(w), n) for w in receivers]
-            else:
-                copies += [(server(s), worker(w), n) for w in range(P)] + ([(server(s), 0, n)] if s else [])
-        phases.append(Phase("broadcast" + suffix, messages=copies))
-        if traffic.hierarchical:
-            phases.append(_intra(traffic, "intra_gather", L, worker, gather=True))
+    ups = downs = intras = 0
+    for kind, frames in traffic.phases():  # the clock's order (a two-round codec's rounds in turn)
+        if kind == "intra":
+            intras += 1
+            phases.append(_intra(traffic, "intra_reduce" if intras == 1 else "intra_gather", L, worker,
+                                 gather=intras > 1))
+        elif kind == "up":
+            ups += 1
+            phases.append(Phase("gradients" + ("2" if ups > 1 else ""), messages=[
+                (worker(w), server(s), n) for s, sizes in enumerate(frames) for w, n in enumerate(sizes)
+                if n and not (traffic.colocated and w == s)]))
+            if ups == 1:  # a worker's frames follow its loss report: they are taken as they come
+                phases[-1].post_with = "losses"
+        else:
+            downs += 1
+            copies = []
+            for s, n in enumerate(frames):
+                if traffic.colocated:
+                    receivers = [w for w in range(P) if w != s and (not traffic.hierarchical or w % L == s % L)]
+                    copies += [(server(s), worker(w), n) for w in receivers]
+                else:
+                    copies += [(server(s), worker(w), n) for w in range(P)] + ([(server(s), 0, n)] if s else [])
+            phases.append(Phase("broadcast" + ("2" if downs > 1 else ""), messages=copies))
     phases.append(Phase("local", work={r: rest for r in workers}))
     order = sorted(range(len(phases)), key=lambda k: (PHASE_ORDER.index(phases[k].name), k))
     return Program(phases, order)
@@ -266,3 +273,123 @@ def nic_bytes(program: Program, placement: Placement, hosts: int) -> list[tuple[
                 out[a] += n
                 into[b] += n
     return list(zip(out, into))
+
+
+# ---- the hosts' replay: one actor per node ---------------------------------------------------
+@dataclass(frozen=True)
+class Groups:
+    """The actors of the hosts' replay: ``group[rank]`` (the actor a rank's messages and work
+    go to) and ``host[group]`` (where each actor sits)."""
+
+    group: tuple[int, ...]
+    host: tuple[int, ...]
+
+    @classmethod
+    def of(cls, host_of_rank: Sequence[int], alone: Sequence[int] = ()) -> "Groups":
+        """The ranks of each host one group, in the order their hosts first come; a rank of
+        ``alone`` (rank 0, the scheduler beside node 0's workers) a group of its own."""
+        keys: dict[tuple, int] = {}
+        group, host = [], []
+        for rank, h in enumerate(host_of_rank):
+            key = ("rank", rank) if rank in alone else ("host", h)
+            if key not in keys:
+                keys[key] = len(host)
+                host.append(h)
+            group.append(keys[key])
+        return cls(tuple(group), tuple(host))
+
+
+#: The hosts' replay leaves out a message between two hosts of less than this share of its
+#: phase's largest one (``aggregate``'s ``tiny``), its time kept as a floor.
+TINY = 1e-3
+
+
+def aggregate(program: Program, groups: Groups, tiny: float = 0.0, latency: float | None = None,
+              bandwidth: float | None = None) -> Program:
+    """``program`` with one actor per group (:class:`Groups`): in each phase, a group's work
+    the most of its ranks' (each rank has a core of its own), and one message per ordered pair
+    of groups: between two hosts the sum of their ranks' messages (one flow, where the exact
+    replay has many: the approximation docs/simulate.rst measures), on one host the largest
+    (the loopback is a fat pipe, where each message takes its own latency + bytes / rate at
+    once, so the largest ends last). The phases, their order and their waits are kept.
+
+    With ``tiny`` > 0 (and the NICs' ``latency`` and ``bandwidth``), a message between two
+    hosts of less than ``tiny`` times the phase's largest one is left out, and each end that
+    waits for it at once ends the phase no sooner than latency + bytes / bandwidth after it
+    posted (the phase's ``floor``): at 256 nodes of 4 the flat exchange's 65,280 flows per
+    phase are some 9,000 of frames and 56,000 of empty shards' headers."""
+    phases = []
+    for phase in program.phases:
+        work: dict[int, float] = {}
+        for rank, seconds in phase.work.items():
+            g = groups.group[rank]
+            work[g] = max(work.get(g, 0.0), seconds)
+        merged: dict[tuple[int, int], int] = {}
+        for src, dst, n in phase.messages:
+            if n <= 0:
+                continue
+            key = (groups.group[src], groups.group[dst])
+            if groups.host[key[0]] == groups.host[key[1]]:
+                merged[key] = max(merged.get(key, 0), n)
+            else:
+                merged[key] = merged.get(key, 0) + n
+        floor: dict[int, float] = {}
+        if tiny > 0 and latency is not None and bandwidth:
+            across = [n for (a, b), n in merged.items() if groups.host[a] != groups.host[b]]
+            least = tiny * max(across, default=0)
+            for (a, b), n in list(merged.items()):
+                if groups.host[a] != groups.host[b] and n < least:
+                    del merged[(a, b)]
+                    t = latency + n / bandwidth
+                    for g, wait in ((a, phase.send_wait), (b, phase.recv_wait)):
+                        if wait is None:
+                            floor[g] = max(floor.get(g, 0.0), t)
+        phases.append(Phase(phase.name, work, [(a, b, n) for (a, b), n in merged.items()], phase.send_wait,
+                            phase.recv_wait, phase.post_with, floor))
+    return Program(phases, program.order)
+
+
+def compress_steps(program: Program, groups: Groups, latency: float, intra_latency: float,
+                   most: int = 32) -> Program:
+    """A ring's steps taken ``s`` at a time (``program`` a peer's, aggregated; its order the
+    phases' own): a run of more than ``most`` consecutive phases of one name, no work and the
+    same pairs (a ring's 2 (n - 1) steps, each pair's chunk in turn) becomes runs of s steps
+    (s the fewest that leave at most ``most``), each one phase of the s steps' bytes per pair
+    and then a wait of (s - 1) latencies (a step's: ``latency`` where a message crosses two
+    hosts, else ``intra_latency``) on each of its groups, so that a step that pays latency +
+    bytes / rate on links it has to itself (as a ring's do) takes the same time merged. Not
+    for programs with a breakdown order of their own (mpigrad's)."""
+    if program.order is not None:
+        return program
+    phases, k = [], 0
+    items = program.phases
+    while k < len(items):
+        run = k
+        pairs = _pairs(items[k])
+        while (run + 1 < len(items) and pairs and not items[run + 1].work and items[run + 1].name == items[k].name
+               and _pairs(items[run + 1]) == pairs):
+            run += 1
+        steps = items[k:run + 1]
+        if len(steps) <= most or items[k].work:
+            phases += steps
+            k = run + 1
+            continue
+        size = -(-len(steps) // most)
+        crosses = any(groups.host[a] != groups.host[b] for a, b in pairs)
+        wait = (latency if crosses else intra_latency) or 0.0
+        members = sorted({g for pair in pairs for g in pair})
+        for start in range(0, len(steps), size):
+            chunk = steps[start:start + size]
+            total: dict[tuple[int, int], int] = {}
+            for step in chunk:
+                for a, b, n in step.messages:
+                    total[(a, b)] = total.get((a, b), 0) + n
+            phases.append(Phase(items[k].name, messages=[(a, b, n) for (a, b), n in total.items()]))
+            if len(chunk) > 1 and wait > 0:
+                phases.append(Phase(items[k].name, work={g: (len(chunk) - 1) * wait for g in members}))
+        k = run + 1
+    return Program(phases)
+
+
+def _pairs(phase: Phase) -> frozenset:
+    return frozenset((a, b) for a, b, n in phase.messages if n > 0)

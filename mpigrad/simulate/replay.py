@@ -5,23 +5,28 @@ with its local work), the platform and the peers, runs each method's iterations 
 SimGrid simulation of its own (``engine.py``), and returns a :class:`Simulation`: per method
 the seconds per iteration (the mean: the last rank's end of the last iteration over their
 count), the phases' breakdown (``plan.breakdown``), each NIC's bytes per iteration, and
-mpigrad's own clock on the same network where the platform is generated.
+mpigrad's own clock on the same network where the platform is generated, and how long the
+simulation took (``timing``). ``replay``: ``exact`` (one actor per rank) or ``hosts`` (one
+actor per node, ``plan.aggregate`` and ``plan.compress_steps``), ``auto`` choosing by the
+ranks' count (docs/simulate.rst, "Speed: the hosts' replay").
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..clockmodel import IterationTraffic
 from ..errors import UsageError
 from .engine import NETWORK_MODELS, run_plan
-from .plan import Program, breakdown, ddp_phases, mpigrad_phases, nic_bytes
+from .plan import TINY, Groups, Program, aggregate, breakdown, compress_steps, ddp_phases, mpigrad_phases, nic_bytes
 from .platform import Placement, Platform
 from .simgrid_module import check_simgrid
 
-__all__ = ["Iteration", "MethodResult", "Simulation", "peer_labels", "DEFAULT_PEERS", "simulate", "peer_collectives"]
+__all__ = ["REPLAYS", "EXACT_UP_TO", "replay_mode", "Iteration", "MethodResult", "Simulation", "peer_labels",
+           "DEFAULT_PEERS", "simulate", "peer_collectives"]
 
 #: The peers by name (``--peers``): DDP's variants as ``mpigrad bench peers`` names them
 #: (``bench/peers.py`` ``VARIANTS``), and the hierarchical all-reduce in float32.
@@ -67,13 +72,15 @@ class MethodResult:
     nic_bytes_per_node: tuple[tuple[int, int], ...]
     hosts: tuple[str, ...] = ()
     clock: dict | None = None
+    timing: dict | None = None
 
     def to_json(self) -> dict:
         return {"label": self.label, "seconds_per_iteration": self.seconds_per_iteration,
                 "iteration_seconds": list(self.iteration_seconds), "phases": self.phases,
                 "nic_bytes_per_node": [{"host": host, "out": out, "in": into}
                                        for host, (out, into) in zip(self.hosts, self.nic_bytes_per_node)],
-                **({"clock": self.clock} if self.clock is not None else {})}
+                **({"clock": self.clock} if self.clock is not None else {}),
+                **({"timing": self.timing} if self.timing is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,7 @@ class Simulation:
     notes: tuple[str, ...] = ()
     simgrid_version: str = ""
     colocated: bool = True
+    replay: str = "exact"
 
     def to_json(self) -> dict:
         """``--json``: mpigrad's figures at the top level, the peers by name."""
@@ -97,7 +105,7 @@ class Simulation:
         return {"seconds_per_iteration": top.pop("seconds_per_iteration"), "phases": top.pop("phases"),
                 "nic_bytes_per_node": top.pop("nic_bytes_per_node"), "model": self.model,
                 "method": top.pop("label"), **top, "iterations": self.iterations, "source": self.source,
-                "platform": self.platform.record(), "simgrid_version": self.simgrid_version,
+                "platform": self.platform.record(), "simgrid_version": self.simgrid_version, "replay": self.replay,
                 "peers": {peer.name: peer.to_json() for peer in self.peers}, "notes": list(self.notes)}
 
 
@@ -116,23 +124,55 @@ class _Runs:
         self.sequence.append(self._keys[key])
 
 
+#: ``--replay``: ``exact`` (one actor per rank, every message its own flow), ``hosts`` (one
+#: actor per node, one flow per pair of nodes and phase: ``plan.aggregate``; a peer's ring
+#: steps taken a few at a time: ``plan.compress_steps``), ``auto`` (exact up to
+#: :data:`EXACT_UP_TO` ranks, else hosts).
+REPLAYS = ("auto", "exact", "hosts")
+EXACT_UP_TO = 128
+
+
+def replay_mode(replay: str, ranks: int) -> str:
+    """The replay ``replay`` (a :data:`REPLAYS` name) takes for ``ranks`` ranks."""
+    if replay not in REPLAYS:
+        raise UsageError(f"--replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
+    if replay == "auto":
+        return "exact" if ranks <= EXACT_UP_TO else "hosts"
+    return replay
+
+
 def _run(name: str, label: str, runs: _Runs, placement: Placement, platform: Platform, model: str,
-         folder: str, clock: dict | None = None) -> tuple[MethodResult, str]:
-    plan = {"platform": platform.write(folder), "model": model, "hosts": list(placement.host),
-            "programs": [program.to_json() for program in runs.programs], "sequence": runs.sequence}
+         folder: str, clock: dict | None = None, replay: str = "exact",
+         alone: tuple[int, ...] = ()) -> tuple[MethodResult, str]:
+    started = time.monotonic()
+    tiny = TINY
+    programs, hosts_of = runs.programs, placement.host
+    if replay == "hosts":
+        groups = Groups.of(placement.host, alone)
+        programs = [aggregate(program, groups, tiny, platform.latency, platform.bandwidth) for program in programs]
+        if platform.generated:
+            programs = [compress_steps(program, groups, platform.latency, platform.intra_latency)
+                        for program in programs]
+        hosts_of = groups.host
+    plan = {"platform": platform.write(folder), "model": model, "hosts": list(hosts_of),
+            "programs": [program.to_json() for program in programs], "sequence": runs.sequence}
     result = run_plan(plan)
     count = len(runs.sequence)
-    seconds, phases = breakdown(runs.programs, runs.sequence, result["ends"])
+    seconds, phases = breakdown(programs, runs.sequence, result["ends"])
     hosts = platform.hosts
     totals = [[0, 0] for _ in range(hosts)]
+    at = Placement(tuple(hosts_of))
     for index in runs.sequence:
-        for host, (out, into) in enumerate(nic_bytes(runs.programs[index], placement, hosts)):
+        for host, (out, into) in enumerate(nic_bytes(programs[index], at, hosts)):
             totals[host][0] += out
             totals[host][1] += into
     per_node = tuple((round(out / count), round(into / count)) for out, into in totals)
     mean = sum(seconds) / count if count else 0.0
-    return (MethodResult(name, label, mean, tuple(seconds), phases, per_node, tuple(result.get("hosts", ())), clock),
-            result.get("simgrid_version", ""))
+    timing = {"replay": replay, "seconds": time.monotonic() - started, "ranks": len(placement.host),
+              "messages": sum(len(phase.messages) for index in runs.sequence for phase in runs.programs[index].phases),
+              **result.get("timing", {})}
+    return (MethodResult(name, label, mean, tuple(seconds), phases, per_node, tuple(result.get("hosts", ())), clock,
+                         timing), result.get("simgrid_version", ""))
 
 
 def peer_collectives(peer: str, shapes: Sequence[Sequence[int]]) -> list[tuple[str, int]]:
@@ -161,7 +201,7 @@ def peer_collectives(peer: str, shapes: Sequence[Sequence[int]]) -> list[tuple[s
 
 def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str, source: str, model: str = "cm02",
              peers: Sequence[str] = (), shapes: Sequence[Sequence[int]] = (), clock: list[dict] | None = None,
-             notes: Sequence[str] = ()) -> Simulation:
+             notes: Sequence[str] = (), replay: str = "auto") -> Simulation:
     """Simulate ``iterations`` of mpigrad and of each of ``peers`` on ``platform`` (SimGrid's
     network ``model``: a key of ``engine.NETWORK_MODELS``); ``clock``: mpigrad's clock of each
     iteration (dicts of seconds), averaged into the result. UsageError (one line)."""
@@ -181,9 +221,11 @@ def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str,
     mean_clock = None
     if clock:
         mean_clock = {key: sum(c[key] for c in clock) / len(clock) for key in clock[0]}
+    mode = replay_mode(replay, len(placement.host))
     check_simgrid()
     with tempfile.TemporaryDirectory(prefix="mpigrad-simulate-") as folder:
-        result, version = _run("mpigrad", label, ours, placement, platform, model, folder, mean_clock)
+        result, version = _run("mpigrad", label, ours, placement, platform, model, folder, mean_clock, mode,
+                               alone=(0,) if first.colocated else ())
         peer_results = []
         workers = first.workers
         peer_placement = Placement.workers_only(platform)
@@ -193,7 +235,8 @@ def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str,
             for it in iterations:
                 runs.add(it.compute, lambda it=it: ddp_phases(collectives, workers, it.compute, platform.nodes, L,
                                                               hierarchical=peer == HIERARCHICAL))
-            peer_result, _ = _run(peer, peer_labels()[peer], runs, peer_placement, platform, model, folder)
+            peer_result, _ = _run(peer, peer_labels()[peer], runs, peer_placement, platform, model, folder,
+                                  replay=mode)
             peer_results.append(peer_result)
     return Simulation(platform, model, len(iterations), source, result, tuple(peer_results), tuple(notes), version,
-                      first.colocated)
+                      first.colocated, mode)

@@ -34,7 +34,7 @@ def _platform(platform_file: str | None, nodes: int, L: int, traffic, bandwidth:
 
 
 def simulate_config(config: RunConfig, nodes: int, *, sample: int = 3, model: str = "cm02",
-                    peers: Sequence[str] = (), platform_file: str | None = None) -> Simulation:
+                    peers: Sequence[str] = (), platform_file: str | None = None, replay: str = "auto") -> Simulation:
     """``sample`` iterations of ``config`` (``mpigrad train``'s options) on ``nodes`` nodes of
     its ``ranks_per_node`` workers, at its bits, its ``compute_time`` (and cost model) the local
     work (none without one), on the platform of its ``bandwidth``, ``latency``,
@@ -74,13 +74,14 @@ def simulate_config(config: RunConfig, nodes: int, *, sample: int = 3, model: st
     label = f"mpigrad {method_label(config.to_dict())} ({layout_name(traffic)})"
     return simulate([Iteration(traffic, compute, rest)] * sample, platform, label=label,
                     source=f"the config at {config.bits} bits, {sample} iteration(s)", model=model, peers=peers,
-                    shapes=ours.shapes, clock=clock, notes=notes)
+                    shapes=ours.shapes, clock=clock, notes=notes, replay=replay)
 
 
 def simulate_trace(path: str, *, sample: int = 3, spread: bool = False, nodes: int | None = None,
                    ranks_per_node: int | None = None, bandwidth: float | None = None, latency: float | None = None,
                    intra_bandwidth: float | None = None, intra_latency: float | None = None,
-                   platform_file: str | None = None, model: str = "cm02", peers: Sequence[str] = ()) -> Simulation:
+                   platform_file: str | None = None, model: str = "cm02", peers: Sequence[str] = (),
+                   replay: str = "auto") -> Simulation:
     """``sample`` steps rows of the trace at ``path`` (the first, or ``spread`` over the run)
     replayed at the run's bits with their recorded local work, on its nodes (or
     ``ranks_per_node`` others, for a flat colocated run) and network (or the one given).
@@ -134,7 +135,7 @@ def simulate_trace(path: str, *, sample: int = 3, spread: bool = False, nodes: i
     label = f"mpigrad {method_label(config)} ({layout_name(first)})"
     return simulate([Iteration(it.traffic, it.compute, it.rest) for it in run.iterations], platform, label=label,
                     source=f"{path}: iteration(s) {_span(rows)} of {run.rows}, at the run's bits", model=model,
-                    peers=peers, shapes=shapes, clock=clock, notes=notes)
+                    peers=peers, shapes=shapes, clock=clock, notes=notes, replay=replay)
 
 
 def _span(rows: list[int]) -> str:

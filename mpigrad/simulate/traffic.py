@@ -282,12 +282,8 @@ def resolved_config(config: RunConfig, workers: int) -> tuple[RunConfig, list[st
     if isinstance(config.bandwidth, str) or isinstance(config.latency, str) or config.link_bandwidth:
         raise UsageError("a bandwidth or latency schedule or --link-bandwidth is not simulated: the platform's "
                          "links have one rate and latency (give --bandwidth RATE --latency T)")
-    codec_two_rounds = False
     try:
-        from ..runtime.exchange.build import base_codec
-
-        codec_two_rounds = base_codec(config).two_rounds
+        topology, exchange, notes = resolve_topology(config, workers + config.non_worker_ranks(), None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    topology, exchange, notes = resolve_topology(config, workers + config.non_worker_ranks(), None, codec_two_rounds)
     return replace(config, ranks_per_node=topology.ranks_per_node, exchange=exchange), notes
