@@ -71,7 +71,7 @@ AUTO = "auto"
 #: ``exchange`` choices: ``auto`` resolves to one of the other two at launch.
 EXCHANGE_KINDS = (AUTO, "flat", "hierarchical")
 #: ``intra_codec`` choices: the precision of a hierarchical exchange's slices inside a node.
-INTRA_CODECS = ("fp32", "fp16", "bf16")
+INTRA_CODECS = ("fp32", "fp16", "bf16", "int8")
 
 
 def _count_or_word(value: Any, word: str, refusal: str) -> int | str:
@@ -391,7 +391,8 @@ class RunConfig:
         "fp32", group=_SERVERS, choices=INTRA_CODECS,
         help="with --exchange hierarchical: the precision of the gradients' slices inside a node (reduce-scatter "
              "and all-gather): fp32 (default, exact), fp16 or bf16 (half the intra-node bytes, rounded to "
-             "nearest); the sums are float32",
+             "nearest) or int8 (8 bits a value and a float32 scale per 256-value block, 1.016 bytes a value: "
+             "about a quarter of the bytes, rounded to nearest); the sums are float32",
         invalid=f"intra_codec must be one of {', '.join(INTRA_CODECS)}")
     control: str = option(
         "ahead", group=_SERVERS, choices=CONTROLS,

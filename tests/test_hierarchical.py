@@ -8,6 +8,7 @@ MPICH and Open MPI."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -51,6 +52,7 @@ def runs(tmp_path_factory):
         "4-bit hierarchical bf16": dict(bits=4, ranks_per_node=2, exchange="hierarchical", intra_codec="bf16"),
         "4-bit hierarchical fp16 residual": dict(bits=4, ranks_per_node=2, exchange="hierarchical", intra_codec="fp16",
                                                  error_feedback="residual"),
+        "4-bit hierarchical int8": dict(bits=4, ranks_per_node=2, exchange="hierarchical", intra_codec="int8"),
     }.items()}
 
 
@@ -94,6 +96,22 @@ def test_half_precision_inside_nodes_keeps_the_replicas_identical(runs):
         np.testing.assert_allclose(trace.steps["loss"], fp32, rtol=1e-3)
 
 
+def test_int8_inside_nodes_keeps_the_replicas_identical(runs):
+    """int8 slices: a quarter of fp32's bytes inside the node (1 + 4/256 bytes a value), every
+    rank's parameters the same at every iteration's checksum, and training close to fp32's."""
+    fp32 = runs["4-bit hierarchical"][0]
+    trace = runs["4-bit hierarchical int8"][0]
+    values = [n // 4 for n in fp32.attrs["shards"]["slice_bytes"]]
+    slices = trace.attrs["shards"]["slice_bytes"]
+    assert slices == [n + 4 * -(-n // 256) for n in values]
+    assert (trace.steps["bytes_intra"] == 2 * 2 * 1 * sum(slices)).all()
+    assert trace.config["checksum_every"] == 1 and trace.config["intra_codec"] == "int8"
+    sums = trace.array("checksums", "checksum")  # [row, rank]: rank 0's is the first worker's
+    assert len(sums) == 4 and (sums == sums[:, :1]).all()
+    assert len(set(sums[:, 0])) == 4  # the parameters moved every iteration
+    np.testing.assert_allclose(trace.steps["loss"], fp32.steps["loss"], rtol=1e-3)
+
+
 def test_one_worker_per_node_records_no_node_columns(runs):
     flat = runs["4-bit flat"][0]
     assert not {"bytes_nic", "bytes_intra", "t_nic", "t_intra"} & set(flat.steps.columns)
@@ -123,8 +141,120 @@ def test_intra_codecs_round_as_torch_does():
     buf = exact.buffer(values.size)
     exact.encode(values, buf)
     np.testing.assert_array_equal(exact.decode(buf), values)
-    with pytest.raises(UsageError, match="intra_codec must be one of fp32, fp16, bf16, got 'int8'"):
-        IntraCodec("int8")
+    with pytest.raises(UsageError, match="intra_codec must be one of fp32, fp16, bf16, int8, got 'int4'"):
+        IntraCodec("int4")
+
+
+# ---- int8 slices: block-wise absmax scaling, against a twin written here ---------------------
+def _int8_twin(x: np.ndarray, block: int = 256) -> tuple[bytes, np.ndarray]:
+    """The bytes (little-endian float32 scales, then int8 values) and the decoded values of
+    ``x`` at int8, block by block in plain float32 scalars."""
+    scales, codes, decoded = [], [], []
+    for start in range(0, x.size, block):
+        part = x[start:start + block]
+        top = np.float32(np.abs(part).max())
+        if not np.isfinite(top):
+            scale, q = np.float32(np.nan), np.zeros(part.size, np.int8)
+        else:
+            scale = np.float32(top / np.float32(127))
+            with np.errstate(over="ignore"):
+                if not np.isfinite(np.float32(127) * scale):  # float32's largest: one step down
+                    scale = np.nextafter(scale, np.float32(0))
+            quotient = part / (scale if scale > 0 else np.float32(1))
+            q = np.clip(np.rint(quotient), -127, 127).astype(np.int8)
+        scales.append(scale)
+        codes.append(q)
+        decoded.append(q.astype(np.float32) * scale)
+    data = np.array(scales, "<f4").tobytes() + np.concatenate(codes or [np.zeros(0, np.int8)]).tobytes()
+    return data, np.concatenate(decoded or [np.zeros(0, np.float32)]).astype(np.float32)
+
+
+def _int8_values(n: int, seed: int) -> np.ndarray:
+    """Normal values whose magnitude changes block by block, with zeros, ties and extremes."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    x *= (10.0 ** rng.integers(-30, 30, -(-n // 64))).repeat(64)[:n].astype(np.float32)
+    specials = np.array([0.0, -0.0, 127.0, 0.5, 1.5, 2.5, -2.5, 1e-40, 3.4028235e38, -3.4028235e38], np.float32)
+    k = min(n, specials.size)
+    x[:k] = specials[:k]
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 3, 255, 256, 257, 1000, 3 * 256 + 1, 20_000])
+def test_int8_slices_are_the_twins_block_scaled_bytes(n):
+    """Bit for bit the twin's bytes and values, for n below one block, a multiple and not;
+    each value within half its block's step (and float32's rounding of x / s and q * s)."""
+    codec = IntraCodec("int8")
+    x = _int8_values(n, seed=n)
+    buf = codec.buffer(n)
+    assert buf.dtype == np.uint8 and buf.size == codec.nbytes(n) == n + 4 * -(-n // 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        codec.encode(x, buf)
+        decoded = codec.decode(buf)
+    data, expected = _int8_twin(x)
+    assert buf.tobytes() == data
+    np.testing.assert_array_equal(decoded, expected)
+    assert decoded.dtype == np.float32 and decoded.shape == (n,)
+    scales = np.frombuffer(data[:4 * -(-n // 256)], "<f4").astype(np.float64).repeat(256)[:n]
+    error = np.abs(x.astype(np.float64) - decoded)
+    assert (error <= scales * (0.5 + 2e-5) + 2.0 ** -143).all()
+    again = IntraCodec("int8")  # another rank: the same bytes decode the same
+    received = again.buffer(n)
+    received[:] = buf
+    np.testing.assert_array_equal(again.decode(received), decoded)
+    into = np.full(n, np.nan, np.float32)
+    assert again.decode(received, out=into) is into
+    np.testing.assert_array_equal(into, decoded)
+
+
+def test_int8_zeros_stay_zeros_and_non_finite_blocks_decode_to_nan():
+    """A block of zeros decodes to zeros; a block with a NaN or an infinity decodes to NaN
+    throughout (not finite, for the run's checks), its neighbours as if alone."""
+    codec = IntraCodec("int8")
+    n = 5 * 256 + 7
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    x[256:512] = 0
+    x[600], x[3 * 256 + 9], x[-1] = np.nan, np.inf, -np.inf
+    buf = codec.buffer(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        codec.encode(x, buf)
+        decoded = codec.decode(buf)
+    assert (decoded[256:512] == 0).all() and not np.signbit(decoded[256:512]).any()
+    assert np.isnan(decoded[512:768]).all() and np.isnan(decoded[768:1024]).all() and np.isnan(decoded[-7:]).all()
+    for start, stop in ((0, 256), (1024, 1280)):
+        alone = codec.buffer(stop - start)
+        codec.encode(x[start:stop].copy(), alone)
+        np.testing.assert_array_equal(decoded[start:stop], codec.decode(alone))
+    np.testing.assert_array_equal(decoded, _int8_twin(x)[1])
+    empty = codec.buffer(0)
+    codec.encode(np.zeros(0, np.float32), empty)
+    assert empty.size == 0 and codec.decode(empty).shape == (0,)
+
+
+def test_int8_sizes_come_from_the_buffer_never_the_wire():
+    """n from len(buf) (nbytes strictly increases with n); a length no slice has, or a
+    buffer of another n or dtype, is refused; scales from the wire are only multiplied."""
+    codec = IntraCodec("int8")
+    sizes = {codec.nbytes(n): n for n in range(3000)}
+    assert len(sizes) == 3000
+    for nbytes in range(max(sizes)):
+        if nbytes in sizes:
+            assert codec.values_in(nbytes) == sizes[nbytes]
+        else:
+            with pytest.raises(UsageError, match=f"{nbytes} bytes are no int8 slice"):
+                codec.values_in(nbytes)
+    with pytest.raises(UsageError, match="3 bytes are no int8 slice"):
+        codec.decode(np.zeros(3, np.uint8))
+    with pytest.raises(UsageError, match="a uint8 buffer of 265 bytes"):
+        codec.encode(np.zeros(257, np.float32), codec.buffer(256))
+    with pytest.raises(UsageError, match="a uint8 buffer"):
+        codec.decode(codec.buffer(10).view(np.int8))
+    garbage = np.random.default_rng(2).integers(0, 256, codec.nbytes(700), dtype=np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert codec.decode(garbage).shape == (700,)
 
 
 # ---- the nodes' network model --------------------------------------------------------------
@@ -189,7 +319,7 @@ def test_retime_recharges_a_run_on_its_own_and_on_other_nodes(runs, tmp_path):
     """A run re-charged on its own network and nodes gives its own t_comm to the last bit; a
     flat run's messages are the same on any nodes, so re-charged on another L it gives the
     run on those nodes; a hierarchical run is refused any other L."""
-    for name in ("4-bit hierarchical", "4-bit flat 2x2", "4-bit hierarchical bf16"):
+    for name in ("4-bit hierarchical", "4-bit flat 2x2", "4-bit hierarchical bf16", "4-bit hierarchical int8"):
         trace, config = runs[name]
         out = tmp_path / f"{name.replace(' ', '-')}.h5"
         retime(config.trace, out, bandwidth=config.bandwidth)

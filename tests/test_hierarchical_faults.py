@@ -33,12 +33,13 @@ def _errors(tmp_path, **options) -> str:
     return " | ".join(f"{rank}: {error}" for rank, error in sorted(errors.items()))
 
 
-@pytest.mark.parametrize("owner", [True, False], ids=["the slice's owner", "another worker of the node"])
-def test_a_non_finite_gradient_names_its_worker(tmp_path, monkeypatch, owner):
+@pytest.mark.parametrize("owner, intra", [(True, "fp32"), (False, "fp32"), (False, "int8")],
+                         ids=["the slice's owner", "another worker of the node", "another worker, int8 slices"])
+def test_a_non_finite_gradient_names_its_worker(tmp_path, monkeypatch, owner, intra):
     owns = owner_of_element_0()
     culprit = owns if owner else 3 - owns  # ranks 1 and 2 are node 0
     monkeypatch.setenv("MPIGRAD_INJECT_FAULT", f"nan-grad:{culprit}:2")
-    text = _errors(tmp_path)
+    text = _errors(tmp_path, intra_codec=intra)
     assert f"worker rank {culprit} computed a non-finite gradient at iteration 2" in text
     other = 3 - culprit
     assert f"worker rank {other} computed" not in text

@@ -173,7 +173,7 @@ REFUSED = {
     "min_quantize_size": (0, "min_quantize_size must be at least 1"),
     "ranks_per_node": (0, "ranks_per_node must be a number of workers (at least 1) or auto, got 0"),
     "exchange": ("x", "exchange must be one of auto, flat, hierarchical"),
-    "intra_codec": ("x", "intra_codec must be one of fp32, fp16, bf16"),
+    "intra_codec": ("x", "intra_codec must be one of fp32, fp16, bf16, int8"),
     "control": ("x", "control must be one of ahead, paper"),
     "shard_chunk": (-1, "shard_chunk must be auto or a number of elements >= 0 (0: never cut a layer), got -1"),
     "error_feedback": ("x", "error_feedback must be one of none, residual, accumulate"),

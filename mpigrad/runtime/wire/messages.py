@@ -67,8 +67,10 @@ With S servers (ranks 0..S-1) and P workers (ranks S..S+P-1), or with colocated 
                     (the pieces of the shards local rank i's workers serve across nodes) to the
                     node's local rank i, tag INTRA; in the all-gather local rank i sends its
                     slice of the decoded average to the node's other workers, tag GATHER. Each
-                    float32[n] (``--intra-codec fp32``) or uint16[n] (fp16, bf16), n fixed by
-                    the layout: no length on the wire, the receive buffer is exactly n.
+                    float32[n] (``--intra-codec fp32``), uint16[n] (fp16, bf16) or
+                    uint8[n + 4 ceil(n / 256)] (int8: the blocks' float32 scales, then the
+                    int8 values), n fixed by the layout: no length on the wire, the receive
+                    buffer is exactly that size.
 
 Outside the iteration's order:
 
