@@ -1,12 +1,17 @@
 """``mpigrad bench clock``: the simulated clock against the network lab (root), and its refusals."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from mpigrad.cli import main as cli_main
+from mpigrad.simulate.simgrid_module import simgrid_path
+
+needs_simgrid = pytest.mark.skipif(not simgrid_path().is_file(), reason="SimGrid's Python module: "
+                                   "apt-get install python3-simgrid")
 
 
 def _lab_reason():
@@ -49,6 +54,13 @@ def test_a_run_in_the_lab_gives_both_clocks():
         assert row["phases"]["gradients"][1] > 0 and "real (sim) s: compute" in done.stdout
         # the modelled messages take real time too: a clock off by 3x either way is broken
         assert 0.33 < row["sim_over_real"] < 3, row
+    colocated, pipeline = rows
+    if simgrid_path().is_file():  # SimGrid's column: the colocated run replayed, the pipelined one refused
+        assert 0.33 < colocated["simgrid_over_real"] < 3 and colocated["simgrid_model"] == "cm02", colocated
+        assert pipeline["simgrid_s"] is None and "pipelined" in pipeline["simgrid_note"], pipeline
+        assert re.search(r"; SimGrid [01] of 1 replayed rows\n", done.stdout), done.stdout
+    else:
+        assert "SimGrid column: not measured, SimGrid's Python module is not installed" in done.stdout
 
 
 def test_the_phase_log_times_every_phase_of_every_rank(tmp_path, monkeypatch):
@@ -123,3 +135,61 @@ def test_nodes_of_two_workers_in_the_lab_give_both_clocks():
     assert [(r["ranks_per_node"], r["exchange"]) for r in rows] == [(2, "flat"), (2, "hierarchical")]
     for row in rows:
         assert row["real_s"] > 0 and row["sim_s"] > 0 and row["phases"]["gradients"][1] > 0
+
+
+@pytest.fixture(scope="module")
+def colocated_trace(tmp_path_factory):
+    """A colocated run of 2 workers on loopback, one a node, at 10 MB/s with 10 ms of compute:
+    the trace a lab run leaves, without the lab."""
+    from test_runtime_loopback import run
+
+    folder = tmp_path_factory.mktemp("colocated")
+    code, errors, config = run(folder, servers="colocated", workers=2, iterations=6, compute_time=0.01,
+                               policy="fixed", bits=4, latency=0.0)
+    assert code == 0 and not errors, errors
+    return config.trace
+
+
+@needs_simgrid
+def test_the_simgrid_column_is_the_runs_trace_replayed_on_the_labs_platform(colocated_trace, capsys):
+    """The row's SimGrid seconds: ``mpigrad simulate TRACE --json`` on the lab's platform (2
+    nodes of one worker, 10 MB/s, latency 0), over the iterations the clocks are timed on; with
+    the trace's own local work and no latency SimGrid's CM02 and mpigrad's clock agree."""
+    from pathlib import Path
+
+    from mpigrad.bench.clock import _clocks, _format, _simgrid, simgrid_unavailable
+
+    assert simgrid_unavailable() is None
+    trace, warmup = Path(colocated_trace), 1
+    row = {**_clocks(trace, warmup), **_simgrid(trace, 2, 1, "10MB/s", warmup)}
+    assert row["simgrid_model"] == "cm02" and row["simgrid_replay"] == "exact"
+    assert cli_main(["simulate", str(trace), "--json", "--peers", "none", "--sample", "6", "--nodes", "2",
+                     "--bandwidth", "10MB/s", "--latency", "0"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["platform"]["nodes"] == 2 and replayed["platform"]["bandwidth"] == 10e6
+    steady = sorted(replayed["iteration_seconds"][warmup + 1:])
+    assert row["simgrid_s"] == pytest.approx((steady[1] + steady[2]) / 2)  # the median of the 4 timed
+    assert row["simgrid_s"] == pytest.approx(row["sim_s"], rel=0.02)
+    assert 0 < row["simgrid_over_real"] and row["simgrid_over_real"] == pytest.approx(row["sim_over_real"], rel=0.02)
+    # a slower link: SimGrid's time grows, as it replays the trace's bytes at that rate
+    slower = _simgrid(trace, 2, 1, "1MB/s", warmup)
+    assert slower["simgrid_s"] > row["simgrid_s"] * 1.5
+    line = _format(dict(workers=2, servers="colocated", codec="uniform4", broadcast="star", rate="10MB/s",
+                        phases={}, **row))
+    assert line.split()[-2:] == [f"{row['simgrid_s']:.3f}", f"{row['simgrid_over_real']:.2f}"]
+
+
+def test_without_simgrid_the_column_says_so_in_one_line(colocated_trace, monkeypatch):
+    from pathlib import Path
+
+    from mpigrad.bench.clock import _format, _simgrid, simgrid_unavailable
+
+    monkeypatch.setenv("MPIGRAD_SIMGRID", "/nonexistent/simgrid.so")
+    reason = simgrid_unavailable()
+    assert "SimGrid's Python module is not installed" in reason and "\n" not in reason
+    row = _simgrid(Path(colocated_trace), 2, 1, "10MB/s", 1)  # the child says the same, in one line
+    assert row["simgrid_s"] is None and "apt-get install python3-simgrid" in row["simgrid_note"]
+    line = _format(dict(workers=2, servers="colocated", codec="uniform4", broadcast="star", rate="10MB/s",
+                        real_s=1.0, sim_s=0.9, sim_over_real=0.9, local_s=0.1, real_comm_s=0.9, sim_comm_s=0.8,
+                        comm_sim_over_real=0.89, **row))
+    assert line.split()[-2:] == ["-", "-"]

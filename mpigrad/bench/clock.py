@@ -19,6 +19,14 @@ simulated seconds: the ranks log when they end each phase (``MPIGRAD_PHASE_LOG``
 :mod:`mpigrad.runtime.measure.phaselog`; the lab's nodes share one host clock). A real phase holds
 the local work done in it (encoding in the gradient gather, decoding in both rounds); the
 simulated one only the messages. Needs root, as the lab.
+
+Beside mpigrad's clock, SimGrid's (``mpigrad simulate``, docs/simulate.rst): each run's trace
+replayed on the lab's platform (the run's worker nodes, L workers each, NICs at the rate,
+latency 0; ``--simgrid-model``, cm02 by default), in a child ``mpigrad simulate TRACE --json`` after the run; per row ``sg s/it``
+(the median over the same steady iterations of its ``iteration_seconds``, with the trace's
+recorded local work) and ``sg/real``. Without SimGrid's Python module the bench says so in one
+line and the column reads ``-``; a trace that ``mpigrad simulate`` refuses (two-round codecs,
+the pipelined iteration) gets its one-line reason under its row.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated exchanges for L > 1: flat, hierarchical (default auto: hierarchical)")
     parser.add_argument("--iterations", type=int, default=15, help="iterations per run (default 15)")
     parser.add_argument("--warmup", type=int, default=4, help="iterations left out (default 4)")
+    parser.add_argument("--simgrid-model", default="cm02", choices=("cm02", "lv08"),
+                        help="the SimGrid column's network model, mpigrad simulate --network-model (default cm02)")
     parser.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON to FILE")
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
@@ -148,8 +158,12 @@ def run(args: argparse.Namespace) -> int:
     extra = [a for a in args.train_args if a != "--"] or ["--model-opt", "fc_sizes=[1024,2048]", "--lr", "0.02"]
     print(f"mpigrad bench clock: simulated against real per iteration, in a network lab; {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}; train options: {' '.join(extra)}", flush=True)
+    simgrid_reason = simgrid_unavailable()
+    if simgrid_reason:
+        print(f"SimGrid column: not measured, {simgrid_reason}", flush=True)
     header = (f"{'P':>3} {'S':>4} {'L':>2} {'exch':>4} {'codec':>9} {'bcast':>5} {'rate':>8} {'real s/it':>10} {'sim s/it':>9} "
-              f"{'sim/real':>9} {'local s':>8} {'real comm':>10} {'sim comm':>9} {'comm s/r':>9}")
+              f"{'sim/real':>9} {'local s':>8} {'real comm':>10} {'sim comm':>9} {'comm s/r':>9} {'sg s/it':>8} "
+              f"{'sg/real':>8}")
     print(header, flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="mpigrad-bench-clock-") as tmp:
@@ -179,16 +193,68 @@ def run(args: argparse.Namespace) -> int:
                        codec=codec, broadcast=broadcast, rate=rate_text,
                        **_clocks(trace, args.warmup),
                        phases=_phases(phase_dir, p, layout, args.warmup, codec in TWO_ROUNDS))
+            row.update(_simgrid(trace, p // L, L, rate_text, args.warmup, args.simgrid_model) if not simgrid_reason else
+                       {"simgrid_s": None, "simgrid_over_real": None, "simgrid_note": simgrid_reason})
             results.append(row)
             print(_format(row), flush=True)
             print(_format_phases(row["phases"]), flush=True)
+            if row["simgrid_s"] is None and not simgrid_reason:
+                print(f"      SimGrid: {row['simgrid_note']}", flush=True)
     within = sum(abs(r["sim_over_real"] - 1) <= 0.10 for r in results)
-    print(f"{within} of {len(results)} rows within 10 %")
-    report = {"bench": "clock", "load": os.getloadavg()[0], "train_args": extra, "results": results}
+    replayed = [r for r in results if r["simgrid_over_real"] is not None]
+    simgrid_within = sum(abs(r["simgrid_over_real"] - 1) <= 0.10 for r in replayed)
+    print(f"{within} of {len(results)} rows within 10 % on mpigrad's clock; "
+          + (f"SimGrid {simgrid_within} of {len(replayed)} replayed rows" if not simgrid_reason else "SimGrid not measured"))
+    report = {"bench": "clock", "load": os.getloadavg()[0], "train_args": extra, "simgrid": simgrid_reason or "measured",
+              "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
     return 0
+
+
+def simgrid_unavailable() -> str | None:
+    """Why the SimGrid column cannot be measured here (one line), or None: the check
+    ``mpigrad simulate`` makes before it starts (its Python module is installed)."""
+    from ..simulate.simgrid_module import check_simgrid
+
+    try:
+        check_simgrid()
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
+def _simgrid(trace: Path, nodes: int, ranks_per_node: int, rate: str, warmup: int, model: str = "cm02",
+             timeout: float = 600) -> dict:
+    """The run's trace replayed by ``mpigrad simulate`` (a child process, ``--json``) on the
+    lab's platform: ``nodes`` nodes of ``ranks_per_node`` workers, NICs at ``rate``, latency 0
+    (the lab adds none), SimGrid's network ``model`` (``--network-model``); every iteration of the trace, then the
+    median over the steady ones (those ``_clocks`` times) of SimGrid's seconds per iteration,
+    and of their ratios to the real ones. ``simgrid_s`` None, with the command's one-line
+    reason in ``simgrid_note``, where it refuses the trace or fails."""
+    from ..trace import load
+
+    steps = load(trace).steps
+    command = [sys.executable, "-m", "mpigrad", "simulate", str(trace), "--json", "--peers", "none",
+               "--sample", str(len(steps)), "--nodes", str(nodes), "--ranks-per-node", str(ranks_per_node),
+               "--bandwidth", rate, "--latency", "0", "--network-model", model]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"simgrid_s": None, "simgrid_over_real": None, "simgrid_note": f"mpigrad simulate took over {timeout:.0f} s"}
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"mpigrad simulate exited {done.returncode}"]
+        return {"simgrid_s": None, "simgrid_over_real": None, "simgrid_note": lines[-1]}
+    result = json.loads(done.stdout)
+    # iteration_seconds[m] is iteration m's; the wall clock's m-th diff is iteration m + 1's
+    simgrid = np.asarray(result["iteration_seconds"], float)[warmup + 1:]
+    real = np.diff(steps["wall_time"].to_numpy(float))[warmup:]
+    if len(simgrid) != len(real) or not len(real):
+        return {"simgrid_s": None, "simgrid_over_real": None,
+                "simgrid_note": f"mpigrad simulate replayed {result.get('iterations')} iteration(s) of {len(steps)}"}
+    return {"simgrid_s": float(np.median(simgrid)), "simgrid_over_real": float(np.median(simgrid / real)),
+            "simgrid_model": result.get("model"), "simgrid_replay": result.get("replay")}
 
 
 def _clocks(trace: Path, warmup: int) -> dict:
@@ -283,4 +349,6 @@ def _format(r: dict) -> str:
     return (f"{r['workers']:>3} {servers:>4} {r.get('ranks_per_node', 1):>2} {r.get('exchange', 'flat')[:4]:>4} "
             f"{r['codec']:>9} {r['broadcast']:>5} {r['rate']:>8} {r['real_s']:>10.3f} "
             f"{r['sim_s']:>9.3f} {r['sim_over_real']:>9.2f} {r['local_s']:>8.3f} {r['real_comm_s']:>10.3f} "
-            f"{r['sim_comm_s']:>9.3f} {r['comm_sim_over_real']:>9.2f}")
+            f"{r['sim_comm_s']:>9.3f} {r['comm_sim_over_real']:>9.2f} "
+            + (f"{r['simgrid_s']:>8.3f} {r['simgrid_over_real']:>8.2f}" if r.get("simgrid_s") is not None
+               else f"{'-':>8} {'-':>8}"))
