@@ -231,8 +231,8 @@ class Session:
                                             model=self.model, resume_state=self._resume)
             return run_other_rank(self.config, self._channel, self.model)
         finally:
+            report_late_kernels(self.rank, self._watch)  # before _end puts the warm-up record back
             self._end()
-            report_late_kernels(self.rank, self._watch)
 
     # ---- a worker -----------------------------------------------------------------------
     def _worker_role(self):
@@ -298,9 +298,9 @@ class Session:
             raise
         self._cpu, self._wall = time.process_time(), time.perf_counter()
         if record.last or record.stop:
-            self._end()
             from .runtime.run.session import report_late_kernels
-            report_late_kernels(self.rank, self._watch)
+            report_late_kernels(self.rank, self._watch)  # before _end puts the warm-up record back
+            self._end()
         return record
 
     def state_dict(self) -> dict | None:

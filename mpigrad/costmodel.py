@@ -286,8 +286,11 @@ class LocalWork:
             server = max(server, t)
         broadcast = 0.0
         for shards in slices:
-            broadcast = max(broadcast, sum(model.seconds(*down(layer), "decode", n)
-                                           for shard in shards for layer, n in shard))
+            t = 0.0  # added one by one (sum() compensates from Python 3.12: not the same float)
+            for shard in shards:
+                for layer, n in shard:
+                    t += model.seconds(*down(layer), "decode", n)
+            broadcast = max(broadcast, t)
         policy = model.policy(self.policy, self.quantized) if self.policy else 0.0
         return policy + worker + server + broadcast
 

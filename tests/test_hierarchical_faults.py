@@ -17,9 +17,9 @@ import test_runtime_loopback
 NODES = dict(policy="fixed", bits=4, ranks_per_node=2, exchange="hierarchical")
 
 
-def owner_of_element_0() -> int:
+def owner_of_element_0(**options) -> int:
     """The rank of node 0's worker that owns the slice holding the flat gradient's element 0."""
-    config = RunConfig(**{**test_runtime_loopback.BASE, **NODES, "servers": "colocated"})
+    config = RunConfig(**{**test_runtime_loopback.BASE, **NODES, "servers": "colocated", **options})
     replica = build_replica(config, load_data(config))
     shards = build_shards(config, replica.layout, base_codec(config), 4)
     shard = next(s for s, one in enumerate(shards) if any(p.offset == 0 for p in one.pieces))
@@ -28,7 +28,7 @@ def owner_of_element_0() -> int:
 
 def _errors(tmp_path, **options) -> str:
     code, errors, _ = test_runtime_loopback.run(tmp_path, servers="colocated", workers=4, timeout=8.0,
-                                                **NODES, **options)
+                                                **{**NODES, **options})
     assert errors, code
     return " | ".join(f"{rank}: {error}" for rank, error in sorted(errors.items()))
 
@@ -43,6 +43,17 @@ def test_a_non_finite_gradient_names_its_worker(tmp_path, monkeypatch, owner, in
     assert f"worker rank {culprit} computed a non-finite gradient at iteration 2" in text
     other = 3 - culprit
     assert f"worker rank {other} computed" not in text
+
+
+def test_powersgds_factors_name_the_worker_too(tmp_path, monkeypatch):
+    """PowerSGD on the hierarchical exchange: the factors of a node mean that is not finite
+    are refused by the slice's owner naming the worker (8-bit factors: the codec refuses them)."""
+    culprit = 3 - owner_of_element_0(codec="powersgd", codec_opts={"start": 0, "factor_bits": 8},
+                                     min_quantize_size=None)
+    monkeypatch.setenv("MPIGRAD_INJECT_FAULT", f"nan-grad:{culprit}:2")
+    text = _errors(tmp_path, codec="powersgd", codec_opts={"start": 0, "factor_bits": 8}, min_quantize_size=None)
+    assert f"worker rank {culprit} computed a non-finite gradient at iteration 2" in text
+    assert f"worker rank {3 - culprit} computed" not in text
 
 
 def test_a_gradient_beyond_half_precision_is_named_with_the_way_out(tmp_path, monkeypatch):

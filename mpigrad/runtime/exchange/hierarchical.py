@@ -130,9 +130,15 @@ class HierarchicalWorker(ColocatedWorker):
         which the clock charges as such)."""
         node_mean = self.frame_gradient(m)
         frames = self.encode_gradient(lambda: node_mean, self.codec_slices[self.local])
-        if frames and is_error_frame(frames[0]):  # the node's mean is not finite: name whose slice made it so
-            raise TrainingError(self._non_finite(m))
+        if frames and is_error_frame(frames[0]):
+            self.refuse_non_finite(m)
         self.post(m, frames, TAG_GRAD, "gradient", self.aggregator)
+
+    frame_gradient_communicates = True
+
+    def refuse_non_finite(self, m: int) -> None:
+        """The node's mean is not finite: TrainingError naming whose slice made it so."""
+        raise TrainingError(self._non_finite(m))
 
     def _non_finite(self, m: int) -> str:
         """The line for a node mean that is not finite: the first node worker whose slice

@@ -432,11 +432,11 @@ class LowRank:
         if self.worker:
             for begin, end in self._memory_ranges():
                 np.subtract(self.matrix[begin:end], update[begin:end], out=self.error[begin:end])
-            if not self.codec.mixed:  # one plan: Q memory and round 2 share their layout
+            if not self.codec.mixed and self.owned is None:  # one plan: Q memory and round 2 share their layout
                 self.q_memory[:] = q_buf
                 return
-            for lay in self.layers:
-                if lay.r:
+            for lay in self.layers:  # each layer's own (the owned ones': the others' Q stays as it was)
+                if lay.r and self._owns(lay.layer):
                     self._q_memory(lay.layer)[:, :lay.r] = self._q(q_buf, lay)
 
     # ---- checkpoint state ---------------------------------------------------------------

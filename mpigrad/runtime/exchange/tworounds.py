@@ -112,8 +112,10 @@ class LowRankWorker(Around):
     def gradients(self, m: int) -> None:
         if not self.lowrank.active(m):
             return self.inner.gradients(m)
+        start = time.process_time()  # the gradient's making is the encode's, as encode_gradient counts it
         grad = self.inner.frame_gradient(m)
-        start = time.process_time()
+        if self.inner.frame_gradient_communicates:  # the reduce-scatter's wait is communication
+            start = time.process_time()
         lowrank = self.lowrank  # round 1: P_i = M_i Q and the other layers
         self._send_factors(m, lowrank.first_factors(grad), lowrank.compressor1, lowrank.rounds[0], TAG_GRAD, start, 0)
 
@@ -158,6 +160,7 @@ class LowRankWorker(Around):
         except CodecError:
             if np.isfinite(vector).all():
                 raise
+            self.inner.refuse_non_finite(m)
             frames = [error_frame()] * len(self.sent_shards)
         self.inner.post(m, frames, tag, "factors", self.factor_aggregators[round_], first=round_ == 0)
 

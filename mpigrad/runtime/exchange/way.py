@@ -148,6 +148,15 @@ class WorkerSide:
         here; the hierarchical exchange's, its node's mean over the slice it sends."""
         return self.parts.gradient()
 
+    #: Whether ``frame_gradient`` communicates (the hierarchical reduce-scatter): its time is
+    #: then not the encode's.
+    frame_gradient_communicates = False
+
+    def refuse_non_finite(self, m: int) -> None:
+        """Where this worker's frames of iteration m would be error frames (its gradient not
+        finite): nothing here (the servers name this worker); the hierarchical exchange raises
+        TrainingError naming the node's worker whose slice was not finite."""
+
     def gather_update(self, m: int) -> None:
         """After the decoded update of iteration m is written (by a wrapping way, e.g.
         PowerSGD's rounds): nothing here; the hierarchical exchange's all-gather inside the node."""
