@@ -80,7 +80,10 @@ def test_the_exchange_auto_and_hierarchical_resolve_to():
     assert resolve_topology(colocated(ranks_per_node=2), 3)[1] == "flat"        # one node
     assert resolve_topology(colocated(ranks_per_node=1), 5)[1] == "flat"        # one worker per node
     assert resolve_topology(colocated(ranks_per_node=2, exchange="flat"), 5)[1] == "flat"
-    assert resolve_topology(colocated(ranks_per_node=2, codec="powersgd"), 5)[1] == "hierarchical"
+    assert resolve_topology(colocated(ranks_per_node=2, codec="powersgd"), 5)[1:] == ("hierarchical", [])
+    assert resolve_topology(colocated(ranks_per_node=2, codec="powersgd", shard_chunk=1000), 5)[2] == [
+        "note: --shard-chunk 1000 is not used: PowerSGD on the hierarchical exchange keeps whole layers in its "
+        "shards (a slice's matrices are its local rank's)"]
     _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, codec="powersgd",
                                                     codec_opts={"ranks": [1, 2]}), 5)
     assert exchange == "flat" and notes == ["note: nodes of several workers, flat exchange (the hierarchical one does "

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from ...config import AUTO, RunConfig
+from ...config import AUTO, AUTO_CHUNK, RunConfig
 from ...errors import UsageError
 from .checks import base_codec
 from .gpu import workers_device
@@ -184,4 +184,7 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
     if nodes is not None and L > cores:  # at launch: this machine's cores are the job's
         notes.append(f"note: {L} workers per node, more than this machine's {cores} cores: the modelled nodes "
                      "share them (compute is charged in CPU time)")
+    if exchange == "hierarchical" and base_codec(config).two_rounds and config.shard_chunk != AUTO_CHUNK:
+        notes.append(f"note: --shard-chunk {config.shard_chunk} is not used: PowerSGD on the hierarchical exchange "
+                     "keeps whole layers in its shards (a slice's matrices are its local rank's)")
     return topology, exchange, notes
