@@ -371,8 +371,8 @@ class Session:
         except UsageError as exc:
             _say(f"mpigrad: rank {self.rank}: error: {exc}")
             if not self.is_worker:  # the workers wait for this rank: end them, with this line only
-                time.sleep(0.5)  # the launcher forwards the line before the abort ends its output
-                self.comm.Abort(2)
+                from .runtime.run.launch import abort_world
+                abort_world(self.comm, 2)
 
     def __enter__(self) -> "Session":
         return self

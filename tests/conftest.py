@@ -34,6 +34,29 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
 
+def _parse_one_thread_at_a_time() -> None:
+    """Many tests run a run's ranks as threads of this process. CPython 3.11's ``ast`` keeps
+    the parser's recursion depth per interpreter, not per thread (gh-106905), so two threads
+    parsing at once (NumPy reading an .npz header, ``inspect.signature`` of a builtin as
+    ``numpy.ma`` is imported) could fail with "AST constructor recursion depth mismatch":
+    a rank of stop 69's CI did. Real runs are processes of one thread each and never meet it;
+a lock costs the suite nothing on a Python that has no such bug."""
+    import ast
+    import threading
+
+    parse, lock = ast.parse, threading.RLock()
+
+    def parse_alone(*args, **kwargs):
+        with lock:
+            return parse(*args, **kwargs)
+
+    parse_alone.__wrapped__ = parse
+    ast.parse = parse_alone
+
+
+_parse_one_thread_at_a_time()
+
+
 def load_script(path: Path, name: str):
     """The example script at ``path`` imported as module ``name`` (registered in sys.modules,
     where dataclasses look their module up)."""

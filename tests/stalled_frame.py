@@ -4,9 +4,12 @@
 Rank 2 starts sending a large frame and then makes no MPI call for ``--hold`` seconds: its
 frame begins to arrive and stops, as one does when a link goes down in the middle of it
 (MPICH moves a large message only inside MPI calls of both sides). Rank 1 sends a small
-frame a little later. Rank 0 prints ``RECEIVED <ranks>`` and the one line of its timeout.
+frame a little later. Rank 0 writes the one line of its timeout and ``RECEIVED <ranks>``
+to the file its one argument names (not stdout: the abort that ends the script can end the
+launcher's forwarding of the lines first, as it did in stop 69's CI).
 """
 
+import os
 import sys
 import time
 
@@ -30,8 +33,13 @@ if rank == 0:
                                         lambda pending: f"worker rank(s) {', '.join(map(str, pending))} sent no frame"):
             received.append(source)
     except PeerTimeout as exc:
-        print(f"TIMEOUT {exc}", flush=True)
-    print(f"RECEIVED {' '.join(map(str, received))}", flush=True)
+        lines = [f"TIMEOUT {exc}"]
+    else:
+        lines = []
+    lines.append(f"RECEIVED {' '.join(map(str, received))}")
+    with open(sys.argv[1] + ".partial", "w") as out:
+        out.write("".join(line + "\n" for line in lines))
+    os.replace(sys.argv[1] + ".partial", sys.argv[1])
     comm.Abort(0)  # rank 2's frame will never be received
 elif rank == 2:
     request = comm.Isend(np.ones(64 << 20, np.uint8), dest=0, tag=TAG)

@@ -177,9 +177,10 @@ class WorldPool:
         stdout, stderr = world.output(number, ranks)
         aborted = any(text.endswith(ABORTED) for text in codes)  # every rank wrote before the abort ended them
         codes = [_code(text) for text in codes]
-        # A rank that said MPI_Abort failed the run, whatever the code files hold: one CI run
-        # (stop 68) read 0 for a scenario whose rank 1 printed MPI_Abort(MPI_COMM_WORLD, 5),
-        # for a reason not found. A failed run must never read as passed.
+        # A rank that said MPI_Abort failed the run, whatever the code files hold: stop 68's
+        # CI read 0 for a scenario whose rank 1 printed MPI_Abort(MPI_COMM_WORLD, 5) (its
+        # MPI_Abort had returned and the scenario went on: world_server's Abort no longer
+        # returns). A failed run must never read as passed.
         said_abort = any(text in stderr for text in MPI_ABORT_SAID)
         if LEFT_STATE in codes or aborted or said_abort:  # the next scenario must not inherit it, nor a dying world
             world.kill()

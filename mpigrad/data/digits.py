@@ -11,6 +11,7 @@ training set's mean and std.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,26 @@ _FILE = Path(__file__).with_name("digits.npz")
 DIGITS_SHA256 = "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"
 
 
+_LOCK = threading.Lock()
+_ARRAYS: tuple[np.ndarray, np.ndarray] | None = None
+
+
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """The embedded (images uint8 (1797, 8, 8), labels uint8 (1797,)), as stored."""
-    with np.load(_FILE) as stored:
-        return stored["images"], stored["labels"]
+    """The embedded (images uint8 (1797, 8, 8), labels uint8 (1797,)), as stored: read once
+    per process (every rank of an in-process run, every run of a shared world) and handed
+    out read-only. The lock: NumPy reads an .npz header with ``ast.literal_eval``, and
+    CPython 3.11's parser keeps its recursion depth per interpreter, not per thread, so two
+    ranks of one process reading at once failed with "AST constructor recursion depth
+    mismatch" (stop 69's CI; CPython gh-106905)."""
+    global _ARRAYS
+    with _LOCK:
+        if _ARRAYS is None:
+            with np.load(_FILE) as stored:
+                images, labels = stored["images"], stored["labels"]
+            images.setflags(write=False)
+            labels.setflags(write=False)
+            _ARRAYS = images, labels
+        return _ARRAYS
 
 
 def load_digits(*, data_dir=None, seed: int = 0, test_fraction: float = 0.2) -> Dataset:

@@ -148,19 +148,19 @@ def run_on(config: RunConfig, comm, argv: list[str], started: float | None = Non
     except UsageError as exc:
         if rank == 0:
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
-        _abort(comm, EXIT_USAGE)
+        abort_world(comm, EXIT_USAGE)
     except Exception as exc:  # noqa: BLE001 - every rank must end, not hang
         from ...trace.writer import TraceExists
         if isinstance(exc, TraceExists):  # another run took the trace path after the launch checks
             print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
-            _abort(comm, EXIT_USAGE)  # a clash, as the launch checks refuse it: not a failure
+            abort_world(comm, EXIT_USAGE)  # a clash, as the launch checks refuse it: not a failure
         if os.environ.get("MPIGRAD_DEBUG"):
             traceback.print_exc()
         print(f"mpigrad train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         from .follower import RankFailure
         if isinstance(exc, RankFailure):
             exc.report()  # rank 0 closes the trace "failed" and ends the run (returns if it does not)
-        _abort(comm, EXIT_FAILURE)
+        abort_world(comm, EXIT_FAILURE)
     return EXIT_FAILURE
 
 
@@ -179,11 +179,17 @@ def check_only(config: RunConfig, ranks: int | None) -> int:
     return 0
 
 
-def _abort(comm, code: int) -> None:
+def abort_world(comm, code: int) -> NoReturn:
     """MPI_Abort every rank, after giving the launcher a moment to forward our last message
-    (an abort can kill its output forwarding before the line gets out)."""
+    (an abort can kill its output forwarding before the line gets out). Does not return:
+    MPICH's MPI_Abort returned now and then on a loaded machine before its launcher killed
+    the rank (the test worlds' rank went on and wrote its code, stop 69's CI), and a rank
+    that goes on after an abort may write what it must not."""
     time.sleep(_FORWARD_SECONDS)
     comm.Abort(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 _FORWARD_SECONDS = 0.5
