@@ -38,8 +38,10 @@ of every NIC's two sides and every worker's intra-node link's two sides, which r
 (:class:`Nodes`). The flat colocated exchange's frames and shards go wherever their
 receivers are; the hierarchical one (``IterationTraffic.hierarchical``) adds a
 reduce-scatter and an all-gather of float slices inside the nodes (``Nodes.intra``), and its
-frames and shards cross nodes only between the workers of one local rank. With L = 1 none
-of this applies and every charge is the per-link model's, to the last bit.
+frames and shards cross nodes only between the workers of one local rank; pipelined
+(``LinkModel.pipelined_hierarchical``), each bucket's messages go one at a time on those
+links and NICs as they are ready. With L = 1 none of this applies and every charge is the
+per-link model's, to the last bit.
 
 Local work runs in parallel across ranks, so a modelled iteration charges the slowest
 worker's compute and encode, then the slowest server's decode/average/encode and rank 0's
@@ -334,6 +336,10 @@ class Nodes:
     def node_of(self, worker: int) -> int:
         return worker // self.ranks_per_node
 
+    def intra_seconds(self, nbytes: int) -> float:
+        """One message of ``nbytes`` on a worker's link inside its node (either side)."""
+        return self.intra_latency + nbytes / self.intra_bandwidth
+
     def round(self, messages: Sequence[tuple[int, int, int]], bandwidth: float, latency: float) -> NodeRound:
         """Messages ``(nbytes, sending worker, receiving worker)`` sent at once (none of 0
         bytes, none to itself): the NICs' sides at ``bandwidth``, each worker paying
@@ -348,7 +354,7 @@ class Nodes:
         for nbytes, sender, receiver in messages:
             a, b = self.node_of(sender), self.node_of(receiver)
             if a == b:
-                seconds = self.intra_latency + nbytes / self.intra_bandwidth
+                seconds = self.intra_seconds(nbytes)
                 intra_out[sender] = intra_out.get(sender, 0.0) + seconds
                 intra_in[receiver] = intra_in.get(receiver, 0.0) + seconds
                 intra_bytes += nbytes
@@ -379,6 +385,31 @@ class Nodes:
         messages = [(slice_bytes[j], node * L + i, node * L + j) for node in range(workers // L)
                     for i in range(L) for j in range(L) if i != j and slice_bytes[j]]
         return self.round(messages, math.inf, 0.0)
+
+
+class _Sides:
+    """The two sides of links, each carrying one message at a time, keyed by whatever names
+    a link (a rank, a node's NIC, a worker's intra-node link), all free from ``start`` on:
+    a message leaves once it is ready and its sender's outgoing side is free, and comes in
+    from then on once its receiver's incoming side is free."""
+
+    def __init__(self, start: float):
+        self.start = start
+        self.free_out: dict = {}
+        self.free_in: dict = {}
+
+    def free(self, out_side) -> float:
+        """When ``out_side`` can start its next message."""
+        return self.free_out.get(out_side, self.start)
+
+    def send(self, ready: float, out_side, in_side, seconds) -> float:
+        """One message ready at ``ready`` taking ``seconds(t)`` on each side from t; return
+        when it is in."""
+        out = max(ready, self.free(out_side))
+        self.free_out[out_side] = out + seconds(out)
+        into = max(out, self.free_in.get(in_side, self.start))
+        self.free_in[in_side] = end = into + seconds(into)
+        return end
 
 
 @dataclass(frozen=True)
@@ -601,35 +632,28 @@ class LinkModel:
         shard's average. It covers the backward pass, which it overlaps.
 
         Each node has a link, full duplex, each side carrying one message at a time for its
-        ``transfer_seconds``: a message leaves when it is ready and its sender's outgoing side
-        is free, and comes in from then on once its receiver's incoming side is free (so a
-        round's time is the busier side's, as in ``gradients``); messages in order of
-        readiness, ties in the order posted. Ready:
+        ``transfer_seconds`` (:class:`_Sides`): a message leaves when it is ready and its
+        sender's outgoing side is free, and comes in from then on once its receiver's incoming
+        side is free (so a round's time is the busier side's, as in ``gradients``); messages in
+        order of readiness, ties in the order posted. Ready:
         a loss report at ``start``; the Control when rank 0 has every loss (``ahead``: when
         it arrives from ``sent``, the iteration's start, or at ``start`` if sooner); worker w's frame
         of bucket b when it holds the Control and backward has produced the bucket
         (``traffic.ready[w][b]`` after ``start``), in bucket order, to the other shards in
         turn from its own (w + 1, w + 2, ...); node s's average of bucket b when every frame
         of it is in, its own backward has ended and its earlier buckets have gone out, to the
-        other workers in the same turn. The codecs' work is not in it (charged apart)."""
+        other workers in the same turn. The codecs' work is not in it (charged apart).
+        A hierarchical traffic (``traffic.intra``) is :meth:`pipelined_hierarchical`'s."""
+        if traffic.intra:
+            return self.pipelined_hierarchical(traffic, start, sent)
         P = traffic.workers
         worker = lambda w: w + 1  # noqa: E731  (colocated: worker w at rank w + 1 serves shard w)
-        free_out: dict[int, float] = {}
-        free_in: dict[int, float] = {}
+        sides = _Sides(start)
 
         def send(ready: float, nbytes: int, sender: int, receiver: int) -> float:
-            out = max(ready, free_out.get(sender, start))
-            free_out[sender] = out + self.transfer_seconds(nbytes, out, sender, receiver)
-            into = max(out, free_in.get(receiver, start))
-            free_in[receiver] = end = into + self.transfer_seconds(nbytes, into, sender, receiver)
-            return end
+            return sides.send(ready, sender, receiver, lambda t: self.transfer_seconds(nbytes, t, sender, receiver))
 
-        losses_in = max(send(start, traffic.loss_bytes, worker(w), 0) for w in range(P))
-        if traffic.ahead:
-            at = start if sent is None else sent
-            control = [start + self.control_ahead(P, 1, traffic.control_bytes, True, at, start)] * P
-        else:
-            control = [send(losses_in, traffic.control_bytes, 0, worker(w)) for w in range(P)]
+        control = self._pipelined_control(traffic, start, sent, send)
         buckets = len(traffic.ready[0]) if P else 0
         backward_end = [start + max(traffic.ready[w], default=0.0) for w in range(P)]
         # Each node's messages (ready, order posted, nbytes, receiver, bucket, kind), a heap per
@@ -667,7 +691,7 @@ class LinkModel:
             release(s)
         while any(queues):
             sender = min((w for w in range(P) if queues[w]),
-                         key=lambda w: (max(queues[w][0][0], free_out.get(worker(w), start)), w))
+                         key=lambda w: (max(queues[w][0][0], sides.free(worker(w))), w))
             ready, _, nbytes, receiver, b, kind = heapq.heappop(queues[sender])
             end = send(ready, nbytes, worker(sender), worker(receiver))
             if kind == "frame":
@@ -676,6 +700,138 @@ class LinkModel:
                 release(receiver)
             else:
                 done = max(done, end)
+        return max(done, *backward_end, *control) - start if P else 0.0
+
+    def _pipelined_control(self, traffic: "PipelinedTraffic", start: float, sent: float | None, send) -> list[float]:
+        """The loss reports to rank 0 at ``start`` and when each worker holds the Control
+        (``send(ready, nbytes, sender rank, receiver rank)`` sends one message)."""
+        P = traffic.workers
+        losses_in = max(send(start, traffic.loss_bytes, w + 1, 0) for w in range(P))
+        if traffic.ahead:
+            at = start if sent is None else sent
+            return [start + self.control_ahead(P, 1, traffic.control_bytes, True, at, start)] * P
+        return [send(losses_in, traffic.control_bytes, 0, w + 1) for w in range(P)]
+
+    def pipelined_hierarchical(self, traffic: "PipelinedTraffic", start: float = 0.0,
+                               sent: float | None = None) -> float:
+        """The pipelined hierarchical iteration's communication on :attr:`nodes` of L workers
+        (runtime/exchange/hierarchical_pipeline.py), from the end of the forward pass at
+        ``start``: simulated seconds until the last worker holds the whole average.
+
+        Sides as in :meth:`pipelined`, on nodes: a message inside a node takes the workers'
+        intra-node links (``Nodes.intra_seconds``), one across takes the two nodes' NICs
+        (``transfer_seconds``; a NIC side carries one message at a time, so the latencies of a
+        node's workers follow one another, where ``Nodes.round`` overlaps them); the loss
+        reports and the Control take rank 0's link and each worker's own, as the sequential
+        clock charges them. Ready, bucket b being shard s's part, of slice i = s mod L:
+        worker w's part of it (``intra[b]`` bytes) to its node's local rank i when it holds the
+        Control and backward has produced it; the owner's frame (``frames[s][b][owner]``) to
+        worker s when the node's L - 1 parts are in, its own is produced and its earlier
+        slice buckets' frames have gone; worker s's average (``bcast[s][b]``) to the other
+        workers of local rank i when every frame is in, its backward has ended and its earlier
+        averages have gone; each worker of local rank i's all-gather of it (``intra[b]``) to
+        its node's others once it holds the average, its backward has ended and its earlier
+        slice buckets' have gone. Done when the last all-gather is in."""
+        nodes = self.nodes
+        if nodes is None:
+            raise ValueError("a pipelined hierarchical traffic (intra) needs nodes of several workers "
+                             "(LinkModel.nodes)")
+        P, L = traffic.workers, nodes.ranks_per_node
+        sides = _Sides(start)
+
+        def send(ready: float, nbytes: int, sender: int, receiver: int) -> float:  # ranks: rank 0's messages
+            return sides.send(ready, ("rank", sender), ("rank", receiver),
+                              lambda t: self.transfer_seconds(nbytes, t, sender, receiver))
+
+        def out_side(sender: int, receiver: int):  # workers
+            a, b = nodes.node_of(sender), nodes.node_of(receiver)
+            return ("intra", sender) if a == b else ("nic", a)
+
+        def send_between(ready: float, nbytes: int, sender: int, receiver: int) -> float:  # workers
+            a, b = nodes.node_of(sender), nodes.node_of(receiver)
+            if a == b:
+                return sides.send(ready, ("intra", sender), ("intra", receiver), lambda t: nodes.intra_seconds(nbytes))
+            return sides.send(ready, ("nic", a), ("nic", b),
+                              lambda t: self.transfer_seconds(nbytes, t, sender + 1, receiver + 1))
+
+        control = self._pipelined_control(traffic, start, sent, send)
+        buckets = len(traffic.ready[0]) if P else 0
+        backward_end = [start + max(traffic.ready[w], default=0.0) for w in range(P)]
+        shard = [next((s for s in range(P) if traffic.bcast[s][b]), None) for b in range(buckets)]
+        node_of, local = nodes.node_of, (lambda w: w % L)  # noqa: E731
+        queues: list[list] = [[] for _ in range(P)]
+        posted = 0
+
+        def push(w: int, ready: float, nbytes: int, receiver: int, b: int, kind: str) -> None:
+            nonlocal posted
+            heapq.heappush(queues[w], (ready, posted, nbytes, receiver, b, kind))
+            posted += 1
+
+        def owner(w: int, b: int) -> int:  # bucket b's slice owner on worker w's node
+            return node_of(w) * L + local(shard[b])
+
+        def node_peers(w: int) -> list[int]:
+            return [node_of(w) * L + i for i in range(L) if i != local(w)]
+
+        slice_buckets = [[b for b in range(buckets) if shard[b] is not None and local(shard[b]) == local(w)]
+                         for w in range(P)]
+        for w in range(P):
+            for b in range(buckets):
+                if shard[b] is not None and local(w) != local(shard[b]):
+                    push(w, max(control[w], start + traffic.ready[w][b]), traffic.intra[b], owner(w, b), b, "part")
+        parts_in = {(w, b): (L - 1, start) for w in range(P) for b in slice_buckets[w]}
+        frames_in = {(s, b): (1 + sum(1 for w in range(P) if w != s and traffic.frames[s][b][w]), start)
+                     for s in range(P) for b in slice_buckets[s] if shard[b] == s}
+        means = {w: list(slice_buckets[w]) for w in range(P)}
+        served = {s: [b for b in slice_buckets[s] if shard[b] == s] for s in range(P)}
+        gathers = {w: list(slice_buckets[w]) for w in range(P)}
+        holds: dict[tuple[int, int], float] = {}  # (worker, bucket): when its slice's average is in its update
+        last_mean, last_average, last_gather = [start] * P, [start] * P, [start] * P
+        done = start
+
+        def arrive(table: dict, key, end: float) -> None:
+            left, at = table[key]
+            table[key] = (left - 1, max(at, end))
+
+        def release(w: int) -> None:
+            """Queue worker w's node means, averages and all-gathers whose inputs are in, each
+            kind in its slice's bucket order."""
+            while means[w] and parts_in[(w, means[w][0])][0] == 0:
+                b = means[w].pop(0)
+                ready = last_mean[w] = max(parts_in[(w, b)][1], control[w], start + traffic.ready[w][b], last_mean[w])
+                if shard[b] == w:
+                    arrive(frames_in, (w, b), ready)
+                else:
+                    push(w, ready, traffic.frames[shard[b]][b][w], shard[b], b, "frame")
+            while served[w] and frames_in[(w, served[w][0])][0] == 0:
+                b = served[w].pop(0)
+                ready = last_average[w] = max(frames_in[(w, b)][1], backward_end[w], last_average[w])
+                holds[(w, b)] = ready
+                for v in range(P):
+                    if v != w and local(v) == local(w):
+                        push(w, ready, traffic.bcast[w][b], v, b, "average")
+            while gathers[w] and (w, gathers[w][0]) in holds:
+                b = gathers[w].pop(0)
+                ready = last_gather[w] = max(holds[(w, b)], backward_end[w], last_gather[w])
+                for v in node_peers(w):
+                    push(w, ready, traffic.intra[b], v, b, "gather")
+
+        for w in range(P):
+            release(w)
+        while any(queues):
+            sender = min((w for w in range(P) if queues[w]),
+                         key=lambda w: (max(queues[w][0][0], sides.free(out_side(w, queues[w][0][3]))), w))
+            ready, _, nbytes, receiver, b, kind = heapq.heappop(queues[sender])
+            end = send_between(ready, nbytes, sender, receiver)
+            if kind == "part":
+                arrive(parts_in, (receiver, b), end)
+            elif kind == "frame":
+                arrive(frames_in, (receiver, b), end)
+            elif kind == "average":
+                holds[(receiver, b)] = end
+            else:
+                done = max(done, end)
+            release(receiver)
         return max(done, *backward_end, *control) - start if P else 0.0
 
     # ---- how the runtime applies a phase ---------------------------------------------
@@ -811,7 +967,10 @@ class PipelinedTraffic:
     them ready: ``ready[w][b]`` seconds after backward began, worker w had bucket b;
     ``frames[s][b][w]``: worker w's frame of bucket b to shard s (0: none; its own shard's
     crosses no link); ``bcast[s][b]``: one copy of shard s's average of bucket b (0: none);
-    ``ahead``: the Control was at the workers when the forward pass ended."""
+    ``ahead``: the Control was at the workers when the forward pass ended; ``intra``: the
+    pipelined hierarchical iteration's (on ``LinkModel.nodes``), bucket b's message inside a
+    node (a reduce-scatter's part, an all-gather's average) ``intra[b]`` bytes, and frames
+    only from each bucket's slice owners; empty for the flat exchange."""
 
     loss_bytes: int
     control_bytes: int
@@ -819,6 +978,7 @@ class PipelinedTraffic:
     frames: tuple[tuple[tuple[int, ...], ...], ...]
     bcast: tuple[tuple[int, ...], ...]
     ahead: bool = False
+    intra: tuple[int, ...] = ()
 
     @property
     def workers(self) -> int:

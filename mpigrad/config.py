@@ -362,8 +362,8 @@ class RunConfig:
         False, group=_SERVERS,
         help="with --servers colocated: the pipelined iteration (the loss goes after the forward pass, rank 0 "
              "chooses the bits during backward, each layer's frames go as soon as backward has produced its "
-             "gradient, and its average as soon as all its frames are in); the same losses as without "
-             "(docs/runtime.rst)")
+             "gradient, and its average as soon as all its frames are in; on nodes of several workers, the "
+             "hierarchical exchange bucket by bucket); the same losses as without (docs/runtime.rst)")
     #: Nodes of several workers (docs/runtime.rst, Nodes): ``ranks_per_node`` workers share a
     #: node, in worker order (rank 0, the scheduler, is an extra rank on node 0); "auto":
     #: as MPI's shared-memory split sees the launched ranks. Resolved to a number at launch
@@ -746,9 +746,10 @@ class RunConfig:
             (self.exchange != "hierarchical" or self.colocated,
              "--exchange hierarchical needs --servers colocated (each local rank's slice is served by the workers "
              "of its local rank across nodes), not --servers S"),
-            (not self.pipeline or self.exchange != "hierarchical",
-             "--pipeline with --exchange hierarchical is not built yet (the reduce-scatter inside a node waits for "
-             "the whole gradient): drop one of them"),
+            (not (self.pipeline and self.intra_codec == "int8" and self.exchange != "flat"
+                  and self.ranks_per_node != 1),
+             "--pipeline with --intra-codec int8 is not built (its blocks of 256 values run across the buckets of a "
+             "slice): use --intra-codec fp32, fp16 or bf16, or drop --pipeline"),
             (self.net_mode != "off" or self.network() is None,
              "a bandwidth or latency schedule or --link-bandwidth needs a modelled network (net_mode virtual "
              "or sleep); with net_mode off nothing is charged (in the lab, give the schedule to mpigrad lab --rate)"),
@@ -759,19 +760,21 @@ class RunConfig:
         if self.ranks_per_node != AUTO:
             self.check_nodes(self.ranks_per_node)
 
-    def check_nodes(self, ranks_per_node: int) -> None:
+    def check_nodes(self, ranks_per_node: int, exchange: str | None = None) -> None:
         """UsageError (one line) where this run cannot have nodes of ``ranks_per_node``
-        workers: the one rule for a declared L (``validate``) and one the launch finds
-        (``--ranks-per-node auto``, runtime/plan/topology.py)."""
+        workers with ``exchange`` (default: the config's, which may still be ``auto``): the
+        one rule for a declared L (``validate``) and for the L and exchange the launch
+        resolves (runtime/plan/topology.py)."""
         if ranks_per_node == 1:
             return
+        exchange = self.exchange if exchange is None else exchange
         checks = [
             (self.colocated,
              "--ranks-per-node L > 1 is built for --servers colocated (separate server ranks have no place on the "
              "nodes yet): use --servers colocated, or drop --ranks-per-node"),
-            (not self.pipeline,
-             "--pipeline with --ranks-per-node L > 1 is not built (the pipelined clock has one link per worker): "
-             "drop one of them"),
+            (not self.pipeline or exchange != "flat",
+             "--pipeline with --ranks-per-node L > 1 is built on the hierarchical exchange only (the flat "
+             "exchange's pipelined clock has one link per worker): use --exchange hierarchical, or drop one of them"),
             (not self.link_bandwidth and not isinstance(self.bandwidth, str) and not isinstance(self.latency, str),
              "--ranks-per-node L > 1 models each node's NIC at one constant --bandwidth and --latency: a schedule "
              "or --link-bandwidth with nodes is not built"),

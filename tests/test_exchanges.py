@@ -14,6 +14,8 @@ from mpigrad.errors import UsageError
 from mpigrad.runtime.exchange import ways
 from mpigrad.runtime.exchange.colocated import Colocated, ColocatedRank0, ColocatedWorker
 from mpigrad.runtime.exchange.hierarchical import Hierarchical, HierarchicalRank0, HierarchicalWorker
+from mpigrad.runtime.exchange.hierarchical_pipeline import (HierarchicalPipelined, HierarchicalPipelinedRank0,
+                                                            HierarchicalPipelinedWorker)
 from mpigrad.runtime.exchange.pipeline import Pipelined, PipelinedRank0, PipelinedWorker
 from mpigrad.runtime.exchange.servers import SeparateServers, ServersRank0, ServersShardServer, ServersWorker
 from mpigrad.runtime.exchange.tworounds import LowRankRank0, LowRankRounds, LowRankShardServer, LowRankWorker
@@ -37,13 +39,17 @@ COMBINATIONS = [
     (dict(servers="colocated", ranks_per_node=2, exchange="hierarchical"), ["hierarchical"], Hierarchical, None),
     (dict(servers="colocated", ranks_per_node=2, exchange="hierarchical", **POWERSGD), ["hierarchical", "lowrank"],
      LowRankRounds, Hierarchical),
+    (dict(servers="colocated", ranks_per_node=2, exchange="hierarchical", pipeline=True), ["hierarchical-pipelined"],
+     HierarchicalPipelined, None),
 ]
 
 
 def test_the_registry_names_the_ways():
-    assert ways.EXCHANGES.names() == ["colocated", "hierarchical", "lowrank", "pipelined", "servers"]
+    assert ways.EXCHANGES.names() == ["colocated", "hierarchical", "hierarchical-pipelined", "lowrank", "pipelined",
+                                      "servers"]
     assert ways.EXCHANGES.lookup("servers") is SeparateServers
-    with pytest.raises(UsageError, match="unknown exchange 'ring'; available: colocated, hierarchical, lowrank"):
+    with pytest.raises(UsageError, match="unknown exchange 'ring'; available: colocated, hierarchical, "
+                                         "hierarchical-pipelined, lowrank"):
         ways.EXCHANGES.lookup("ring")
 
 
@@ -86,6 +92,7 @@ SIDES = [
     ((LowRankWorker, ColocatedWorker), (), (LowRankRank0, ColocatedRank0)),
     ((HierarchicalWorker,), (), (HierarchicalRank0,)),
     ((LowRankWorker, HierarchicalWorker), (), (LowRankRank0, HierarchicalRank0)),
+    ((HierarchicalPipelinedWorker,), (), (HierarchicalPipelinedRank0,)),
 ]
 
 
@@ -113,7 +120,8 @@ def run(tmp_path, options, workers=2):
 
 @pytest.mark.parametrize("options, sides", [(c[0], s) for c, s in zip(COMBINATIONS, SIDES)],
                          ids=["star", "sharded", "colocated", "pipelined", "powersgd-star", "powersgd-sharded",
-                              "powersgd-colocated", "hierarchical", "powersgd-hierarchical"])
+                              "powersgd-colocated", "hierarchical", "powersgd-hierarchical",
+                              "pipelined-hierarchical"])
 def test_each_way_runs_through_the_roles_with_its_sides(tmp_path, monkeypatch, options, sides):
     seen = {"worker": set(), "shard": set(), "rank0": set()}
 

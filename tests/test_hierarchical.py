@@ -306,7 +306,8 @@ def test_the_config_refuses_what_nodes_do_not_run_with():
     for options, message in [
         (dict(ranks_per_node=2), "--ranks-per-node L > 1 is built for --servers colocated"),
         (dict(exchange="hierarchical"), "--exchange hierarchical needs --servers colocated"),
-        (dict(servers="colocated", ranks_per_node=2, pipeline=True), "--pipeline with --ranks-per-node L > 1"),
+        (dict(servers="colocated", ranks_per_node=2, pipeline=True, exchange="flat"),
+         "--pipeline with --ranks-per-node L > 1 is built on the hierarchical exchange only"),
         (dict(servers="colocated", ranks_per_node=2, bandwidth="1MB/s@0s,2MB/s@5s"), "a schedule or --link-bandwidth"),
         (dict(servers="colocated", ranks_per_node=2, broadcast="tree"), "drop --broadcast"),
     ]:
@@ -344,14 +345,15 @@ def test_retime_recharges_a_run_on_its_own_and_on_other_nodes(runs, tmp_path):
 
 # ---- real runs: 2 nodes of 2 workers ---------------------------------------------------------
 @pytest.mark.each_mpi
-def test_two_nodes_of_two_workers_under_mpi(tmp_path, mpi_env):
-    """A launched run of 2 x 2 workers: the declared nodes win over MPI's one node (a note
-    says so), auto takes the hierarchical exchange, MQGrad chooses the NICs' bits, every
-    replica agrees every iteration, and the trace records the nodes."""
+@pytest.mark.parametrize("pipeline", [[], ["--pipeline"]], ids=["sequential", "pipelined"])
+def test_two_nodes_of_two_workers_under_mpi(tmp_path, mpi_env, pipeline):
+    """A launched run of 2 x 2 workers, sequential or pipelined: the declared nodes win over
+    MPI's one node (a note says so), auto takes the hierarchical exchange, MQGrad chooses the
+    NICs' bits, every replica agrees every iteration, and the trace records the nodes."""
     trace_path = tmp_path / "run.h5"
     result = run_mpi(5, ["train", "--servers", "colocated", "--ranks-per-node", "2", "--iterations", "12",
-                         "--batch-size", "8", "--checksum-every", "1", "--trace", str(trace_path), *SMALL_RUN],
-                     mpi_env)
+                         "--batch-size", "8", "--checksum-every", "1", "--trace", str(trace_path), *pipeline,
+                         *SMALL_RUN], mpi_env)
     assert result.returncode == 0, result.stderr + result.stdout[-2000:]
     assert "--ranks-per-node 2 declares 2 node(s) of 2 worker(s); MPI sees 1 node(s)" in result.stdout
     assert ("nodes: 2 of 2 worker(s) (from --ranks-per-node 2); node 0: ranks 0-2; node 1: ranks 3, 4; rank 0, "
@@ -359,6 +361,7 @@ def test_two_nodes_of_two_workers_under_mpi(tmp_path, mpi_env):
     trace = load(trace_path)
     assert trace.complete and len(trace.steps) == 12
     assert trace.config["exchange"] == "hierarchical" and trace.config["ranks_per_node"] == 2
+    assert trace.config["pipeline"] == bool(pipeline)
     assert trace.attrs["topology"] == {"workers": 4, "ranks_per_node": 2, "nodes": 2,
                                                    "source": "declared", "rank0_node": 0}
     assert (trace.steps["bytes_nic"] > 0).all() and (trace.steps["bytes_intra"] > 0).all()

@@ -120,11 +120,10 @@ def shard_chunks(config: RunConfig, layout: Layout, servers: int) -> Chunks:
 
 
 def hierarchical_exchange(config: RunConfig) -> bool:
-    """Whether a run of ``config`` takes the hierarchical exchange: colocated, sequential,
-    ``--exchange hierarchical`` on nodes of several workers (with one worker per node it is
-    the flat exchange)."""
-    return (config.colocated and not config.pipeline and config.exchange == "hierarchical"
-            and config.ranks_per_node != 1)
+    """Whether a run of ``config`` takes the hierarchical exchange (sequential, or pipelined
+    with ``--pipeline``): colocated, ``--exchange hierarchical`` on nodes of several workers
+    (with one worker per node it is the flat exchange)."""
+    return config.colocated and config.exchange == "hierarchical" and config.ranks_per_node != 1
 
 
 def build_shards(config: RunConfig, layout: Layout, codec: Codec, shards: int) -> tuple[Shard, ...]:

@@ -29,10 +29,11 @@ memory its own, over those layers), the two rounds run within local rank j as ab
 writes P^ Q^T for its layers, and the all-gather brings the node's other slices. With a
 lossy ``--intra-codec`` the memory is M_k - P^ Q^T before the all-gather's rounding.
 
-Not built yet (refused by the config's checks and :func:`..plan.topology.resolve_topology`,
-whose ``auto`` takes the flat exchange for them): the pipelined iteration, PowerSGD's
-per-layer settings (menus) and workers on GPUs. The cost model charges each worker its
-slice's local work (``costmodel.LocalWork``'s ``slices``).
+The pipelined iteration (``--pipeline``) of this exchange is :mod:`.hierarchical_pipeline`'s
+(bucket by bucket, the same float operations). Not built yet (refused by the config's checks
+and :func:`..plan.topology.resolve_topology`, whose ``auto`` takes the flat exchange for
+them): PowerSGD's per-layer settings (menus) and workers on GPUs. The cost model charges
+each worker its slice's local work (``costmodel.LocalWork``'s ``slices``).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Hierarchical(Colocated):
 
     @staticmethod
     def chosen(config: RunConfig) -> bool:
-        return hierarchical_exchange(config)
+        return hierarchical_exchange(config) and not config.pipeline
 
     def worker(self, parts: WorkerParts) -> "HierarchicalWorker":
         return HierarchicalWorker(parts)

@@ -30,6 +30,7 @@ import torch
 from ...codecs import CodecError
 from ...config import RunConfig
 from ...errors import TrainingError
+from .build import hierarchical_exchange
 from .colocated import ColocatedRank0, ColocatedWorker
 from .device import finite
 from .frames import EncodedFrames
@@ -44,11 +45,12 @@ __all__ = ["Pipelined", "PipelinedWorker", "PipelinedRank0"]
 
 
 class Pipelined(Way):
-    """The pipelined iteration (``--pipeline``; the config's checks ask for colocated servers)."""
+    """The pipelined iteration (``--pipeline``; the config's checks ask for colocated servers)
+    of the flat exchange (the hierarchical one's: :mod:`.hierarchical_pipeline`)."""
 
     @staticmethod
     def chosen(config: RunConfig) -> bool:
-        return config.pipeline
+        return config.pipeline and not hierarchical_exchange(config)
 
     def worker(self, parts: WorkerParts) -> "PipelinedWorker":
         return PipelinedWorker(parts)
@@ -96,7 +98,8 @@ class BucketedBackward(ColocatedWorker):
         self.ready_cpu, self.ready_wall = [0.0] * B, [0.0] * B
         self.next_bucket = 0
         self.sends: list = []
-        self.local: dict[int, np.ndarray] = {}
+        #: This worker's own frame of each bucket of the shard it serves (it crosses no link).
+        self.own_frames: dict[int, np.ndarray] = {}
         self.sent = [[0] * len(self.shards) for _ in range(B)]
         #: Buckets queued and not yet sent, in order: (bucket, parts, gradient, their
         #: PendingFrames, error frames where the encode refused) (the device path's; the host
@@ -223,7 +226,7 @@ class BucketedBackward(ColocatedWorker):
         """Send bucket b's frames ((shard, frame) pairs) to their servers; keep this worker's own."""
         for s, frame in frames:
             self.sent[b][s] = frame.size
-        self.local.update((b, frame) for s, frame in frames if s == self.served)
+        self.own_frames.update((b, frame) for s, frame in frames if s == self.served)
         remote = [(frame, self.server_ranks[s]) for s, frame in frames if s != self.served]
         self.sends.append(self.channel.start_send(remote, TAG_GRAD))
 
@@ -288,7 +291,7 @@ class PipelinedWorker(BucketedBackward):
                     if counts[rank] is None:
                         break
                 if len(counts) == len(others) and all(n is not None for n in counts.values()):
-                    frames = [(rank, self.local[b] if rank == self.rank else
+                    frames = [(rank, self.own_frames[b] if rank == self.rank else
                                self.pipeline_buffers[("grad", b, rank)][:counts[rank]]) for rank in ranks]
                     self._average(b, frames, bits, others)
                     parts_left[b] -= 1
@@ -372,6 +375,10 @@ class PipelinedRank0(ColocatedRank0):
     """Rank 0 of the pipelined iteration: the colocated phases, the whole iteration charged
     in ``reports`` from the workers' backward reports (message 10)."""
 
+    #: Each bucket's message inside a node (``PipelinedTraffic.intra``): none here; the
+    #: pipelined hierarchical iteration's reduce-scatter and all-gather.
+    intra_bytes: tuple[int, ...] = ()
+
     def __init__(self, parts: Rank0Parts):
         super().__init__(parts)
         #: The buckets, for the workers' backward reports.
@@ -401,5 +408,5 @@ class PipelinedRank0(ColocatedRank0):
             tuple(tuple(seconds(c, w) for c, w in zip(b.ready_cpu, b.ready_wall)) for b in backward),
             tuple(tuple(tuple(backward[w].sent[b * S + s] if w != s else 0 for w in range(self.workers))
                         for b in range(B)) for s in range(S)),
-            tuple(tuple(backward[s].bcast[b] for b in range(B)) for s in range(S)), self.ahead)
+            tuple(tuple(backward[s].bcast[b] for b in range(B)) for s in range(S)), self.ahead, self.intra_bytes)
         self.clock.pipelined(traffic, max(forward), max(seconds(b.cpu, b.wall) for b in backward))

@@ -2,8 +2,10 @@
 
 A *way* (:class:`Way`) is how one iteration's gradients reach the servers and come back
 averaged: separate servers (:mod:`.servers`: one server, the paper's star, or S sharded),
-colocated servers (:mod:`.colocated`), the pipelined iteration (:mod:`.pipeline`), and
-PowerSGD's two low-rank rounds around one of them (:mod:`.tworounds`). It makes one *side*
+colocated servers (:mod:`.colocated`), the hierarchical exchange on nodes
+(:mod:`.hierarchical`), the pipelined iteration of the flat or the hierarchical exchange
+(:mod:`.pipeline`, :mod:`.hierarchical_pipeline`), and PowerSGD's two low-rank rounds around
+one of them (:mod:`.tworounds`). It makes one *side*
 for each role: :meth:`Way.worker` (a :class:`WorkerSide`), :meth:`Way.shard_server` (a
 :class:`ShardServerSide`, ranks 1..S-1 of separate servers) and :meth:`Way.rank0` (a
 :class:`Rank0Side`). The roles (``roles/worker.py``, ``roles/shard.py``,

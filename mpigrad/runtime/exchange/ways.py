@@ -4,8 +4,10 @@
 each way; :func:`choose_exchange` builds a run's: the one one-round way whose ``chosen``
 holds for the config, inside each wrapping way whose ``chosen`` holds (the low-rank rounds
 of a two-round codec). The combinations the protocol does not run (``--pipeline`` without
-colocated servers, a two-round codec with ``--pipeline``) are refused by the config's own
-checks (``RunConfig.validate``, ``plan.checks.check_two_rounds``) before any role is built.
+colocated servers, a two-round codec with ``--pipeline``, ``--pipeline`` on nodes of several
+workers with the flat exchange or ``--intra-codec int8``) are refused by the config's own
+checks (``RunConfig.validate``, ``check_nodes``, ``plan.checks.check_two_rounds``) before any
+role is built.
 
 Adding a way: its file in this folder (a :class:`~.way.Way` with the sides it changes), its
 test, and its line below.
@@ -18,6 +20,7 @@ from ...errors import UsageError
 from ...registry import Registry
 from .colocated import Colocated
 from .hierarchical import Hierarchical
+from .hierarchical_pipeline import HierarchicalPipelined
 from .pipeline import Pipelined
 from .servers import SeparateServers
 from .tworounds import LowRankRounds
@@ -31,6 +34,7 @@ EXCHANGES.register(SeparateServers, "servers")    # --servers S: the star (S = 1
 EXCHANGES.register(Colocated, "colocated")        # --servers colocated: each worker serves a shard
 EXCHANGES.register(Hierarchical, "hierarchical")  # --exchange hierarchical: colocated on nodes, slices across
 EXCHANGES.register(Pipelined, "pipelined")        # --pipeline: colocated, bucket by bucket in backward
+EXCHANGES.register(HierarchicalPipelined, "hierarchical-pipelined")  # --pipeline, --exchange hierarchical
 EXCHANGES.register(LowRankRounds, "lowrank")      # a two-round codec (powersgd) around one of them
 
 

@@ -173,13 +173,13 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
             notes.append("note: --exchange hierarchical with one worker per node is the flat exchange")
             exchange = "flat"
     elif exchange == AUTO:
-        hierarchical = (config.colocated and L > 1 and topology.nodes > 1 and not per_layer and not config.pipeline
-                        and not on_gpu)
+        hierarchical = config.colocated and L > 1 and topology.nodes > 1 and not per_layer and not on_gpu
         exchange = "hierarchical" if hierarchical else "flat"
         if L > 1 and not hierarchical and topology.nodes > 1:
-            why = "PowerSGD's per-layer settings" if per_layer else "--pipeline" if config.pipeline else "workers on GPUs"
+            why = "PowerSGD's per-layer settings" if per_layer else "workers on GPUs"
             notes.append(f"note: nodes of several workers, flat exchange (the hierarchical one does not run with "
                          f"{why} yet)")
+        config.check_nodes(L, exchange)  # and now that the exchange is known
     cores = os.cpu_count() or 1
     if nodes is not None and L > cores:  # at launch: this machine's cores are the job's
         notes.append(f"note: {L} workers per node, more than this machine's {cores} cores: the modelled nodes "

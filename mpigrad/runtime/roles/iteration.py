@@ -46,6 +46,13 @@ The other ways, each in its file under ``runtime/exchange/``, which says what it
   ``control`` and ``broadcast`` do nothing and ``gradients`` runs backward, taking the
   Control when the first bucket is ready and exchanging bucket by bucket; ``reports`` adds
   message 10 (backward's times); rank 0 charges the whole iteration in ``reports``;
+- the hierarchical exchange (``--exchange hierarchical``, nodes of several workers,
+  :mod:`..exchange.hierarchical`): colocated, with a reduce-scatter inside each node
+  (message 12) before ``gradients``' frames, which go within each local rank, and an
+  all-gather inside each node after ``broadcast``; pipelined (``--pipeline``,
+  :mod:`..exchange.hierarchical_pipeline`) it runs in ``gradients`` as the pipelined
+  iteration does, each bucket's reduce-scatter and frame from backward's hooks, its average
+  and all-gather after backward;
 - two-round codecs (``--codec powersgd``, :mod:`..exchange.tworounds` around one of the
   above, the factors in :mod:`..exchange.lowrank`): before the codec's ``start`` iteration
   the inner way's; from it on, ``gradients``/``broadcast`` carry round 1 (P) and

@@ -1,0 +1,156 @@
+"""The pipelined hierarchical iteration (``--pipeline`` with ``--exchange hierarchical``,
+runtime/exchange/hierarchical_pipeline.py): the sequential hierarchical run bit for bit on
+2 nodes of 2 workers (the in-process loopback channel; the real run under mpiexec is in
+test_hierarchical.py), the clock's charge of it with the reduce-scatter and all-gather
+inside the nodes, and what the config takes and still refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mpigrad.clockmodel import IterationTraffic, LinkModel, Nodes, PipelinedTraffic
+from mpigrad.config import RunConfig
+from mpigrad.errors import UsageError
+from mpigrad.runtime.exchange import ways
+from mpigrad.runtime.exchange.hierarchical_pipeline import HierarchicalPipelined
+from mpigrad.runtime.exchange.pipeline import Pipelined
+from mpigrad.runtime.plan.topology import resolve_topology
+from mpigrad.trace import load
+from test_runtime_loopback import run
+
+HIERARCHICAL = dict(servers="colocated", workers=4, ranks_per_node=2, exchange="hierarchical")
+
+
+@pytest.mark.parametrize("options", [
+    dict(codec="qsgd", policy="adaptive", bits=2, error_feedback="residual", shard_chunk=1500),
+    dict(codec="uniform", policy="lgreco", bits=3, intra_codec="bf16", error_feedback="residual"),
+], ids=["fp32-inside-qsgd-adaptive-residual-chunks", "bf16-inside-uniform-lgreco-residual"])
+def test_the_pipelined_hierarchical_iteration_gives_the_sequential_run_bit_for_bit(tmp_path, monkeypatch, options):
+    """Same losses, bits, parameters (checksums every iteration) and policy records as the
+    sequential hierarchical run; rank 0 charges each bucket's messages inside the nodes, a
+    slice's buckets making up its slice, and the overlap charges less than the sequential."""
+    charged = []
+    real = LinkModel.pipelined_hierarchical
+
+    def recording(link, traffic, *args, **kwargs):
+        charged.append(traffic)
+        return real(link, traffic, *args, **kwargs)
+
+    monkeypatch.setattr(LinkModel, "pipelined_hierarchical", recording)
+    code1, errors1, seq = run(tmp_path, name="seq.h5", **HIERARCHICAL, **options)
+    assert not charged
+    code2, errors2, pipe = run(tmp_path, name="pipe.h5", pipeline=True, **HIERARCHICAL, **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(seq.trace), load(pipe.trace)
+    assert b.config["pipeline"] and b.config["exchange"] == "hierarchical"
+    for column in ("loss", "bits"):
+        np.testing.assert_array_equal(a.steps[column], b.steps[column], err_msg=column)
+    np.testing.assert_array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    pd.testing.assert_frame_equal(a.policy, b.policy)  # policies that do not read the clock
+    assert a.attrs["shards"]["slice_bytes"] == b.attrs["shards"]["slice_bytes"]
+    np.testing.assert_array_equal(a.steps["bytes_intra"], b.steps["bytes_intra"])
+    assert len(charged) == len(b.steps)
+    slices = b.attrs["shards"]["slice_bytes"]
+    for traffic in charged:
+        shard = [next(s for s in range(4) if traffic.bcast[s][k]) for k in range(len(traffic.intra))]
+        assert [sum(n for n, s in zip(traffic.intra, shard) if s % 2 == j) for j in range(2)] == slices
+    assert (b.steps["t_comm"].to_numpy() < a.steps["t_comm"].to_numpy()).all()
+
+
+@pytest.mark.parametrize("culprit", [1, 2])
+def test_a_non_finite_gradient_is_named_by_its_nodes_owner(tmp_path, monkeypatch, culprit):
+    """A node-0 worker's gradient goes NaN: the owner of the slice it lands in names it (from
+    backward's hook), whichever of the node's two workers it is, as the sequential
+    hierarchical run does (tests/test_hierarchical_faults.py)."""
+    monkeypatch.setenv("MPIGRAD_INJECT_FAULT", f"nan-grad:{culprit}:2")
+    code, errors, config = run(tmp_path, timeout=8.0, pipeline=True, **HIERARCHICAL)
+    assert code != 0
+    text = " | ".join(f"{rank}: {error}" for rank, error in sorted(errors.items()))
+    assert f"worker rank {culprit} computed a non-finite gradient at iteration 2" in text
+    assert f"worker rank {3 - culprit} computed" not in text
+    assert load(config.trace).status == "failed"
+
+
+def test_one_worker_per_node_stays_the_flat_pipeline():
+    for options in (dict(), dict(exchange="hierarchical"), dict(exchange="hierarchical", ranks_per_node=1)):
+        config = RunConfig(lr=0.1, servers="colocated", pipeline=True, **options)
+        config.validate()
+        assert ways.exchange_names(config) == ["pipelined"] and type(ways.choose_exchange(config)) is Pipelined
+    config = RunConfig(lr=0.1, servers="colocated", pipeline=True, ranks_per_node=2, exchange="hierarchical")
+    config.validate()
+    assert ways.exchange_names(config) == ["hierarchical-pipelined"]
+    assert type(ways.choose_exchange(config)) is HierarchicalPipelined
+
+
+def test_auto_takes_the_hierarchical_exchange_for_a_pipelined_run_and_the_rest_is_refused():
+    pipelined = dict(servers="colocated", pipeline=True, ranks_per_node=2)
+    assert resolve_topology(RunConfig(**pipelined), 5)[1:] == ("hierarchical", [])
+    assert resolve_topology(RunConfig(**pipelined, exchange="hierarchical"), 5)[1] == "hierarchical"
+    for config, size, pattern in [
+        (RunConfig(**pipelined), 3, r"^--pipeline with --ranks-per-node L > 1 is built on the hierarchical exchange"),
+        (RunConfig(**pipelined, device="cuda"), 5, r"^--pipeline with --ranks-per-node L > 1 is built on the hier"),
+        (RunConfig(**pipelined, exchange="hierarchical", device="cuda"), 5,
+         r"^--exchange hierarchical with --device cuda is not built yet"),
+    ]:
+        with pytest.raises(UsageError, match=pattern):
+            resolve_topology(config, size)
+    for options, message in [
+        (dict(exchange="flat"), "--pipeline with --ranks-per-node L > 1 is built on the hierarchical exchange only"),
+        (dict(intra_codec="int8"), "--pipeline with --intra-codec int8 is not built"),
+        (dict(codec="powersgd", policy="fixed"), None),
+    ]:
+        config = RunConfig(lr=0.1, **pipelined, **options)
+        if message is None:  # a two-round codec with --pipeline: refused by its own check
+            from mpigrad.runtime.plan.checks import base_codec, check_two_rounds
+
+            with pytest.raises(UsageError, match="drop --pipeline"):
+                check_two_rounds(config, base_codec(config))
+            continue
+        with pytest.raises(UsageError, match=message):
+            config.validate()
+    RunConfig(lr=0.1, servers="colocated", pipeline=True, intra_codec="int8").validate()  # L = 1: not used
+
+
+# ---- the clock ---------------------------------------------------------------------------
+P, L = 4, 2
+
+
+def _traffic(ready, frame=1000, average=900, part=4000):
+    """One bucket per shard, bucket b of shard b, in the order ``ready`` (per worker) has them."""
+    buckets = len(ready[0])
+    frames = tuple(tuple(tuple(frame if b == s and w % L == s % L and w != s else 0 for w in range(P))
+                         for b in range(buckets)) for s in range(P))
+    bcast = tuple(tuple(average if b == s else 0 for b in range(buckets)) for s in range(P))
+    return PipelinedTraffic(0, 0, ready, frames, bcast, True, (part,) * buckets)
+
+
+def test_the_pipelined_hierarchical_charge_holds_the_intra_node_phases():
+    """One bucket ready at once: the reduce-scatter inside the node, the frame and the average
+    across, the all-gather inside, one after another: the sequential hierarchical charge
+    (``IterationTraffic.phases``) to rounding; each intra-node phase costs its message's time."""
+    intra_bw, bw = 1e6, 1e5
+    link = LinkModel(bw, 0.0, nodes=Nodes(L, intra_bw, 0.0))
+    one = _traffic(((0.0,),) * P)
+    assert link.pipelined(one) == pytest.approx(2 * 4000 / intra_bw + (1000 + 900) / bw)
+    sequential = IterationTraffic(0, 0, tuple(tuple(1000 if s == 0 and w % L == 0 and w != 0 else 0 for w in range(P))
+                                              for s in range(P)), (900, 0, 0, 0), True, ahead=True,
+                                  hierarchical=True, slice_bytes=(4000, 0))
+    assert [kind for kind, _ in sequential.phases()] == ["intra", "up", "down", "intra"]
+    assert link.pipelined(one) == pytest.approx(link.comm_seconds(sequential))
+    slower = LinkModel(bw, 0.0, nodes=Nodes(L, intra_bw / 2, 0.0))
+    assert slower.pipelined(one) - link.pipelined(one) == pytest.approx(2 * 4000 / intra_bw)
+    with pytest.raises(ValueError, match="needs nodes"):
+        LinkModel(bw, 0.0).pipelined(one)
+
+
+def test_the_pipelined_hierarchical_charge_hides_earlier_buckets_behind_backward():
+    """Four buckets produced 0.1 s apart: what the earlier ones send inside the nodes and
+    across overlaps backward; after it, the last bucket's reduce-scatter, frame, average and
+    all-gather at least, and less than backward then the whole sequential exchange."""
+    intra_bw, bw = 1e6, 1e5
+    link = LinkModel(bw, 0.0, nodes=Nodes(L, intra_bw, 0.0))
+    at_once = link.pipelined(_traffic(((0.0,) * 4,) * P))
+    late = link.pipelined(_traffic(((0.0, 0.1, 0.2, 0.3),) * P))
+    assert 0.3 + 2 * 4000 / intra_bw + (1000 + 900) / bw <= late < 0.3 + at_once
