@@ -93,7 +93,7 @@ EXCLUDED = [
                                "bytes a run records (tests/test_retime.py re-times real runs)"),
     (r"^mpigrad simulate \S+\.h5", "replays a recorded run's trace, which the docs' placeholders are not "
                                    "(tests/test_simulate.py replays real runs)"),
-    (r"^python examples/scale/run\.py", "the map at scale: 210 SimGrid simulations, about 9 minutes "
+    (r"^python examples/scale/run\.py", "the map at scale: 270 SimGrid simulations, about 42 minutes "
                                         "(tests/test_simulate.py simulates each layout and the peers)"),
 ]
 

@@ -1,8 +1,10 @@
 """``mpigrad simulate`` (mpigrad/simulate/): the messages come from mpigrad's own code (a
-config's traffic is a real run's, frame for frame), SimGrid's replay agrees with mpigrad's
-clock where both model the same network (one worker per node, no latency, cm02: within 2 %;
-nodes of 2: as ``clockmodel.Nodes``; a ring: 2 (P - 1) / P G / B), and the command's errors
-are one line. The tests that run SimGrid are skipped where ``python3-simgrid`` is missing."""
+config's traffic is a real run's, frame for frame; PowerSGD's two rounds too; a config at a
+recorded MQGrad run's bits is that run's traffic, iteration by iteration), SimGrid's replay
+agrees with mpigrad's clock where both model the same network (one worker per node, no
+latency, cm02: within 2 %; nodes of 2: as ``clockmodel.Nodes``; a ring: 2 (P - 1) / P G / B),
+and the command's errors are one line. The tests that run SimGrid are skipped where
+``python3-simgrid`` is missing."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from mpigrad.errors import UsageError
 from mpigrad.simulate.plan import Phase, Program, breakdown, hierarchical_allreduce_phases, mpigrad_phases, nic_bytes
 from mpigrad.simulate.platform import Placement, Platform, natural_key
 from mpigrad.simulate.simgrid_module import simgrid_path
-from mpigrad.simulate.traffic import traffic_of, trace_iterations
+from mpigrad.simulate.traffic import (clock_link, clock_seconds, config_traffic, recorded_bits, trace_iterations,
+                                      traffic_of)
 from mpigrad.trace import read_raw
 from mpigrad.trace.writer import write_closed
 
@@ -83,6 +86,114 @@ def test_a_codec_whose_frames_depend_on_the_data_is_simulated_at_its_bound():
     ours = config_traffic(config, 2, 4)
     assert ours.bound and all(n > 0 for n in ours.traffic.frames_out)
     assert not config_traffic(_config(dict(servers=1)), 2, 4).bound
+
+
+# ---- PowerSGD from a config: the two rounds its run sends -----------------------------------
+#: examples/compare/lowrank.toml's codec (PowerSGD r2, 8-bit factors and rest) on the small
+#: model, 1 ms per message (so that the clock charges each round's latencies).
+POWERSGD = dict(codec="powersgd", codec_opts={"rank": 2, "factor_bits": 8, "rest_bits": 8}, policy="fixed",
+                latency=1e-3)
+POWERSGD_RUNS = {name: RUNS[name] for name in ("sharded", "flat2x2", "hier2x2")}
+
+
+@pytest.fixture(scope="module")
+def powersgd_runs(tmp_path_factory) -> dict[str, str]:
+    from test_exchanges import run
+
+    traces = {}
+    for name, (options, workers) in POWERSGD_RUNS.items():
+        codes, errors, config = run(tmp_path_factory.mktemp(f"powersgd-{name}"), {**POWERSGD, **options}, workers)
+        assert not errors, errors
+        traces[name] = config.trace
+    return traces
+
+
+@pytest.mark.parametrize("name", list(POWERSGD_RUNS))
+def test_powersgd_from_a_config_sends_the_two_rounds_its_run_sent(powersgd_runs, name):
+    from test_exchanges import BASE
+
+    options, workers = POWERSGD_RUNS[name]
+    config = RunConfig(**{**BASE, **POWERSGD, **options})
+    ours = traffic_of(config, workers, 4)
+    assert ours.frames_in2 and len(ours.frames_out2) == ours.servers
+    raw = read_raw(powersgd_runs[name])
+    steps, servers = raw.arrays["steps"], raw.arrays["servers"]
+    L = config.ranks_per_node
+    link = clock_link(config.bandwidth, config.latency, L, config.intra_bandwidth, config.intra_latency,
+                      config.colocated)
+    assert len(steps["iteration"]) == 4
+    for row in range(4):  # the trace sums the two rounds: each server's frames from each worker, its broadcasts
+        assert [[a + b for a, b in zip(one, two)] for one, two in zip(ours.frames_in, ours.frames_in2)] == \
+            servers["frame_bytes"][row].tolist()
+        assert [a + b for a, b in zip(ours.frames_out, ours.frames_out2)] == servers["bytes_out"][row].tolist()
+        assert (ours.bytes_up, ours.bytes_down, ours.ahead) == (steps["bytes_up"][row], steps["bytes_down"][row],
+                                                                bool(steps["control_ahead"][row]))
+        # the run's clock charged the rounds one by one, each with its latencies: ours, to the last bit
+        assert clock_seconds(link, ours, config.compute_time, 0.0)[1] == pytest.approx(steps["t_comm"][row],
+                                                                                       rel=1e-12)
+
+
+@needs_simgrid
+def test_simgrid_replays_powersgds_two_rounds_as_the_clock_charges_them():
+    from mpigrad.simulate.sources import simulate_config
+
+    config = _config({**POWERSGD, "servers": "colocated", "ranks_per_node": 2, "exchange": "flat", "latency": 0.0})
+    simulation = simulate_config(config, 2, sample=1, peers=[])
+    ours = simulation.mpigrad
+    assert {"gradients", "broadcast", "gradients2", "broadcast2"} <= set(ours.phases)
+    assert all(ours.phases[name] > 0 for name in ("gradients", "gradients2", "broadcast", "broadcast2"))
+    assert sum(ours.phases.values()) == pytest.approx(ours.seconds_per_iteration)
+    assert _comm(ours) == pytest.approx(ours.clock["comm_seconds"], rel=0.02), ours.phases
+    assert any("no costs for powersgd" in note for note in simulation.notes)
+
+
+# ---- a config at a recorded run's bits (MQGrad) ---------------------------------------------
+#: examples/compare/mqgrad.toml's run, 400 iterations on 1 server + 2 workers at 10 MB/s:
+#: mpiexec -n 3 python -m mpi4py -m mpigrad train --config examples/compare/mqgrad.toml --trace ...
+MQGRAD_TRACE = REPO / "tests" / "data" / "mqgrad-compare-seed1.h5"
+
+
+def _mqgrad_config(**options) -> RunConfig:
+    return RunConfig.from_sources(str(REPO / "examples" / "compare" / "mqgrad.toml"), options)
+
+
+def test_the_config_at_a_recorded_rows_bits_is_the_rows_traffic():
+    recorded = recorded_bits(MQGRAD_TRACE)
+    assert len(recorded.bits) == len(recorded.ahead) == 400 and recorded.codec == "uniform"
+    kinds = recorded.kinds()
+    assert sum(count for *_, count in kinds) == 400
+    assert {bits for bits, _, _ in kinds} == {(2, 2), (3, 3)} and {ahead for _, ahead, _ in kinds} == {False, True}
+    rows = trace_iterations(MQGRAD_TRACE, 400).iterations
+    config = _mqgrad_config()
+    for bits, ahead, _ in kinds:  # the run's layout: 1 server, 2 workers
+        row = next(row for row, b, a in zip(rows, recorded.bits, recorded.ahead) if (b, a) == (bits, ahead))
+        assert config_traffic(config, 2, bits, ahead).traffic == row.traffic
+
+
+def test_a_recorded_run_of_another_codec_is_refused():
+    from mpigrad.simulate.sources import simulate_recorded_bits
+
+    with pytest.raises(UsageError, match="its run's codec is 'uniform', the config's 'fp16'"):
+        simulate_recorded_bits(_mqgrad_config(codec="fp16"), 2, str(MQGRAD_TRACE))
+
+
+@needs_simgrid
+def test_a_config_at_a_recorded_runs_bits_weights_each_distinct_iteration_by_its_rows():
+    from mpigrad.simulate.sources import simulate_recorded_bits
+
+    config = _mqgrad_config(servers="colocated", ranks_per_node=2, exchange="hierarchical", bandwidth="1Gb/s",
+                            latency="10us")
+    simulation = simulate_recorded_bits(config, 2, str(MQGRAD_TRACE), peers=["fp32"])
+    kinds = recorded_bits(MQGRAD_TRACE).kinds()
+    assert simulation.iterations == len(kinds) and simulation.weights == tuple(count for *_, count in kinds)
+    ours = simulation.mpigrad
+    weighted = sum(w * s for w, s in zip(simulation.weights, ours.iteration_seconds)) / 400
+    assert ours.seconds_per_iteration == pytest.approx(weighted)
+    assert sum(ours.phases.values()) == pytest.approx(ours.seconds_per_iteration)
+    seconds = {(bits, ahead): s for (bits, ahead, _), s in zip(kinds, ours.iteration_seconds)}
+    assert seconds[((3, 3), True)] > seconds[((2, 2), True)]  # 3 bits: bigger frames
+    assert simulation.peers[0].seconds_per_iteration == pytest.approx(simulation.peers[0].iteration_seconds[0])
+    assert "mqgrad-compare-seed1.h5's bits, 400 iteration(s)" in simulation.source
 
 
 # ---- the plan, without SimGrid --------------------------------------------------------------
@@ -250,7 +361,10 @@ def _edited(source, path, **attrs):
     (["--nodes", "2", "--peers", "ring"], "--peers: unknown peer 'ring'"),
     (["--nodes", "2", "--platform", "missing.xml", "--peers", "none"], "--platform missing.xml: no such file"),
     (["--nodes", "2", "--bandwidth", "10MB/s@0s,1GB/s@60s"], "a bandwidth or latency schedule"),
-    (["--nodes", "2", "--codec", "powersgd"], "sends two rounds per iteration, not simulated from a config"),
+    (["--nodes", "2", "--codec", "powersgd", "--codec-opt", "ranks=1,2", "--policy", "lgreco"],
+     "with per-layer settings (--codec-opt ranks=/widths=, a policy's choice per layer) is not simulated"),
+    (["--nodes", "2", "--bits-from", "run.h5", "--sample", "2"], "--bits-from run.h5: the iterations are its run's"),
+    (["--nodes", "2", "--bits-from", "missing.h5", "--peers", "none"], "cannot read the trace missing.h5"),
     (["--nodes", "2", "--check"], "--check and --ranks check a train job"),
 ])
 def test_the_commands_errors_are_one_line(capsys, args, message):
@@ -390,3 +504,5 @@ def test_the_scale_examples_smoke_run():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Fix 2 hier" in done.stdout and "DDP fp32" in done.stdout and "2x4" in done.stdout
+    assert "PowerSGD 8b hier" in done.stdout and "MQGrad hier" in done.stdout
+    assert "MQGrad at the bits of tests/data/mqgrad-compare-seed1.h5 (iterations: 400;" in done.stdout

@@ -3,16 +3,17 @@
 Two sources of iterations::
 
     mpigrad simulate TRACE.h5 [--sample K] [--spread] [platform options]
-    mpigrad simulate --nodes N [--ranks-per-node L] [--config FILE] [mpigrad train options]
+    mpigrad simulate --nodes N [--ranks-per-node L] [--config FILE] [--bits-from TRACE.h5] [mpigrad train options]
 
 A trace: its first K steps rows (``--spread``: K rows spread over the run), each row's
 messages as ``mpigrad trace retime`` rebuilds them and its recorded local work. A config
 (``mpigrad train``'s options, read as ``train`` reads them): N nodes of L workers, each
 iteration's messages at the config's bits (``traffic.traffic_of``), its ``--compute-time``
-(and cost model) as the local work, 0 without one. The platform: ``--nodes``,
-``--ranks-per-node``, ``--bandwidth``, ``--latency``, ``--intra-bandwidth`` and
-``--intra-latency`` (train's options; default the config's or the trace's), or
-``--platform FILE.xml`` (``platform.py``). docs/simulate.rst has the rest.
+(and cost model) as the local work, 0 without one; with ``--bits-from``, at the bits a
+recorded run chose, iteration by iteration (``sources.simulate_recorded_bits``). The
+platform: ``--nodes``, ``--ranks-per-node``, ``--bandwidth``, ``--latency``,
+``--intra-bandwidth`` and ``--intra-latency`` (train's options; default the config's or the
+trace's), or ``--platform FILE.xml`` (``platform.py``). docs/simulate.rst has the rest.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ __all__ = ["add_arguments", "run"]
 #: The options of ``mpigrad train`` that describe the platform, taken with a trace too.
 PLATFORM_OPTIONS = ("bandwidth", "latency", "ranks_per_node", "intra_bandwidth", "intra_latency")
 #: This command's own options (the rest are ``mpigrad train``'s).
-OWN_OPTIONS = ("source", "nodes", "platform", "sample", "spread", "network_model", "peers", "json", "replay", "time")
+OWN_OPTIONS = ("source", "nodes", "platform", "sample", "spread", "network_model", "peers", "json", "replay", "time",
+               "bits_from")
 #: The iterations simulated by default.
 DEFAULT_SAMPLE = 3
 
@@ -47,9 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "workers / --ranks-per-node); separate servers get hosts of their own besides")
     group.add_argument("--platform", metavar="FILE.xml", help="a SimGrid platform file instead of the generated "
                        "cluster: its hosts in natural order of their names hold the nodes, then the servers")
-    group.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, metavar="K",
+    group.add_argument("--sample", type=int, metavar="K",
                        help=f"iterations simulated (default {DEFAULT_SAMPLE}; a trace: its first K rows)")
     group.add_argument("--spread", action="store_true", help="a trace: K rows spread over the run, not the first K")
+    group.add_argument("--bits-from", metavar="TRACE", help="a config: its iterations at the bits a recorded run "
+                       "(a complete trace of the config's codec) chose, each of its iterations' widths and Control, "
+                       "each distinct one simulated once, alone, and weighted by its rows")
     group.add_argument("--network-model", default="cm02", choices=sorted(NETWORK_MODELS),
                        help="SimGrid's network model: cm02 (default: CM02 without the TCP window or cross "
                             "traffic, a message takes latency + bytes / bandwidth, concurrent flows share links "
@@ -110,10 +115,14 @@ def run(args: argparse.Namespace) -> int:
     if args.check or args.ranks is not None:
         raise UsageError("--check and --ranks check a train job; mpigrad simulate takes --nodes N")
     peers = _peers(args.peers)
-    from .sources import simulate_config, simulate_trace
+    from .sources import simulate_config, simulate_recorded_bits, simulate_trace
 
-    common = dict(sample=args.sample, model=args.network_model, peers=peers, platform_file=args.platform,
-                  replay=args.replay)
+    sample = DEFAULT_SAMPLE if args.sample is None else args.sample
+    common = dict(model=args.network_model, peers=peers, platform_file=args.platform, replay=args.replay)
+    if args.bits_from and (args.source or args.sample is not None or args.spread):
+        shown = "a trace to replay" if args.source else ("--sample" if args.sample is not None else "--spread")
+        raise UsageError(f"--bits-from {args.bits_from}: the iterations are its run's, one of each kind; not with "
+                         f"{shown}")
     if args.source:
         given = [name for name in _given(args) if name not in PLATFORM_OPTIONS]
         if args.config or given:
@@ -123,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
                              "--intra-latency, --platform)")
         values = {name: _value(name, getattr(args, name)) for name in PLATFORM_OPTIONS
                   if getattr(args, name) is not None}
-        simulation = simulate_trace(args.source, spread=args.spread, nodes=args.nodes, **values, **common)
+        simulation = simulate_trace(args.source, sample=sample, spread=args.spread, nodes=args.nodes, **values,
+                                    **common)
     else:
         if args.nodes is None:
             raise UsageError("--nodes N is needed to simulate a config: N nodes of --ranks-per-node L workers "
@@ -134,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
 
         config = config_from_args(argparse.Namespace(**{key: value for key, value in vars(args).items()
                                                          if key not in OWN_OPTIONS}))
-        simulation = simulate_config(config, args.nodes, **common)
+        if args.bits_from:
+            simulation = simulate_recorded_bits(config, args.nodes, args.bits_from, **common)
+        else:
+            simulation = simulate_config(config, args.nodes, sample=sample, **common)
     if args.json:
         print(json.dumps(simulation.to_json(), indent=1))
     else:

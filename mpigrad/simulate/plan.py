@@ -37,7 +37,7 @@ from ..clockmodel import IterationTraffic
 from .platform import Placement
 
 __all__ = ["Phase", "Program", "mpigrad_phases", "ring_phases", "hierarchical_allreduce_phases", "ddp_phases",
-           "breakdown", "nic_bytes", "PHASE_ORDER", "Groups", "aggregate", "compress_steps", "TINY"]
+           "breakdown", "weighted_mean", "nic_bytes", "PHASE_ORDER", "Groups", "aggregate", "compress_steps", "TINY"]
 
 #: The breakdown's order of mpigrad's phases (an iteration's order; the Control ahead is
 #: sent first but counted here, where it is waited for).
@@ -260,6 +260,16 @@ def breakdown(programs: list[Program], sequence: list[int],
             t = end
         seconds.append(t - start)
     return seconds, {name: total / max(len(sequence), 1) for name, total in totals.items()}
+
+
+def weighted_mean(values: Sequence[float], weights: Sequence[float] | None = None) -> float:
+    """The mean of ``values`` (0 for none), each counted ``weights[m]`` times (default once):
+    how a simulation's figures per iteration average iterations that each stand for several
+    (``replay.simulate``'s ``weights``)."""
+    if weights is None:
+        return sum(values) / len(values) if values else 0.0
+    total = sum(weights)
+    return sum(w * v for w, v in zip(weights, values)) / total if total else 0.0
 
 
 def nic_bytes(program: Program, placement: Placement, hosts: int) -> list[tuple[int, int]]:

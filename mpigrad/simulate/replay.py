@@ -21,7 +21,8 @@ from typing import Sequence
 from ..clockmodel import IterationTraffic
 from ..errors import UsageError
 from .engine import NETWORK_MODELS, run_plan
-from .plan import TINY, Groups, Program, aggregate, breakdown, compress_steps, ddp_phases, mpigrad_phases, nic_bytes
+from .plan import (TINY, Groups, Program, aggregate, breakdown, compress_steps, ddp_phases, mpigrad_phases, nic_bytes,
+                   weighted_mean)
 from .platform import Placement, Platform
 from .simgrid_module import check_simgrid
 
@@ -61,7 +62,8 @@ class Iteration:
 class MethodResult:
     """One method's simulated iterations: ``seconds_per_iteration`` (mean), each iteration's
     seconds, the mean seconds of each phase, and each host's NIC (out, in) bytes per
-    iteration; ``clock``: mpigrad's clock on the same network (``seconds_per_iteration``,
+    iteration (the means weighted where the simulation's iterations are: ``simulate``'s
+    ``weights``); ``clock``: mpigrad's clock on the same network (``seconds_per_iteration``,
     ``comm_seconds``, and for a trace ``recorded_t_comm``), None where it cannot say."""
 
     name: str
@@ -86,7 +88,9 @@ class MethodResult:
 @dataclass(frozen=True)
 class Simulation:
     """A simulation's record: the platform, the network model, the iterations' count and
-    what they were (``source``), mpigrad's result, the peers', the notes."""
+    what they were (``source``), mpigrad's result, the peers', the notes; ``weights``: how
+    many iterations each simulated one stands for (each then simulated alone; empty: one
+    each, one after another)."""
 
     platform: Platform
     model: str
@@ -98,13 +102,15 @@ class Simulation:
     simgrid_version: str = ""
     colocated: bool = True
     replay: str = "exact"
+    weights: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
         """``--json``: mpigrad's figures at the top level, the peers by name."""
         top = self.mpigrad.to_json()
         return {"seconds_per_iteration": top.pop("seconds_per_iteration"), "phases": top.pop("phases"),
                 "nic_bytes_per_node": top.pop("nic_bytes_per_node"), "model": self.model,
-                "method": top.pop("label"), **top, "iterations": self.iterations, "source": self.source,
+                "method": top.pop("label"), **top, "iterations": self.iterations,
+                **({"iteration_weights": list(self.weights)} if self.weights else {}), "source": self.source,
                 "platform": self.platform.record(), "simgrid_version": self.simgrid_version, "replay": self.replay,
                 "peers": {peer.name: peer.to_json() for peer in self.peers}, "notes": list(self.notes)}
 
@@ -142,8 +148,11 @@ def replay_mode(replay: str, ranks: int) -> str:
 
 
 def _run(name: str, label: str, runs: _Runs, placement: Placement, platform: Platform, model: str,
-         folder: str, clock: dict | None = None, replay: str = "exact",
-         alone: tuple[int, ...] = ()) -> tuple[MethodResult, str]:
+         folder: str, clock: dict | None = None, replay: str = "exact", alone: tuple[int, ...] = (),
+         weights: Sequence[float] | None = None) -> tuple[MethodResult, str]:
+    """One method's iterations (``runs``) on SimGrid: one simulation of them all, each iteration
+    starting where the one before ended; with ``weights``, each distinct program in a simulation
+    of its own from an idle platform, and every mean weighted (``simulate``)."""
     started = time.monotonic()
     tiny = TINY
     programs, hosts_of = runs.programs, placement.host
@@ -155,24 +164,37 @@ def _run(name: str, label: str, runs: _Runs, placement: Placement, platform: Pla
                         for program in programs]
         hosts_of = groups.host
     plan = {"platform": platform.write(folder), "model": model, "hosts": list(hosts_of),
-            "programs": [program.to_json() for program in programs], "sequence": runs.sequence}
-    result = run_plan(plan)
-    count = len(runs.sequence)
-    seconds, phases = breakdown(programs, runs.sequence, result["ends"])
-    hosts = platform.hosts
-    totals = [[0, 0] for _ in range(hosts)]
+            "programs": [program.to_json() for program in programs]}
+    if weights is None:
+        result = run_plan({**plan, "sequence": runs.sequence})
+        seconds, phases = breakdown(programs, runs.sequence, result["ends"])
+        timing = result.get("timing", {})
+    else:  # each distinct iteration alone, as one iteration of a config is
+        alone_runs = {index: run_plan({**plan, "sequence": [index]}) for index in dict.fromkeys(runs.sequence)}
+        result = alone_runs[runs.sequence[0]]
+        each = {index: breakdown(programs, [index], done["ends"]) for index, done in alone_runs.items()}
+        seconds = [each[index][0][0] for index in runs.sequence]
+        names = list(dict.fromkeys(phase for _, phases in each.values() for phase in phases))
+        phases = {phase: weighted_mean([each[index][1].get(phase, 0.0) for index in runs.sequence], weights)
+                  for phase in names}
+        timing = _summed([done.get("timing", {}) for done in alone_runs.values()])
     at = Placement(tuple(hosts_of))
-    for index in runs.sequence:
-        for host, (out, into) in enumerate(nic_bytes(programs[index], at, hosts)):
-            totals[host][0] += out
-            totals[host][1] += into
-    per_node = tuple((round(out / count), round(into / count)) for out, into in totals)
-    mean = sum(seconds) / count if count else 0.0
+    per_iteration = [nic_bytes(programs[index], at, platform.hosts) for index in runs.sequence]
+    per_node = tuple((round(weighted_mean([nics[host][0] for nics in per_iteration], weights)),
+                      round(weighted_mean([nics[host][1] for nics in per_iteration], weights)))
+                     for host in range(platform.hosts))
+    mean = weighted_mean(seconds, weights)
     timing = {"replay": replay, "seconds": time.monotonic() - started, "ranks": len(placement.host),
               "messages": sum(len(phase.messages) for index in runs.sequence for phase in runs.programs[index].phases),
-              **result.get("timing", {})}
+              **timing}
     return (MethodResult(name, label, mean, tuple(seconds), phases, per_node, tuple(result.get("hosts", ())), clock,
                          timing), result.get("simgrid_version", ""))
+
+
+def _summed(timings: list[dict]) -> dict:
+    """Several SimGrid children's timings as one: seconds and flows added, actors the most."""
+    keys = dict.fromkeys(key for timing in timings for key in timing)
+    return {key: (max if key == "actors" else sum)(timing.get(key, 0) for timing in timings) for key in keys}
 
 
 def peer_collectives(peer: str, shapes: Sequence[Sequence[int]]) -> list[tuple[str, int]]:
@@ -201,14 +223,21 @@ def peer_collectives(peer: str, shapes: Sequence[Sequence[int]]) -> list[tuple[s
 
 def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str, source: str, model: str = "cm02",
              peers: Sequence[str] = (), shapes: Sequence[Sequence[int]] = (), clock: list[dict] | None = None,
-             notes: Sequence[str] = (), replay: str = "auto") -> Simulation:
+             notes: Sequence[str] = (), replay: str = "auto", weights: Sequence[float] | None = None) -> Simulation:
     """Simulate ``iterations`` of mpigrad and of each of ``peers`` on ``platform`` (SimGrid's
     network ``model``: a key of ``engine.NETWORK_MODELS``); ``clock``: mpigrad's clock of each
-    iteration (dicts of seconds), averaged into the result. UsageError (one line)."""
+    iteration (dicts of seconds), averaged into the result. ``weights``: how many iterations
+    each of ``iterations`` stands for (a recorded run's distinct iterations): each is then
+    simulated alone, from an idle platform as one iteration of a config is (``sample`` 1), not
+    after the one before, and every mean of the result (seconds, phases, NIC bytes, the clock)
+    counts iteration m ``weights[m]`` times; default: the iterations one after another, each
+    once. UsageError (one line)."""
     if model not in NETWORK_MODELS:
         raise UsageError(f"--network-model must be one of {', '.join(NETWORK_MODELS)}, got {model!r}")
     if not iterations:
         raise UsageError("nothing to simulate: no iterations")
+    if weights is not None and (len(weights) != len(iterations) or any(w <= 0 for w in weights)):
+        raise UsageError(f"weights: {len(iterations)} positive numbers needed, one per iteration, got {list(weights)}")
     first = iterations[0].traffic
     placement = Placement.of(platform, first.workers, first.servers, first.colocated)
     L = platform.ranks_per_node
@@ -220,12 +249,12 @@ def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str,
         ours.add((it.traffic, it.compute, it.rest), lambda it=it: mpigrad_phases(it.traffic, L, it.compute, it.rest))
     mean_clock = None
     if clock:
-        mean_clock = {key: sum(c[key] for c in clock) / len(clock) for key in clock[0]}
+        mean_clock = {key: weighted_mean([c[key] for c in clock], weights) for key in clock[0]}
     mode = replay_mode(replay, len(placement.host))
     check_simgrid()
     with tempfile.TemporaryDirectory(prefix="mpigrad-simulate-") as folder:
         result, version = _run("mpigrad", label, ours, placement, platform, model, folder, mean_clock, mode,
-                               alone=(0,) if first.colocated else ())
+                               alone=(0,) if first.colocated else (), weights=weights)
         peer_results = []
         workers = first.workers
         peer_placement = Placement.workers_only(platform)
@@ -236,7 +265,7 @@ def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str,
                 runs.add(it.compute, lambda it=it: ddp_phases(collectives, workers, it.compute, platform.nodes, L,
                                                               hierarchical=peer == HIERARCHICAL))
             peer_result, _ = _run(peer, peer_labels()[peer], runs, peer_placement, platform, model, folder,
-                                  replay=mode)
+                                  replay=mode, weights=weights)
             peer_results.append(peer_result)
     return Simulation(platform, model, len(iterations), source, result, tuple(peer_results), tuple(notes), version,
-                      first.colocated, mode)
+                      first.colocated, mode, tuple(weights or ()))

@@ -6,9 +6,12 @@ the ranks build them (``runtime/exchange/build.py``), each frame's size at the i
 bits from the compressor's ``exact_capacity`` (every codec that fixes its frame size: fp32,
 fp16, uniform, sign, TernGrad, fixed-width QSGD), else ``capacity``, the bound a receiver
 sizes its buffer by (QSGD's Elias stream, MCGQ: the frames are then at most that big, and
-:func:`traffic_of` says so in ``ConfigTraffic.bound``). From a trace
-(:func:`trace_iterations`): exactly as ``mpigrad trace retime`` rebuilds each row's traffic
-(``analysis/retime.py``), with the row's recorded local work.
+:func:`traffic_of` says so in ``ConfigTraffic.bound``). A two-round codec (PowerSGD): its
+two rounds' factor frames as rank 0 of the run sizes them (``runtime/exchange/lowrank.py``'s
+``LowRank.frame_sizes`` over ``build_factor_shards``), in ``IterationTraffic``'s second round.
+From a trace (:func:`trace_iterations`): exactly as ``mpigrad trace retime`` rebuilds each
+row's traffic (``analysis/retime.py``), with the row's recorded local work. A recorded run's
+bits per iteration (:func:`recorded_bits`), for a config's iterations at them.
 """
 
 from __future__ import annotations
@@ -24,21 +27,23 @@ from ..costmodel import LocalWork
 from ..errors import UsageError
 from ..trace import TraceError, read_raw
 
-__all__ = ["ConfigTraffic", "TraceIteration", "TraceRun", "traffic_of", "config_traffic", "trace_iterations",
-           "model_shapes"]
+__all__ = ["ConfigTraffic", "TraceIteration", "TraceRun", "RecordedBits", "traffic_of", "config_traffic",
+           "trace_iterations", "recorded_bits", "model_shapes"]
 
 
 @dataclass(frozen=True)
 class ConfigTraffic:
     """A config's iteration: its ``traffic``, ``bound`` (True where some frame's size is the
     codec's bound, not its exact size), the quantized layers' count, the parameters' shapes
-    (for the peers) and what the cost model charges (``local_work``, as rank 0 builds it)."""
+    (for the peers), what the cost model charges (``local_work``, as rank 0 builds it) and
+    ``notes`` on what the iteration leaves out (lines for the report)."""
 
     traffic: IterationTraffic
     bound: bool
     layers: int
     shapes: tuple[tuple[int, ...], ...]
     local_work: LocalWork
+    notes: tuple[str, ...] = ()
 
 
 def _bits_list(bits: int | Sequence[int], layers: int) -> list[int]:
@@ -58,25 +63,53 @@ def traffic_of(config: RunConfig, workers: int, bits: int | Sequence[int]) -> It
     return config_traffic(config, workers, bits).traffic
 
 
-def config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int]) -> ConfigTraffic:
+def config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int],
+                   control_ahead: bool | None = None) -> ConfigTraffic:
     """:func:`traffic_of` with what else a simulation needs of the config (:class:`ConfigTraffic`).
-    UsageError (one line) for a run this cannot lay out: a two-round codec (PowerSGD), the
-    pipelined iteration, a model, data set, codec or policy that cannot be built."""
+    ``control_ahead``: whether the iteration's Control goes ahead of the losses (None: as the
+    runtime sends the config's first one: ``control = "ahead"`` and a policy that knows its
+    bits before the losses). A two-round codec's iteration is a compressed one (from its
+    ``start`` on). UsageError (one line) for a run this cannot lay out: PowerSGD's per-layer
+    settings (menus), the pipelined iteration, a model, data set, codec or policy that cannot
+    be built."""
     from ..codecs import CodecError
     from ..data import DataError
     from ..models import ModelError
     from ..policies import PolicyError
 
     try:
-        return _config_traffic(config, workers, bits)
+        return _config_traffic(config, workers, bits, control_ahead)
     except (CodecError, DataError, ModelError, PolicyError) as exc:
         raise UsageError(str(exc)) from None
 
 
-def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int]) -> ConfigTraffic:
+def _frames_by_worker(sizes: Sequence[int], workers: int, ranks_per_node: int | None) -> tuple[tuple[int, ...], ...]:
+    """``frames_in`` of one round: shard s's frame of ``sizes[s]`` bytes from every worker, or
+    (the hierarchical exchange on nodes of ``ranks_per_node``) from the workers of its local
+    rank only, 0 from the others (they send it none)."""
+    L = ranks_per_node
+    return tuple(tuple(n if L is None or w % L == s % L else 0 for w in range(workers)) for s, n in enumerate(sizes))
+
+
+def _factor_frame_sizes(config: RunConfig, replica, codec, servers: int, widths: list[int]
+                        ) -> tuple[list[int], list[int]]:
+    """A two-round codec's frame bytes per server in round 1 (the P factors and the other
+    layers) and round 2 (the Q factors): rank 0's ``LowRank`` over the run's factor shards
+    (``tworounds._low_rank``), whose ``frame_sizes`` size every worker's frames and the
+    broadcasts (its codecs' widths are their own: ``widths`` only name a plan's settings)."""
+    from ..runtime.exchange.build import build_factor_shards
+    from ..runtime.exchange.lowrank import LowRank
+
+    lowrank = LowRank(replica.model, replica.layout, codec, config.seed, worker=False,
+                      shards=build_factor_shards(config, replica.layout, codec, servers))
+    return lowrank.frame_sizes(widths)
+
+
+def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int],
+                    control_ahead: bool | None) -> ConfigTraffic:
     from ..policies import get_policy
     from ..runtime.exchange.build import (base_codec, broadcast_codec, build_broadcast_compressor,
-                                          build_compressor, build_replica, build_shards, load_data)
+                                          build_compressor, build_replica, build_shards, load_data, local_work)
     from ..runtime.exchange.broadcast import broadcast_widths
     from ..runtime.exchange.hierarchical import run_topology, slice_bytes
     from ..runtime.wire.messages import Control, FrameLength, LossReport
@@ -84,9 +117,10 @@ def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int]) 
     if config.pipeline:
         raise UsageError("--pipeline is not simulated yet (its overlap with backward needs the buckets' times)")
     codec = base_codec(config)
-    if codec.two_rounds:
-        raise UsageError(f"codec {config.codec!r} sends two rounds per iteration, not simulated from a config yet: "
-                         "simulate a trace of it, or compare it as a peer (DDP PowerSGD)")
+    if codec.two_rounds and getattr(codec, "mixed", False):
+        raise UsageError(f"codec {config.codec!r} with per-layer settings (--codec-opt ranks=/widths=, a policy's "
+                         "choice per layer) is not simulated from a config: its frames follow the policy's "
+                         "settings; give one rank (--codec-opt rank=R) and no menus")
     replica = build_replica(config, load_data(config))
     layout = replica.layout
     layers = len(layout.quantized)
@@ -94,45 +128,58 @@ def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int]) 
     colocated = config.colocated
     shard_count = workers if colocated else int(config.servers)
     shards = build_shards(config, layout, codec, shard_count)
-    stream = 1  # a worker's: the frames' sizes do not depend on the stream
-    compressor = build_compressor(config, layout, codec, stream, shard_count)
-    down = build_broadcast_compressor(config, codec, build_compressor(config, layout, codec, 0, shard_count))
-    down_widths = broadcast_widths(widths, broadcast_codec(config)[1])
-    bound = False
-
-    def size(comp, shard, at) -> int:
-        nonlocal bound
-        exact = comp.exact_capacity(shard, at)
-        if exact is None:
-            bound = True
-            return comp.capacity(shard, at)
-        return exact
-
-    up = [size(compressor, shard, widths) for shard in shards]
     hierarchical = colocated and config.exchange == "hierarchical"
-    slices: tuple[int, ...] = ()
-    if hierarchical:
-        topology = run_topology(config, workers)
-        L = topology.ranks_per_node
-        frames_in = tuple(tuple(up[s] if w % L == s % L else 0 for w in range(workers)) for s in range(shard_count))
-        slices = slice_bytes(topology, shards, config.intra_codec)
+    topology = run_topology(config, workers) if hierarchical else None
+    L = topology.ranks_per_node if hierarchical else None
+    slices = slice_bytes(topology, shards, config.intra_codec) if hierarchical else ()
+    bound = False
+    notes: list[str] = []
+    second_in: tuple[tuple[int, ...], ...] = ()
+    second_out: tuple[int, ...] = ()
+    if codec.two_rounds:  # the factors' two rounds, as rank 0 of the run sizes them (tworounds.LowRankRank0)
+        first, second = _factor_frame_sizes(config, replica, codec, shard_count, widths)
+        frames_in, second_in = _frames_by_worker(first, workers, L), _frames_by_worker(second, workers, L)
+        frames_out = tuple(FrameLength.NBYTES + n for n in first)
+        second_out = tuple(FrameLength.NBYTES + n for n in second)
+        if codec.start > 0:
+            notes.append(f"note: {config.codec} compresses from iteration {codec.start} on (start): the iterations "
+                         "simulated are compressed ones, two rounds each (before it every layer goes in float32)")
+        if config.compute_time is not None:
+            notes.append(f"note: the cost model has no costs for {config.codec}'s matrix products: its local work "
+                         "is not charged, as the run's clock charges none")
     else:
-        frames_in = tuple(tuple(up[s] for _ in range(workers)) for s in range(shard_count))
-    frames_out = tuple(FrameLength.NBYTES + size(down, shard, down_widths) for shard in shards)
+        stream = 1  # a worker's: the frames' sizes do not depend on the stream
+        compressor = build_compressor(config, layout, codec, stream, shard_count)
+        down = build_broadcast_compressor(config, codec, build_compressor(config, layout, codec, 0, shard_count))
+        down_widths = broadcast_widths(widths, broadcast_codec(config)[1])
+
+        def size(comp, shard, at) -> int:
+            nonlocal bound
+            exact = comp.exact_capacity(shard, at)
+            if exact is None:
+                bound = True
+                return comp.capacity(shard, at)
+            return exact
+
+        frames_in = _frames_by_worker([size(compressor, shard, widths) for shard in shards], workers, L)
+        frames_out = tuple(FrameLength.NBYTES + size(down, shard, down_widths) for shard in shards)
     policy = get_policy(config.policy_config(), n_layers=max(layers, 1), seed=config.seed)
     policy.setup_codec(codec)
-    ahead = config.control == "ahead" and policy.bits_ahead(0) is not None
+    if control_ahead is None:
+        control_ahead = config.control == "ahead" and policy.bits_ahead(0) is not None
     traffic = IterationTraffic(LossReport.NBYTES, Control(layers).buf.nbytes, frames_in, frames_out, colocated,
-                               ahead=ahead, hierarchical=hierarchical, slice_bytes=slices)
+                               second_in, second_out, ahead=bool(control_ahead), hierarchical=hierarchical,
+                               slice_bytes=slices)
     shapes = tuple(tuple(p.shape) for p in replica.model.parameters() if p.requires_grad)
-    from ..runtime.exchange.build import local_work
+    return ConfigTraffic(traffic, bound, layers, shapes, local_work(config, codec, policy, shards, workers),
+                         tuple(notes))
 
-    return ConfigTraffic(traffic, bound, layers, shapes, local_work(config, codec, policy, shards, workers))
 
-
-def local_seconds(config: RunConfig, workers: int, ours: ConfigTraffic) -> float:
-    """The cost model's charge for one iteration of ``ours`` at the config's bits (0 with
-    ``--cost-model none`` or without ``--compute-time``): the local work besides the compute."""
+def local_seconds(config: RunConfig, workers: int, ours: ConfigTraffic,
+                  bits: int | Sequence[int] | None = None) -> float:
+    """The cost model's charge for one iteration of ``ours`` at ``bits`` (default the
+    config's; 0 with ``--cost-model none``, without ``--compute-time`` or for a two-round
+    codec, as the run's clock charges them): the local work besides the compute."""
     from ..costmodel import CostModelError
     from ..runtime.plan.checks import cost_model
 
@@ -141,7 +188,7 @@ def local_seconds(config: RunConfig, workers: int, ours: ConfigTraffic) -> float
         return 0.0
     try:
         ours.local_work.check(model)
-        return ours.local_work.seconds(model, _bits_list(config.bits, ours.layers))
+        return ours.local_work.seconds(model, _bits_list(config.bits if bits is None else bits, ours.layers))
     except CostModelError as exc:
         raise UsageError(f"--cost-model: {exc}") from None
 
@@ -256,6 +303,55 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
                                      float(steps["t_comm"][row])))
     layers = int(steps["bits_layers"].shape[1]) if "bits_layers" in steps else 1
     return TraceRun(str(path), config, tuple(chosen), total, int(config.get("ranks_per_node", 1) or 1), layers)
+
+
+@dataclass(frozen=True)
+class RecordedBits:
+    """A recorded run's bits, iteration by iteration: for each steps row of its trace, the
+    width of each quantized layer (``bits[k]``, the row's ``bits_layers``) and whether its
+    Control went ahead of the losses (``ahead[k]``, ``control_ahead``: MQGrad sends it ahead
+    between two of its decisions); ``config``, the run's."""
+
+    path: str
+    config: dict
+    bits: tuple[tuple[int, ...], ...]
+    ahead: tuple[bool, ...]
+
+    @property
+    def codec(self) -> str | None:
+        from ..analysis.labels import flat_config
+
+        return flat_config(self.config).get("codec")
+
+    def kinds(self) -> list[tuple[tuple[int, ...], bool, int]]:
+        """The distinct iterations, (bits, ahead, how many rows had them), in the order of
+        their first row."""
+        counts: dict[tuple[tuple[int, ...], bool], int] = {}
+        for key in zip(self.bits, self.ahead):
+            counts[key] = counts.get(key, 0) + 1
+        return [(bits, ahead, count) for (bits, ahead), count in counts.items()]
+
+
+def recorded_bits(path: str | os.PathLike) -> RecordedBits:
+    """The bits per iteration of the complete trace at ``path`` (:class:`RecordedBits`), every
+    steps row. UsageError (one line) for a trace that cannot be read, is not complete, or
+    records no bits per layer."""
+    path = Path(path)
+    try:
+        raw = read_raw(path)
+    except (OSError, TraceError) as exc:
+        raise UsageError(f"cannot read the trace {path}: {exc}") from None
+    status = str(raw.attrs.get("status", "running"))
+    if status != "complete":
+        raise UsageError(f"{path}: trace status {status!r}; only a complete run's bits are taken")
+    steps = raw.arrays.get("steps") or {}
+    if "bits_layers" not in steps or not len(steps["bits_layers"]):
+        raise UsageError(f"{path}: the trace records no bits per layer (steps/bits_layers)")
+    ahead = steps.get("control_ahead")  # older traces: every Control after the losses (as recorded_traffic)
+    rows = len(steps["bits_layers"])
+    return RecordedBits(str(path), dict(raw.attrs.get("config") or {}),
+                        tuple(tuple(int(b) for b in row) for row in steps["bits_layers"]),
+                        tuple(bool(a) for a in ahead) if ahead is not None else (False,) * rows)
 
 
 def clock_seconds(link: LinkModel, traffic: IterationTraffic, compute: float, rest: float) -> tuple[float, float]:
