@@ -260,13 +260,7 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     path = Path(path)
     if count < 1:
         raise UsageError(f"--sample must be at least 1 iteration, got {count}")
-    try:
-        raw = read_raw(path)
-    except (OSError, TraceError) as exc:
-        raise UsageError(f"cannot read the trace {path}: {exc}") from None
-    status = str(raw.attrs.get("status", "running"))
-    if status != "complete":
-        raise UsageError(f"{path}: trace status {status!r}; only a complete run is simulated")
+    raw = _read_complete(path, "only a complete run is simulated")
     config = raw.attrs.get("config")
     reason = retime_refusal(config)
     if reason and "reads the clock" not in reason:  # a replay keeps the run's bits: that one does not matter
@@ -337,13 +331,7 @@ def recorded_bits(path: str | os.PathLike) -> RecordedBits:
     steps row. UsageError (one line) for a trace that cannot be read, is not complete, or
     records no bits per layer."""
     path = Path(path)
-    try:
-        raw = read_raw(path)
-    except (OSError, TraceError) as exc:
-        raise UsageError(f"cannot read the trace {path}: {exc}") from None
-    status = str(raw.attrs.get("status", "running"))
-    if status != "complete":
-        raise UsageError(f"{path}: trace status {status!r}; only a complete run's bits are taken")
+    raw = _read_complete(path, "only a complete run's bits are taken")
     steps = raw.arrays.get("steps") or {}
     if "bits_layers" not in steps or not len(steps["bits_layers"]):
         raise UsageError(f"{path}: the trace records no bits per layer (steps/bits_layers)")
@@ -383,3 +371,16 @@ def resolved_config(config: RunConfig, workers: int) -> tuple[RunConfig, list[st
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return replace(config, ranks_per_node=topology.ranks_per_node, exchange=exchange), notes
+
+
+def _read_complete(path: Path, use: str):
+    """The raw trace at ``path``; UsageError (one line) where it cannot be read or its run is
+    not complete (``use`` says what only a complete run gives)."""
+    try:
+        raw = read_raw(path)
+    except (OSError, TraceError) as exc:
+        raise UsageError(f"cannot read the trace {path}: {exc}") from None
+    status = str(raw.attrs.get("status", "running"))
+    if status != "complete":
+        raise UsageError(f"{path}: trace status {status!r}; {use}")
+    return raw
