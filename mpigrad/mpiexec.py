@@ -34,11 +34,25 @@ def launch_rank() -> int:
     return 0
 
 
+#: The variable naming the ``mpiexec`` mpigrad's own launches use (benchmarks, the
+#: examples' run.py): a site's wrapper, another MPI's launcher, or the test suite's relay.
+MPIEXEC_VARIABLE = "MPIGRAD_MPIEXEC"
+#: The help of a command's ``--mpiexec`` option.
+MPIEXEC_HELP = f"mpiexec to use (default: ${MPIEXEC_VARIABLE}, else the one beside python, else PATH)"
+
+
 def find_mpiexec(explicit: str | None = None) -> str:
-    """``explicit``, else the ``mpiexec`` beside this Python (a pip-installed MPI in the
-    active virtual environment), else the one on ``PATH``; UsageError when there is none."""
+    """``explicit``, else ``$MPIGRAD_MPIEXEC`` (a path, or a name looked up on ``PATH``), else
+    the ``mpiexec`` beside this Python (a pip-installed MPI in the active virtual
+    environment), else the one on ``PATH``; UsageError when there is none."""
     if explicit:
         return explicit
+    named = os.environ.get(MPIEXEC_VARIABLE, "").strip()
+    if named:
+        found = named if os.sep in named else shutil.which(named)
+        if not found or not os.access(found, os.X_OK):
+            raise UsageError(f"{MPIEXEC_VARIABLE}={named}: no such executable")
+        return found
     beside = Path(sys.executable).with_name("mpiexec")
     found = str(beside) if beside.exists() else shutil.which("mpiexec")
     if not found:

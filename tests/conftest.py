@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -131,6 +132,40 @@ def world_pool():
         from worlds import WorldPool
         _world_pool = WorldPool(_world_folder, _world_env, mpiexec)
     return _world_pool
+
+
+@pytest.fixture(scope="module")
+def world_relay(mpi_env):
+    """``world_relay(env)``: ``env`` for a command that starts runs itself (a shell running
+    the documented commands, an example's run.py) with an ``mpiexec`` first on ``PATH`` and
+    in ``$MPIGRAD_MPIEXEC`` that hands each plain ``mpigrad train`` run to this worker's
+    world (``worlds.WorldRelay``: no start-up per run) and every other command to the real
+    ``mpiexec``; ``env`` itself where worlds are off. Each relayed run's warm-up is checked
+    at the end, as ``run_mpi`` checks it."""
+    import tempfile
+
+    from mpigrad.mpiexec import find_mpiexec
+
+    relays, folders = [], []
+
+    def relayed(env: dict[str, str]) -> dict[str, str]:
+        pool = world_pool()
+        if pool is None:
+            return env
+        from worlds import WorldRelay
+
+        folders.append(Path(tempfile.mkdtemp(prefix="mgrelay")))  # short: a socket's path
+        relays.append(WorldRelay(pool, folders[-1], timeout=200))
+        return relays[-1].install(env, find_mpiexec())
+
+    yield relayed
+    for relay in relays:
+        relay.close()
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    late = [line for relay in relays for _, result in relay.runs for line in result.stderr.splitlines()
+            if "Numba kernel(s) during the run" in line]
+    assert not late, "\n".join(late)
 
 
 def pytest_sessionfinish(session, exitstatus):

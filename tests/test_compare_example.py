@@ -57,7 +57,7 @@ def test_the_comparison_configs_differ_only_in_their_method():
 
 
 @pytest.mark.mpi
-def test_the_comparison_command_runs_resumes_and_reports(tmp_path, mpi_env):
+def test_the_comparison_command_runs_resumes_and_reports(tmp_path, mpi_env, world_relay):
     out = tmp_path / "cmp"
     listed = run_script("--out", out, "--list", env=mpi_env)
     assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 75   # the full plan
@@ -74,7 +74,7 @@ def test_the_comparison_command_runs_resumes_and_reports(tmp_path, mpi_env):
     assert "acc%@4s" in (out / "shared-lr.txt").read_text()
     # A second call skips complete traces and runs only what is missing.
     (out / "mqgrad-lr0.02-s2.h5").unlink()
-    second = run_script("--out", out, "--smoke", env=mpi_env)
+    second = run_script("--out", out, "--smoke", env=world_relay(mpi_env))  # its run in this worker's world
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.count("complete, skipped") == 3 and second.stdout.count(": running") == 1
     # The job-array route: a task prints its run, nothing once complete.

@@ -269,6 +269,26 @@ def test_mpiexec_flavour_and_the_flags_it_needs(tmp_path, version, flavour, flag
     assert mpiexec_command(2, ["x"], str(fake))[-3:] == ["-n", "2", "x"]
 
 
+
+def test_mpigrad_mpiexec_names_the_launcher_of_mpigrads_own_launches(tmp_path, monkeypatch):
+    """``$MPIGRAD_MPIEXEC`` (a path, or a name on PATH) wins over the one beside python; an
+    explicit ``--mpiexec`` wins over it; one that is not there is a one-line UsageError."""
+    from mpigrad.errors import UsageError
+    from mpigrad.mpiexec import find_mpiexec, mpiexec_command
+
+    site = tmp_path / "site-mpirun"
+    site.write_text("#!/bin/sh\necho 'mpiexec (OpenRTE) 4.1.6'\n")
+    site.chmod(0o755)
+    monkeypatch.setenv("MPIGRAD_MPIEXEC", str(site))
+    assert find_mpiexec() == str(site) and mpiexec_command(2, ["x"])[0] == str(site)
+    assert find_mpiexec("/opt/mpi/bin/mpiexec") == "/opt/mpi/bin/mpiexec"
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("MPIGRAD_MPIEXEC", "site-mpirun")
+    assert find_mpiexec() == str(site)
+    monkeypatch.setenv("MPIGRAD_MPIEXEC", "no-such-mpirun")
+    with pytest.raises(UsageError, match="^MPIGRAD_MPIEXEC=no-such-mpirun: no such executable$"):
+        find_mpiexec()
+
 def test_gpu_lines_say_the_map_a_refusal_and_what_a_cuda_aware_mpi_is_used_for(monkeypatch):
     """The doctor's ``gpus`` lines from made-up device entries (rank, node, name, devices
     key, count): a four-GPU node under mpiexec -n 5 with colocated servers, the same launch

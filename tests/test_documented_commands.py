@@ -11,7 +11,8 @@ How: per document, in a fresh directory holding the checkout's examples/ and job
 (as a fresh clone), with the traces the docs name as placeholders (``run.h5``,
 ``fix2.h5``, ``runs/*.h5``; PLACEHOLDERS), in the documented order, through ``bash`` with
 this virtual environment's ``mpiexec``, ``mpigrad`` and ``python`` first on PATH and one
-thread per rank. Shortened by SHORTEN: a ``mpigrad train`` runs 3 iterations, a ``for``
+thread per rank (a plain ``mpiexec ... mpigrad train`` run goes to the worker's shared world
+through conftest's ``world_relay``: the same options, folder and output, no start-up). Shortened by SHORTEN: a ``mpigrad train`` runs 3 iterations, a ``for``
 loop runs its first value only (test_every_documented_command_is_run_or_excluded loads the
 config of every other value instead).
 
@@ -317,11 +318,15 @@ def _run(command: str, folder: Path, env: dict[str, str], timeout: float) -> sub
 
 
 @pytest.fixture
-def user_env(mpi_env) -> dict[str, str]:
+def user_env(mpi_env, world_relay) -> dict[str, str]:
+    """The environment a user's shell has: this venv first on PATH, one thread per rank;
+    where the suite's worlds are on, each plain ``mpigrad train`` run goes to this worker's
+    world (conftest's ``world_relay``: no start-up per documented run), every other command
+    to the venv's ``mpiexec``."""
     bin_dir = str(Path(sys.executable).parent)
     env = dict(mpi_env, PATH=os.pathsep.join([bin_dir, mpi_env.get("PATH", "")]))
     env.pop("PYTHONPATH", None)
-    return env
+    return world_relay(env)
 
 
 #: Outputs of the commands run, by document and command text, for the checks below.

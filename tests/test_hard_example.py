@@ -83,12 +83,12 @@ def test_each_config_trains_a_few_iterations(tmp_path, method):
 
 
 @pytest.mark.mpi
-def test_run_py_runs_and_reports_iterations_to_target(tmp_path, mpi_env):
+def test_run_py_runs_and_reports_iterations_to_target(tmp_path, mpi_env, world_relay):
     out = tmp_path / "hard"
     listed = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--list"], env=mpi_env,
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 24
-    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--smoke"], env=mpi_env,
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--smoke"], env=world_relay(mpi_env),
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(p.name for p in out.glob("*.h5")) == ["fix2-lr0.2-s1.h5", "fp32-lr0.2-s1.h5"]

@@ -75,3 +75,55 @@ def test_a_world_takes_only_mpigrads_run_time_variables():
     assert world_env_differs({"PATH": "/bin", "NUMBA_NUM_THREADS": "1"}, base) == {"MPIGRAD_PHASE_LOG": None}
     with pytest.raises(ValueError, match="NUMBA_ENABLE_CUDASIM, NUMBA_NUM_THREADS"):
         world_env_differs({**base, "NUMBA_NUM_THREADS": "2", "NUMBA_ENABLE_CUDASIM": "1"}, base)
+
+
+def test_the_relay_takes_plain_train_runs_only():
+    from mpiexec_relay import relayed_run
+
+    train = ["python", "-m", "mpi4py", "-m", "mpigrad", "train"]
+    assert relayed_run(["-n", "3", *train, "--bits", "4"]) == (3, ["--bits", "4"])
+    assert relayed_run(["-n", "3", "/venv/bin/python3", *train[1:]]) == (3, [])
+    assert relayed_run(["-n", "3", *train, "--check"]) is None  # the launcher's own path
+    assert relayed_run(["-n", "2", "python", "-m", "mpi4py", "-m", "mpigrad", "doctor"]) is None
+    assert relayed_run(["--oversubscribe", "--allow-run-as-root", "-n", "3", *train]) == (3, [])
+    assert relayed_run(["--host", "a", "-n", "3", *train]) is None
+    assert relayed_run(["-n", "3", "python", "tests/fake_step.py"]) is None
+
+
+@pytest.mark.mpi
+def test_a_shell_s_train_runs_go_to_the_world_and_the_rest_to_mpiexec(pool, tmp_path, mpi_env):
+    """Through ``WorldRelay``'s ``mpiexec`` a shell's plain train run is served by the world
+    (no start-up) and gives what the real ``mpiexec`` gives: its exit code and lines; a
+    command with a variable a world cannot take goes to the real ``mpiexec``."""
+    import subprocess
+
+    from mpigrad.mpiexec import find_mpiexec
+    from worlds import WorldRelay
+
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix="mgrelay"))
+    relay = WorldRelay(pool, folder, timeout=120)
+    env = relay.install(dict(mpi_env), find_mpiexec())
+    train = "mpiexec -n 3 python -m mpi4py -m mpigrad train"
+    tiny = ("--model-opt fc_sizes=[32,32] --model-opt conv_channels=4 --min-quantize-size 500 --net-mode off "
+            "--eval-every 0 --progress-every 1 --iterations 2")
+
+    def shell(command):
+        return subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=180)
+    try:
+        run = shell(f"{train} {tiny} --trace run.h5")
+        assert run.returncode == 0, run.stderr
+        assert "iter 2/2" in run.stdout and (tmp_path / "run.h5").exists()
+        assert len(relay.runs) == 1 and pool.started == 1 and pool.world.served == 1, relay.declined
+        relayed = shell(f"{train} --bits 99 --trace bad.h5")
+        real = shell(f"EXTRA=1 {train} --bits 99 --trace bad.h5")  # EXTRA: a world cannot take it
+        assert len(relay.runs) == 2 and pool.world.served == 2
+        assert relay.declined == [(["--bits", "99", "--trace", "bad.h5"], "variables a world cannot change: EXTRA")]
+        assert relayed.returncode == real.returncode == 2
+        from conftest import without_launcher_notice
+        assert sorted(relayed.stderr.splitlines()) == sorted(without_launcher_notice(real.stderr).splitlines())
+        assert "bits must be in 1..32, got 99" in relayed.stderr and not (tmp_path / "bad.h5").exists()
+    finally:
+        relay.close()
+    assert not Path(relay.path).exists()

@@ -19,6 +19,10 @@ does end it, and the next run starts another), and signals, kills and hangs a te
 provokes on purpose, the launcher's own checks and other commands, which are not runs of a
 world. ``MPIGRAD_TEST_WORLDS=0``
 sends every run to its own ``mpiexec``.
+
+:class:`WorldRelay` takes the same runs from commands a test runs through a shell (the
+documented commands): an ``mpiexec`` first on the shell's ``PATH`` (``mpiexec_relay.py``)
+hands a plain ``mpiexec -n N python -m mpi4py -m mpigrad train ...`` to this worker's world.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -193,3 +199,90 @@ class WorldPool:
         if self.world is not None:
             self.world.close()
             self.world = None
+
+
+#: A relayed run's world keeps this many ranks at most: a larger run gets its own ``mpiexec``
+#: rather than a world that would hold that many idle processes for the rest of the worker.
+MAX_RELAYED_RANKS = 5
+#: Variables a shell sets (or drops: PS1) of its own in a command's environment.
+SHELL_OWN = ("PWD", "OLDPWD", "SHLVL", "_", "PS1")
+RELAY = Path(__file__).resolve().with_name("mpiexec_relay.py")
+
+
+class WorldRelay:
+    """Serves ``mpiexec_relay.py``'s requests from a thread: each plain ``train`` run goes to
+    ``pool`` (one at a time, as the shell runs them), declined where a fresh ``mpiexec``
+    would differ: an environment that differs from ``base`` (the one the test gave the
+    shell: :meth:`install`) in more than ``mpigrad``'s run-time variables, or more than
+    ``MAX_RELAYED_RANKS`` ranks. ``runs`` keeps (options, result) of each relayed run,
+    ``declined`` (options, why) of each sent to the real ``mpiexec``."""
+
+    def __init__(self, pool: WorldPool, folder: Path, timeout: float):
+        self.pool, self.folder, self.timeout = pool, folder, timeout
+        self.base: dict[str, str] = {}
+        self.runs: list[tuple[list[str], subprocess.CompletedProcess]] = []
+        self.declined: list[tuple[list[str], str]] = []  # (options, why): sent to the real mpiexec
+        self.path = str(folder / "relay.sock")  # a short folder: a socket's path has ~100 bytes
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.path)
+        self.server.listen(4)
+        self.server.settimeout(0.2)  # so that close() ends the thread's wait
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="world relay", daemon=True)
+        self.thread.start()
+
+    def install(self, env: dict[str, str], real_mpiexec: str) -> dict[str, str]:
+        """``env`` with an ``mpiexec`` that relays here first on its ``PATH`` and in
+        ``$MPIGRAD_MPIEXEC`` (which mpigrad's own launches take): the environment of the
+        command that starts runs, and the one a relayed run's is compared with."""
+        from mpigrad.mpiexec import MPIEXEC_VARIABLE
+
+        folder = self.folder / "bin"
+        folder.mkdir(parents=True, exist_ok=True)
+        script = folder / "mpiexec"
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{RELAY}" "{self.path}" "{real_mpiexec}" "$@"\n')
+        script.chmod(0o755)
+        self.base = dict(env, PATH=os.pathsep.join([str(folder), env.get("PATH", "")]), **{MPIEXEC_VARIABLE: str(script)})
+        return dict(self.base)
+
+    def answer(self, request: dict) -> dict:
+        env = {name: value for name, value in request["env"].items() if name not in SHELL_OWN}
+        base = {name: value for name, value in self.base.items() if name not in SHELL_OWN}
+        try:
+            changed = world_env_differs(env, base)
+            if request["ranks"] > MAX_RELAYED_RANKS:
+                raise ValueError(f"{request['ranks']} ranks: more than a relayed run's world keeps")
+        except ValueError as exc:
+            self.declined.append((request["argv"], str(exc)))
+            return {"declined": True}
+        try:
+            result = self.pool.run(request["ranks"], {"argv": request["argv"], "env": changed, "cwd": request["cwd"]},
+                                   self.timeout)
+        except TimeoutError:
+            result = subprocess.CompletedProcess(request["argv"], 124, "",
+                                                 f"mpiexec (a shared world): timed out after {self.timeout} s\n")
+        self.runs.append((request["argv"], result))
+        return {"code": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+
+    def _serve(self) -> None:
+        while not self.closed.is_set():
+            try:
+                connection, _ = self.server.accept()
+            except socket.timeout:
+                continue
+            except OSError:  # closed
+                return
+            connection.settimeout(None)
+            with connection:
+                data = b"".join(iter(lambda: connection.recv(1 << 16), b""))
+                try:
+                    reply = self.answer(json.loads(data))
+                except Exception as exc:  # the shell's command must fail, not hang
+                    reply = {"code": 1, "stdout": "", "stderr": f"world relay: {type(exc).__name__}: {exc}\n"}
+                connection.sendall(json.dumps(reply).encode())
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join(timeout=5)
+        self.server.close()
+        Path(self.path).unlink(missing_ok=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import COLOCATED, RunConfig, dump_toml, load_toml, parse_assignments
 from ..errors import UsageError
-from ..mpiexec import mpiexec_command
+from ..mpiexec import MPIEXEC_HELP, mpiexec_command
 
 #: What the bench sets over the user's config: no evaluation or progress lines inside the
 #: timed iterations (the loop evaluates nothing), the wall clock as it is.
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=10, help="iterations left out of the medians (default 10)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="pairs of runs (train, then the loop), alternating (default 3)")
-    parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside python, else PATH)")
+    parser.add_argument("--mpiexec", default=None, help=MPIEXEC_HELP)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..config import COLOCATED, parse_servers
 from ..errors import UsageError
-from ..mpiexec import mpiexec_command
+from ..mpiexec import MPIEXEC_HELP, mpiexec_command
 from ..units import parse_rate
 
 #: What the table's less obvious columns mean, printed under its header.
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=30, help="iterations per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="iterations skipped in the statistics (default 5)")
     parser.add_argument("--bandwidth", default="10MB/s", help="bandwidth for the simulated-clock column (default 10MB/s)")
-    parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside python, else PATH)")
+    parser.add_argument("--mpiexec", default=None, help=MPIEXEC_HELP)
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="extra 'mpigrad train' options after --, e.g. -- --codec qsgd --bits 4")
 

@@ -84,6 +84,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import UsageError
+from ..mpiexec import MPIEXEC_HELP
 from ..options import check_overwrite
 
 
@@ -500,7 +501,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rank 0 beside node 0's workers. Each row gets the bytes out of each node's NIC per "
                              "iteration: with --lab measured by the lab's counters (P/L >= 2 nodes), else the "
                              "model's (docs/peers.rst, Nodes)")
-    parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside python, else PATH)")
+    parser.add_argument("--mpiexec", default=None, help=MPIEXEC_HELP)
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="'mpigrad train' options after --, applied to both, e.g. -- --model-opt fc_sizes=[64,64]")
 

@@ -1,0 +1,64 @@
+"""An ``mpiexec`` in front of the real one, for commands a test runs through a shell (the
+documented commands): ``mpiexec -n N python -m mpi4py -m mpigrad train ARGS`` is handed to
+the pytest worker's shared world (``tests/worlds.py``'s :class:`WorldRelay`, over the Unix
+socket SOCKET) and answered with what a fresh ``mpiexec`` would have given: the ranks'
+stdout and stderr, and the exit code. Anything else, and a run the relay declines (an
+environment a world cannot take, more ranks than it keeps), goes to the real ``mpiexec``.
+
+Usage (by the ``mpiexec`` script ``WorldRelay.install`` writes): ``python mpiexec_relay.py
+SOCKET REAL_MPIEXEC ARG...``. Imports nothing heavy: it runs once per command."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+#: Flags mpigrad's own launches give Open MPI (mpigrad.mpiexec.launch_flags): a world's
+#: ranks already have what they ask for.
+LAUNCH_FLAGS = ("--oversubscribe", "--allow-run-as-root")
+
+
+def relayed_run(argv: list[str]) -> tuple[int, list[str]] | None:
+    """``(ranks, train options)`` where ``argv`` (what follows ``mpiexec``) starts a plain
+    ``mpigrad train`` run on ``-n`` ranks; None for any other command."""
+    while argv[:1] and argv[0] in LAUNCH_FLAGS:
+        argv = argv[1:]
+    if len(argv) < 8 or argv[0] not in ("-n", "-np") or not argv[1].isdigit():
+        return None
+    python, *module = argv[2:8]
+    if not os.path.basename(python).startswith("python") or module != ["-m", "mpi4py", "-m", "mpigrad", "train"]:
+        return None
+    options = argv[8:]
+    if "--check" in options:  # a check, not a run: the launcher's own path
+        return None
+    return int(argv[1]), options
+
+
+def _ask(path: str, request: dict) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect(path)
+        connection.sendall(json.dumps(request).encode())
+        connection.shutdown(socket.SHUT_WR)
+        reply = b"".join(iter(lambda: connection.recv(1 << 16), b""))
+    return json.loads(reply)
+
+
+def main() -> None:
+    path, real, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    run = relayed_run(argv)
+    if run is not None:
+        ranks, options = run
+        reply = _ask(path, {"ranks": ranks, "argv": options, "cwd": os.getcwd(), "env": dict(os.environ)})
+        if not reply.get("declined"):
+            sys.stdout.write(reply["stdout"])
+            sys.stderr.write(reply["stderr"])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.exit(reply["code"])
+    os.execv(real, [real, *argv])
+
+
+if __name__ == "__main__":
+    main()
