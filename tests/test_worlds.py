@@ -66,6 +66,28 @@ def test_an_abort_ends_the_world_with_its_code_and_a_hang_is_killed(pool):
     assert pool.started == 3
 
 
+@pytest.mark.mpi
+def test_a_scenario_imports_from_its_folder_and_pythonpath_as_a_fresh_process_and_forgets_it(pool, tmp_path):
+    """A user's plugin: found in the scenario's folder or on its ``$PYTHONPATH``, as a fresh
+    ``python -m mpi4py -m mpigrad`` there finds it, and forgotten after the scenario: the
+    next imports its own, and one without the path finds none (not the world's folder's)."""
+    def imported(ran):
+        return [line.split(": ")[1] for line in ran.stdout.splitlines() if line.startswith("rank ")]
+
+    for name in ("a", "b", "here"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "probe_plugin.py").write_text(f"VALUE = {name!r}\n")
+    ran = pool.run(2, {**scenario("import"), "env": {"PYTHONPATH": str(tmp_path / "a")}}, timeout=60)
+    assert ran.returncode == 0 and imported(ran) == ["a", "a"], ran.stderr
+    ran = pool.run(2, {**scenario("import"), "env": {"PYTHONPATH": "b"}, "cwd": str(tmp_path)}, timeout=60)
+    assert ran.returncode == 0 and imported(ran) == ["b", "b"], ran.stderr  # relative to the folder
+    ran = pool.run(2, {**scenario("import"), "cwd": str(tmp_path / "here")}, timeout=60)
+    assert ran.returncode == 0 and imported(ran) == ["here", "here"], ran.stderr
+    ran = pool.run(2, scenario("import"), timeout=60)
+    assert ran.returncode == 4 and "No module named 'probe_plugin'" in ran.stderr
+    assert pool.started == 1
+
+
 def test_a_world_takes_only_mpigrads_run_time_variables():
     base = {"PATH": "/bin", "NUMBA_NUM_THREADS": "1", "MPIGRAD_PHASE_LOG": "/x"}
     assert world_env_differs(dict(base), base) == {}
@@ -73,6 +95,7 @@ def test_a_world_takes_only_mpigrads_run_time_variables():
     with pytest.raises(ValueError, match="meant to fail"):
         world_env_differs({**base, "MPIGRAD_INJECT_FAULT": "raise:1:2"}, base)
     assert world_env_differs({"PATH": "/bin", "NUMBA_NUM_THREADS": "1"}, base) == {"MPIGRAD_PHASE_LOG": None}
+    assert world_env_differs({**base, "PYTHONPATH": "plugins"}, base) == {"PYTHONPATH": "plugins"}  # put on sys.path
     with pytest.raises(ValueError, match="NUMBA_ENABLE_CUDASIM, NUMBA_NUM_THREADS"):
         world_env_differs({**base, "NUMBA_NUM_THREADS": "2", "NUMBA_ENABLE_CUDASIM": "1"}, base)
 

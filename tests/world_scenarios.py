@@ -32,4 +32,11 @@ def main(comm, kind: str) -> int:
             comm.Abort(5)
     if kind == "hang":
         time.sleep(600)
+    if kind == "import":  # a user's plugin, from the folder or $PYTHONPATH as a fresh process finds it
+        try:
+            import probe_plugin
+        except ImportError as exc:
+            print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
+            return 4
+        print(f"rank {rank}: {probe_plugin.VALUE}", flush=True)
     return 0

@@ -86,8 +86,13 @@ def _redirected(out: Path, err: Path):
 
 @contextlib.contextmanager
 def _scenario_environment(env: dict, cwd: str | None):
+    """The scenario's variables and folder, and the import path a fresh ``python -m mpi4py
+    -m mpigrad`` started there would have: the folder first, then ``$PYTHONPATH``'s entries
+    (a user's plugins). Afterwards all is put back, and the modules imported from those
+    entries are forgotten: the next scenario imports its own."""
     before = {name: os.environ.get(name) for name in env}
     folder = os.getcwd()
+    path, modules = list(sys.path), set(sys.modules)
     for name, value in env.items():
         if value is None:
             os.environ.pop(name, None)
@@ -95,9 +100,19 @@ def _scenario_environment(env: dict, cwd: str | None):
             os.environ[name] = value
     if cwd:
         os.chdir(cwd)
+    entries = [os.path.abspath(cwd or folder),
+               *(os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry)]
+    sys.path[:] = [*entries, *path[1:]]  # path[0]: this script's folder, which a run's would not have
+    importlib.invalidate_caches()
     try:
         yield
     finally:
+        for name in set(sys.modules) - modules:
+            source = getattr(sys.modules[name], "__file__", None) or ""
+            if any(source.startswith(entry + os.sep) for entry in entries):
+                del sys.modules[name]
+        sys.path[:] = path
+        importlib.invalidate_caches()
         os.chdir(folder)
         for name, value in before.items():
             if value is None:

@@ -12,7 +12,8 @@ stdout and stderr (each rank's, in rank order).
 
 A run goes to a world only where a world gives what a fresh ``mpiexec`` would: ``train``
 runs whose environment differs from the world's in ``mpigrad``'s own run-time variables
-only (``MPIGRAD_*``: read when a run starts, not at import). The rest keep their own
+and ``PYTHONPATH`` only (``MPIGRAD_*``: read when a run starts, not at import; the import
+path: ``world_server`` gives each scenario a fresh process's). The rest keep their own
 ``mpiexec`` (``run_mpi`` decides: ``conftest.py``): a run with an injected fault
 (``MPIGRAD_INJECT_FAULT``: an abort would end a warm world; a run that fails otherwise
 does end it, and the next run starts another), and signals, kills and hangs a test
@@ -46,6 +47,9 @@ LEFT_STATE = 97
 ABORTED = "aborted"
 #: What MPICH and Open MPI print on a rank's stderr for its MPI_Abort.
 MPI_ABORT_SAID = ("application called MPI_Abort(", "MPI_ABORT was invoked on rank")
+#: Variables beyond ``MPIGRAD_*`` a world gives a scenario as a fresh process would have
+#: them: the import path (``world_server._scenario_environment``).
+WORLD_TAKES = ("PYTHONPATH",)
 #: A run with an injected fault goes to an ``mpiexec`` of its own: it would abort a warm world.
 FAULT = "MPIGRAD_INJECT_FAULT"
 
@@ -55,7 +59,7 @@ def world_env_differs(env: dict[str, str], base: dict[str, str]) -> dict[str, st
     is not mpigrad's run-time own (a world cannot take it: it was read at import)."""
     changed = {name: value for name, value in env.items() if base.get(name) != value}
     changed.update({name: None for name in base if name not in env})
-    foreign = sorted(name for name in changed if not name.startswith("MPIGRAD_"))
+    foreign = sorted(name for name in changed if not name.startswith("MPIGRAD_") and name not in WORLD_TAKES)
     if foreign:
         raise ValueError(f"variables a world cannot change: {', '.join(foreign)}")
     if changed.get(FAULT):
