@@ -107,7 +107,7 @@ def mpi_env(tmp_path_factory) -> dict[str, str]:
     cache = _run_directory(tmp_path_factory) / "numba-cache"
     cache.mkdir(exist_ok=True)
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1",
+    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                NUMBA_CACHE_DIR=str(cache),
                PYTHONUNBUFFERED="1", HDF5_USE_FILE_LOCKING="FALSE")
     for key in ("SLURM_NTASKS", "SLURM_JOB_ID", "MPIGRAD_INJECT_FAULT"):

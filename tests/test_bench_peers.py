@@ -54,7 +54,7 @@ def test_the_byte_rule_is_torchs():
 
 
 @pytest.fixture(scope="module")
-def peers_run(tmp_path_factory, mpi_env):
+def peers_run(tmp_path_factory, mpi_env, world_relay):
     root = tmp_path_factory.mktemp("peers")
     config = root / "tiny.toml"
     config.write_text(TINY)
@@ -62,7 +62,8 @@ def peers_run(tmp_path_factory, mpi_env):
     command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(out),
                "--warmup", "2", "--target-loss", str(TARGET), "--smooth", "2", "--seeds", "1,2", "--breakdown"]
     try:
-        done = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=240)
+        # mpigrad's runs in this worker's world, DDP's under their own mpiexec
+        done = subprocess.run(command, env=world_relay(mpi_env), capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail("bench peers did not finish")
     assert done.returncode == 0, done.stderr
@@ -468,7 +469,7 @@ T_max = 12
 
 
 @pytest.mark.mpi
-def test_ddp_and_mpigrad_give_the_same_losses_under_momentum_and_a_schedule(tmp_path, mpi_env):
+def test_ddp_and_mpigrad_give_the_same_losses_under_momentum_and_a_schedule(tmp_path, mpi_env, world_relay):
     """fp32 at P = 2: DDP's optimizer (its weight decay), schedule, augmentation and autocast, built from the same config,
     are mpigrad's (over its flat pieces; the same crops and flips per rank and iteration); the
     losses agree to the last bit (as for plain SGD here)."""
@@ -479,7 +480,7 @@ def test_ddp_and_mpigrad_give_the_same_losses_under_momentum_and_a_schedule(tmp_
     out = tmp_path / "out"
     command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(out),
                "--variants", "fp32", "--iterations", "12", "--warmup", "0", "--seeds", "1"]
-    done = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, env=world_relay(mpi_env), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert ("lr 0.05, sgd(momentum=0.9, nesterov=True, weight_decay=0.004) CosineAnnealingLR(T_max=12) warm-up 3 "
             "crop-flip(padding=2) autocast bf16, l2 in the loss 0," in done.stdout), done.stdout

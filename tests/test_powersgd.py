@@ -291,7 +291,7 @@ fc_sizes = [64, 64]
 
 
 @pytest.fixture(scope="module")
-def against_ddp(tmp_path_factory, mpi_env):
+def against_ddp(tmp_path_factory, mpi_env, world_relay):
     root = tmp_path_factory.mktemp("psgd-peers")
     config = root / "task.toml"
     config.write_text(TASK)
@@ -299,7 +299,7 @@ def against_ddp(tmp_path_factory, mpi_env):
     command = [sys.executable, "-m", "mpigrad", "bench", "peers", "--config", str(config), "--out", str(out),
                "--variants", "fp32,powersgd2", "--powersgd-start", "2", "--warmup", "2", "--seeds", "1,2"]
     try:
-        done = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=400)
+        done = subprocess.run(command, env=world_relay(mpi_env), capture_output=True, text=True, timeout=400)
     except subprocess.TimeoutExpired:
         pytest.fail("bench peers did not finish")
     assert done.returncode == 0, done.stderr

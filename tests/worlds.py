@@ -48,8 +48,9 @@ ABORTED = "aborted"
 #: What MPICH and Open MPI print on a rank's stderr for its MPI_Abort.
 MPI_ABORT_SAID = ("application called MPI_Abort(", "MPI_ABORT was invoked on rank")
 #: Variables beyond ``MPIGRAD_*`` a world gives a scenario as a fresh process would have
-#: them: the import path (``world_server._scenario_environment``).
-WORLD_TAKES = ("PYTHONPATH",)
+#: them: the import path (``world_server._scenario_environment``), and gloo's interface
+#: (read when a process group starts, not at import; ``bench peers`` sets it for every run).
+WORLD_TAKES = ("PYTHONPATH", "GLOO_SOCKET_IFNAME")
 #: A run with an injected fault goes to an ``mpiexec`` of its own: it would abort a warm world.
 FAULT = "MPIGRAD_INJECT_FAULT"
 
