@@ -189,9 +189,11 @@ def run_mpi(ranks: int, args: list[str], env: dict[str, str], timeout: float = 1
     """``mpiexec -n RANKS python -m mpi4py -m mpigrad ARGS``; a hang fails the test. Its
     ``stderr`` is what mpigrad printed (``without_launcher_notice``). A ``train`` run goes to
     this worker's shared world (``tests/worlds.py``) where a world gives what a fresh
-    ``mpiexec`` would (its environment differs in ``MPIGRAD_*`` variables only), unless
-    ``own`` asks for an ``mpiexec`` of its own."""
-    pool = world_pool() if not own and args[:1] == ["train"] and "--check" not in args else None
+    ``mpiexec`` would (its environment differs in ``MPIGRAD_*`` variables only), and so does
+    a ``sweep RUNS``, unless ``own`` asks for an ``mpiexec`` of its own."""
+    from mpiexec_relay import world_command
+
+    pool = world_pool() if not own and world_command(args) else None
     changed = None
     if pool is not None:
         from worlds import world_env_differs
@@ -201,8 +203,8 @@ def run_mpi(ranks: int, args: list[str], env: dict[str, str], timeout: float = 1
             pool = None
     if pool is not None:
         try:
-            result = pool.run(ranks, {"argv": list(args[1:]), "env": changed, "cwd": str(cwd) if cwd else None},
-                              timeout)
+            result = pool.run(ranks, {"command": args[0], "argv": list(args[1:]), "env": changed,
+                                      "cwd": str(cwd) if cwd else None}, timeout)
         except TimeoutError:
             pytest.fail(f"mpiexec run (in a shared world) did not finish within {timeout} s: {' '.join(args)}")
     else:

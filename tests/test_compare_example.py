@@ -61,7 +61,8 @@ def test_the_comparison_command_runs_resumes_and_reports(tmp_path, mpi_env, worl
     out = tmp_path / "cmp"
     listed = run_script("--out", out, "--list", env=mpi_env)
     assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 75   # the full plan
-    first = run_script("--out", out, "--smoke", "--one-world", env=mpi_env)  # the four in one MPI job
+    relayed = world_relay(mpi_env)  # the runs in this worker's world: its one sweep, then each run
+    first = run_script("--out", out, "--smoke", "--one-world", env=relayed)  # the four in one MPI job
     assert first.returncode == 0, first.stdout + first.stderr
     assert "0 complete, skipped; 4 to run in one world" in first.stdout
     assert first.stdout.count(": exit 0 after") == 4
@@ -74,7 +75,7 @@ def test_the_comparison_command_runs_resumes_and_reports(tmp_path, mpi_env, worl
     assert "acc%@4s" in (out / "shared-lr.txt").read_text()
     # A second call skips complete traces and runs only what is missing.
     (out / "mqgrad-lr0.02-s2.h5").unlink()
-    second = run_script("--out", out, "--smoke", env=world_relay(mpi_env))  # its run in this worker's world
+    second = run_script("--out", out, "--smoke", env=relayed)
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.count("complete, skipped") == 3 and second.stdout.count(": running") == 1
     # The job-array route: a task prints its run, nothing once complete.

@@ -103,13 +103,15 @@ def test_a_world_takes_only_mpigrads_run_time_variables():
 def test_the_relay_takes_plain_train_runs_only():
     from mpiexec_relay import relayed_run
 
-    train = ["python", "-m", "mpi4py", "-m", "mpigrad", "train"]
-    assert relayed_run(["-n", "3", *train, "--bits", "4"]) == (3, ["--bits", "4"])
-    assert relayed_run(["-n", "3", "/venv/bin/python3", *train[1:]]) == (3, [])
-    assert relayed_run(["-n", "3", *train, "--check"]) is None  # the launcher's own path
-    assert relayed_run(["-n", "2", "python", "-m", "mpi4py", "-m", "mpigrad", "doctor"]) is None
-    assert relayed_run(["--oversubscribe", "--allow-run-as-root", "-n", "3", *train]) == (3, [])
-    assert relayed_run(["--host", "a", "-n", "3", *train]) is None
+    mpigrad = ["python", "-m", "mpi4py", "-m", "mpigrad"]
+    assert relayed_run(["-n", "3", *mpigrad, "train", "--bits", "4"]) == (3, ["train", "--bits", "4"])
+    assert relayed_run(["-n", "3", "/venv/bin/python3", *mpigrad[1:], "train"]) == (3, ["train"])
+    assert relayed_run(["-n", "3", *mpigrad, "train", "--check"]) is None  # the launcher's own path
+    assert relayed_run(["-n", "2", *mpigrad, "doctor"]) is None
+    assert relayed_run(["-n", "5", *mpigrad, "sweep", "runs.txt"]) == (5, ["sweep", "runs.txt"])
+    assert relayed_run(["-n", "5", *mpigrad, "sweep", "--help"]) is None
+    assert relayed_run(["--oversubscribe", "--allow-run-as-root", "-n", "3", *mpigrad, "train"]) == (3, ["train"])
+    assert relayed_run(["--host", "a", "-n", "3", *mpigrad, "train"]) is None
     assert relayed_run(["-n", "3", "python", "tests/fake_step.py"]) is None
 
 

@@ -7,7 +7,8 @@ sends it to every rank. The first ``ranks`` ranks split off a communicator and r
 scenario on it, their file descriptors 1 and 2 redirected to ``K.R.out`` and ``K.R.err``,
 the scenario's environment and folder set, then put back; each writes its exit code to
 ``K.R.code`` (written whole by a rename) last. The others wait for the next request. A
-scenario is ``mpigrad train``'s options (``runtime/run/world.train_in_world``) or a script
+scenario is ``mpigrad train``'s options (``runtime/run/world.train_in_world``), ``mpigrad
+sweep``'s runs file (``"command": "sweep"``: ``runtime/run/sweep.sweep_on``) or a script
 whose ``main(comm)`` returns an exit code (the harness's own tests). After each, a rank
 that finds the process changed (``ProcessState.differences``: a thread left running, a
 file left open, a value not put back) says so on its stderr and exits the scenario with
@@ -149,13 +150,18 @@ def _run_scenario(request: dict, comm) -> int:
         spec.loader.exec_module(module)
         return int(module.main(comm, *request.get("args", [])) or 0)
     from mpigrad.errors import UsageError
+    from mpigrad.runtime.run.sweep import sweep_on
     from mpigrad.runtime.run.world import train_in_world
 
+    command = request.get("command", "train")
     try:
+        if command == "sweep":  # ``mpigrad sweep RUNS``
+            runs, = request["argv"]
+            return sweep_on(Path(runs), comm)
         return train_in_world(request["argv"], comm)
-    except UsageError as exc:  # refused on every rank alike (the runs file's own checks)
+    except UsageError as exc:  # refused on every rank alike (the runs file's own checks), one line from rank 0
         if comm.Get_rank() == 0:
-            print(f"mpigrad train: error: {exc}", file=sys.stderr, flush=True)
+            print(f"mpigrad {command}: error: {exc}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -261,8 +261,8 @@ class WorldRelay:
             self.declined.append((request["argv"], str(exc)))
             return {"declined": True}
         try:
-            result = self.pool.run(request["ranks"], {"argv": request["argv"], "env": changed, "cwd": request["cwd"]},
-                                   self.timeout)
+            result = self.pool.run(request["ranks"], {"command": request["command"], "argv": request["argv"],
+                                                      "env": changed, "cwd": request["cwd"]}, self.timeout)
         except TimeoutError:
             result = subprocess.CompletedProcess(request["argv"], 124, "",
                                                  f"mpiexec (a shared world): timed out after {self.timeout} s\n")

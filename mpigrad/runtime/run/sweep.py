@@ -29,7 +29,7 @@ from ...errors import UsageError
 from .. import EXIT_REQUEUE
 from .launch import EXIT_USAGE
 
-__all__ = ["read_runs", "add_arguments", "run"]
+__all__ = ["read_runs", "add_arguments", "run", "sweep_on"]
 
 
 def read_runs(path: Path) -> list[tuple[int, list[str]]]:
@@ -77,13 +77,20 @@ def _planned(argv: list[str]) -> tuple[list[str] | None, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    started = time.monotonic()
-    runs = read_runs(args.runs)
     from mpi4py import MPI
 
+    return sweep_on(args.runs, MPI.COMM_WORLD, time.monotonic())
+
+
+def sweep_on(path: Path, comm, started: float | None = None) -> int:
+    """The runs of the file ``path`` one after another on the ranks of ``comm``; collective.
+    ``started`` (time.monotonic): when the job began, which each run's ``--walltime``
+    counts from (default: now). Returns 0, ``EXIT_REQUEUE`` (a run stopped) or 2 (a line
+    refused); UsageError where the file holds no runs."""
+    started = time.monotonic() if started is None else started
+    runs = read_runs(path)
     from .world import train_in_world
 
-    comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     refused = 0
     for index, (number, argv) in enumerate(runs, 1):
