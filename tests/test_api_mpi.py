@@ -19,7 +19,7 @@ import pytest
 
 from mpigrad.trace import load
 
-from conftest import REPO, assert_same_trace, mpiexec, without_launcher_notice
+from conftest import REPO, assert_same_trace, mpiexec, without_launcher_notice, world_pool
 
 pytestmark = pytest.mark.mpi
 
@@ -28,13 +28,19 @@ MISUSE = REPO / "tests" / "api_misuse.py"
 COMPARE = REPO / "examples" / "compare"
 
 
-def run_script(ranks: int, argv: list, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``mpiexec -n RANKS python -m mpi4py ARGV``; a hang fails the test."""
-    command = mpiexec(ranks, [sys.executable, "-m", "mpi4py", *map(str, argv)])
+def run_script(ranks: int, argv: list, env: dict, timeout: float = 180, world: bool = False) -> subprocess.CompletedProcess:
+    """``mpiexec -n RANKS python -m mpi4py ARGV``; a hang fails the test. ``world``: in this
+    worker's shared world instead where worlds are on (the script's ``main(argv, comm=)`` on
+    a communicator of its ranks: examples/api/train.py's)."""
+    pool = world_pool() if world else None
     try:
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"mpiexec did not finish within {timeout} s: {argv}\nstdout: {exc.stdout}\nstderr: {exc.stderr}")
+        if pool is not None:
+            result = pool.run(ranks, {"program": str(argv[0]), "argv": [str(a) for a in argv[1:]]}, timeout)
+        else:
+            result = subprocess.run(mpiexec(ranks, [sys.executable, "-m", "mpi4py", *map(str, argv)]), env=env,
+                                    capture_output=True, text=True, timeout=timeout)
+    except (subprocess.TimeoutExpired, TimeoutError) as exc:
+        pytest.fail(f"mpiexec did not finish within {timeout} s: {argv}\n{exc}")
     result.stderr = without_launcher_notice(result.stderr)
     assert "Numba kernel(s) during the run" not in result.stderr, result.stderr
     return result
@@ -57,7 +63,7 @@ def test_the_example_in_float32_gives_ddps_losses_to_the_last_bit(tmp_path, mpi_
     trace records them."""
     trace = tmp_path / "fp32.h5"
     mine = run_script(3, [EXAMPLE, "--config", COMPARE / "fp32.toml", "--trace", trace,
-                          "--losses", tmp_path / "mpigrad"], mpi_env)
+                          "--losses", tmp_path / "mpigrad"], mpi_env, world=True)
     assert mine.returncode == 0, mine.stderr
     assert "model script StripesNet on the script's data" in mine.stdout
     assert "fp32.toml's batch_size, data, eval_every, lr, model, model_opts, weight_decay are the script's" in mine.stdout
@@ -86,7 +92,8 @@ OPTIONS = ["--set", "progress_every=8", "--set", "error_feedback=residual", "--l
 def mqgrad_straight(tmp_path_factory, mpi_env):
     """examples/api/train.py with MQGrad and error feedback, straight through: its trace."""
     trace = tmp_path_factory.mktemp("straight") / "mqgrad.h5"
-    result = run_script(3, [EXAMPLE, "--config", COMPARE / "mqgrad.toml", "--trace", trace, *OPTIONS], mpi_env)
+    result = run_script(3, [EXAMPLE, "--config", COMPARE / "mqgrad.toml", "--trace", trace, *OPTIONS], mpi_env,
+                        world=True)
     assert result.returncode == 0, result.stderr
     assert "iter 48/48" in result.stdout
     return trace
@@ -97,7 +104,7 @@ def test_the_comparisons_methods_trace_what_trace_summary_and_compare_read(tmp_p
     sends each bucket as backward produces it), MQGrad with one server: traces that ``trace
     summary`` and ``compare`` read and label."""
     result = run_script(3, [EXAMPLE, "--config", COMPARE / "fix2.toml", "--trace", tmp_path / "fix2.h5", *OPTIONS,
-                            "--set", "servers=colocated", "--set", "pipeline=true"], mpi_env)
+                            "--set", "servers=colocated", "--set", "pipeline=true"], mpi_env, world=True)
     assert result.returncode == 0, result.stderr
     assert "iter 48/48" in result.stdout and "each worker serving a shard (colocated)" in result.stdout
     shutil.copy(mqgrad_straight, tmp_path / "mqgrad.h5")

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import mpiexec  # noqa: E402
 from worlds import LEFT_STATE, WorldPool, world_env_differs  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = str(Path(__file__).resolve().with_name("world_scenarios.py"))
 
 
@@ -85,6 +86,22 @@ def test_a_scenario_imports_from_its_folder_and_pythonpath_as_a_fresh_process_an
     assert ran.returncode == 0 and imported(ran) == ["here", "here"], ran.stderr
     ran = pool.run(2, scenario("import"), timeout=60)
     assert ran.returncode == 4 and "No module named 'probe_plugin'" in ran.stderr
+    assert pool.started == 1
+
+
+@pytest.mark.mpi
+def test_a_module_of_the_worlds_installation_is_kept_after_a_scenario_in_the_folder_that_holds_it(pool):
+    """A scenario run in the repository's folder (as the documented commands run, with CI's
+    venv inside it) that first imports a module of the installation leaves it imported: the
+    next scenario gets the same module (forgetting numba's lazily imported modules this way
+    made the next run register numba's types twice and fail)."""
+    def loaded(ran):  # each rank's module, by its id in that rank's process
+        return dict(line.split(": ", 1) for line in ran.stdout.splitlines() if line.startswith("rank "))
+
+    first = pool.run(2, {**scenario("venv-module"), "cwd": str(REPO)}, timeout=60)
+    second = pool.run(2, {**scenario("venv-module"), "cwd": str(REPO)}, timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert loaded(first) == loaded(second) and len(loaded(first)) == 2
     assert pool.started == 1
 
 

@@ -32,6 +32,9 @@ def main(comm, kind: str) -> int:
             comm.Abort(5)
     if kind == "hang":
         time.sleep(600)
+    if kind == "venv-module":  # a module of the world's installation, first imported by a scenario
+        import iniconfig
+        print(f"rank {rank}: {id(sys.modules['iniconfig'])} {iniconfig.__file__}", flush=True)
     if kind == "import":  # a user's plugin, from the folder or $PYTHONPATH as a fresh process finds it
         try:
             import probe_plugin

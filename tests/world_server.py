@@ -8,7 +8,8 @@ scenario on it, their file descriptors 1 and 2 redirected to ``K.R.out`` and ``K
 the scenario's environment and folder set, then put back; each writes its exit code to
 ``K.R.code`` (written whole by a rename) last. The others wait for the next request. A
 scenario is ``mpigrad train``'s options (``runtime/run/world.train_in_world``), ``mpigrad
-sweep``'s runs file (``"command": "sweep"``: ``runtime/run/sweep.sweep_on``) or a script
+sweep``'s runs file (``"command": "sweep"``: ``runtime/run/sweep.sweep_on``), a user's
+script whose ``main(argv, comm=)`` takes a communicator (``"program"``), or a script
 whose ``main(comm)`` returns an exit code (the harness's own tests). After each, a rank
 that finds the process changed (``ProcessState.differences``: a thread left running, a
 file left open, a value not put back) says so on its stderr and exits the scenario with
@@ -85,12 +86,41 @@ def _redirected(out: Path, err: Path):
             os.close(saved[1])
 
 
+def _world_roots(world_path: list[str]) -> list[str]:
+    """The folders whose modules belong to the world, never to one scenario: the world's
+    import path, the interpreter's installation (a venv inside a scenario's folder is the
+    world's), mpigrad's package (an editable install's source tree) and this harness."""
+    import mpigrad
+
+    roots = [*world_path, sys.prefix, sys.base_prefix, sys.exec_prefix,
+             os.path.dirname(os.path.abspath(mpigrad.__file__)),
+             os.path.dirname(os.path.abspath(__file__))]
+    return [os.path.abspath(root) for root in roots if root]
+
+
+def _the_scenarios_own(source: str | None, entries: list[str], world_path: list[str]) -> bool:
+    """Whether a module first imported during a scenario, from file ``source``, was found
+    through the scenario's own import entries (its folder, its ``$PYTHONPATH``) and not the
+    world's: the longest root that holds the file decides (CI's venv lies inside the folder
+    a documented command runs in; forgetting numba's lazily imported modules there would
+    register their types twice)."""
+    if not source:
+        return False
+    source = os.path.abspath(source)
+    world = _world_roots(world_path)
+    holders = [root for root in {*world, *entries} if source.startswith(root.rstrip(os.sep) + os.sep)]
+    if not holders:
+        return False
+    return max(holders, key=len) not in world
+
+
 @contextlib.contextmanager
-def _scenario_environment(env: dict, cwd: str | None):
-    """The scenario's variables and folder, and the import path a fresh ``python -m mpi4py
-    -m mpigrad`` started there would have: the folder first, then ``$PYTHONPATH``'s entries
-    (a user's plugins). Afterwards all is put back, and the modules imported from those
-    entries are forgotten: the next scenario imports its own."""
+def _scenario_environment(env: dict, cwd: str | None, program: str | None = None):
+    """The scenario's variables and folder, and the import path a fresh process started
+    there would have: first the folder (``python -m mpi4py -m mpigrad``) or the program's
+    own (``python -m mpi4py PROGRAM``), then ``$PYTHONPATH``'s entries (a user's plugins).
+    Afterwards all is put back, and the modules found through those entries are forgotten:
+    the next scenario imports its own."""
     before = {name: os.environ.get(name) for name in env}
     folder = os.getcwd()
     path, modules = list(sys.path), set(sys.modules)
@@ -101,16 +131,16 @@ def _scenario_environment(env: dict, cwd: str | None):
             os.environ[name] = value
     if cwd:
         os.chdir(cwd)
-    entries = [os.path.abspath(cwd or folder),
-               *(os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry)]
+    first = os.path.dirname(os.path.abspath(program)) if program else os.getcwd()
+    entries = [first, *(os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                        if entry)]
     sys.path[:] = [*entries, *path[1:]]  # path[0]: this script's folder, which a run's would not have
     importlib.invalidate_caches()
     try:
         yield
     finally:
         for name in set(sys.modules) - modules:
-            source = getattr(sys.modules[name], "__file__", None) or ""
-            if any(source.startswith(entry + os.sep) for entry in entries):
+            if _the_scenarios_own(getattr(sys.modules[name], "__file__", None), entries, path[1:]):
                 del sys.modules[name]
         sys.path[:] = path
         importlib.invalidate_caches()
@@ -143,7 +173,46 @@ class _AbortsTheWorld(MPI.Intracomm):
         os._exit(errorcode)
 
 
+def _run_program(request: dict, comm) -> int:
+    """A user's script (``program``: its path) as ``python -m mpi4py PROGRAM ARGV`` would run
+    it, its ``main(argv, comm=comm)`` on the scenario's communicator; the global RNGs it
+    seeded put back after it (a fresh process's would not carry over; anything else it
+    leaves is named as left behind)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    spec = importlib.util.spec_from_file_location("world_program", request["program"])
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        return int(module.main(list(request.get("argv", [])), comm=comm) or 0)
+    except SystemExit as exc:  # argparse's refusal, a sys.exit(N)
+        return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        random.setstate(rngs[0])
+        np.random.set_state(rngs[1])
+        torch.set_rng_state(rngs[2])
+
+
+def _let_its_threads_end(before: frozenset, seconds: float = 5.0) -> None:
+    """A program's objects collected and the threads they started given ``seconds`` to end,
+    as a fresh process's exit would join them (a DataLoader's worker queues' feeder threads
+    end once its iterator is collected); a thread still running then is named as left."""
+    import gc
+    import threading
+
+    gc.collect()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(t.ident not in before and t.is_alive() for t in threading.enumerate()):
+        time.sleep(0.05)
+
+
 def _run_scenario(request: dict, comm) -> int:
+    if "program" in request:
+        return _run_program(request, comm)
     if "script" in request:
         spec = importlib.util.spec_from_file_location("world_scenario", request["script"])
         module = importlib.util.module_from_spec(spec)
@@ -180,10 +249,12 @@ def serve(folder: Path) -> None:
         if inside:
             state = ProcessState.taken()
             with _redirected(folder / f"{number}.{rank}.out", folder / f"{number}.{rank}.err"):
-                with _scenario_environment(request.get("env", {}), request.get("cwd")):
+                with _scenario_environment(request.get("env", {}), request.get("cwd"), request.get("program")):
                     scenario_comm = _AbortsTheWorld(comm)
                     scenario_comm.code_path = folder / f"{number}.{rank}.code"
                     code = _run_scenario(request, scenario_comm)
+                if "program" in request:
+                    _let_its_threads_end(state.threads)
                 left = state.differences()
                 if left:
                     print(f"world: rank {rank} left the process changed after the scenario: {'; '.join(left)}",

@@ -69,7 +69,9 @@ class StripesNet(torch.nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, comm=None) -> None:
+    """The script; ``argv`` its options (default: the command line's), ``comm`` mpigrad's
+    communicator (default: every rank of the job)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ddp", action="store_true", help="run the same loop under torch DDP (gloo) instead")
     parser.add_argument("--config", help="mpigrad: a config file of mpigrad train (its method)")
@@ -84,7 +86,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29512, help="DDP: the rendezvous port on this host")
     parser.add_argument("--checkpoint", metavar="FILE",
                         help="mpigrad: save checkpoints to FILE (worker 0), and resume from it where it exists")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = StripesNet()
@@ -109,7 +111,7 @@ def main() -> None:
 
         options = parse_assignments(args.set, "--set") or {}  # KEY=VALUE, the values parsed as numbers where they are
         session = mpigrad.Session(model, args.config, optimizer=optimizer, trace=args.trace, force=args.force,
-                                  resume=saved and saved["mpigrad"], **options)
+                                  resume=saved and saved["mpigrad"], comm=comm, **options)
         net, index, workers = model, session.worker_index, session.workers
         session.iterations = iterations = args.epochs * math.ceil(math.ceil(len(dataset) / workers) / BATCH)
         if not session.is_worker:
