@@ -393,10 +393,12 @@ class _Sides:
     a message leaves once it is ready and its sender's outgoing side is free, and comes in
     from then on once its receiver's incoming side is free."""
 
-    def __init__(self, start: float):
+    def __init__(self, start: float, record: bool = False):
         self.start = start
         self.free_out: dict = {}
         self.free_in: dict = {}
+        #: With ``record``: (side, from, to) of each message on each side it took.
+        self.busy: list | None = [] if record else None
 
     def free(self, out_side) -> float:
         """When ``out_side`` can start its next message."""
@@ -406,10 +408,23 @@ class _Sides:
         """One message ready at ``ready`` taking ``seconds(t)`` on each side from t; return
         when it is in."""
         out = max(ready, self.free(out_side))
-        self.free_out[out_side] = out + seconds(out)
+        self.free_out[out_side] = left = out + seconds(out)
         into = max(out, self.free_in.get(in_side, self.start))
         self.free_in[in_side] = end = into + seconds(into)
+        if self.busy is not None:
+            self.busy.append((out_side, out, left))
+            self.busy.append((in_side, into, end))
         return end
+
+    def covered(self, kind: str) -> float:
+        """Seconds during which some side whose name starts with ``kind`` carried a message
+        (the union of their busy intervals; ``record`` needed)."""
+        total, reached = 0.0, -math.inf
+        for begin, end in sorted((begin, end) for side, begin, end in self.busy if side[0] == kind):
+            if end > reached:
+                total += end - max(begin, reached)
+                reached = end
+        return total
 
 
 @dataclass(frozen=True)
@@ -714,6 +729,11 @@ class LinkModel:
 
     def pipelined_hierarchical(self, traffic: "PipelinedTraffic", start: float = 0.0,
                                sent: float | None = None) -> float:
+        """:meth:`pipelined_hierarchical_round`'s seconds."""
+        return self.pipelined_hierarchical_round(traffic, start, sent).seconds
+
+    def pipelined_hierarchical_round(self, traffic: "PipelinedTraffic", start: float = 0.0,
+                                     sent: float | None = None) -> NodeRound:
         """The pipelined hierarchical iteration's communication on :attr:`nodes` of L workers
         (runtime/exchange/hierarchical_pipeline.py), from the end of the forward pass at
         ``start``: simulated seconds until the last worker holds the whole average.
@@ -731,13 +751,21 @@ class LinkModel:
         workers of local rank i when every frame is in, its backward has ended and its earlier
         averages have gone; each worker of local rank i's all-gather of it (``intra[b]``) to
         its node's others once it holds the average, its backward has ended and its earlier
-        slice buckets' have gone. Done when the last all-gather is in."""
+        slice buckets' have gone. Done when the last all-gather is in.
+
+        Returns those seconds as a :class:`NodeRound`, with the overlapped schedule's NICs and
+        intra-node links: ``nic_seconds``, the seconds during which some NIC side carried a
+        worker's message (the union of their busy times, backward's overlap included),
+        ``intra_seconds`` the same for the intra-node links (with one bucket ready at once,
+        :meth:`node_breakdown`'s of the sequential rounds), and the bytes of the messages across
+        NICs and inside nodes (each once)."""
         nodes = self.nodes
         if nodes is None:
             raise ValueError("a pipelined hierarchical traffic (intra) needs nodes of several workers "
                              "(LinkModel.nodes)")
         P, L = traffic.workers, nodes.ranks_per_node
-        sides = _Sides(start)
+        sides = _Sides(start, record=True)
+        moved = {"nic": 0, "intra": 0}  # bytes
 
         def send(ready: float, nbytes: int, sender: int, receiver: int) -> float:  # ranks: rank 0's messages
             return sides.send(ready, ("rank", sender), ("rank", receiver),
@@ -749,6 +777,7 @@ class LinkModel:
 
         def send_between(ready: float, nbytes: int, sender: int, receiver: int) -> float:  # workers
             a, b = nodes.node_of(sender), nodes.node_of(receiver)
+            moved["intra" if a == b else "nic"] += nbytes
             if a == b:
                 return sides.send(ready, ("intra", sender), ("intra", receiver), lambda t: nodes.intra_seconds(nbytes))
             return sides.send(ready, ("nic", a), ("nic", b),
@@ -832,7 +861,8 @@ class LinkModel:
             else:
                 done = max(done, end)
             release(receiver)
-        return max(done, *backward_end, *control) - start if P else 0.0
+        seconds = max(done, *backward_end, *control) - start if P else 0.0
+        return NodeRound(seconds, sides.covered("nic"), sides.covered("intra"), moved["nic"], moved["intra"])
 
     # ---- how the runtime applies a phase ---------------------------------------------
     def charge(self, seconds: float) -> float:

@@ -44,10 +44,10 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hierarchical")
     return {name: _run(tmp, name, **options) for name, options in {
         "fp32 flat": dict(codec="fp32"),
-        "fp32 flat 2x2": dict(codec="fp32", ranks_per_node=2),
+        "fp32 flat 2x2": dict(codec="fp32", ranks_per_node=2, exchange="flat"),
         "fp32 hierarchical": dict(codec="fp32", ranks_per_node=2, exchange="hierarchical"),
         "4-bit flat": dict(bits=4),
-        "4-bit flat 2x2": dict(bits=4, ranks_per_node=2),
+        "4-bit flat 2x2": dict(bits=4, ranks_per_node=2, exchange="flat"),
         "4-bit hierarchical": dict(bits=4, ranks_per_node=2, exchange="hierarchical"),
         "4-bit hierarchical bf16": dict(bits=4, ranks_per_node=2, exchange="hierarchical", intra_codec="bf16"),
         "4-bit hierarchical fp16 residual": dict(bits=4, ranks_per_node=2, exchange="hierarchical", intra_codec="fp16",

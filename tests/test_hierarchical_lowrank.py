@@ -37,7 +37,7 @@ def _run(tmp_path, name, **options):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hierarchical-powersgd")
     return {name: _run(tmp, name, **options) for name, options in {
-        "flat 2x2": dict(ranks_per_node=2),
+        "flat 2x2": dict(ranks_per_node=2, exchange="flat"),
         "hierarchical": dict(ranks_per_node=2, exchange="hierarchical"),
         "hierarchical 8-bit factors bf16": dict(ranks_per_node=2, exchange="hierarchical", intra_codec="bf16",
                                                 codec_opts={"start": 2, "rank": 2, "factor_bits": 8}),

@@ -14,9 +14,11 @@ from mpigrad.clockmodel import IterationTraffic, LinkModel, Nodes, PipelinedTraf
 from mpigrad.config import RunConfig
 from mpigrad.errors import UsageError
 from mpigrad.runtime.exchange import ways
-from mpigrad.runtime.exchange.hierarchical_pipeline import HierarchicalPipelined
+from mpigrad.runtime.exchange.hierarchical_pipeline import HierarchicalPipelined, HierarchicalPipelinedWorker
 from mpigrad.runtime.exchange.pipeline import Pipelined
 from mpigrad.runtime.plan.topology import resolve_topology
+from mpigrad.runtime.wire import TAG_INTRA, PeerTimeout
+from mpigrad.runtime.wire.loopback import LoopbackChannel
 from mpigrad.trace import load
 from test_runtime_loopback import run
 
@@ -26,19 +28,23 @@ HIERARCHICAL = dict(servers="colocated", workers=4, ranks_per_node=2, exchange="
 @pytest.mark.parametrize("options", [
     dict(codec="qsgd", policy="adaptive", bits=2, error_feedback="residual", shard_chunk=1500),
     dict(codec="uniform", policy="lgreco", bits=3, intra_codec="bf16", error_feedback="residual"),
-], ids=["fp32-inside-qsgd-adaptive-residual-chunks", "bf16-inside-uniform-lgreco-residual"])
+    dict(codec="qsgd", policy="fixed", bits=4, intra_codec="fp16"),
+], ids=["fp32-inside-qsgd-adaptive-residual-chunks", "bf16-inside-uniform-lgreco-residual", "fp16-inside-qsgd"])
 def test_the_pipelined_hierarchical_iteration_gives_the_sequential_run_bit_for_bit(tmp_path, monkeypatch, options):
     """Same losses, bits, parameters (checksums every iteration) and policy records as the
     sequential hierarchical run; rank 0 charges each bucket's messages inside the nodes, a
-    slice's buckets making up its slice, and the overlap charges less than the sequential."""
-    charged = []
-    real = LinkModel.pipelined_hierarchical
+    slice's buckets making up its slice, and the overlap charges less than the sequential.
+    The node columns are the overlapped schedule's (``pipelined_hierarchical_round``), not
+    the sequential rounds'."""
+    charged, rounds = [], []
+    real = LinkModel.pipelined_hierarchical_round
 
     def recording(link, traffic, *args, **kwargs):
         charged.append(traffic)
-        return real(link, traffic, *args, **kwargs)
+        rounds.append(real(link, traffic, *args, **kwargs))
+        return rounds[-1]
 
-    monkeypatch.setattr(LinkModel, "pipelined_hierarchical", recording)
+    monkeypatch.setattr(LinkModel, "pipelined_hierarchical_round", recording)
     code1, errors1, seq = run(tmp_path, name="seq.h5", **HIERARCHICAL, **options)
     assert not charged
     code2, errors2, pipe = run(tmp_path, name="pipe.h5", pipeline=True, **HIERARCHICAL, **options)
@@ -57,6 +63,10 @@ def test_the_pipelined_hierarchical_iteration_gives_the_sequential_run_bit_for_b
         shard = [next(s for s in range(4) if traffic.bcast[s][k]) for k in range(len(traffic.intra))]
         assert [sum(n for n, s in zip(traffic.intra, shard) if s % 2 == j) for j in range(2)] == slices
     assert (b.steps["t_comm"].to_numpy() < a.steps["t_comm"].to_numpy()).all()
+    for column, attr in [("bytes_nic", "nic_bytes"), ("bytes_intra", "intra_bytes"), ("t_nic", "nic_seconds"),
+                         ("t_intra", "intra_seconds")]:
+        np.testing.assert_array_equal(b.steps[column], [getattr(r, attr) for r in rounds], err_msg=column)
+    assert not np.array_equal(a.steps["t_nic"], b.steps["t_nic"])  # the overlapped schedule's, not the rounds'
 
 
 @pytest.mark.parametrize("culprit", [1, 2])
@@ -71,6 +81,59 @@ def test_a_non_finite_gradient_is_named_by_its_nodes_owner(tmp_path, monkeypatch
     assert f"worker rank {culprit} computed a non-finite gradient at iteration 2" in text
     assert f"worker rank {3 - culprit} computed" not in text
     assert load(config.trace).status == "failed"
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
+def test_a_silent_node_worker_is_named_by_its_slices_owner(tmp_path, monkeypatch, pipeline):
+    """Rank 2 (node 0, local rank 1) sends nothing inside its node: rank 1, which owns slice 0
+    there, times out naming it as the sequential hierarchical run does (one line builder,
+    ``hierarchical.silence``), on the pipelined path too, with the other peers it still waits
+    for (rank 3, whose average of slice 0 waits for rank 1's frame) after it."""
+    real = LoopbackChannel.send
+
+    def silent(channel, items, tag, describe):
+        return real(channel, [] if channel.rank == 2 and tag == TAG_INTRA else items, tag, describe)
+
+    monkeypatch.setattr(LoopbackChannel, "send", silent)
+    code, errors, _ = run(tmp_path, timeout=4.0, pipeline=pipeline, **HIERARCHICAL)
+    assert code != 0 and isinstance(errors.get(1), PeerTimeout), errors
+    line = str(errors[1])
+    if pipeline:
+        assert line == ("node worker rank(s) 2 sent no slice for iteration 0; worker rank(s) 3 sent no shard for "
+                        "iteration 0 within 4 s")
+    else:
+        assert line == "node worker rank(s) 2 sent no slice for iteration 0 within 4 s"
+
+
+def test_auto_takes_the_hierarchical_pipeline_in_process_as_the_launch_does(tmp_path, monkeypatch):
+    """``--exchange auto`` on nodes of several workers: an in-process run resolves it by the
+    launch's rule (``resolve_topology``, written into the config by ``resolve_in_process``), so
+    a pipelined one takes the hierarchical pipelined exchange, not the flat pipeline; the
+    trace records the resolved exchange, as a launched run's."""
+    from mpigrad.runtime.plan.topology import resolve_in_process
+
+    for pipeline, names in [(True, ["hierarchical-pipelined"]), (False, ["hierarchical"])]:
+        config = RunConfig(lr=0.1, servers="colocated", pipeline=pipeline, ranks_per_node=2, exchange="auto")
+        config.validate()
+        assert resolve_in_process(config, 5) == [] and config.exchange == "hierarchical"
+        assert ways.exchange_names(config) == names
+    one_node = RunConfig(lr=0.1, servers="colocated", ranks_per_node=2)
+    resolve_in_process(one_node, 3)
+    assert one_node.exchange == "flat" and ways.exchange_names(one_node) == ["colocated"]
+    built = []
+    real = HierarchicalPipelinedWorker.__init__
+
+    def counting(self, parts):
+        built.append(parts.channel.rank)
+        real(self, parts)
+
+    monkeypatch.setattr(HierarchicalPipelinedWorker, "__init__", counting)
+    options = {**HIERARCHICAL, "exchange": "auto", "iterations": 2}
+    code, errors, config = run(tmp_path, pipeline=True, **options)
+    assert code == 0 and not errors, errors
+    assert sorted(built) == [1, 2, 3, 4]
+    trace = load(config.trace)
+    assert trace.config["exchange"] == "hierarchical" and trace.config["pipeline"]
 
 
 def test_one_worker_per_node_stays_the_flat_pipeline():
@@ -143,6 +206,36 @@ def test_the_pipelined_hierarchical_charge_holds_the_intra_node_phases():
     assert slower.pipelined(one) - link.pipelined(one) == pytest.approx(2 * 4000 / intra_bw)
     with pytest.raises(ValueError, match="needs nodes"):
         LinkModel(bw, 0.0).pipelined(one)
+
+
+def test_the_pipelined_hierarchical_round_gives_the_overlapped_schedules_nics_and_links():
+    """The record's node columns of a pipelined run: the seconds during which some NIC (some
+    intra-node link) carried a message in the overlapped schedule, and its bytes. One bucket
+    ready at once: the sequential rounds' bytes and NIC seconds; the links' seconds are the
+    reduce-scatter's and two all-gathers', node 0's running while the average crosses to node
+    1 (the rounds charge one, after the broadcast). Buckets spread over backward: the NICs'
+    and links' busy seconds are those of the whole iteration's messages, whatever backward
+    hides (the span itself is then mostly backward)."""
+    intra_bw, bw = 1e6, 1e5
+    link = LinkModel(bw, 0.0, nodes=Nodes(L, intra_bw, 0.0))
+    one = link.pipelined_hierarchical_round(_traffic(((0.0,),) * P))
+    sequential = IterationTraffic(0, 0, tuple(tuple(1000 if s == 0 and w % L == 0 and w != 0 else 0 for w in range(P))
+                                              for s in range(P)), (900, 0, 0, 0), True, ahead=True,
+                                  hierarchical=True, slice_bytes=(4000, 0))
+    rounds = link.node_breakdown(sequential)
+    assert one.seconds == pytest.approx(link.pipelined(_traffic(((0.0,),) * P)))
+    assert one.nic_seconds == pytest.approx(rounds.nic_seconds) == pytest.approx((1000 + 900) / bw)
+    assert rounds.intra_seconds == pytest.approx(2 * 4000 / intra_bw)
+    assert one.intra_seconds == pytest.approx(3 * 4000 / intra_bw)
+    assert one.nic_seconds + one.intra_seconds > one.seconds  # they overlap each other
+    assert (one.nic_bytes, one.intra_bytes) == (rounds.nic_bytes, rounds.intra_bytes)
+    late = link.pipelined_hierarchical_round(_traffic(((0.0, 0.1, 0.2, 0.3),) * P))
+    at_once = link.pipelined_hierarchical_round(_traffic(((0.0,) * 4,) * P))
+    assert (late.nic_bytes, late.intra_bytes) == (at_once.nic_bytes, at_once.intra_bytes)
+    # each bucket's frame and average cross once: ready at once, the two NICs carry them side by side
+    assert at_once.nic_seconds < late.nic_seconds <= 4 * (1000 + 900) / bw + 1e-12
+    assert at_once.intra_seconds <= late.intra_seconds
+    assert late.nic_seconds + late.intra_seconds < late.seconds  # backward's 0.3 s is most of it
 
 
 def test_the_pipelined_hierarchical_charge_hides_earlier_buckets_behind_backward():

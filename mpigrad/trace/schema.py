@@ -102,7 +102,9 @@ def node_step_columns() -> dict[str, tuple[str, tuple[int, ...]]]:
     between workers of one node), and the seconds of the slowest NIC side and of the slowest
     intra-node link side, each summed over the gradient rounds (each round charges the larger
     of its two; with ``--net-mode off`` they are still the model's, while ``t_comm`` is
-    measured)."""
+    measured). A pipelined run's are its overlapped schedule's
+    (``LinkModel.pipelined_hierarchical_round``): its messages' bytes, and the seconds during
+    which some NIC side (some intra-node link side) carried one, backward's overlap included."""
     return dict(zip(NODE_COLUMNS, (("i8", ()), ("i8", ()), ("f8", ()), ("f8", ()))))
 
 

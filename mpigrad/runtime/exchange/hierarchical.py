@@ -52,7 +52,8 @@ from .device import finite
 from .intra import IntraCodec
 from .way import Rank0Parts, WorkerParts
 
-__all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "run_topology", "slice_bytes", "slice_shards"]
+__all__ = ["Hierarchical", "HierarchicalWorker", "HierarchicalRank0", "run_topology", "slice_bytes", "slice_shards",
+           "silence"]
 
 
 def run_topology(config: RunConfig, workers: int) -> Topology:
@@ -77,6 +78,14 @@ def slice_bytes(topology: Topology, shards, intra_codec: str) -> tuple[int, ...]
     codec = IntraCodec(intra_codec)
     return tuple(codec.nbytes(sum(piece.size for s in slice_shards(topology, i) for piece in shards[s].pieces))
                  for i in range(topology.ranks_per_node))
+
+
+def silence(ranks, verb: str, what: str, m: int, node: bool = True) -> str:
+    """The line for the workers ``ranks`` (``node``: of this worker's node) that did not send
+    (``verb`` "sent") or take ("took") a ``what`` of iteration m ("slice", "average slice"
+    inside the node; "gradient", "shard" across): a timeout names them so, on the sequential
+    and the pipelined hierarchical exchange alike."""
+    return f"{'node worker' if node else 'worker'} rank(s) {', '.join(map(str, ranks))} {verb} no {what} for iteration {m}"
 
 
 class Hierarchical(Colocated):
@@ -162,8 +171,7 @@ class HierarchicalWorker(ColocatedWorker):
         pending = self.channel.start_send([(self.send_slices[i], self.node_ranks[i]) for i in self.peers],
                                           TAG_INTRA)
         self.channel.recv([(self.recv_slices[i], self.node_ranks[i]) for i in self.peers], TAG_INTRA,
-                          lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} sent no slice "
-                                          f"for iteration {m}")
+                          lambda pending: silence(pending, "sent", "slice", m))
         own = self._scratch
         self._pack(grad, self.slice_pieces[self.local], own)
         total = None
@@ -172,8 +180,7 @@ class HierarchicalWorker(ColocatedWorker):
             total = part.copy() if total is None else np.add(total, part, out=total)
         np.multiply(total, np.float32(1.0 / self.topology.ranks_per_node), out=total)
         self._unpack(total, self.slice_pieces[self.local], self.node_mean)
-        self.channel.finish_send(pending, lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} "
-                                                          f"took no slice for iteration {m}")
+        self.channel.finish_send(pending, lambda pending: silence(pending, "took", "slice", m))
         return self.node_mean
 
     # ---- the all-gather inside the node ----------------------------------------------------
@@ -196,12 +203,10 @@ class HierarchicalWorker(ColocatedWorker):
             self._unpack(self.intra.decode(self.own_slice), self.slice_pieces[self.local], update)
         pending = self.channel.start_send([(self.own_slice, self.node_ranks[i]) for i in self.peers], TAG_GATHER)
         self.channel.recv([(self.gathered[i], self.node_ranks[i]) for i in self.peers], TAG_GATHER,
-                          lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} sent no average "
-                                          f"slice for iteration {m}")
+                          lambda pending: silence(pending, "sent", "average slice", m))
         for i in self.peers:
             self._unpack(self.intra.decode(self.gathered[i]), self.slice_pieces[i], update)
-        self.channel.finish_send(pending, lambda pending: f"node worker rank(s) {', '.join(map(str, pending))} "
-                                                          f"took no average slice for iteration {m}")
+        self.channel.finish_send(pending, lambda pending: silence(pending, "took", "average slice", m))
 
     def exchange_groups(self, channel) -> tuple[list[int], list[int], list[int]]:
         """Slice ``local``'s shards, the workers of local rank ``local`` (who send this worker

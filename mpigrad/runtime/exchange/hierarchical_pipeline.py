@@ -33,7 +33,9 @@ bucket's message cannot round as they do.
 
 Rank 0 charges the whole iteration in ``reports`` (``LinkModel.pipelined`` with the
 traffic's ``intra``: the reduce-scatter's and all-gather's messages on the nodes' intra-node
-links, the frames and averages on their NICs, :class:`~mpigrad.clockmodel.Nodes`).
+links, the frames and averages on their NICs, :class:`~mpigrad.clockmodel.Nodes`); the
+record's node columns are that overlapped schedule's (``pipelined_hierarchical_round``). A
+timeout names the silent peers as the sequential run does (:func:`.hierarchical.silence`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ..wire import TAG_BCAST, TAG_GATHER, TAG_GRAD, TAG_INTRA, FrameError
 from ..wire.channel import Backoff
 from .build import hierarchical_exchange
 from .device import finite
-from .hierarchical import HierarchicalWorker, run_topology, slice_bytes
+from .hierarchical import HierarchicalWorker, run_topology, silence, slice_bytes
 from .intra import IntraCodec
 from .pipeline import PipelinedRank0, PipelinedWorker
 from .way import Rank0Parts, Way, WorkerParts
@@ -178,16 +180,16 @@ class HierarchicalPipelinedWorker(PipelinedWorker, HierarchicalWorker):
             if b >= self.next_bucket or not all(self.channel.received(self.reduce_recv, self.reduce_index[(b, i)])
                                                 is not None for i in self.peers):
                 break
-            start = time.process_time()
             self._frame_of_node_mean(b)
-            self.encode_seconds += time.process_time() - start
             self.next_mean += 1
             made = True
         return made
 
     def _frame_of_node_mean(self, b: int) -> None:
         """Bucket b's node mean (the node's L parts added in local-rank order, times 1 / L,
-        as the sequential reduce-scatter does), encoded and sent to its shard's server."""
+        as the sequential reduce-scatter does), encoded and sent to its shard's server. The
+        encode's seconds are the codec's alone, as the sequential run's: the parts' decodes
+        and sum are the reduce-scatter's."""
         part, n = self.bucket_part[b], self.bucket_size[b]
         own = self._values[n]
         self._pack(self.replica.codec_gradient(part.pieces), part.pieces, own)
@@ -197,8 +199,10 @@ class HierarchicalPipelinedWorker(PipelinedWorker, HierarchicalWorker):
             total = value.copy() if total is None else np.add(total, value, out=total)
         np.multiply(total, np.float32(1.0 / self.topology.ranks_per_node), out=total)
         self._unpack(total, part.pieces, self.node_mean)
+        start = time.process_time()
         try:
             frame = self.parts.compressor.encode(self.node_mean, self.control_msg.bits, part)
+            self.encode_seconds += time.process_time() - start
         except CodecError:
             if finite(total):
                 raise
@@ -232,9 +236,7 @@ class HierarchicalPipelinedWorker(PipelinedWorker, HierarchicalWorker):
         decoded = set()  # this worker's slice buckets whose average is in its update
         own, averages, gathered = list(self.own), dict(self.averages_in), dict(self.gather_index)
         self.next_gather = 0
-        stalled = lambda: (f"worker rank {self.rank}: the messages of iteration {m} did not all arrive "  # noqa: E731
-                           f"(node means left: {mine[self.next_mean:]}, buckets of its shard left: {own}, its slice's "
-                           f"averages left: {sorted(averages)}, its node's averages left: {sorted(gathered)})")
+        stalled = lambda: self._silent_peers(mine, own, averages, gathered)  # noqa: E731
         backoff = Backoff(channel.timeout, stalled)
         while self.next_mean < len(mine) or own or averages or self.next_gather < len(mine) or gathered:
             progressed = self._post_done()
@@ -278,9 +280,8 @@ class HierarchicalPipelinedWorker(PipelinedWorker, HierarchicalWorker):
                 if channel.received(self.gather_recv, index) is None:
                     waiting_on.add(i)
                     continue
-                start = time.process_time()
+                # the all-gather's decode: not the codecs' (t_decode), as the sequential run's
                 self._unpack(self.intra.decode(self.gather_in[(b, i)]), self.bucket_part[b].pieces, update)
-                self.t_decode += time.process_time() - start
                 del gathered[(b, i)]
                 self._apply(b)
                 progressed = True
@@ -291,8 +292,32 @@ class HierarchicalPipelinedWorker(PipelinedWorker, HierarchicalWorker):
                     channel.test_send(pending)
                 backoff.sleep()
         for pending in self.sends:
-            channel.finish_send(pending, lambda pending: f"worker rank(s) {', '.join(map(str, pending))} took no "
-                                                         f"message of iteration {m}")
+            channel.finish_send(pending, lambda pending: self._by_node(pending, "took", "message"))
+
+    def _silent_peers(self, mine, own, averages, gathered) -> str:
+        """A timeout's line: the peers whose messages of this iteration are not in, as the
+        sequential run names them (:func:`.hierarchical.silence`): the node's workers whose
+        parts of this worker's slice or averages of theirs, and the other nodes' workers whose
+        frames of its shard or averages of its slice, did not come."""
+        m, received, node = self.m, self.channel.received, self.node_ranks
+        parts = sorted({node[i] for b in mine[self.next_mean:] for i in self.peers
+                        if received(self.reduce_recv, self.reduce_index[(b, i)]) is None})
+        frames = sorted({rank for b in own for rank in self.contributors if rank != self.rank
+                         and received(self.grad_recv, self.frames_in[(b, rank)]) is None})
+        shards = sorted({self.server_ranks[s] for (b, s), index in averages.items()
+                         if received(self.avg_recv, index) is None})
+        slices = sorted({node[i] for (b, i), index in gathered.items() if received(self.gather_recv, index) is None})
+        lines = [silence(ranks, "sent", what, m, inside) for ranks, what, inside in [
+            (parts, "slice", True), (frames, "gradient", False), (shards, "shard", False),
+            (slices, "average slice", True)] if ranks]
+        return "; ".join(lines) or f"worker rank {self.rank}: the messages of iteration {m} did not all arrive"
+
+    def _by_node(self, ranks, verb: str, what: str) -> str:
+        """``silence``'s line for ``ranks``, those of this worker's node and the others apart."""
+        node = [rank for rank in ranks if rank in self.node_ranks]
+        other = [rank for rank in ranks if rank not in self.node_ranks]
+        return "; ".join([*([silence(node, verb, what, self.m)] if node else []),
+                          *([silence(other, verb, what, self.m, node=False)] if other else [])])
 
     def _gather(self, b: int, update: np.ndarray) -> None:
         """Bucket b's average of this worker's slice to its node's other workers, rounded to

@@ -67,6 +67,7 @@ class IterationClock:
         self.clocks = clocks or Clocks()
         self.t_comm = 0.0
         self.wall_start = 0.0
+        self.node_round = None
 
     def start(self) -> None:
         self.t_comm = 0.0
@@ -74,6 +75,9 @@ class IterationClock:
         self.phases: dict[str, float] = {}
         self.comm_start = self.clocks.sim
         self.wall_start = self.clocks.now_wall()
+        #: A pipelined iteration on nodes: its overlapped schedule's NICs and intra-node links
+        #: (``LinkModel.pipelined_hierarchical_round``), the record's node columns; else None.
+        self.node_round = None
 
     # Each phase charged as it ends, in the order of LinkModel.comm_seconds, each from where
     # the previous one ended on the simulated clock (which only a network schedule reads).
@@ -123,7 +127,11 @@ class IterationClock:
             traffic = dataclasses.replace(traffic, ready=tuple((0.0,) * len(ready) for ready in traffic.ready))
             t_backward = 0.0
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_forward)
-        span = self.link.pipelined(traffic, self.comm_start, sent=self.clocks.sim)
+        if traffic.intra:  # on nodes: the schedule's NICs and intra-node links too (``node_round``)
+            self.node_round = self.link.pipelined_hierarchical_round(traffic, self.comm_start, sent=self.clocks.sim)
+            span = self.node_round.seconds
+        else:
+            span = self.link.pipelined(traffic, self.comm_start, sent=self.clocks.sim)
         self.t_comm = self.phases["pipelined"] = self.link.charge(max(0.0, span - t_backward))
 
     def compute_seconds(self, cpu: float, wall: float) -> float:

@@ -44,7 +44,8 @@ class IterationRecord:
     control_ahead: bool | None = None           # control = "ahead": whether this Control went before the losses
     lr: float | None = None                     # the iteration's learning rate, where a schedule or warm-up moves it
     #: Nodes of several workers: (bytes across NICs, bytes inside nodes, the NICs' seconds,
-    #: the intra-node links' seconds) of the gradient rounds (``LinkModel.node_breakdown``).
+    #: the intra-node links' seconds) of the gradient rounds (``LinkModel.node_breakdown``; a
+    #: pipelined run's: its overlapped schedule's, ``LinkModel.pipelined_hierarchical_round``).
     nodes: tuple[int, int, float, float] | None = None
 
 

@@ -11,12 +11,15 @@ as one.
 :func:`resolve_topology` is the one place the declared or found nodes become a
 :class:`Topology` and ``--exchange auto`` becomes ``flat`` or ``hierarchical``; the launch
 (``run.preflight``) writes both into the config, so the trace records the resolved values
-and a replay of it takes the same way.
+and a replay of it takes the same way. An in-process run (the loopback channel: no launch)
+resolves ``--exchange auto`` by the same rule when its ranks start
+(:func:`resolve_in_process`), so it takes the way an MPI launch would.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,7 +28,7 @@ from ...errors import UsageError
 from .checks import base_codec
 from .gpu import workers_device
 
-__all__ = ["Topology", "resolve_topology", "mpi_nodes"]
+__all__ = ["Topology", "resolve_topology", "resolve_in_process", "mpi_nodes"]
 
 
 @dataclass(frozen=True)
@@ -188,3 +191,21 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
         notes.append(f"note: --shard-chunk {config.shard_chunk} is not used: PowerSGD on the hierarchical exchange "
                      "keeps whole layers in its shards (a slice's matrices are its local rank's)")
     return topology, exchange, notes
+
+
+_in_process = threading.Lock()  # in-process ranks (threads) may share one config
+
+
+def resolve_in_process(config: RunConfig, size: int) -> list[str]:
+    """An in-process run's ``--exchange auto`` (every rank a thread, the loopback channel: no
+    launch resolved it), by :func:`resolve_topology`'s rule for a world of ``size`` ranks
+    without MPI's nodes (``--ranks-per-node auto`` is then refused), written into
+    ``config.exchange``; its notes. The declared nodes stay unrecorded (``config.topology``
+    None: no ``nodes:`` line, no ``topology`` attribute, as before). Nothing where the
+    exchange is resolved already: by the launch (an MPI run's ranks), by another thread of
+    this run, or given."""
+    with _in_process:
+        if config.topology is not None or config.exchange != AUTO:
+            return []
+        _, config.exchange, notes = resolve_topology(config, size)
+        return notes

@@ -246,11 +246,13 @@ class ParameterServer(Evaluation, Rank0State):
 
     # ---- helpers of the phases ----------------------------------------------------------------
     def _node_record(self, traffic) -> tuple[int, int, float, float] | None:
-        """``IterationRecord.nodes`` of this iteration's traffic (None: a worker per node)."""
+        """``IterationRecord.nodes`` of this iteration's traffic (None: a worker per node): the
+        sequential rounds' (``LinkModel.node_breakdown``), or a pipelined iteration's
+        overlapped schedule (``IterationClock.node_round``)."""
         link = self.clock.link
         if link.nodes is None:
             return None
-        parts = link.node_breakdown(traffic)
+        parts = self.clock.node_round if self.clock.node_round is not None else link.node_breakdown(traffic)
         return parts.nic_bytes, parts.intra_bytes, parts.nic_seconds, parts.intra_seconds
 
 

@@ -17,6 +17,7 @@ from ..exchange.warmup import KernelWatch, late_device_kernels, run_codecs, warm
 from ..measure import checkpoint
 from ..measure.tracing import RunTrace
 from ..plan.environment import threads_per_rank
+from ..plan.topology import resolve_in_process
 from ..roles.server import ParameterServer
 from ..roles.stopping import StopFlag
 from ..wire import PeerTimeout
@@ -96,6 +97,10 @@ def run_parameter_server(config, channel, stop: StopFlag, argv: list[str], log, 
     (:func:`.follower.deliver_checkpoint`), whose script saves them, and it resumes from
     ``resume_state``, those contents as the script loaded them."""
     script = model is not None
+    # An in-process run: --exchange auto as the launch resolves it (the notes go to whichever
+    # of its ranks resolved it first: rank 0 logs those it got).
+    for note in resolve_in_process(config, channel.size):
+        log(f"mpigrad: {note}")
     server = ParameterServer(config, channel, stop, log=log, model=model)
     ident = checkpoint.identity(config.to_dict(), channel.size)
     start = resume_server(config, channel, server, ident, log, resume_state if script else None) if config.resume else 0
@@ -205,6 +210,7 @@ def run_other_rank(config, channel, model=None) -> int:
     session; an error (other than a UsageError) comes out as a :class:`RankFailure` carrying
     the iteration the role was in (-1 before it existed). ``model``: a script's (a shard
     server of :class:`mpigrad.Session`)."""
+    resolve_in_process(config, channel.size)  # an in-process run: --exchange auto as the launch resolves it
     if channel.is_worker:
         if model is not None:
             raise UsageError("a script's worker runs its own loop (mpigrad.Session.exchange), not run_other_rank")
