@@ -417,7 +417,7 @@ class _Sides:
         return end
 
     def covered(self, kind: str) -> float:
-        """Seconds during which some side whose name starts with ``kind`` carried a message
+        """Seconds during which some side of ``kind`` ("nic", "intra", "rank") carried a message
         (the union of their busy intervals; ``record`` needed)."""
         total, reached = 0.0, -math.inf
         for begin, end in sorted((begin, end) for side, begin, end in self.busy if side[0] == kind):

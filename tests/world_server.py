@@ -98,16 +98,15 @@ def _world_roots(world_path: list[str]) -> list[str]:
     return [os.path.abspath(root) for root in roots if root]
 
 
-def _the_scenarios_own(source: str | None, entries: list[str], world_path: list[str]) -> bool:
+def _the_scenarios_own(source: str | None, entries: list[str], world: list[str]) -> bool:
     """Whether a module first imported during a scenario, from file ``source``, was found
     through the scenario's own import entries (its folder, its ``$PYTHONPATH``) and not the
-    world's: the longest root that holds the file decides (CI's venv lies inside the folder
+    world's roots (``_world_roots``): the longest root that holds the file decides (CI's venv lies inside the folder
     a documented command runs in; forgetting numba's lazily imported modules there would
     register their types twice)."""
     if not source:
         return False
     source = os.path.abspath(source)
-    world = _world_roots(world_path)
     holders = [root for root in {*world, *entries} if source.startswith(root.rstrip(os.sep) + os.sep)]
     if not holders:
         return False
@@ -139,8 +138,9 @@ def _scenario_environment(env: dict, cwd: str | None, program: str | None = None
     try:
         yield
     finally:
+        world = _world_roots(path[1:])
         for name in set(sys.modules) - modules:
-            if _the_scenarios_own(getattr(sys.modules[name], "__file__", None), entries, path[1:]):
+            if _the_scenarios_own(getattr(sys.modules[name], "__file__", None), entries, world):
                 del sys.modules[name]
         sys.path[:] = path
         importlib.invalidate_caches()
