@@ -202,7 +202,9 @@ def test_sigkill_of_a_rank_loses_at_most_one_interval(tmp_path, mpi_env, straigh
 
 def test_resume_with_a_different_config_is_refused(tmp_path, mpi_env, deadline_run):
     """A checkpoint resumes only the configuration and world size that wrote it; a refused
-    resume leaves the checkpoint as it was. On a copy of the walltime run's stop."""
+    resume leaves the checkpoint as it was, and is a launch check's refusal: one line, every
+    rank ended together with exit 2, no MPI_Abort (in a world: the world lives on, as a
+    sweep's next run starts). On a copy of the walltime run's stop."""
     assert deadline_run[0].returncode == EXIT_REQUEUE, deadline_run[0].stderr
     source = deadline_run[1]
     for name in (source.name, source.name + ".ckpt", source.name + ".ckpt.prev"):
@@ -213,11 +215,20 @@ def test_resume_with_a_different_config_is_refused(tmp_path, mpi_env, deadline_r
     result = run_mpi(3, ["train", "--trace", str(trace), *DEADLINE_RUN, "--resume", "--lr", "0.5"],
                      mpi_env)
     assert result.returncode == 2
+    assert "mpigrad train: error: --resume: checkpoint " in result.stderr
     assert "from a different configuration (lr: 0.01 -> 0.5)" in result.stderr
+    assert "MPI_Abort" not in result.stdout + result.stderr, result.stderr
     result = run_mpi(4, ["train", "--trace", str(trace), *DEADLINE_RUN, "--resume"], mpi_env)
     assert result.returncode == 2
     assert "written by 3 ranks, this run has 4" in result.stderr
+    assert "MPI_Abort" not in result.stdout + result.stderr, result.stderr
     assert (tmp_path / "deadline.h5.ckpt").read_bytes() == before
+    for name in ("deadline.h5.ckpt", "deadline.h5.ckpt.prev"):  # a stopped trace whose checkpoint is gone
+        (tmp_path / name).unlink(missing_ok=True)
+    result = run_mpi(3, ["train", "--trace", str(trace), *DEADLINE_RUN, "--resume"], mpi_env)
+    assert result.returncode == 2
+    assert f"mpigrad train: error: --resume: no checkpoint at {trace}.ckpt" in result.stderr, result.stderr
+    assert "MPI_Abort" not in result.stdout + result.stderr, result.stderr
 
 
 def test_checkpoint_write_is_atomic(tmp_path):

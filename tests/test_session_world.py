@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import assert_same_trace, mpiexec  # noqa: E402
+from conftest import assert_same_trace, mpiexec, world_pool  # noqa: E402
 from worlds import WorldPool  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve().with_name("session_sweep.py"))
@@ -22,11 +22,13 @@ SCRIPT = str(Path(__file__).resolve().with_name("session_sweep.py"))
 def test_sessions_a_b_a_in_one_world_give_a_twice_and_leave_nothing_behind(tmp_path, mpi_env):
     from mpigrad.trace import load
 
-    pool = WorldPool(tmp_path / "worlds", mpi_env, mpiexec)
+    shared = world_pool()  # this worker's world, warm with the runs before (where worlds are on)
+    pool = shared or WorldPool(tmp_path / "worlds", mpi_env, mpiexec)
     try:
-        result = pool.run(3, {"script": SCRIPT, "args": [str(tmp_path)]}, timeout=240)  # 3 of the world's 4 ranks
+        result = pool.run(3, {"script": SCRIPT, "args": [str(tmp_path)]}, timeout=240)  # 3 of the world's ranks
     finally:
-        pool.close()
+        if shared is None:
+            pool.close()
     assert result.returncode == 0, result.stderr[-3000:]
     first, other, second = (load(tmp_path / f"{name}.h5") for name in ("a1", "b", "a2"))
     assert other.attrs["config"]["codec"] == "qsgd" and other.attrs["config"]["servers"] == "colocated"

@@ -68,6 +68,28 @@ def test_a_refused_run_is_reported_and_the_next_one_runs_and_a_complete_one_is_s
     assert f"skipped: {after} is complete" in again.stdout
 
 
+@pytest.mark.mpi
+def test_a_line_whose_checkpoint_is_of_another_configuration_is_refused_and_the_next_one_runs(tmp_path, mpi_env):
+    """A stopped run's line resumes (``--resume`` added); where its checkpoint is of another
+    configuration the launch checks refuse it on every rank alike, without MPI_Abort, and
+    the sweep goes on to the next line (it used to abort the job at the checkpoint's load)."""
+    from mpigrad.runtime import EXIT_REQUEUE
+    from mpigrad.trace import load
+
+    stopped, after = tmp_path / "stopped.h5", tmp_path / "after.h5"
+    long = [*A, "--iterations", "100000", "--walltime", "6s", "--trace", str(stopped)]
+    first = run_mpi(3, ["sweep", str(runs_file(tmp_path / "first.txt", [long]))], mpi_env, timeout=300)
+    assert first.returncode == EXIT_REQUEUE, first.stderr
+    runs = runs_file(tmp_path / "runs.txt", [[*long, "--lr", "0.5"], [*A, "--iterations", "2", "--trace", str(after)]])
+    result = run_mpi(3, ["sweep", str(runs)], mpi_env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert f"resumed: {stopped} stopped at a checkpoint" in result.stdout
+    assert "is from a different configuration (lr: " in result.stderr, result.stderr
+    assert "MPI_Abort" not in result.stdout + result.stderr, result.stderr
+    assert "mpigrad sweep: run 2/2 (line 4): exit 0" in result.stdout
+    assert load(after).attrs["status"] == "complete" and load(stopped).attrs["status"] == "stopped"
+
+
 def test_a_runs_file_that_holds_no_run_or_does_not_split_is_refused(tmp_path):
     from mpigrad.errors import UsageError
     from mpigrad.runtime.run.sweep import read_runs

@@ -18,11 +18,34 @@ REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = str(Path(__file__).resolve().with_name("world_scenarios.py"))
 
 
-@pytest.fixture
-def pool(tmp_path, mpi_env):
-    pool = WorldPool(tmp_path / "worlds", mpi_env, mpiexec)
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, mpi_env):
+    """The module's pool: its tests share a world as the suite's runs do (a test that ends
+    its world leaves the next a fresh one); each counts what it did with ``starts``."""
+    pool = WorldPool(tmp_path_factory.mktemp("worlds"), mpi_env, mpiexec)
     yield pool
     pool.close()
+
+
+class Starts:
+    """The pool's worlds and scenarios since a test began: ``restarts()`` the worlds started
+    beyond the one its first scenario needed (0 where it found one alive), ``served()`` the
+    scenarios the pool's present world served in that time."""
+
+    def __init__(self, pool: WorldPool):
+        self.pool, self.world, self.started = pool, pool.world, pool.started
+        self.served_before = pool.world.served if pool.world is not None else 0
+
+    def restarts(self) -> int:
+        return self.pool.started - self.started - (self.world is None)
+
+    def served(self) -> int:
+        return self.pool.world.served - (self.served_before if self.pool.world is self.world else 0)
+
+
+@pytest.fixture
+def starts(pool):
+    return Starts(pool)
 
 
 def scenario(kind: str) -> dict:
@@ -30,7 +53,7 @@ def scenario(kind: str) -> dict:
 
 
 @pytest.mark.mpi
-def test_a_world_serves_many_scenarios_and_gives_each_its_exit_code_and_output(pool):
+def test_a_world_serves_many_scenarios_and_gives_each_its_exit_code_and_output(pool, starts):
     first = pool.run(3, scenario("ok"), timeout=60)
     assert first.returncode == 0
     assert first.stdout == "".join(f"scenario ok: rank {rank} of 3\n" for rank in range(3))
@@ -38,24 +61,24 @@ def test_a_world_serves_many_scenarios_and_gives_each_its_exit_code_and_output(p
     assert refused.returncode == 3
     assert refused.stderr == "rank 0 says no\nrank 1 says no\n"
     assert pool.run(4, scenario("ok"), timeout=60).returncode == 0
-    assert pool.started == 1 and pool.world.served == 3
+    assert starts.restarts() == 0 and starts.served() == 3
 
 
 @pytest.mark.mpi
-def test_a_scenario_that_leaves_state_behind_fails_and_the_next_gets_a_fresh_world(pool):
+def test_a_scenario_that_leaves_state_behind_fails_and_the_next_gets_a_fresh_world(pool, starts):
     leaked = pool.run(3, scenario("leak-thread"), timeout=60)
     assert leaked.returncode == LEFT_STATE
     assert "world: rank 1 left the process changed after the scenario: thread(s) still running: scenario-leak" \
         in leaked.stderr
     changed = pool.run(3, scenario("leak-env"), timeout=60)
-    assert changed.returncode == LEFT_STATE and pool.started == 2
+    assert changed.returncode == LEFT_STATE and starts.restarts() == 1
     assert "torch threads: 1 before, 2 now" in changed.stderr
     assert pool.run(3, scenario("ok"), timeout=60).returncode == 0
-    assert pool.started == 3
+    assert starts.restarts() == 2
 
 
 @pytest.mark.mpi
-def test_an_abort_ends_the_world_with_its_code_and_a_hang_is_killed(pool):
+def test_an_abort_ends_the_world_with_its_code_and_a_hang_is_killed(pool, starts):
     aborted = pool.run(3, scenario("abort"), timeout=60)
     assert aborted.returncode == 5  # the abort's code, as a fresh mpiexec reports it
     assert "scenario abort: rank 0 of 3" in aborted.stdout
@@ -64,11 +87,11 @@ def test_an_abort_ends_the_world_with_its_code_and_a_hang_is_killed(pool):
         pool.run(3, scenario("hang"), timeout=3)
     assert pool.world is None
     assert pool.run(3, scenario("ok"), timeout=60).returncode == 0
-    assert pool.started == 3
+    assert starts.restarts() == 2
 
 
 @pytest.mark.mpi
-def test_a_scenario_imports_from_its_folder_and_pythonpath_as_a_fresh_process_and_forgets_it(pool, tmp_path):
+def test_a_scenario_imports_from_its_folder_and_pythonpath_as_a_fresh_process_and_forgets_it(pool, starts, tmp_path):
     """A user's plugin: found in the scenario's folder or on its ``$PYTHONPATH``, as a fresh
     ``python -m mpi4py -m mpigrad`` there finds it, and forgotten after the scenario: the
     next imports its own, and one without the path finds none (not the world's folder's)."""
@@ -86,11 +109,11 @@ def test_a_scenario_imports_from_its_folder_and_pythonpath_as_a_fresh_process_an
     assert ran.returncode == 0 and imported(ran) == ["here", "here"], ran.stderr
     ran = pool.run(2, scenario("import"), timeout=60)
     assert ran.returncode == 4 and "No module named 'probe_plugin'" in ran.stderr
-    assert pool.started == 1
+    assert starts.restarts() == 0
 
 
 @pytest.mark.mpi
-def test_a_module_of_the_worlds_installation_is_kept_after_a_scenario_in_the_folder_that_holds_it(pool):
+def test_a_module_of_the_worlds_installation_is_kept_after_a_scenario_in_the_folder_that_holds_it(pool, starts):
     """A scenario run in the repository's folder (as the documented commands run, with CI's
     venv inside it) that first imports a module of the installation leaves it imported: the
     next scenario gets the same module (forgetting numba's lazily imported modules this way
@@ -102,7 +125,7 @@ def test_a_module_of_the_worlds_installation_is_kept_after_a_scenario_in_the_fol
     second = pool.run(2, {**scenario("venv-module"), "cwd": str(REPO)}, timeout=60)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert loaded(first) == loaded(second) and len(loaded(first)) == 2
-    assert pool.started == 1
+    assert starts.restarts() == 0
 
 
 def test_a_world_takes_only_mpigrads_run_time_variables():
@@ -133,7 +156,7 @@ def test_the_relay_takes_plain_train_runs_only():
 
 
 @pytest.mark.mpi
-def test_a_shell_s_train_runs_go_to_the_world_and_the_rest_to_mpiexec(pool, tmp_path, mpi_env):
+def test_a_shell_s_train_runs_go_to_the_world_and_the_rest_to_mpiexec(pool, starts, tmp_path, mpi_env):
     """Through ``WorldRelay``'s ``mpiexec`` a shell's plain train run is served by the world
     (no start-up) and gives what the real ``mpiexec`` gives: its exit code and lines; a
     command with a variable a world cannot take goes to the real ``mpiexec``."""
@@ -157,10 +180,10 @@ def test_a_shell_s_train_runs_go_to_the_world_and_the_rest_to_mpiexec(pool, tmp_
         run = shell(f"{train} {tiny} --trace run.h5")
         assert run.returncode == 0, run.stderr
         assert "iter 2/2" in run.stdout and (tmp_path / "run.h5").exists()
-        assert len(relay.runs) == 1 and pool.started == 1 and pool.world.served == 1, relay.declined
+        assert len(relay.runs) == 1 and starts.restarts() == 0 and starts.served() == 1, relay.declined
         relayed = shell(f"{train} --bits 99 --trace bad.h5")
         real = shell(f"EXTRA=1 {train} --bits 99 --trace bad.h5")  # EXTRA: a world cannot take it
-        assert len(relay.runs) == 2 and pool.world.served == 2
+        assert len(relay.runs) == 2 and starts.served() == 2
         assert relay.declined == [(["--bits", "99", "--trace", "bad.h5"], "variables a world cannot change: EXTRA")]
         assert relayed.returncode == real.returncode == 2
         from conftest import without_launcher_notice

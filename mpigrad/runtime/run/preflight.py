@@ -7,6 +7,7 @@ module adds what only a launched rank can see, and ``mpigrad train --check``
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,11 +93,26 @@ def check_resume_files(config, script: bool = False) -> None:
         raise UsageError(f"--resume: no checkpoint at {config.checkpoint_path}")
 
 
+def check_checkpoint_identity(config, size: int, resolved) -> None:
+    """UsageError (one line) where the checkpoint ``--resume`` would load is from another
+    configuration or world size, or none of its files is usable: the identity the run checks
+    as it loads it (:func:`..measure.checkpoint.load`), taken as the run takes it, after the
+    launch resolved its nodes (``resolved``: :func:`..plan.topology.resolve_topology`'s).
+    Checked among the launch checks so that every rank ends together with exit 2, where the
+    run's own load would have to MPI_Abort the job (a sweep's next run then starts). Reads
+    the checkpoint once more than the run does."""
+    topology, exchange, _ = resolved
+    as_run = copy.copy(config)
+    as_run.ranks_per_node, as_run.exchange, as_run.topology = topology.ranks_per_node, exchange, topology
+    checkpoint.load(config.checkpoint_path, checkpoint.identity(as_run.to_dict(), size))
+
+
 def _launch_problem(config, size: int, model=None, nodes=None) -> tuple[str | None, tuple | None]:
     """(the first problem's line, else None; the resolved nodes, exchange and notes)."""
+    script = model is not None  # a Session's model, before the config's takes its place below
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
-        check_world(config, size, script=model is not None)
+        check_world(config, size, script=script)
         resolved = resolve_topology(config, size, nodes)
         check_thread_level(config, MPI.Query_thread())
         if model is None:
@@ -107,7 +123,9 @@ def _launch_problem(config, size: int, model=None, nodes=None) -> tuple[str | No
         check_quantizes_something(config, model)
         trace = Path(config.trace)
         if config.resume:
-            check_resume_files(config, script=model is not None)
+            check_resume_files(config, script=script)
+            if not script:
+                check_checkpoint_identity(config, size, resolved)
             network.resume_change(trace, resume_attrs(trace), network.current(), config.force)  # refused unless --force
         else:
             check_overwrite([trace], config.force, error=UsageError, alternative=" or --trace to choose another")
