@@ -746,10 +746,6 @@ class RunConfig:
             (self.exchange != "hierarchical" or self.colocated,
              "--exchange hierarchical needs --servers colocated (each local rank's slice is served by the workers "
              "of its local rank across nodes), not --servers S"),
-            (not (self.pipeline and self.intra_codec == "int8" and self.exchange != "flat"
-                  and self.ranks_per_node != 1),
-             "--pipeline with --intra-codec int8 is not built (its blocks of 256 values run across the buckets of a "
-             "slice): use --intra-codec fp32, fp16 or bf16, or drop --pipeline"),
             (self.net_mode != "off" or self.network() is None,
              "a bandwidth or latency schedule or --link-bandwidth needs a modelled network (net_mode virtual "
              "or sleep); with net_mode off nothing is charged (in the lab, give the schedule to mpigrad lab --rate)"),

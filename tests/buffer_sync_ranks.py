@@ -2,7 +2,8 @@
 
 Arguments: one or more numbers of servers S (ranks 0..S-1; the others are workers), each
 checked on a fresh model and a channel over its own duplicate of the world communicator.
-Each rank prints ``servers S: rank R: ok`` (or ``MISMATCH``) per S and exits 1 if any failed."""
+Each rank prints ``servers S: rank R: ok`` (or ``MISMATCH``) per S and exits 1 if any failed.
+In the test suite it runs in the worker's world as a program (``main(argv, comm=)``)."""
 
 import sys
 
@@ -43,9 +44,21 @@ def check(comm, servers: int) -> bool:
     return ok and plain.size == 0
 
 
-results = []
-for servers in map(int, sys.argv[1:]):
-    ok = check(MPI.COMM_WORLD.Dup(), servers)
-    print(f"servers {servers}: rank {MPI.COMM_WORLD.Get_rank()}: {'ok' if ok else 'MISMATCH'}", flush=True)
-    results.append(ok)
-sys.exit(0 if all(results) else 1)
+def main(argv: list[str] | None = None, comm=None) -> int:
+    """Each S of ``argv`` checked on ``comm`` (default: the world; a test world's scenario
+    communicator, where it runs as a program); 0 where every check passed, else 1."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    results = []
+    for servers in map(int, sys.argv[1:] if argv is None else argv):
+        own = comm.Dup()
+        try:
+            ok = check(own, servers)
+        finally:
+            own.Free()
+        print(f"servers {servers}: rank {comm.Get_rank()}: {'ok' if ok else 'MISMATCH'}", flush=True)
+        results.append(ok)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -121,7 +121,7 @@ COLOCATED_BUDGET = {
 }
 
 
-def test_bench_device_counts_what_the_colocated_path_asks_of_the_host(tmp_path, mpi_env):
+def test_bench_device_counts_what_the_colocated_path_asks_of_the_host(tmp_path, mpi_env, world_relay):
     """``mpigrad bench device`` runs the colocated device path (in the simulator here, on the GPU
     where there is one) and prints the last iteration's launches and synchronisations per
     worker and phase; the run's trace is the host path's, as for the other device runs."""
@@ -138,7 +138,7 @@ def test_bench_device_counts_what_the_colocated_path_asks_of_the_host(tmp_path, 
     tiny = TINY[:at] + TINY[at + 2:]   # bench device takes the iterations itself
     command = [sys.executable, "-m", "mpigrad", "bench", "device", "--ranks", "3", "--iterations", "3", "--json", "--",
                *tiny, *extra, "--trace", str(trace)]
-    done = subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=world_relay(mpi_env), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     where = "on the GPU" if ON_GPU else "in Numba's CUDA simulator"

@@ -69,6 +69,28 @@ def test_the_pipelined_hierarchical_iteration_gives_the_sequential_run_bit_for_b
     assert not np.array_equal(a.steps["t_nic"], b.steps["t_nic"])  # the overlapped schedule's, not the rounds'
 
 
+def test_int8_inside_the_node_rounds_each_buckets_message_in_blocks_of_its_own(tmp_path):
+    """``--intra-codec int8`` with ``--pipeline``: a bucket's message has blocks of its own
+    (256 values from its first), where the sequential run's run across the slice; pieces of
+    1500 values here, so that buckets start off the slice's blocks (with whole layers of this
+    model every bucket starts on one, and the two runs were the same bit for bit). Every
+    replica stays the same bit for bit (checksums every iteration: rank 0 ends a run whose
+    replicas diverge); the first loss is the sequential run's (before any update) and the
+    later ones near it, the parameters not its own (another rounding); the bytes inside the
+    node are each bucket's int8 message, a few scales more than the sequential run's slices."""
+    options = dict(codec="qsgd", policy="fixed", bits=4, intra_codec="int8", checksum_every=1, shard_chunk=1500)
+    code1, errors1, seq = run(tmp_path, name="seq.h5", **HIERARCHICAL, **options)
+    code2, errors2, pipe = run(tmp_path, name="pipe.h5", pipeline=True, **HIERARCHICAL, **options)
+    assert code1 == code2 == 0 and not errors1 and not errors2, (errors1, errors2)
+    a, b = load(seq.trace), load(pipe.trace)
+    assert b.config["pipeline"] and b.config["intra_codec"] == "int8" and len(b.steps) == len(a.steps) > 2
+    assert b.steps["loss"].iloc[0] == a.steps["loss"].iloc[0]
+    np.testing.assert_allclose(b.steps["loss"], a.steps["loss"], rtol=0.02)
+    assert not np.array_equal(a.checksums.to_numpy(), b.checksums.to_numpy())
+    more = b.steps["bytes_intra"].to_numpy() - a.steps["bytes_intra"].to_numpy()
+    assert (more > 0).all() and (more % 4 == 0).all() and (more < 0.05 * a.steps["bytes_intra"]).all()
+
+
 @pytest.mark.parametrize("culprit", [1, 2])
 def test_a_non_finite_gradient_is_named_by_its_nodes_owner(tmp_path, monkeypatch, culprit):
     """A node-0 worker's gradient goes NaN: the owner of the slice it lands in names it (from
@@ -161,7 +183,6 @@ def test_auto_takes_the_hierarchical_exchange_for_a_pipelined_run_and_the_rest_i
             resolve_topology(config, size)
     for options, message in [
         (dict(exchange="flat"), "--pipeline with --ranks-per-node L > 1 is built on the hierarchical exchange only"),
-        (dict(intra_codec="int8"), "--pipeline with --intra-codec int8 is not built"),
         (dict(codec="powersgd", policy="fixed"), None),
     ]:
         config = RunConfig(lr=0.1, **pipelined, **options)
@@ -173,7 +194,7 @@ def test_auto_takes_the_hierarchical_exchange_for_a_pipelined_run_and_the_rest_i
             continue
         with pytest.raises(UsageError, match=message):
             config.validate()
-    RunConfig(lr=0.1, servers="colocated", pipeline=True, intra_codec="int8").validate()  # L = 1: not used
+    RunConfig(lr=0.1, **pipelined, intra_codec="int8").validate()  # each bucket's blocks (the next test)
 
 
 # ---- the clock ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, mpiexec, run_mpi
+from conftest import REPO, mpiexec, run_mpi, world_pool
 from mpigrad.trace import load
 
 pytestmark = pytest.mark.mpi
@@ -44,11 +44,16 @@ def test_a_diverged_replica_is_still_caught_with_batchnorm(tmp_path, mpi_env):
 
 @pytest.fixture(scope="module")
 def buffer_sync_checks(mpi_env):
-    """tests/buffer_sync_ranks.py on 4 ranks, with 1 then 2 servers in the same mpiexec."""
-    command = mpiexec(4, [sys.executable, "-m", "mpi4py", str(REPO / "tests" / "buffer_sync_ranks.py"), "1", "2"])
+    """tests/buffer_sync_ranks.py on 4 ranks, with 1 then 2 servers in the same mpiexec (in
+    this worker's world where worlds are on: the script's ``main(argv, comm=)``)."""
+    script = REPO / "tests" / "buffer_sync_ranks.py"
+    pool = world_pool()
     try:
+        if pool is not None:
+            return pool.run(4, {"program": str(script), "argv": ["1", "2"]}, timeout=300)
+        command = mpiexec(4, [sys.executable, "-m", "mpi4py", str(script), "1", "2"])
         return subprocess.run(command, env=mpi_env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, TimeoutError):
         pytest.fail("buffer synchronisation hung")
 
 

@@ -235,6 +235,7 @@ def _run_scenario(request: dict, comm) -> int:
 
 
 def serve(folder: Path) -> None:
+    from mpigrad.runtime.run.launch import save_coverage
     from mpigrad.runtime.run.world import ProcessState
 
     world = MPI.COMM_WORLD
@@ -261,6 +262,7 @@ def serve(folder: Path) -> None:
                           file=sys.stderr, flush=True)
                     code = LEFT_STATE
             comm.Free()
+            save_coverage()  # a coverage run's data so far: a later scenario's abort would lose it
             _write_whole(folder / f"{number}.{rank}.code", str(code))
         number += 1
 

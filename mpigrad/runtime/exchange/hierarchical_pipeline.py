@@ -27,9 +27,13 @@ order (the node's sum is elementwise, the codecs encode piece by piece, the upda
 steps piece by piece), so the losses are the same bit for bit. What overlaps: steps 1 and 2
 run during backward (the node's intra links and the frames across NICs of bucket b while
 backward makes bucket b + 1); 3 and 4 follow backward, bucket by bucket, each as soon as its
-messages are in. ``--intra-codec int8`` is refused with ``--pipeline`` (``RunConfig.validate``):
-its blocks of 256 values run across a slice's buckets (the sequential run's blocks), which a
-bucket's message cannot round as they do.
+messages are in. ``--intra-codec int8`` is the exception: a bucket's message is cut into its
+own blocks of 256 values from its first one (a message cannot hold the scale of a block that
+runs on into the next bucket), where the sequential run's blocks run across the whole slice,
+so the two runs' roundings inside the node differ (both at most half a block's step from
+the value) and so do their losses after the first update, unless every bucket starts at a
+multiple of 256 values of its slice; the bytes inside the node are each bucket's
+(``bucket_intra_bytes``: a few scales more than the slice's).
 
 Rank 0 charges the whole iteration in ``reports`` (``LinkModel.pipelined`` with the
 traffic's ``intra``: the reduce-scatter's and all-gather's messages on the nodes' intra-node

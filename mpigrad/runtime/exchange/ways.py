@@ -5,7 +5,7 @@ each way; :func:`choose_exchange` builds a run's: the one one-round way whose ``
 holds for the config, inside each wrapping way whose ``chosen`` holds (the low-rank rounds
 of a two-round codec). The combinations the protocol does not run (``--pipeline`` without
 colocated servers, a two-round codec with ``--pipeline``, ``--pipeline`` on nodes of several
-workers with the flat exchange or ``--intra-codec int8``) are refused by the config's own
+workers with the flat exchange) are refused by the config's own
 checks (``RunConfig.validate``, ``check_nodes``, ``plan.checks.check_two_rounds``) before any
 role is built.
 

@@ -218,6 +218,17 @@ def end_together(comm, code: int) -> NoReturn:
     _exit_skipping_teardown(code)
 
 
+def save_coverage() -> None:
+    """Where coverage.py measures this process (a coverage run of the test suite), write what
+    it measured so far: an exit that skips Python's exit handlers (below), or a test world's
+    abort, would lose it. Nothing otherwise."""
+    coverage = sys.modules.get("coverage")
+    current = getattr(getattr(coverage, "Coverage", None), "current", None)
+    measuring = current() if current is not None else None
+    if measuring is not None:
+        measuring.save()
+
+
 def _exit_skipping_teardown(code: int) -> NoReturn:
     """Exit through the C library's ``exit``: its atexit handlers run, Python's do not.
 
@@ -225,6 +236,7 @@ def _exit_skipping_teardown(code: int) -> NoReturn:
     handler (PMI finalize), and hydra SIGKILLs the ranks still running when one exits
     without it, so ``mpiexec`` reported 9 instead of ``code`` whenever a rank was late.
     """
+    save_coverage()
     sys.stdout.flush()
     sys.stderr.flush()
     try:
