@@ -72,7 +72,9 @@ def test_a_refused_run_is_reported_and_the_next_one_runs_and_a_complete_one_is_s
 def test_a_line_whose_checkpoint_is_of_another_configuration_is_refused_and_the_next_one_runs(tmp_path, mpi_env):
     """A stopped run's line resumes (``--resume`` added); where its checkpoint is of another
     configuration the launch checks refuse it on every rank alike, without MPI_Abort, and
-    the sweep goes on to the next line (it used to abort the job at the checkpoint's load)."""
+    the sweep goes on to the next line (it used to abort the job at the checkpoint's load).
+    A sweep's 75 and 2 end every rank together, as ``mpigrad train``'s do (they went through
+    ``python -m mpi4py``'s MPI_Abort of a non-zero exit)."""
     from mpigrad.runtime import EXIT_REQUEUE
     from mpigrad.trace import load
 
@@ -80,6 +82,7 @@ def test_a_line_whose_checkpoint_is_of_another_configuration_is_refused_and_the_
     long = [*A, "--iterations", "100000", "--walltime", "6s", "--trace", str(stopped)]
     first = run_mpi(3, ["sweep", str(runs_file(tmp_path / "first.txt", [long]))], mpi_env, timeout=300)
     assert first.returncode == EXIT_REQUEUE, first.stderr
+    assert "MPI_Abort" not in first.stdout + first.stderr, first.stderr  # every rank ended together with 75
     runs = runs_file(tmp_path / "runs.txt", [[*long, "--lr", "0.5"], [*A, "--iterations", "2", "--trace", str(after)]])
     result = run_mpi(3, ["sweep", str(runs)], mpi_env, timeout=300)
     assert result.returncode == 2, result.stderr
