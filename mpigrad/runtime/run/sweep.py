@@ -12,9 +12,10 @@ Launched as ``mpigrad train`` is (``mpiexec -n P+1 python -m mpi4py -m mpigrad s
 RUNS``, or ``srun``). A line whose trace is complete is skipped, one whose trace stopped at
 a checkpoint resumes (``--resume`` added): so a requeued job goes on where it stopped. A
 line the launch checks refuse (bad options, a taken trace, a checkpoint from another
-configuration) is reported and the next run starts; the sweep then exits 2. A run stopped by a signal or ``--walltime`` (exit 75, its
-checkpoint written) ends the sweep with 75, for Slurm to requeue it; a rank's failure
-during a run aborts the job (MPI_Abort), as it would ``mpigrad train``'s.
+configuration) is reported and the next run starts; the sweep then exits 2. A run stopped
+by a signal or ``--walltime`` (exit 75, its checkpoint written) ends the sweep with 75, for
+Slurm to requeue it; a rank's failure during a run aborts the job (MPI_Abort), as it would
+``mpigrad train``'s.
 """
 
 from __future__ import annotations
