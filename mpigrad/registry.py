@@ -111,7 +111,10 @@ class Registry(Generic[T]):
         claims += [(self._plugin_keys[key], getattr(cls, key, None), key) for key in self.keys]
         for table, value, what in claims:
             taken = table.get(value, cls)
-            if taken is not cls:
+            # The same plugin imported again (a fresh module object of the same name, as a
+            # world's next run imports what the previous one's folder held): it replaces its
+            # own older class, it does not clash with it.
+            if taken is not cls and not (table is not self._builtin and _qualname(taken) == _qualname(cls)):
                 raise self.error(f"{self.kind} {spec}: {what} {value!r} is taken by {_qualname(taken)}")
         self._plugins[name] = cls
         for key in self.keys:
