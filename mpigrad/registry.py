@@ -111,15 +111,28 @@ class Registry(Generic[T]):
         claims += [(self._plugin_keys[key], getattr(cls, key, None), key) for key in self.keys]
         for table, value, what in claims:
             taken = table.get(value, cls)
-            # The same plugin imported again (a fresh module object of the same name, as a
-            # world's next run imports what the previous one's folder held): it replaces its
-            # own older class, it does not clash with it.
-            if taken is not cls and not (table is not self._builtin and _qualname(taken) == _qualname(cls)):
+            if taken is not cls:
                 raise self.error(f"{self.kind} {spec}: {what} {value!r} is taken by {_qualname(taken)}")
         self._plugins[name] = cls
         for key in self.keys:
             self._plugin_keys[key][getattr(cls, key, None)] = cls
         return cls
+
+
+    def plugins_loaded(self) -> tuple[dict[str, T], dict[str, dict[Any, T]]]:
+        """A copy of the loaded plugins' tables (by name, and by each key), for
+        :meth:`forget_plugins_since`; equal copies: the same plugins loaded."""
+        return dict(self._plugins), {key: dict(table) for key, table in self._plugin_keys.items()}
+
+    def forget_plugins_since(self, loaded: tuple[dict[str, T], dict[str, dict[Any, T]]]) -> None:
+        """Put the loaded plugins back as :meth:`plugins_loaded` found them: a plugin admitted
+        since is forgotten (a run that shares its process with the next admits its own)."""
+        by_name, by_key = loaded
+        self._plugins.clear()
+        self._plugins.update(by_name)
+        for key, table in self._plugin_keys.items():
+            table.clear()
+            table.update(by_key[key])
 
 
 def _qualname(obj: Any) -> str:

@@ -135,6 +135,33 @@ def test_process_state_puts_back_what_a_run_changes():
     assert torch.get_num_threads() == threads and signal.getsignal(signal.SIGUSR1) is previous
 
 
+def test_process_state_forgets_the_plugins_a_run_admitted(monkeypatch):
+    """A run's plugin codec is not the next run's: after the restore the registry holds none,
+    and the same module imported anew (as a world's next run imports its folder) is admitted
+    again, where without the restore its fresh class would clash with the old one."""
+    from mpigrad.codecs.base import CODECS, CodecError
+    from mpigrad.runtime.run.world import ProcessState
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "plugins"))
+    state = ProcessState.taken()
+    first = CODECS.lookup("topk:TopK")
+    assert CODECS.lookup("topk") is first
+    assert any(line.startswith("loaded codec plugins") for line in state.differences())
+    state.restore()
+    assert state.differences() == []
+    with pytest.raises(CodecError, match="unknown codec 'topk'"):
+        CODECS.lookup("topk")
+    monkeypatch.delitem(sys.modules, "topk")
+    again = CODECS.lookup("topk:TopK")
+    assert again is not first and CODECS.lookup("topk") is again
+    state.restore()
+    CODECS.lookup("topk:TopK")
+    monkeypatch.delitem(sys.modules, "topk")
+    with pytest.raises(CodecError, match=r"codec_id 'topk' is taken by topk\.TopK"):
+        CODECS.lookup("topk:TopK")  # no restore between: two classes named alike clash, as before
+    state.restore()
+
+
 def test_process_state_names_a_thread_and_a_file_a_run_left_behind(tmp_path):
     """What cannot be put back is caught: a scenario that leaves them behind fails."""
     import h5py

@@ -4,8 +4,9 @@ reaching the next (:class:`ProcessState`).
 
 A run changes its process: torch's and Numba's thread counts, TF32, the global RNGs, the
 thread variables, the stop signals' handlers, the rank's bound GPU, the device warm-up's
-record, the waiting mode, the loaded data set. :class:`ProcessState` takes all of that
-before a run and puts it back after, and names what is still different
+record, the waiting mode, the loaded data set, the plugin codecs and policies it admitted.
+:class:`ProcessState` takes all of that before a run and puts it back after, and names what
+is still different
 (:meth:`ProcessState.differences`): a thread left running, an HDF5 file left open, a value
 it could not put back. What is meant to carry over, carries: imported modules, Numba's
 compiled kernels (the next run's warm-up finds them compiled), torch's started pools.
@@ -32,7 +33,9 @@ import numba
 import numpy as np
 import torch
 
+from ...codecs.base import CODECS
 from ...errors import UsageError
+from ...policies.base import POLICIES
 from ..exchange import build, warmup
 from ..plan import gpu
 from ..wire import channel
@@ -48,14 +51,22 @@ __all__ = ["ProcessState", "train_in_world", "train_parser"]
 def _module_state() -> dict[str, Any]:
     """The runtime's module-level state a run sets, by name."""
     return {"bound GPU (plan.gpu)": gpu._bound, "device warm-up record (exchange.warmup)": warmup._device_warmed,
-            "waiting mode (wire.channel)": channel._spin, "loaded data sets (exchange.build)": tuple(build._loaded)}
+            "waiting mode (wire.channel)": channel._spin, "loaded data sets (exchange.build)": dict(build._loaded),
+            **{f"loaded {registry.kind} plugins": registry.plugins_loaded() for registry in _PLUGIN_REGISTRIES}}
+
+
+#: The registries that admit plugin classes by spec (a run's ``--codec pkg.mod:Class``).
+_PLUGIN_REGISTRIES = (CODECS, POLICIES)
 
 
 def _restore_module_state(state: dict[str, Any]) -> None:
     gpu._bound = state["bound GPU (plan.gpu)"]
     warmup._device_warmed = state["device warm-up record (exchange.warmup)"]
     channel._spin = state["waiting mode (wire.channel)"]
-    build._loaded.clear()  # a data set loaded before the run was released by it, or kept: not the next run's
+    build._loaded.clear()  # the run's data set released, the one loaded before it (if any) back
+    build._loaded.update(state["loaded data sets (exchange.build)"])
+    for registry in _PLUGIN_REGISTRIES:  # the next run admits its own plugins (a world forgets their modules)
+        registry.forget_plugins_since(state[f"loaded {registry.kind} plugins"])
 
 
 def _open_hdf5_files() -> int:
@@ -116,7 +127,7 @@ class ProcessState:
     def differences(self) -> list[str]:
         """What differs now from this state, one line each (empty: nothing)."""
         now = ProcessState.taken()
-        lines = [f"{name}: {self.values[name]!r} before, {value!r} now"
+        lines = [f"{name}: {_shown(self.values.get(name))!r} before, {_shown(value)!r} now"
                  for name, value in now.values.items() if value != self.values.get(name)]
         python, numpy, torch_rng = self.rng
         if random.getstate() != python:
@@ -131,6 +142,13 @@ class ProcessState:
         if now.hdf5_files > self.hdf5_files:
             lines.append(f"{now.hdf5_files - self.hdf5_files} HDF5 file(s) left open")
         return lines
+
+
+def _shown(value: Any) -> Any:
+    """A value as a difference line shows it: a table (loaded data sets, plugins) by its names."""
+    if isinstance(value, tuple) and value and isinstance(value[0], dict):  # a registry's plugin tables
+        value = value[0]
+    return sorted(map(str, value)) if isinstance(value, dict) else value
 
 
 def _same_numpy_rng(a, b) -> bool:
