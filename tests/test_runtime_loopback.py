@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -44,14 +45,23 @@ class StopAfter(StopFlag):
         return self.signal_name is not None
 
 
+#: After a rank's error, how long the others may go on (to report it, as rank 0 does) before
+#: the world is aborted, as ``mpigrad train`` aborts a real one (its ranks would otherwise
+#: wait out their timeout): counted from the latest error.
+ABORT_AFTER = 2.0
+
+
 def run(tmp_path, servers=1, workers=2, stop=None, timeout=20.0, name="run.h5", **options):
-    """Run every rank's session on its own thread; return (rank 0's exit code, errors by rank)."""
+    """Run every rank's session on its own thread; return (rank 0's exit code, errors by rank
+    (ranks still waiting when the world was aborted: :class:`WorldAborted`), config)."""
     config = RunConfig(**{**BASE, **options, "servers": servers, "trace": str(tmp_path / name)})
     colocated = servers == "colocated"
     net = LoopbackNetwork(config.non_worker_ranks() + workers, workers if colocated else servers, timeout=timeout,
                           colocated=colocated)
     errors: dict[int, BaseException] = {}
     codes: dict[int, int] = {}
+    failed = threading.Condition()
+    last_error = [None]
 
     def rank_main(rank):
         try:
@@ -63,12 +73,22 @@ def run(tmp_path, servers=1, workers=2, stop=None, timeout=20.0, name="run.h5", 
                 codes[rank] = run_other_rank(config, channel)
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             errors[rank] = exc
+            with failed:
+                last_error[0] = time.monotonic()
+                failed.notify_all()
 
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(net.size)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout * 4
+    with failed:
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            if last_error[0] is not None and time.monotonic() - last_error[0] >= ABORT_AFTER:
+                net.abort("a rank failed")
+                break
+            failed.wait(0.05)
     for t in threads:
-        t.join(timeout * 4)
+        t.join(max(0.0, deadline - time.monotonic()))
     return codes.get(0), errors, config
 
 

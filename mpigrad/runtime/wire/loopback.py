@@ -3,6 +3,8 @@
 Messages are copied through per-rank mailboxes, so a rank never sees another's buffers;
 broadcasts are copies from the root to each member. Waits honour the same timeout and
 name the same silent ranks as the MPI channel. For protocol unit tests, not for speed.
+:meth:`LoopbackNetwork.abort` ends every rank's waits at once, as MPI_Abort ends a real
+world's ranks (which otherwise wait out their timeout for a rank that failed).
 """
 
 from __future__ import annotations
@@ -19,10 +21,20 @@ from .channel import Channel, PeerTimeout
 _OBJECT = "object"
 
 
+class WorldAborted(PeerTimeout):
+    """The in-process world was aborted (:meth:`LoopbackNetwork.abort`): a rank's wait, or
+    its next one, raises this at once, messages already queued or not."""
+
+
 class _Mailbox:
     def __init__(self):
         self.cond = threading.Condition()
         self.queues: dict[tuple, deque] = defaultdict(deque)
+        self.aborted: str | None = None  # why the world was aborted
+
+    def check_aborted(self) -> None:
+        if self.aborted is not None:
+            raise WorldAborted(f"the world was aborted: {self.aborted}")
 
     def put(self, key: tuple, value: Any) -> None:
         with self.cond:
@@ -33,6 +45,7 @@ class _Mailbox:
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
+                self.check_aborted()
                 for key in keys:
                     if self.queues.get(key):
                         return key, self.queues[key].popleft()
@@ -51,6 +64,14 @@ class LoopbackNetwork:
 
     def channel(self, rank: int) -> "LoopbackChannel":
         return LoopbackChannel(self, rank)
+
+    def abort(self, why: str) -> None:
+        """End the world: every rank waiting on a message, and every later wait, raises
+        :class:`WorldAborted` naming ``why``."""
+        for box in self.boxes:
+            with box.cond:
+                box.aborted = why
+                box.cond.notify_all()
 
 
 class LoopbackChannel(Channel):
@@ -74,6 +95,7 @@ class LoopbackChannel(Channel):
         return [[buf, source, tag, None] for buf, source in items]
 
     def received(self, pending, index):
+        self.box.check_aborted()
         empty = set()  # a source whose next message has not come: no later receive may take one
         for item in pending[:index + 1]:  # earlier receives from the same source match first
             buf, source, tag, count = item
