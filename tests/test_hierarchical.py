@@ -345,11 +345,13 @@ def test_retime_recharges_a_run_on_its_own_and_on_other_nodes(runs, tmp_path):
 
 # ---- real runs: 2 nodes of 2 workers ---------------------------------------------------------
 @pytest.mark.each_mpi
-@pytest.mark.parametrize("pipeline", [[], ["--pipeline"]], ids=["sequential", "pipelined"])
+@pytest.mark.parametrize("pipeline", [[], ["--pipeline"], ["--pipeline", "--intra-codec", "int8"]],
+                         ids=["sequential", "pipelined", "pipelined-int8"])
 def test_two_nodes_of_two_workers_under_mpi(tmp_path, mpi_env, pipeline):
-    """A launched run of 2 x 2 workers, sequential or pipelined: the declared nodes win over
-    MPI's one node (a note says so), auto takes the hierarchical exchange, MQGrad chooses the
-    NICs' bits, every replica agrees every iteration, and the trace records the nodes."""
+    """A launched run of 2 x 2 workers, sequential or pipelined (with 8 bits inside the node
+    too, each bucket's message in blocks of its own): the declared nodes win over MPI's one
+    node (a note says so), auto takes the hierarchical exchange, MQGrad chooses the NICs'
+    bits, every replica agrees every iteration, and the trace records the nodes."""
     trace_path = tmp_path / "run.h5"
     result = run_mpi(5, ["train", "--servers", "colocated", "--ranks-per-node", "2", "--iterations", "12",
                          "--batch-size", "8", "--checksum-every", "1", "--trace", str(trace_path), *pipeline,
@@ -361,7 +363,8 @@ def test_two_nodes_of_two_workers_under_mpi(tmp_path, mpi_env, pipeline):
     trace = load(trace_path)
     assert trace.complete and len(trace.steps) == 12
     assert trace.config["exchange"] == "hierarchical" and trace.config["ranks_per_node"] == 2
-    assert trace.config["pipeline"] == bool(pipeline)
+    assert trace.config["pipeline"] == ("--pipeline" in pipeline)
+    assert trace.config["intra_codec"] == ("int8" if "int8" in pipeline else "fp32")
     assert trace.attrs["topology"] == {"workers": 4, "ranks_per_node": 2, "nodes": 2,
                                                    "source": "declared", "rank0_node": 0}
     assert (trace.steps["bytes_nic"] > 0).all() and (trace.steps["bytes_intra"] > 0).all()
