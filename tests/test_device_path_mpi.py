@@ -31,7 +31,7 @@ TINY = ["--model-opt", "fc_sizes=[32,32]", "--model-opt", "conv_channels=4", "--
 TIMED = ("wall_time", "sim_time", "t_")
 
 
-def run(tmp_path, env, name, *extra, device=True, phase_log=None):
+def run(tmp_path, env, name, *extra, device=True, phase_log=None, ranks=3):
     env = dict(env)
     if phase_log is not None:
         env["MPIGRAD_PHASE_LOG"] = str(phase_log)
@@ -42,7 +42,7 @@ def run(tmp_path, env, name, *extra, device=True, phase_log=None):
     elif device:
         env["MPIGRAD_DEVICE_CODECS"] = "simulator"
     trace = tmp_path / f"{name}.h5"
-    result = run_mpi(3, ["train", "--trace", str(trace), *TINY, *extra], env, timeout=300)
+    result = run_mpi(ranks, ["train", "--trace", str(trace), *TINY, *extra], env, timeout=300)
     assert result.returncode == 0, result.stderr
     return result, load(trace)
 
@@ -165,3 +165,18 @@ def test_a_codec_without_kernels_keeps_the_host_path_and_says_so(tmp_path, mpi_e
     assert "codecs: on the host, the whole gradient copied out every iteration: qsgd: coding='elias' " \
            "(variable-length) has no GPU kernels (coding='fixed' has); it runs on the host" in result.stdout
     assert trace.complete
+
+
+def test_the_hierarchical_exchange_keeps_its_codecs_on_the_host_and_says_so(tmp_path, mpi_env):
+    """2 nodes x 2 workers with --exchange hierarchical where the device path is on (the
+    simulator here, the GPU with MPIGRAD_TEST_GPU=1): the codecs stay on the host (the slices
+    are host arrays), rank 0 says why, and the run is the host path's."""
+    nodes = ("--servers", "colocated", "--ranks-per-node", "2", "--exchange", "hierarchical", "--codec", "uniform",
+             "--bits", "4")
+    result, device = run(tmp_path, mpi_env, "hier-device", *nodes, ranks=5)
+    assert ("codecs: on the host, the whole gradient copied out every iteration: the hierarchical exchange's slices "
+            "are host arrays (--exchange flat keeps them on the GPU)") in result.stdout
+    assert "device warm-up" not in result.stdout  # no worker took the device path
+    _, host = run(tmp_path, mpi_env, "hier-host", *nodes, device=False, ranks=5)
+    assert device.config["exchange"] == "hierarchical" and device.complete
+    assert_same_run(device, host)

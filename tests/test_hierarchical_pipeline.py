@@ -177,7 +177,7 @@ def test_auto_takes_the_hierarchical_exchange_for_a_pipelined_run_and_the_rest_i
         (RunConfig(**pipelined), 3, r"^--pipeline with --ranks-per-node L > 1 is built on the hierarchical exchange"),
         (RunConfig(**pipelined, device="cuda"), 5, r"^--pipeline with --ranks-per-node L > 1 is built on the hier"),
         (RunConfig(**pipelined, exchange="hierarchical", device="cuda"), 5,
-         r"^--exchange hierarchical with --device cuda is not built yet"),
+         r"^--exchange hierarchical with --pipeline and --device cuda is not built yet"),
     ]:
         with pytest.raises(UsageError, match=pattern):
             resolve_topology(config, size)

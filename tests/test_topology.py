@@ -93,14 +93,21 @@ def test_the_exchange_auto_and_hierarchical_resolve_to():
 
 
 def test_gpu_workers_and_what_auto_finds_are_held_to_the_nodes_rules():
-    """Workers on GPUs: auto takes the flat exchange (the hierarchical one's slices are host
-    arrays), an explicit hierarchical is refused; an L that auto finds meets the config's own
-    refusals of nodes (separate servers, schedules, ...) as a declared one does."""
+    """Workers on GPUs: auto takes the flat exchange (its codecs on the GPU), an explicit
+    hierarchical runs with a note that its codecs are on the host, and the pipelined one is
+    refused; an L that auto finds meets the config's own refusals of nodes (separate servers,
+    schedules, ...) as a declared one does."""
     _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, device="cuda"), 5)
-    assert exchange == "flat" and notes == ["note: nodes of several workers, flat exchange (the hierarchical one does "
-                                            "not run with workers on GPUs yet)"]
-    with pytest.raises(UsageError, match=r"^--exchange hierarchical with --device cuda is not built yet"):
-        resolve_topology(colocated(ranks_per_node=2, device="cuda", exchange="hierarchical"), 5)
+    assert exchange == "flat" and notes == [
+        "note: nodes of several workers on GPUs, flat exchange (codecs on the GPU; --exchange hierarchical puts about "
+        "1/L of its bytes on each NIC, its codecs on the host)"]
+    _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, device="cuda", exchange="hierarchical"), 5)
+    assert exchange == "hierarchical" and notes == [
+        "note: --exchange hierarchical with --device cuda: the codecs run on the host (the slices are host arrays), "
+        "each worker's gradient copied out and the update back every iteration; --exchange flat keeps them on the GPU "
+        "and puts about L times the bytes on a NIC"]
+    with pytest.raises(UsageError, match=r"^--exchange hierarchical with --pipeline and --device cuda is not built"):
+        resolve_topology(colocated(ranks_per_node=2, device="cuda", exchange="hierarchical", pipeline=True), 5)
     for config, pattern in [(RunConfig(ranks_per_node="auto"), "is built for --servers colocated"),
                             (colocated(ranks_per_node="auto", bandwidth="1MB/s@0s,2MB/s@5s"), "a schedule")]:
         with pytest.raises(UsageError, match=pattern):

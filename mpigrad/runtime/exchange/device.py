@@ -18,9 +18,10 @@ device once (its frame goes on the wire), and the runtime's decodes wait for not
 status read once per iteration (:func:`check_decodes`).
 
 This module keeps the compressor and the choice of path (:func:`on_device`,
-:func:`codec_path`); the names the roles import from it (``on_device``, ``check_decodes``,
-``finite``, ``current_stream``, ``device_view``, ``synchronize``, ``DeviceStatus``,
-``FrameMemory``, ...) stay importable from here.
+:func:`codec_path`; the hierarchical exchange keeps the codecs on the host, its slices host
+arrays: :func:`exchange_host_reason`); the names the roles import from it (``on_device``,
+``check_decodes``, ``finite``, ``current_stream``, ``device_view``, ``synchronize``,
+``DeviceStatus``, ``FrameMemory``, ...) stay importable from here.
 
 Without a GPU the same path runs in Numba's CUDA simulator over CPU tensors
 (``NUMBA_ENABLE_CUDASIM=1`` and ``MPIGRAD_DEVICE_CODECS=simulator``): how CI tests it.
@@ -42,13 +43,14 @@ from .device_feedback import DeviceFeedback
 from .device_memory import FrameMemory, HostBuffer, StagingSlots, device_buffer, pinned_buffer
 from .device_stream import (DeviceStatus, check_decodes, current_stream, device_view, finite, simulated,
                             simulated_stream, synchronize)
+from .build import hierarchical_exchange
 from .device_tables import TEMPLATES_PER_SHARD, EncodeTables, EncodeTemplate
 from .frames import EncodedFrames
 from ..plan.layout import Shard
 from ..wire.messages import FrameHeader
 
-__all__ = ["ENVIRONMENT", "device_path", "host_reasons", "compressor_codecs", "on_device", "codec_path",
-           "DeviceGradientCompressor", "QueuedFrames",
+__all__ = ["ENVIRONMENT", "device_path", "exchange_host_reason", "host_reasons", "compressor_codecs", "on_device",
+           "codec_path", "DeviceGradientCompressor", "QueuedFrames",
            # re-exported from the device_* modules, where they live
            "simulated", "finite", "device_view", "current_stream", "simulated_stream", "synchronize",
            "DeviceStatus", "check_decodes", "HostBuffer", "FrameMemory", "DeviceFeedback", "EncodeTemplate",
@@ -67,6 +69,14 @@ def device_path(device: torch.device) -> bool:
     return choice == "simulator" and simulated()
 
 
+def exchange_host_reason(config) -> str | None:
+    """Why a run of ``config`` keeps its codecs on the host whatever its device (its way of
+    aggregating works on host arrays: the hierarchical exchange's slices), else None."""
+    if hierarchical_exchange(config):
+        return "the hierarchical exchange's slices are host arrays (--exchange flat keeps them on the GPU)"
+    return None
+
+
 def host_reasons(codecs) -> list[str]:
     """Why each of ``codecs`` (host codec objects) keeps the host path, one line each."""
     return sorted({reason for reason in map(host_only, codecs) if reason})
@@ -77,10 +87,11 @@ def compressor_codecs(compressor: GradientCompressor) -> list:
     return [compressor.decoder, compressor.rest_codec, *compressor.piece_codecs.values()]
 
 
-def on_device(replica, *compressors) -> list:
+def on_device(replica, *compressors, host_reason: str | None = None) -> list:
     """``compressors`` as the replica's path takes them: on the device path (a replica on a
-    GPU, or the simulator asked for), when every codec has kernels and numba-cuda loads,
-    their device twins (one per distinct object) with the replica's codec buffers moved to
+    GPU, or the simulator asked for), unless the run's exchange keeps them on the host
+    (``host_reason``, :func:`exchange_host_reason`), when every codec has kernels and
+    numba-cuda loads, their device twins (one per distinct object) with the replica's codec buffers moved to
     the device, flagging into one :class:`DeviceStatus` (``replica.device_status``), their
     frames in one :class:`FrameMemory` (``replica.frame_memory``), and leaving their
     decodes' status to :func:`check_decodes`; the host compressors as they are where a codec
@@ -89,7 +100,8 @@ def on_device(replica, *compressors) -> list:
     every codec has kernels but numba-cuda is missing, broken or sees no device: a run the
     user expects on the GPU is refused rather than silently run many times slower on the
     host."""
-    if not device_path(replica.device) or host_reasons([c for comp in compressors for c in compressor_codecs(comp)]):
+    if (not device_path(replica.device) or host_reason is not None
+            or host_reasons([c for comp in compressors for c in compressor_codecs(comp)])):
         return list(compressors)
     try:
         load_cuda()
@@ -118,7 +130,8 @@ def codec_path(config, codecs) -> str | None:
         return f"codecs: on the host ({ENVIRONMENT}=host): the whole gradient is copied out every iteration"
     if not device_path(device):
         return None
-    reasons = host_reasons(codecs)  # numba-cuda itself: the workers refused to start without it (on_device)
+    reasons = [reason for reason in [exchange_host_reason(config)] if reason] + host_reasons(codecs)
+    # (numba-cuda itself: the workers refused to start without it, on_device)
     if reasons:
         return f"codecs: on the host, the whole gradient copied out every iteration: {'; '.join(reasons)}"
     where = "in Numba's CUDA simulator" if device.type == "cpu" else "on the GPU"

@@ -30,10 +30,13 @@ writes P^ Q^T for its layers, and the all-gather brings the node's other slices.
 lossy ``--intra-codec`` the memory is M_k - P^ Q^T before the all-gather's rounding.
 
 The pipelined iteration (``--pipeline``) of this exchange is :mod:`.hierarchical_pipeline`'s
-(bucket by bucket, the same float operations). Not built yet (refused by the config's checks
-and :func:`..plan.topology.resolve_topology`, whose ``auto`` takes the flat exchange for
-them): PowerSGD's per-layer settings (menus) and workers on GPUs. The cost model charges
-each worker its slice's local work (``costmodel.LocalWork``'s ``slices``).
+(bucket by bucket, the same float operations). Workers on GPUs run it with their codecs on
+the host (``device.exchange_host_reason``: the gradient copied out and the update back, as
+the host path does); ``auto`` takes the flat exchange for them, codecs on the GPU. Not built
+yet (refused by the config's checks and :func:`..plan.topology.resolve_topology`, whose
+``auto`` takes the flat exchange for them): PowerSGD's per-layer settings (menus), and the
+pipelined iteration on GPUs. The cost model charges each worker its slice's local work
+(``costmodel.LocalWork``'s ``slices``).
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ class HierarchicalWorker(ColocatedWorker):
 
     def __init__(self, parts: WorkerParts):
         if parts.replica.codecs_on_device:
-            raise UsageError("--exchange hierarchical on the device path (codecs on the GPU) is not built yet: "
-                             "use --exchange flat")
+            raise UsageError("--exchange hierarchical on the device path (codecs on the GPU) is not built: "
+                             "its codecs stay on the host (device.exchange_host_reason)")
         channel = parts.channel
         workers = list(channel.workers)
         topology = run_topology(parts.config, len(workers))

@@ -170,8 +170,12 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
             raise UsageError("--exchange hierarchical with PowerSGD's per-layer settings (--codec-opt ranks=/widths=) "
                              "is not built yet: use --exchange flat, or one rank for every layer")
         if on_gpu and L > 1:
-            raise UsageError(f"--exchange hierarchical with --device {config.device} is not built yet (its slices "
-                             "are host arrays): use --exchange flat, or --device cpu")
+            if config.pipeline:
+                raise UsageError(f"--exchange hierarchical with --pipeline and --device {config.device} is not built "
+                                 "yet: drop --pipeline, or use --device cpu")
+            notes.append(f"note: --exchange hierarchical with --device {config.device}: the codecs run on the host "
+                         "(the slices are host arrays), each worker's gradient copied out and the update back every "
+                         "iteration; --exchange flat keeps them on the GPU and puts about L times the bytes on a NIC")
         if L == 1:
             notes.append("note: --exchange hierarchical with one worker per node is the flat exchange")
             exchange = "flat"
@@ -179,9 +183,12 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
         hierarchical = config.colocated and L > 1 and topology.nodes > 1 and not per_layer and not on_gpu
         exchange = "hierarchical" if hierarchical else "flat"
         if L > 1 and not hierarchical and topology.nodes > 1:
-            why = "PowerSGD's per-layer settings" if per_layer else "workers on GPUs"
-            notes.append(f"note: nodes of several workers, flat exchange (the hierarchical one does not run with "
-                         f"{why} yet)")
+            if per_layer:
+                notes.append("note: nodes of several workers, flat exchange (the hierarchical one does not run with "
+                             "PowerSGD's per-layer settings yet)")
+            else:
+                notes.append("note: nodes of several workers on GPUs, flat exchange (codecs on the GPU; "
+                             "--exchange hierarchical puts about 1/L of its bytes on each NIC, its codecs on the host)")
         config.check_nodes(L, exchange)  # and now that the exchange is known
     cores = os.cpu_count() or 1
     if nodes is not None and L > cores:  # at launch: this machine's cores are the job's

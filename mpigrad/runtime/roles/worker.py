@@ -12,7 +12,7 @@ from ...config import RunConfig
 from ...feedback import MomentumCorrection
 from ..exchange.buffers import BufferSync, sync_due
 from ..exchange.build import base_codec, build_broadcast_compressor, build_compressor, build_shards, script_replica, train_replica
-from ..exchange.device import check_decodes, on_device
+from ..exchange.device import check_decodes, exchange_host_reason, on_device
 from ..exchange.way import WorkerParts
 from ..exchange.ways import choose_exchange
 from .faults import Fault
@@ -48,8 +48,10 @@ class Worker(FollowerRole):
         compressor = build_compressor(config, self.replica.layout, codec, self.number, self.servers)
         # Decodes the servers' broadcast (a worker never encodes with it: no state to keep).
         broadcast_decoder = build_broadcast_compressor(config, codec, compressor)
-        # Where the codecs run: on the GPU when the replica is there and they have kernels.
-        self.compressor, self.broadcast_decoder = on_device(self.replica, compressor, broadcast_decoder)
+        # Where the codecs run: on the GPU when the replica is there, they have kernels and the
+        # way of aggregating works in device memory.
+        self.compressor, self.broadcast_decoder = on_device(self.replica, compressor, broadcast_decoder,
+                                                            host_reason=exchange_host_reason(config))
         #: The seconds the device warm-up took (None on the host path): every device kernel the
         #: run can use launched once here, so that none compiles inside an iteration.
         self.device_warm_up_s = None
