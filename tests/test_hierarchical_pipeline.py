@@ -268,3 +268,18 @@ def test_the_pipelined_hierarchical_charge_hides_earlier_buckets_behind_backward
     at_once = link.pipelined(_traffic(((0.0,) * 4,) * P))
     late = link.pipelined(_traffic(((0.0, 0.1, 0.2, 0.3),) * P))
     assert 0.3 + 2 * 4000 / intra_bw + (1000 + 900) / bw <= late < 0.3 + at_once
+
+
+def test_a_pipelined_worker_on_a_gpu_is_refused_where_no_launch_checked():
+    """An in-process run (no launch check resolves its topology) of the pipelined hierarchical
+    exchange with its replica on a GPU: the worker refuses it in one line before building
+    anything, as the launch does."""
+    import types
+
+    import torch
+
+    parts = types.SimpleNamespace(config=RunConfig(lr=0.1, servers="colocated", pipeline=True, ranks_per_node=2,
+                                                   exchange="hierarchical"),
+                                  replica=types.SimpleNamespace(device=torch.device("cuda")))
+    with pytest.raises(UsageError, match=r"^--exchange hierarchical with --pipeline and --device cuda is not built yet"):
+        HierarchicalPipelinedWorker(parts)

@@ -99,13 +99,13 @@ def test_gpu_workers_and_what_auto_finds_are_held_to_the_nodes_rules():
     schedules, ...) as a declared one does."""
     _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, device="cuda"), 5)
     assert exchange == "flat" and notes == [
-        "note: nodes of several workers on GPUs, flat exchange (codecs on the GPU; --exchange hierarchical puts about "
-        "1/L of its bytes on each NIC, its codecs on the host)"]
+        "note: nodes of several workers on GPUs, flat exchange (the device path where the codecs have kernels; "
+        "--exchange hierarchical puts about 1/L of its bytes on each NIC, its codecs on the host)"]
     _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, device="cuda", exchange="hierarchical"), 5)
     assert exchange == "hierarchical" and notes == [
         "note: --exchange hierarchical with --device cuda: the codecs run on the host (the slices are host arrays), "
-        "each worker's gradient copied out and the update back every iteration; --exchange flat keeps them on the GPU "
-        "and puts about L times the bytes on a NIC"]
+        "each worker's gradient copied out and the update back every iteration; --exchange flat takes the device "
+        "path where the codecs have kernels, and puts about L times the bytes on a NIC"]
     with pytest.raises(UsageError, match=r"^--exchange hierarchical with --pipeline and --device cuda is not built"):
         resolve_topology(colocated(ranks_per_node=2, device="cuda", exchange="hierarchical", pipeline=True), 5)
     for config, pattern in [(RunConfig(ranks_per_node="auto"), "is built for --servers colocated"),

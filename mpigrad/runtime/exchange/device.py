@@ -73,7 +73,7 @@ def exchange_host_reason(config) -> str | None:
     """Why a run of ``config`` keeps its codecs on the host whatever its device (its way of
     aggregating works on host arrays: the hierarchical exchange's slices), else None."""
     if hierarchical_exchange(config):
-        return "the hierarchical exchange's slices are host arrays (--exchange flat keeps them on the GPU)"
+        return "the hierarchical exchange's slices are host arrays"
     return None
 
 

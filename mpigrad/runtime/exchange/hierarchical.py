@@ -32,10 +32,11 @@ lossy ``--intra-codec`` the memory is M_k - P^ Q^T before the all-gather's round
 The pipelined iteration (``--pipeline``) of this exchange is :mod:`.hierarchical_pipeline`'s
 (bucket by bucket, the same float operations). Workers on GPUs run it with their codecs on
 the host (``device.exchange_host_reason``: the gradient copied out and the update back, as
-the host path does); ``auto`` takes the flat exchange for them, codecs on the GPU. Not built
-yet (refused by the config's checks and :func:`..plan.topology.resolve_topology`, whose
-``auto`` takes the flat exchange for them): PowerSGD's per-layer settings (menus), and the
-pipelined iteration on GPUs. The cost model charges each worker its slice's local work
+the host path does); ``auto`` takes the flat exchange for them (the device path where the
+codecs have kernels). Not built yet: PowerSGD's per-layer settings (menus; refused by
+:func:`..plan.topology.resolve_topology`, whose ``auto`` takes the flat exchange for them),
+and the pipelined iteration on GPUs (refused there, and by the worker for an in-process
+run). The cost model charges each worker its slice's local work
 (``costmodel.LocalWork``'s ``slices``).
 """
 
@@ -110,9 +111,9 @@ class HierarchicalWorker(ColocatedWorker):
     rank j, and the node's slice j inside the node."""
 
     def __init__(self, parts: WorkerParts):
-        if parts.replica.codecs_on_device:
-            raise UsageError("--exchange hierarchical on the device path (codecs on the GPU) is not built: "
-                             "its codecs stay on the host (device.exchange_host_reason)")
+        if parts.config.pipeline and parts.replica.device.type != "cpu":  # an in-process run, which no launch checked
+            raise UsageError(f"--exchange hierarchical with --pipeline and --device {parts.replica.device.type} is not "
+                             "built yet: drop --pipeline, or use --device cpu")
         channel = parts.channel
         workers = list(channel.workers)
         topology = run_topology(parts.config, len(workers))

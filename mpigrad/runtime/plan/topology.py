@@ -175,7 +175,8 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
                                  "yet: drop --pipeline, or use --device cpu")
             notes.append(f"note: --exchange hierarchical with --device {config.device}: the codecs run on the host "
                          "(the slices are host arrays), each worker's gradient copied out and the update back every "
-                         "iteration; --exchange flat keeps them on the GPU and puts about L times the bytes on a NIC")
+                         "iteration; --exchange flat takes the device path where the codecs have kernels, and puts "
+                         "about L times the bytes on a NIC")
         if L == 1:
             notes.append("note: --exchange hierarchical with one worker per node is the flat exchange")
             exchange = "flat"
@@ -187,8 +188,9 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
                 notes.append("note: nodes of several workers, flat exchange (the hierarchical one does not run with "
                              "PowerSGD's per-layer settings yet)")
             else:
-                notes.append("note: nodes of several workers on GPUs, flat exchange (codecs on the GPU; "
-                             "--exchange hierarchical puts about 1/L of its bytes on each NIC, its codecs on the host)")
+                notes.append("note: nodes of several workers on GPUs, flat exchange (the device path where the "
+                             "codecs have kernels; --exchange hierarchical puts about 1/L of its bytes on each NIC, "
+                             "its codecs on the host)")
         config.check_nodes(L, exchange)  # and now that the exchange is known
     cores = os.cpu_count() or 1
     if nodes is not None and L > cores:  # at launch: this machine's cores are the job's
