@@ -118,7 +118,6 @@ class Registry(Generic[T]):
             self._plugin_keys[key][getattr(cls, key, None)] = cls
         return cls
 
-
     def plugins_loaded(self) -> tuple[dict[str, T], dict[str, dict[Any, T]]]:
         """A copy of the loaded plugins' tables (by name, and by each key), for
         :meth:`forget_plugins_since`; equal copies: the same plugins loaded."""

@@ -93,7 +93,7 @@ def test_the_exchange_auto_and_hierarchical_resolve_to():
 
 
 def test_gpu_workers_and_what_auto_finds_are_held_to_the_nodes_rules():
-    """Workers on GPUs: auto takes the flat exchange (its codecs on the GPU), an explicit
+    """Workers on GPUs: auto takes the flat exchange (the device path), an explicit
     hierarchical runs with a note that its codecs are on the host, and the pipelined one is
     refused; an L that auto finds meets the config's own refusals of nodes (separate servers,
     schedules, ...) as a declared one does."""

@@ -139,10 +139,21 @@ def test_process_state_forgets_the_plugins_a_run_admitted(monkeypatch):
     """A run's plugin codec is not the next run's: after the restore the registry holds none,
     and the same module imported anew (as a world's next run imports its folder) is admitted
     again, where without the restore its fresh class would clash with the old one."""
+    from mpigrad.codecs.base import CODECS
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "plugins"))
+    earlier = CODECS.plugins_loaded()  # this process's own (another test may have loaded topk), put back below
+    CODECS.forget_plugins_since(({}, {key: {} for key in CODECS.keys}))
+    try:
+        _forgets_and_clashes(monkeypatch)
+    finally:
+        CODECS.forget_plugins_since(earlier)
+
+
+def _forgets_and_clashes(monkeypatch) -> None:
     from mpigrad.codecs.base import CODECS, CodecError
     from mpigrad.runtime.run.world import ProcessState
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "plugins"))
     state = ProcessState.taken()
     first = CODECS.lookup("topk:TopK")
     assert CODECS.lookup("topk") is first

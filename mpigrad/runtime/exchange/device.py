@@ -91,8 +91,8 @@ def on_device(replica, *compressors, host_reason: str | None = None) -> list:
     """``compressors`` as the replica's path takes them: on the device path (a replica on a
     GPU, or the simulator asked for), unless the run's exchange keeps them on the host
     (``host_reason``, :func:`exchange_host_reason`), when every codec has kernels and
-    numba-cuda loads, their device twins (one per distinct object) with the replica's codec buffers moved to
-    the device, flagging into one :class:`DeviceStatus` (``replica.device_status``), their
+    numba-cuda loads, their device twins (one per distinct object) with the replica's codec
+    buffers moved to the device, flagging into one :class:`DeviceStatus` (``replica.device_status``), their
     frames in one :class:`FrameMemory` (``replica.frame_memory``), and leaving their
     decodes' status to :func:`check_decodes`; the host compressors as they are where a codec
     has no kernels (rank 0's ``codecs:`` line says why).
@@ -130,8 +130,9 @@ def codec_path(config, codecs) -> str | None:
         return f"codecs: on the host ({ENVIRONMENT}=host): the whole gradient is copied out every iteration"
     if not device_path(device):
         return None
-    reasons = [reason for reason in [exchange_host_reason(config)] if reason] + host_reasons(codecs)
-    # (numba-cuda itself: the workers refused to start without it, on_device)
+    exchange = exchange_host_reason(config)
+    # numba-cuda itself is no reason here: the workers refused to start without it (on_device)
+    reasons = ([exchange] if exchange else []) + host_reasons(codecs)
     if reasons:
         return f"codecs: on the host, the whole gradient copied out every iteration: {'; '.join(reasons)}"
     where = "in Numba's CUDA simulator" if device.type == "cpu" else "on the GPU"

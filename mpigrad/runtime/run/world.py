@@ -6,10 +6,10 @@ A run changes its process: torch's and Numba's thread counts, TF32, the global R
 thread variables, the stop signals' handlers, the rank's bound GPU, the device warm-up's
 record, the waiting mode, the loaded data set, the plugin codecs and policies it admitted.
 :class:`ProcessState` takes all of that before a run and puts it back after, and names what
-is still different
-(:meth:`ProcessState.differences`): a thread left running, an HDF5 file left open, a value
-it could not put back. What is meant to carry over, carries: imported modules, Numba's
-compiled kernels (the next run's warm-up finds them compiled), torch's started pools.
+is still different (:meth:`ProcessState.differences`): a thread left running, an HDF5 file
+left open, a value it could not put back. What is meant to carry over, carries: imported
+modules, Numba's compiled kernels (the next run's warm-up finds them compiled), torch's
+started pools.
 
 A failure during a run (a rank's error, a silent peer) cannot leave the ranks in step for
 another: it aborts the world, as ``mpigrad train`` does (:func:`.launch.run_on`). A run the
@@ -48,15 +48,15 @@ from .launch import EXIT_USAGE, config_from_args, run_on
 __all__ = ["ProcessState", "train_in_world", "train_parser"]
 
 
+#: The registries that admit plugin classes by spec (a run's ``--codec pkg.mod:Class``).
+_PLUGIN_REGISTRIES = (CODECS, POLICIES)
+
+
 def _module_state() -> dict[str, Any]:
     """The runtime's module-level state a run sets, by name."""
     return {"bound GPU (plan.gpu)": gpu._bound, "device warm-up record (exchange.warmup)": warmup._device_warmed,
             "waiting mode (wire.channel)": channel._spin, "loaded data sets (exchange.build)": dict(build._loaded),
             **{f"loaded {registry.kind} plugins": registry.plugins_loaded() for registry in _PLUGIN_REGISTRIES}}
-
-
-#: The registries that admit plugin classes by spec (a run's ``--codec pkg.mod:Class``).
-_PLUGIN_REGISTRIES = (CODECS, POLICIES)
 
 
 def _restore_module_state(state: dict[str, Any]) -> None:
