@@ -444,6 +444,39 @@ def test_the_hosts_plan_sums_across_hosts_and_takes_the_largest_inside_one():
     assert thin.phases[0].floor == pytest.approx({2: 1e-5 + 1e-6, 3: 1e-5 + 1e-6})
 
 
+def _nic_totals(flows: dict, host) -> tuple[dict, dict]:
+    out, into = {}, {}
+    for (a, b), n in flows.items():
+        if host[a] != host[b]:
+            out[host[a]] = out.get(host[a], 0) + n
+            into[host[b]] = into.get(host[b], 0) + n
+    return out, into
+
+
+def test_small_flows_are_bundled_with_every_nics_bytes_kept():
+    from mpigrad.simulate.plan import Groups, bundle
+
+    groups = Groups.of(tuple(range(8)))
+    # an all-to-all of headers (16 bytes each way) beside two large frames, and one flow inside a host kept
+    flows = {(a, b): 16 + a for a in range(8) for b in range(8) if a != b}
+    flows[(0, 3)] = 10_000
+    flows[(5, 1)] = 12_000
+    bundled = bundle(flows, groups, small=1e-2)
+    assert len(bundled) <= 2 + 2 * 8 < len(flows)
+    assert bundled[(0, 3)] >= 10_000 and bundled[(5, 1)] >= 12_000  # the large ones stay, maybe with some bytes more
+    assert _nic_totals(bundled, groups.host) == _nic_totals(flows, groups.host)
+    assert all(groups.host[a] != groups.host[b] for a, b in bundled)
+    # an even all-to-all becomes one flow per host to the host half-way round
+    even = bundle({(a, b): 16 for a in range(8) for b in range(8) if a != b} | {(8, 0): 100_000},
+                  Groups.of(tuple(range(9))), 1e-2)
+    assert even == {(a, (a + 4) % 8): 7 * 16 for a in range(8)} | {(8, 0): 100_000}
+    # nothing to bundle, or a pairing inside a host (two groups on one host): the flows as they were
+    few = {(0, 1): 1000, (1, 2): 5}
+    assert bundle(few, groups, 1e-2) is few
+    inside = {(2, 3): 10_000, (2, 0): 3, (3, 2): 3}  # paired in turn, group 2 would send to itself
+    assert bundle(inside, Groups.of((0, 0, 1, 2), alone=(0,)), 1e-2) is inside
+
+
 def test_a_rings_steps_are_taken_a_few_at_a_time_with_their_latencies():
     from mpigrad.simulate.plan import Groups, compress_steps, ring_phases
 
@@ -482,6 +515,23 @@ def test_the_hosts_replay_gives_the_exact_replays_times(exchange):
         assert b.seconds_per_iteration == pytest.approx(a.seconds_per_iteration, rel=2e-3), a.name
         assert b.nic_bytes_per_node == a.nic_bytes_per_node
         assert b.timing["actors"] <= 5 < a.timing["actors"] and b.timing["transfers"] <= a.timing["transfers"]
+
+
+@needs_simgrid
+def test_bundled_small_flows_keep_the_exact_replays_times(monkeypatch):
+    """PowerSGD's flat exchange: most shards hold no factor, their headers are small flows."""
+    from mpigrad.simulate import replay
+    from mpigrad.simulate.sources import simulate_config
+
+    config = RunConfig.from_sources(str(REPO / "examples" / "compare" / "lowrank.toml"), dict(
+        servers="colocated", ranks_per_node=2, exchange="flat", bandwidth="1Gb/s", latency="10us"))
+    exact = simulate_config(config, 8, sample=1, replay="exact").mpigrad
+    hosts = simulate_config(config, 8, sample=1, replay="hosts").mpigrad
+    monkeypatch.setattr(replay, "SMALL", 0.0)
+    unbundled = simulate_config(config, 8, sample=1, replay="hosts").mpigrad
+    assert hosts.timing["transfers"] < unbundled.timing["transfers"] < exact.timing["transfers"]
+    assert hosts.seconds_per_iteration == pytest.approx(exact.seconds_per_iteration, rel=2e-3)
+    assert hosts.nic_bytes_per_node == unbundled.nic_bytes_per_node == exact.nic_bytes_per_node
 
 
 @needs_simgrid

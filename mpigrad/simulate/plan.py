@@ -37,7 +37,8 @@ from ..clockmodel import IterationTraffic
 from .platform import Placement
 
 __all__ = ["Phase", "Program", "mpigrad_phases", "ring_phases", "hierarchical_allreduce_phases", "ddp_phases",
-           "breakdown", "weighted_mean", "nic_bytes", "PHASE_ORDER", "Groups", "aggregate", "compress_steps", "TINY"]
+           "breakdown", "weighted_mean", "nic_bytes", "PHASE_ORDER", "Groups", "aggregate", "compress_steps", "TINY",
+           "SMALL", "bundle"]
 
 #: The breakdown's order of mpigrad's phases (an iteration's order; the Control ahead is
 #: sent first but counted here, where it is waited for).
@@ -314,8 +315,14 @@ class Groups:
 TINY = 1e-3
 
 
+#: The hosts' replay bundles the messages between two hosts of less than this share of their
+#: phase's largest one (and not tiny): their bytes stay on each NIC, their pairing does not
+#: (:func:`bundle`).
+SMALL = 1e-2
+
+
 def aggregate(program: Program, groups: Groups, tiny: float = 0.0, latency: float | None = None,
-              bandwidth: float | None = None) -> Program:
+              bandwidth: float | None = None, small: float = 0.0) -> Program:
     """``program`` with one actor per group (:class:`Groups`): in each phase, a group's work
     the most of its ranks' (each rank has a core of its own), and one message per ordered pair
     of groups: between two hosts the sum of their ranks' messages (one flow, where the exact
@@ -327,7 +334,11 @@ def aggregate(program: Program, groups: Groups, tiny: float = 0.0, latency: floa
     hosts of less than ``tiny`` times the phase's largest one is left out, and each end that
     waits for it at once ends the phase no sooner than latency + bytes / bandwidth after it
     posted (the phase's ``floor``): at 256 nodes of 4 the flat exchange's 65,280 flows per
-    phase are some 9,000 of frames and 56,000 of empty shards' headers."""
+    phase are some 9,000 of frames and 56,000 of empty shards' headers.
+
+    With ``small`` > ``tiny``, the messages between hosts of at least ``tiny`` but less than
+    ``small`` times the phase's largest are bundled (:func:`bundle`): the same bytes out of
+    and into every NIC in a few flows."""
     phases = []
     for phase in program.phases:
         work: dict[int, float] = {}
@@ -354,9 +365,64 @@ def aggregate(program: Program, groups: Groups, tiny: float = 0.0, latency: floa
                     for g, wait in ((a, phase.send_wait), (b, phase.recv_wait)):
                         if wait is None:
                             floor[g] = max(floor.get(g, 0.0), t)
+        if small > tiny and bandwidth:
+            merged = bundle(merged, groups, small)
         phases.append(Phase(phase.name, work, [(a, b, n) for (a, b), n in merged.items()], phase.send_wait,
                             phase.recv_wait, phase.post_with, floor))
     return Program(phases, program.order)
+
+
+def bundle(flows: dict[tuple[int, int], int], groups: Groups, small: float) -> dict[tuple[int, int], int]:
+    """``flows`` (group pair -> bytes, one phase) with those between two hosts of less than
+    ``small`` times the largest such flow replaced by at most one per sending and receiving
+    group: each group sends out, and takes in, the same bytes as before (its NIC's load is
+    kept), but not to and from the same groups. Senders and receivers are paired in turn
+    (the north-west corner rule), the receivers' list rotated by half, so that an even
+    all-to-all (mpigrad's flat exchange of empty shards' headers: 65,280 flows per phase at
+    256 nodes, each host to each) becomes one flow per host to the host half-way round.
+
+    Why the time is kept: on the generated platform only NICs are shared, and a NIC that
+    ends the phase carries the same bytes either way; what changes is how the small bytes
+    share a NIC with the large ones, which max-min shares per flow (docs/simulate.rst,
+    "Speed"). ``flows`` is returned as it is where a pairing would put a flow inside one
+    host, or where fewer than two flows are small."""
+    across = [n for (a, b), n in flows.items() if groups.host[a] != groups.host[b]]
+    least = small * max(across, default=0)
+    chosen = [key for key, n in flows.items() if groups.host[key[0]] != groups.host[key[1]] and n < least]
+    if len(chosen) < 2:
+        return flows
+    out: dict[int, int] = {}
+    into: dict[int, int] = {}
+    for a, b in chosen:
+        out[a] = out.get(a, 0) + flows[(a, b)]
+        into[b] = into.get(b, 0) + flows[(a, b)]
+    senders = sorted(out)
+    receivers = sorted(into)
+    half = len(receivers) // 2
+    receivers = receivers[half:] + receivers[:half]
+    paired: dict[tuple[int, int], int] = {}
+    i = j = 0
+    left_out, left_in = out[senders[0]], into[receivers[0]]
+    while i < len(senders) and j < len(receivers):
+        a, b = senders[i], receivers[j]
+        if groups.host[a] == groups.host[b]:
+            return flows
+        n = min(left_out, left_in)
+        if n > 0:
+            paired[(a, b)] = paired.get((a, b), 0) + n
+        left_out -= n
+        left_in -= n
+        if left_out == 0:
+            i += 1
+            left_out = out[senders[i]] if i < len(senders) else 0
+        if left_in == 0:
+            j += 1
+            left_in = into[receivers[j]] if j < len(receivers) else 0
+    gone = set(chosen)
+    kept = {key: n for key, n in flows.items() if key not in gone}
+    for key, n in paired.items():
+        kept[key] = kept.get(key, 0) + n
+    return kept
 
 
 def compress_steps(program: Program, groups: Groups, latency: float, intra_latency: float,

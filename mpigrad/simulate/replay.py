@@ -21,8 +21,8 @@ from typing import Sequence
 from ..clockmodel import IterationTraffic
 from ..errors import UsageError
 from .engine import NETWORK_MODELS, run_plan
-from .plan import (TINY, Groups, Program, aggregate, breakdown, compress_steps, ddp_phases, mpigrad_phases, nic_bytes,
-                   weighted_mean)
+from .plan import (SMALL, TINY, Groups, Program, aggregate, breakdown, compress_steps, ddp_phases, mpigrad_phases,
+                   nic_bytes, weighted_mean)
 from .platform import Placement, Platform
 from .simgrid_module import check_simgrid
 
@@ -158,7 +158,9 @@ def _run(name: str, label: str, runs: _Runs, placement: Placement, platform: Pla
     programs, hosts_of = runs.programs, placement.host
     if replay == "hosts":
         groups = Groups.of(placement.host, alone)
-        programs = [aggregate(program, groups, tiny, platform.latency, platform.bandwidth) for program in programs]
+        small = SMALL if platform.generated else 0.0  # a platform file's routes may share more than NICs
+        programs = [aggregate(program, groups, tiny, platform.latency, platform.bandwidth, small)
+                    for program in programs]
         if platform.generated:
             programs = [compress_steps(program, groups, platform.latency, platform.intra_latency)
                         for program in programs]
