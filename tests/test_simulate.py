@@ -133,6 +133,51 @@ def test_powersgd_from_a_config_sends_the_two_rounds_its_run_sent(powersgd_runs,
                                                                                        rel=1e-12)
 
 
+@pytest.mark.parametrize("name", list(POWERSGD_RUNS))
+def test_a_powersgd_trace_is_replayed_in_its_two_rounds(powersgd_runs, name):
+    from test_exchanges import BASE
+
+    options, workers = POWERSGD_RUNS[name]
+    config = RunConfig(**{**BASE, **POWERSGD, **options})
+    run = trace_iterations(powersgd_runs[name], 4)
+    ours = traffic_of(config, workers, 4)
+    link = clock_link(config.bandwidth, config.latency, config.ranks_per_node, config.intra_bandwidth,
+                      config.intra_latency, config.colocated)
+    for it in run.iterations:  # the config's rounds, each with its latencies: the run's t_comm to the last bit
+        assert it.traffic.frames_in2 == ours.frames_in2 and it.traffic.frames_out == ours.frames_out
+        assert clock_seconds(link, it.traffic, config.compute_time, 0.0)[1] == pytest.approx(it.t_comm, rel=1e-12)
+
+
+def test_a_powersgd_trace_whose_frames_are_not_its_configs_rounds_is_refused(powersgd_runs, tmp_path):
+    import shutil
+
+    import h5py
+
+    damaged = tmp_path / "damaged.h5"
+    shutil.copy(powersgd_runs["sharded"], damaged)
+    with h5py.File(damaged, "r+") as f:
+        frames = f["servers"]["frame_bytes"]
+        frames[1] = frames[1] + 4  # iteration 1: some bytes the config's rounds do not send
+    with pytest.raises(UsageError, match="iteration 1: its frames are not the two rounds its config sends"):
+        trace_iterations(damaged, 4)
+
+
+@needs_simgrid
+def test_simgrid_replays_a_powersgd_trace_as_its_config(powersgd_runs, capsys):
+    from test_exchanges import BASE
+
+    from mpigrad.simulate.sources import simulate_config
+
+    options, workers = POWERSGD_RUNS["flat2x2"]
+    config = RunConfig(**{**BASE, **POWERSGD, **options})
+    code, out, err = cli(capsys, powersgd_runs["flat2x2"], "--sample", "2", "--peers", "none", "--json")
+    assert code == 0, err
+    replayed = json.loads(out)
+    expected = simulate_config(config, 2, sample=1).mpigrad  # a config's local work: compute_time, no codec costs
+    assert replayed["seconds_per_iteration"] == pytest.approx(expected.seconds_per_iteration, rel=1e-9)
+    assert {"gradients2", "broadcast2"} <= set(replayed["phases"])
+
+
 @needs_simgrid
 def test_simgrid_replays_powersgds_two_rounds_as_the_clock_charges_them():
     from mpigrad.simulate.sources import simulate_config

@@ -236,18 +236,19 @@ def _check_retimable(path: Path, attrs: dict, config) -> None:
         raise TraceError(f"{path}: {reason}")
 
 
-def retime_refusal(config) -> str | None:
+def retime_refusal(config, rounds_rebuilt: bool = False) -> str | None:
     """Why a run of ``config`` (a trace's config, or a RunConfig's ``to_dict()``) cannot be
     re-timed to another network, whatever its status; None when it can. The one rule for
     `trace retime` and for planners that decide between re-timing and re-running
-    (examples/map/run.py)."""
+    (examples/map/run.py). ``rounds_rebuilt``: the caller rebuilds a two-round codec's rounds
+    from the config (``mpigrad simulate``), so that codec is no reason."""
     if isinstance(config, dict) and "peer" in config:
         return "a peer system's run (mpigrad bench peers), not timed by mpigrad's clock model"
     needed = ("bandwidth", "latency", "broadcast", "net_mode", "policy")
     if not isinstance(config, dict) or any(key not in config for key in needed):
         return f"not a trace of `mpigrad train` (its config lacks {', '.join(needed)})"
     codec = flat_config(config).get("codec")
-    if codec_two_rounds(codec):
+    if codec_two_rounds(codec) and not rounds_rebuilt:
         return (f"codec {codec!r} sends two rounds per iteration, which the trace's frame "
                 "columns sum into one; re-run it on the other network instead")
     if config.get("pipeline"):

@@ -10,14 +10,15 @@ sizes its buffer by (QSGD's Elias stream, MCGQ: the frames are then at most that
 two rounds' factor frames as rank 0 of the run sizes them (``runtime/exchange/lowrank.py``'s
 ``LowRank.frame_sizes`` over ``build_factor_shards``), in ``IterationTraffic``'s second round.
 From a trace (:func:`trace_iterations`): exactly as ``mpigrad trace retime`` rebuilds each
-row's traffic (``analysis/retime.py``), with the row's recorded local work. A recorded run's
+row's traffic (``analysis/retime.py``), with the row's recorded local work; a two-round
+codec's rows take the rounds of the run's config, checked against the row's sums. A recorded run's
 bits per iteration (:func:`recorded_bits`), for a config's iterations at them.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -253,16 +254,17 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     """The first ``count`` steps rows of the trace at ``path`` (``spread``: ``count`` rows
     spread evenly over the run, its first and last among them). UsageError (one line) for a
     trace that is not complete, not of ``mpigrad train``, or of a run whose messages the trace
-    does not keep apart (two-round codecs, the pipelined iteration)."""
+    does not keep apart (the pipelined iteration; a two-round codec's rounds are rebuilt from
+    its config: :func:`_two_rounds_of`)."""
     from ..analysis.labels import flat_config
-    from ..analysis.retime import local_costs, recorded_traffic, retime_refusal
+    from ..analysis.retime import codec_two_rounds, local_costs, recorded_traffic, retime_refusal
 
     path = Path(path)
     if count < 1:
         raise UsageError(f"--sample must be at least 1 iteration, got {count}")
     raw = _read_complete(path, "only a complete run is simulated")
     config = raw.attrs.get("config")
-    reason = retime_refusal(config)
+    reason = retime_refusal(config, rounds_rebuilt=True)
     if reason and "reads the clock" not in reason:  # a replay keeps the run's bits: that one does not matter
         raise UsageError(f"{path}: {reason}")
     flat = flat_config(config)
@@ -278,6 +280,8 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     except TraceError as exc:
         raise UsageError(str(exc)) from None
     steps = raw.arrays["steps"]
+    if codec_two_rounds(flat.get("codec")):
+        traffic = _two_rounds_of(path, config, traffic, steps["iteration"])
     total = len(traffic)
     if not total:
         raise UsageError(f"{path}: the trace has no iterations")
@@ -297,6 +301,37 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
                                      float(steps["t_comm"][row])))
     layers = int(steps["bits_layers"].shape[1]) if "bits_layers" in steps else 1
     return TraceRun(str(path), config, tuple(chosen), total, int(config.get("ranks_per_node", 1) or 1), layers)
+
+
+def _two_rounds_of(path: Path, config: dict, recorded: list[IterationTraffic], iterations) -> list[IterationTraffic]:
+    """A two-round codec's rows with their rounds apart: the trace sums the two rounds into
+    its frame columns, so each compressed row (from the codec's ``start`` on) takes the
+    rounds its run's config sends (:func:`config_traffic`, as for a config; PowerSGD's frames
+    do not depend on the data), after a check that they add up to the row's frames and
+    broadcasts; the rows before ``start`` (one float32 round) are the trace's. UsageError
+    (one line) where the config does not rebuild or its rounds are not the row's."""
+    from ..runtime.plan.checks import base_codec
+
+    names = {f.name for f in fields(RunConfig)}
+    try:
+        run = RunConfig(**{key: value for key, value in config.items() if key in names})
+        start = getattr(base_codec(run), "start", 0)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{path}: its config does not rebuild its two rounds ({exc})") from None
+    rounds = config_traffic(run, recorded[0].workers, run.bits).traffic
+    rows = []
+    for m, row in zip(iterations, recorded):
+        if m < start:
+            rows.append(row)
+            continue
+        summed = [[a + b for a, b in zip(one, two)] for one, two in zip(rounds.frames_in, rounds.frames_in2)]
+        if (summed != [list(frames) for frames in row.frames_in]
+                or [a + b for a, b in zip(rounds.frames_out, rounds.frames_out2)] != list(row.frames_out)):
+            raise UsageError(f"{path}: iteration {int(m)}: its frames are not the two rounds its config sends "
+                             f"({rounds.bytes_up + rounds.bytes_down} bytes, the trace "
+                             f"{row.bytes_up + row.bytes_down}): not replayed")
+        rows.append(replace(rounds, ahead=row.ahead))
+    return rows
 
 
 @dataclass(frozen=True)
