@@ -4,27 +4,56 @@ checkpoint or folder written either way."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 from conftest import REPO
 
 PAPER = REPO / "examples" / "paper-12nodes" / "fix2.toml"
+#: What a launcher or Slurm puts in the environment; a check sees none of it but what a test gives.
+LAUNCHERS = ("SLURM_", "PMI_", "OMPI_", "PMIX_", "HYDRA_")
+
+
+def _environment(environ: dict) -> dict:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(LAUNCHERS)}
+    env.update(environ)
+    return env
+
+
+def check_command(tmp_path, *argv: str, **environ: str) -> subprocess.CompletedProcess:
+    """``mpigrad train --check ARGV`` as a user runs it: a process of its own in ``tmp_path``."""
+    return subprocess.run([sys.executable, "-m", "mpigrad", "train", "--check", *argv], cwd=tmp_path,
+                          env=_environment(environ), capture_output=True, text=True, timeout=120)
 
 
 def check(tmp_path, *argv: str, **environ: str) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_", "HYDRA_"))}
-    env.update(environ)
-    return subprocess.run([sys.executable, "-m", "mpigrad", "train", "--check", *argv], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    """The same check in this process (``mpigrad.cli.main``, the command's entry), in
+    ``tmp_path`` with the environment ``environ``: its exit code, stdout and stderr, as
+    :func:`check_command` gives them, without paying a Python start-up and torch's import."""
+    from mpigrad.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    with mock.patch.dict(os.environ, _environment(environ), clear=True), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.chdir(tmp_path)
+        try:
+            code = main(["train", "--check", *argv])
+        except SystemExit as exc:  # argparse's refusals
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            os.chdir(here)
+    return subprocess.CompletedProcess(["mpigrad", "train", "--check", *argv], code, out.getvalue(), err.getvalue())
 
 
 def test_a_good_job_is_reported_and_nothing_is_written(tmp_path):
     began = time.monotonic()
-    done = check(tmp_path, "--ranks", "3", "--lr-schedule", "CosineAnnealingLR", "--lr-warmup", "20",
+    done = check_command(tmp_path, "--ranks", "3", "--lr-schedule", "CosineAnnealingLR", "--lr-warmup", "20",
                  "--iterations", "50", "--trace", "runs/a.h5")
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - began < 60
