@@ -267,13 +267,14 @@ def test_codecs_without_kernels_keep_the_host_path():
 
 
 def test_checkpoint_state_round_trips():
-    host, device, shards = compressors({"id": "uniform", "bits": 3, "rounding": "stochastic"}, "residual")
+    config = {"id": "uniform", "bits": 3, "rounding": "stochastic", "bucket_size": 64}
+    host, device, shards = compressors(config, "residual", layout=SMALL)
     for shard in shards:
-        device.encode(torch.from_numpy(gradient(3)).to(DEVICE), [3, 3], shard)
+        device.encode(torch.from_numpy(gradient(3)[:SMALL.total]).to(DEVICE), [3, 3], shard)
     state = device.state_dict()
-    _, other, _ = compressors({"id": "uniform", "bits": 3, "rounding": "stochastic"}, "residual")
+    _, other, _ = compressors(config, "residual", layout=SMALL)
     other.load_state_dict(state)
-    g = torch.from_numpy(gradient(4)).to(DEVICE)
+    g = torch.from_numpy(gradient(4)[:SMALL.total]).to(DEVICE)
     for shard in shards:
         assert np.array_equal(other.encode(g, [3, 3], shard).copy(), device.encode(g, [3, 3], shard))
     # The state is the host memory's (the keys encoded so far), and one that does not fit the
@@ -326,10 +327,11 @@ def test_what_a_frame_asks_of_the_host_is_counted():
     decode, by table, whatever its pieces; 23 and 7 for this frame before)."""
     from mpigrad.counters import snapshot
 
-    host, device, shards = compressors({"id": "uniform", "bits": 2, "bucket_size": 512}, "residual", servers=1)
+    host, device, shards = compressors({"id": "uniform", "bits": 2, "bucket_size": 64}, "residual", servers=1,
+                                       layout=SMALL)
     shard, = shards
-    assert [(p.quantized, p.size) for p in shard.pieces] == [(True, 5000), (True, 4200), (False, 300)]
-    g = torch.from_numpy(gradient(1)).to(DEVICE)
+    assert [(p.quantized, p.size) for p in shard.pieces] == [(True, 300), (True, 200), (False, 40)]
+    g = torch.from_numpy(gradient(1)[:SMALL.total]).to(DEVICE)
     before = snapshot()
     device.encode(g, [2, 2], shard)           # the first encode allocates and builds the table
     first = snapshot() - before
@@ -341,15 +343,15 @@ def test_what_a_frame_asks_of_the_host_is_counted():
     assert encoded.sites == {"launch: numba": 3, "sync: frame and status": 1}, encoded.sites
     status = 4 * 4                     # the status slots, read once per frame (cleared only after a flag)
     # The table, copied to the device once: each piece's first thread (and the end), a row
-    # per piece, per bucket (10 + 9 of 512) and per chunk (one per bucket), int64.
+    # per piece, per bucket (5 + 4 of 64) and per chunk (one per bucket), int64.
     pieces = 8 * k.PIECE_COLUMNS * 3
-    table = 8 * (3 + 1) + pieces + 8 * k.BUCKET_COLUMNS * (10 + 9)
-    chunks = 8 * k.CHUNK_COLUMNS * (10 + 9)
+    table = 8 * (3 + 1) + pieces + 8 * k.BUCKET_COLUMNS * (5 + 4)
+    chunks = 8 * k.CHUNK_COLUMNS * (5 + 4)
     assert first.bytes_to_device == table + chunks
     # Built once per shard and bits: at the same bits, deterministic rounding changes no byte
     # of it, so the next frames copy none (stochastic rounding: the piece rows, their keys).
     assert encoded.bytes_to_host == frame.size + status and encoded.bytes_to_device == 0
-    out = torch.zeros(LAYOUT.total, device=DEVICE)
+    out = torch.zeros(SMALL.total, device=DEVICE)
     before = snapshot()
     device.decode(frame, shard, out, accumulate=True)
     decoded = snapshot() - before
@@ -358,8 +360,8 @@ def test_what_a_frame_asks_of_the_host_is_counted():
     assert decoded.bytes_to_device == -(-frame.size // 8) * 8 + table and decoded.bytes_to_host == status
     assert decoded.launches == decoded.sites["launch: numba"] == 2   # every pair, then every piece's values
     assert "launches" in decoded.describe() and "to the device" in decoded.describe()
-    _, device, (shard,) = compressors({"id": "uniform", "bits": 2, "bucket_size": 512, "rounding": "stochastic",
-                                       "seed": 3}, "residual", servers=1)
+    _, device, (shard,) = compressors({"id": "uniform", "bits": 2, "bucket_size": 64, "rounding": "stochastic",
+                                       "seed": 3}, "residual", servers=1, layout=SMALL)
     for bits, copied in (([2, 2], table + chunks), ([2, 2], pieces), ([3, 2], table + chunks),
                          ([2, 2], table + chunks), ([2, 2], pieces)):
         before = snapshot()
@@ -367,7 +369,6 @@ def test_what_a_frame_asks_of_the_host_is_counted():
         assert (snapshot() - before).bytes_to_device == copied, bits   # other bits: the whole table again
     # Sign with error feedback, by table too: its sums, the scales, the codes and the memory.
     _, device, (shard,) = compressors({"id": "sign", "bucket_size": 512}, "residual", servers=1, layout=SMALL)
-    g = torch.from_numpy(gradient(1)[:SMALL.total]).to(DEVICE)
     device.encode(g, [1, 1], shard)
     before = snapshot()
     device.encode(g, [1, 1], shard)
