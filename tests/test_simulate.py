@@ -148,6 +148,42 @@ def test_a_powersgd_trace_is_replayed_in_its_two_rounds(powersgd_runs, name):
         assert clock_seconds(link, it.traffic, config.compute_time, 0.0)[1] == pytest.approx(it.t_comm, rel=1e-12)
 
 
+def test_a_powersgd_trace_keeps_its_float32_rows_before_start(tmp_path):
+    """Rows before the codec's ``start`` are one float32 round, the trace's own; from
+    ``start`` on the config's two rounds, each row keeping its own loss and Control bytes."""
+    from test_exchanges import BASE, run
+
+    options = {**POWERSGD, "codec_opts": {**POWERSGD["codec_opts"], "start": 2}, **RUNS["sharded"][0]}
+    codes, errors, config = run(tmp_path, options, 2)
+    assert not errors, errors
+    recorded = trace_iterations(config.trace, 4)
+    raw = read_raw(config.trace)
+    steps = raw.arrays["steps"]
+    link = clock_link(config.bandwidth, config.latency, 1, config.intra_bandwidth, config.intra_latency, False)
+    rounds = traffic_of(RunConfig(**{**BASE, **options}), 2, 4)
+    for row, it in enumerate(recorded.iterations):
+        assert bool(it.traffic.frames_in2) == (it.iteration >= 2), it.iteration
+        if it.iteration >= 2:
+            assert it.traffic.frames_in2 == rounds.frames_in2
+        assert it.traffic.bytes_up + it.traffic.bytes_down == steps["bytes_up"][row] + steps["bytes_down"][row]
+        assert clock_seconds(link, it.traffic, config.compute_time, 0.0)[1] == pytest.approx(it.t_comm, rel=1e-12)
+
+
+def test_a_powersgd_trace_whose_config_does_not_rebuild_is_refused(powersgd_runs, tmp_path):
+    import shutil
+
+    import h5py
+
+    damaged = tmp_path / "renamed.h5"
+    shutil.copy(powersgd_runs["sharded"], damaged)
+    with h5py.File(damaged, "r+") as f:
+        config = json.loads(f.attrs["config"])
+        config["model"] = "no-such-model"
+        f.attrs["config"] = json.dumps(config)
+    with pytest.raises(UsageError, match="its config does not rebuild its two rounds"):
+        trace_iterations(damaged, 4)
+
+
 def test_a_powersgd_trace_whose_frames_are_not_its_configs_rounds_is_refused(powersgd_runs, tmp_path):
     import shutil
 
@@ -515,11 +551,18 @@ def test_small_flows_are_bundled_with_every_nics_bytes_kept():
     even = bundle({(a, b): 16 for a in range(8) for b in range(8) if a != b} | {(8, 0): 100_000},
                   Groups.of(tuple(range(9))), 1e-2)
     assert even == {(a, (a + 4) % 8): 7 * 16 for a in range(8)} | {(8, 0): 100_000}
-    # nothing to bundle, or a pairing inside a host (two groups on one host): the flows as they were
+    # nothing to bundle: the flows as they were
     few = {(0, 1): 1000, (1, 2): 5}
     assert bundle(few, groups, 1e-2) is few
-    inside = {(2, 3): 10_000, (2, 0): 3, (3, 2): 3}  # paired in turn, group 2 would send to itself
-    assert bundle(inside, Groups.of((0, 0, 1, 2), alone=(0,)), 1e-2) is inside
+    # half-way round would have group 2 send to itself: the next rotation pairs them as they were
+    inside = {(2, 3): 10_000, (2, 0): 3, (3, 2): 3}
+    assert bundle(inside, Groups.of((0, 0, 1, 2), alone=(0,)), 1e-2) == inside
+    # colocated, 3 nodes of 2, rank 0 a group beside node 0's: half-way round pairs group 2 with
+    # itself, the next rotation bundles the seven headers into four flows
+    three = Groups.of((0, 0, 0, 1, 1, 2, 2), alone=(0,))
+    assert three.host == (0, 0, 1, 2)
+    headers = {(1, 2): 16, (1, 3): 100_000, (2, 0): 40, (2, 1): 24, (2, 3): 40, (3, 0): 40, (3, 1): 24, (3, 2): 40}
+    assert bundle(headers, three, 1e-2) == {(1, 3): 100_016, (2, 3): 24, (2, 0): 80, (3, 1): 48, (3, 2): 56}
 
 
 def test_a_rings_steps_are_taken_a_few_at_a_time_with_their_latencies():
@@ -576,6 +619,9 @@ def test_bundled_small_flows_keep_the_exact_replays_times(monkeypatch):
     unbundled = simulate_config(config, 8, sample=1, replay="hosts").mpigrad
     assert hosts.timing["transfers"] < unbundled.timing["transfers"] < exact.timing["transfers"]
     assert hosts.seconds_per_iteration == pytest.approx(exact.seconds_per_iteration, rel=2e-3)
+    # bundling moves no NIC's bytes: the unbundled hosts' replay's times, phase by phase
+    assert hosts.seconds_per_iteration == pytest.approx(unbundled.seconds_per_iteration, rel=1e-9)
+    assert hosts.phases == pytest.approx(unbundled.phases, rel=1e-9)
     assert hosts.nic_bytes_per_node == unbundled.nic_bytes_per_node == exact.nic_bytes_per_node
 
 

@@ -12,7 +12,16 @@ import sys
 import time
 from unittest import mock
 
+import numba
+import torch
+
+import mpigrad.cli
+import mpigrad.runtime
 from conftest import REPO
+
+#: Imported here, not first inside check()'s environment and redirected streams: their thread
+#: counts and logging handlers are the suite's, not one check's.
+IMPORTED_FIRST = (numba, torch, mpigrad.runtime)
 
 PAPER = REPO / "examples" / "paper-12nodes" / "fix2.toml"
 #: What a launcher or Slurm puts in the environment; a check sees none of it but what a test gives.
@@ -35,17 +44,15 @@ def check(tmp_path, *argv: str, **environ: str) -> subprocess.CompletedProcess:
     """The same check in this process (``mpigrad.cli.main``, the command's entry), in
     ``tmp_path`` with the environment ``environ``: its exit code, stdout and stderr, as
     :func:`check_command` gives them, without paying a Python start-up and torch's import."""
-    from mpigrad.cli import main
-
     out, err = io.StringIO(), io.StringIO()
     here = os.getcwd()
     with mock.patch.dict(os.environ, _environment(environ), clear=True), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         os.chdir(tmp_path)
         try:
-            code = main(["train", "--check", *argv])
-        except SystemExit as exc:  # argparse's refusals
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = mpigrad.cli.main(["train", "--check", *argv])
+        except SystemExit as exc:  # argparse's refusals; --help's exit(None) is 0
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         finally:
             os.chdir(here)
     return subprocess.CompletedProcess(["mpigrad", "train", "--check", *argv], code, out.getvalue(), err.getvalue())

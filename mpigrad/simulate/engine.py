@@ -55,7 +55,8 @@ NETWORK_MODELS = {
 #: a NIC faster than its rate in some phases once messages have a latency: 64 nodes of the
 #: hierarchical exchange's gradients, 16.5 MB into one NIC of 1.25 GB/s, ended in 10.2 ms
 #: instead of 13.2 (``tests/test_simulate.py``, a latency that makes an iteration faster).
-#: Full updates recompute every share at every event; they were no slower here.
+#: Full updates recompute every share at every event; they cost little here (DDP's ring: 30 %
+#: more wall, docs/simulate.rst).
 FULL_UPDATES = "--cfg=network/optim:Full"
 
 

@@ -379,16 +379,18 @@ def bundle(flows: dict[tuple[int, int], int], groups: Groups, small: float) -> d
     kept), but not to and from the same groups. Senders and receivers are paired in turn
     (the north-west corner rule), the receivers' list rotated by half, so that an even
     all-to-all (mpigrad's flat exchange of empty shards' headers: 65,280 flows per phase at
-    256 nodes, each host to each) becomes one flow per host to the host half-way round.
+    256 nodes, each host to each) becomes one flow per host to the host half-way round;
+    where that rotation puts a flow inside one host (two groups on a host: rank 0 beside
+    node 0's workers), the next rotations are tried in turn.
 
     Why the time is kept: on the generated platform only NICs are shared, and a NIC that
     ends the phase carries the same bytes either way; what changes is how the small bytes
     share a NIC with the large ones, which max-min shares per flow (docs/simulate.rst,
-    "Speed"). ``flows`` is returned as it is where a pairing would put a flow inside one
-    host, or where fewer than two flows are small."""
-    across = [n for (a, b), n in flows.items() if groups.host[a] != groups.host[b]]
-    least = small * max(across, default=0)
-    chosen = [key for key, n in flows.items() if groups.host[key[0]] != groups.host[key[1]] and n < least]
+    "Speed"). ``flows`` is returned as it is where fewer than two flows are small, or where
+    every rotation would put a flow inside one host."""
+    across = {key: n for key, n in flows.items() if groups.host[key[0]] != groups.host[key[1]]}
+    least = small * max(across.values(), default=0)
+    chosen = [key for key, n in across.items() if n < least]
     if len(chosen) < 2:
         return flows
     out: dict[int, int] = {}
@@ -396,17 +398,34 @@ def bundle(flows: dict[tuple[int, int], int], groups: Groups, small: float) -> d
     for a, b in chosen:
         out[a] = out.get(a, 0) + flows[(a, b)]
         into[b] = into.get(b, 0) + flows[(a, b)]
-    senders = sorted(out)
-    receivers = sorted(into)
+    senders, receivers = sorted(out), sorted(into)
     half = len(receivers) // 2
-    receivers = receivers[half:] + receivers[:half]
+    for shift in range(half, half + len(receivers)):
+        k = shift % len(receivers)
+        paired = _north_west(senders, receivers[k:] + receivers[:k], out, into, groups.host)
+        if paired is not None:
+            break
+    else:
+        return flows
+    gone = set(chosen)
+    kept = {key: n for key, n in flows.items() if key not in gone}
+    for key, n in paired.items():
+        kept[key] = kept.get(key, 0) + n
+    return kept
+
+
+def _north_west(senders: list[int], receivers: list[int], out: dict[int, int], into: dict[int, int],
+                host: Sequence[int]) -> dict[tuple[int, int], int] | None:
+    """``out[a]`` bytes from each sender and ``into[b]`` to each receiver (equal totals),
+    paired in the lists' order (the north-west corner rule); None where a pair would be two
+    groups of one host."""
     paired: dict[tuple[int, int], int] = {}
     i = j = 0
     left_out, left_in = out[senders[0]], into[receivers[0]]
     while i < len(senders) and j < len(receivers):
         a, b = senders[i], receivers[j]
-        if groups.host[a] == groups.host[b]:
-            return flows
+        if host[a] == host[b]:
+            return None
         n = min(left_out, left_in)
         if n > 0:
             paired[(a, b)] = paired.get((a, b), 0) + n
@@ -418,11 +437,7 @@ def bundle(flows: dict[tuple[int, int], int], groups: Groups, small: float) -> d
         if left_in == 0:
             j += 1
             left_in = into[receivers[j]] if j < len(receivers) else 0
-    gone = set(chosen)
-    kept = {key: n for key, n in flows.items() if key not in gone}
-    for key, n in paired.items():
-        kept[key] = kept.get(key, 0) + n
-    return kept
+    return paired
 
 
 def compress_steps(program: Program, groups: Groups, latency: float, intra_latency: float,

@@ -198,13 +198,16 @@ def local_seconds(config: RunConfig, workers: int, ours: ConfigTraffic,
 MODEL_KEYS = ("model", "model_opts", "data", "data_dir", "data_opts", "seed")
 
 
-def trace_config(config: dict, source) -> RunConfig:
-    """A RunConfig of a trace's model (its ``MODEL_KEYS``, the rest defaults), to build the
-    model the peers' buckets hold. UsageError (one line)."""
+def trace_config(config: dict, source, keys=MODEL_KEYS, what: str = "its model",
+                 advice: str = ": give --peers none") -> RunConfig:
+    """A RunConfig of a trace's ``keys`` (its model's by default, the rest defaults; every
+    RunConfig key for ``keys=None``), to build the model the peers' buckets hold or the run's
+    messages. UsageError (one line) naming ``what`` does not rebuild."""
+    names = {f.name for f in fields(RunConfig)} if keys is None else set(keys)
     try:
-        return RunConfig(**{key: config[key] for key in MODEL_KEYS if key in config})
+        return RunConfig(**{key: value for key, value in config.items() if key in names})
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"{source}: its config does not rebuild its model ({exc}): give --peers none") from None
+        raise UsageError(f"{source}: its config does not rebuild {what} ({exc}){advice}") from None
 
 
 def model_shapes(config: RunConfig) -> tuple[tuple[int, ...], ...]:
@@ -280,11 +283,11 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     except TraceError as exc:
         raise UsageError(str(exc)) from None
     steps = raw.arrays["steps"]
+    if not traffic:
+        raise UsageError(f"{path}: the trace has no iterations")
     if codec_two_rounds(flat.get("codec")):
         traffic = _two_rounds_of(path, config, traffic, steps["iteration"])
     total = len(traffic)
-    if not total:
-        raise UsageError(f"{path}: the trace has no iterations")
     if spread and count > 1:
         rows = sorted({round(k * (total - 1) / (count - 1)) for k in range(min(count, total))})
     else:
@@ -306,19 +309,19 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
 def _two_rounds_of(path: Path, config: dict, recorded: list[IterationTraffic], iterations) -> list[IterationTraffic]:
     """A two-round codec's rows with their rounds apart: the trace sums the two rounds into
     its frame columns, so each compressed row (from the codec's ``start`` on) takes the
-    rounds its run's config sends (:func:`config_traffic`, as for a config; PowerSGD's frames
-    do not depend on the data), after a check that they add up to the row's frames and
+    rounds its run's config sends (:func:`config_traffic`, as for a config: PowerSGD's frames
+    do not depend on the data's values, but its model and data set must still build here), after a check that they add up to the row's frames and
     broadcasts; the rows before ``start`` (one float32 round) are the trace's. UsageError
     (one line) where the config does not rebuild or its rounds are not the row's."""
     from ..runtime.plan.checks import base_codec
 
-    names = {f.name for f in fields(RunConfig)}
+    what = "its two rounds"
+    run = trace_config(config, path, keys=None, what=what, advice="")
     try:
-        run = RunConfig(**{key: value for key, value in config.items() if key in names})
         start = getattr(base_codec(run), "start", 0)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"{path}: its config does not rebuild its two rounds ({exc})") from None
-    rounds = config_traffic(run, recorded[0].workers, run.bits).traffic
+        rounds = config_traffic(run, recorded[0].workers, run.bits).traffic
+    except (TypeError, ValueError, UsageError) as exc:
+        raise UsageError(f"{path}: its config does not rebuild {what} ({exc})") from None
     rows = []
     for m, row in zip(iterations, recorded):
         if m < start:
@@ -330,7 +333,8 @@ def _two_rounds_of(path: Path, config: dict, recorded: list[IterationTraffic], i
             raise UsageError(f"{path}: iteration {int(m)}: its frames are not the two rounds its config sends "
                              f"({rounds.bytes_up + rounds.bytes_down} bytes, the trace "
                              f"{row.bytes_up + row.bytes_down}): not replayed")
-        rows.append(replace(rounds, ahead=row.ahead))
+        rows.append(replace(row, frames_in=rounds.frames_in, frames_out=rounds.frames_out,
+                            frames_in2=rounds.frames_in2, frames_out2=rounds.frames_out2))
     return rows
 
 
