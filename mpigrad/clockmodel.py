@@ -641,6 +641,27 @@ class LinkModel:
                                           hierarchical=traffic.hierarchical)
         return t_comm
 
+    def pipelined_iteration(self, traffic: "PipelinedTraffic", sim: float, compute_time: float | None,
+                            t_forward: float, t_backward: float) -> tuple[float, "NodeRound | None"]:
+        """A pipelined iteration that began at ``sim`` on the simulated clock: the charge of
+        its communication not hidden behind backward, from the end of the slowest forward pass
+        (``t_forward``; backward's slowest ``t_backward``), and on nodes its overlapped
+        schedule (:meth:`pipelined_hierarchical_round`; else None). With a fixed
+        ``compute_time`` backward's time per bucket is unknown: the buckets are charged as all
+        ready when it ends (the communication's own pipelining still counts). The one rule
+        of the runtime's clock and of ``trace retime``."""
+        if compute_time is not None:
+            traffic = replace(traffic, ready=tuple((0.0,) * len(ready) for ready in traffic.ready))
+            t_backward = 0.0
+        start = comm_start(sim, compute_time, t_forward)
+        node_round = None
+        if traffic.intra:  # on nodes: the schedule's NICs and intra-node links too
+            node_round = self.pipelined_hierarchical_round(traffic, start, sent=sim)
+            span = node_round.seconds
+        else:
+            span = self.pipelined(traffic, start, sent=sim)
+        return self.charge(max(0.0, span - t_backward)), node_round
+
     def pipelined(self, traffic: "PipelinedTraffic", start: float = 0.0, sent: float | None = None) -> float:
         """The pipelined iteration's communication (colocated servers), from the end of the
         forward pass at ``start``: simulated seconds until the last worker holds every
@@ -1013,6 +1034,45 @@ class PipelinedTraffic:
     @property
     def workers(self) -> int:
         return len(self.ready)
+
+    def bucket_columns(self, shard: Sequence[int]) -> dict[str, list]:
+        """This traffic as a trace's ``buckets`` row (``trace.schema.bucket_columns``), each
+        bucket b being shard ``shard[b]``'s part: ``ready[w][b]``, ``frames[b][w]`` (worker
+        w's frame of it to its shard), ``bcast[b]``, ``shard``, ``intra`` (0 for the flat
+        exchange) and the loss report's and the Control's bytes. ValueError where a bucket
+        has bytes on a shard other than its own (a traffic this row would not keep)."""
+        B = len(shard)
+        for s, (frames, bcast) in enumerate(zip(self.frames, self.bcast)):
+            if any((bcast[b] or any(frames[b])) and s != shard[b] for b in range(B)):
+                raise ValueError(f"shard {s} holds bytes of another shard's bucket")
+        return {"loss_bytes": self.loss_bytes, "control_bytes": self.control_bytes,
+                "ready": [list(r) for r in self.ready],
+                "frames": [list(self.frames[s][b]) for b, s in enumerate(shard)],
+                "bcast": [self.bcast[s][b] for b, s in enumerate(shard)], "shard": list(shard),
+                "intra": list(self.intra) if self.intra else [0] * B}
+
+    @classmethod
+    def from_bucket_columns(cls, row: Mapping[str, object], ahead: bool, hierarchical: bool) -> "PipelinedTraffic":
+        """The traffic of a trace's ``buckets`` row (:meth:`bucket_columns`); ``ahead`` the
+        row's ``control_ahead``, ``hierarchical`` whether its ``intra`` counts. ValueError
+        (one line) for a row whose shapes or values no run sends."""
+        ready = [[float(t) for t in r] for r in row["ready"]]
+        frames = [[int(n) for n in f] for f in row["frames"]]
+        bcast, shard = [int(n) for n in row["bcast"]], [int(s) for s in row["shard"]]
+        intra = [int(n) for n in row["intra"]]
+        P, B = len(ready), len(shard)
+        if (not P or any(len(r) != B for r in ready) or len(frames) != B or any(len(f) != P for f in frames)
+                or len(bcast) != B or len(intra) != B):
+            raise ValueError("its buckets' columns do not have one shape")
+        if any(not 0 <= s < P for s in shard) or min(bcast + intra + [n for f in frames for n in f]) < 0:
+            raise ValueError("a bucket's shard or bytes out of range")
+        if any(not (math.isfinite(t) and t >= 0) for r in ready for t in r):
+            raise ValueError("a bucket's ready time is not a time")
+        zeros = (0,) * P
+        return cls(int(row["loss_bytes"]), int(row["control_bytes"]), tuple(map(tuple, ready)),
+                   tuple(tuple(tuple(frames[b]) if shard[b] == s else zeros for b in range(B)) for s in range(P)),
+                   tuple(tuple(bcast[b] if shard[b] == s else 0 for b in range(B)) for s in range(P)),
+                   ahead, tuple(intra) if hierarchical else ())
 
 
 def iteration_seconds(t_comm: float, compute_time: float | None, t_compute: float, t_encode: float,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_RUN, run_mpi
-from mpigrad.trace import load
+from mpigrad.trace import load, read_raw
 
 pytestmark = pytest.mark.mpi
 
@@ -382,6 +382,14 @@ def test_the_pipelined_iteration_gives_the_sequential_run_bit_for_bit(tmp_path, 
     np.testing.assert_array_equal(a.eval["test_accuracy"].to_numpy(), b.eval["test_accuracy"].to_numpy())
     assert b.attrs["config"]["pipeline"] is True
     np.testing.assert_allclose(b.steps["t_comm"].to_numpy(), a.steps["t_comm"].to_numpy(), rtol=0.03)
+    # its trace keeps the iteration bucket by bucket: re-timed to its own network, its own clock
+    from mpigrad.analysis.retime import retime
+
+    retime(trace_pipe, tmp_path / "same.h5", bandwidth=b.config["bandwidth"])
+    same = load(tmp_path / "same.h5")
+    for column in ("t_comm", "sim_time"):
+        np.testing.assert_array_equal(same.steps[column].to_numpy(), b.steps[column].to_numpy())
+    assert read_raw(trace_pipe).arrays["buckets"]["ready"].shape[:2] == (12, 3)
 
 
 def test_a_shard_server_that_hangs_is_named_by_rank_0(tmp_path, mpi_env):

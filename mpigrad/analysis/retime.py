@@ -21,6 +21,10 @@ flat exchange's messages are the same on any nodes, so it is re-charged on anoth
 hierarchical one's depend on L (its slices, recorded in the ``shards`` attribute, and which
 workers exchange frames), so it is re-charged on its own L only.
 
+A pipelined run (``--pipeline``) is re-charged from its ``buckets`` table (when backward
+made each bucket ready on each worker, each bucket's frames and average) through
+``LinkModel.pipelined_iteration``, the rule its clock charged it with, on its own nodes only.
+
 Refused: a trace that is not complete, one whose network was not modelled (``--net-mode
 off``), and one whose policy reads the clock (``Policy.reads_clock``: its bits, hence its
 bytes and losses, would differ on another network).
@@ -36,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import options
-from ..clockmodel import IterationTraffic, LinkModel, Nodes, comm_start, iteration_seconds
+from ..clockmodel import IterationTraffic, LinkModel, NodeRound, Nodes, PipelinedTraffic, comm_start, iteration_seconds
 from ..costmodel import CostModel, CostModelError, LocalWork, resolve
 from ..config import BROADCASTS, COLOCATED
 from ..units import format_network_value, network_from
@@ -47,7 +51,7 @@ from ..trace.schema import NODE_COLUMNS, node_step_columns
 from ..trace.writer import write_closed
 from .labels import flat_config
 
-__all__ = ["retime", "retime_refusal", "recorded_traffic", "local_costs"]
+__all__ = ["retime", "retime_refusal", "recorded_traffic", "recorded_buckets", "local_costs"]
 
 #: The config keys of a run's network (``link_bandwidth`` recorded where it is set).
 NETWORK_KEYS = ("bandwidth", "latency", "broadcast", "link_bandwidth")
@@ -78,7 +82,7 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     options.check_overwrite([output], force, error=TraceError)
     raw = read_raw(source)
     config = raw.attrs.get("config")
-    _check_retimable(source, raw.attrs, config)
+    _check_retimable(source, raw, config)
     latency = config["latency"] if latency is None else latency
     links = dict(config.get("link_bandwidth") or {}) if link_bandwidth is None else dict(link_bandwidth)
     try:
@@ -98,20 +102,29 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
     if config.get("exchange") == "hierarchical" and not slice_bytes:
         raise TraceError(f"{source}: a hierarchical run whose trace records no slices (shards.slice_bytes)")
     traffic = recorded_traffic(source, raw, colocated=flat_config(config).get("servers") == COLOCATED,
-                                slice_bytes=slice_bytes or ())
+                               slice_bytes=slice_bytes or ())
+    pipelined = recorded_buckets(source, raw, hierarchical=bool(slice_bytes)) if config.get("pipeline") else None
     if nodes is not None and traffic and traffic[0].workers % nodes.ranks_per_node:
         raise TraceError(f"{source}: {nodes.ranks_per_node} workers per node do not divide its {traffic[0].workers} "
                          "workers")
-    specs = _node_columns(raw.specs, steps, link, traffic)
     compute_time = config.get("compute_time")
     local = local_costs(source, raw.attrs, compute_time, cost_model)
     local_memo: dict[tuple[int, ...], float] = {}
     t_comm = np.empty(len(traffic))
     sim_time = np.empty(len(traffic))
+    node_parts = []  # on nodes, each row's (NodeRound): a pipelined one's overlapped schedule, or its rounds'
     sim = 0.0
     for row, iteration_traffic in enumerate(traffic):
-        t_comm[row] = link.comm_seconds(iteration_traffic, comm_start(sim, compute_time, steps["t_compute"][row]),
-                                        sent=sim)
+        node_round = None
+        if pipelined is not None:
+            buckets = raw.arrays["buckets"]
+            t_comm[row], node_round = link.pipelined_iteration(pipelined[row], sim, compute_time,
+                                                               buckets["t_forward"][row], buckets["t_backward"][row])
+        else:
+            t_comm[row] = link.comm_seconds(iteration_traffic, comm_start(sim, compute_time, steps["t_compute"][row]),
+                                            sent=sim)
+        if link.nodes is not None:
+            node_parts.append(node_round or link.node_breakdown(iteration_traffic))
         t_local = 0.0
         if local:
             bits = tuple(int(b) for b in steps["bits_layers"][row])
@@ -121,6 +134,7 @@ def retime(source: str | os.PathLike, output: str | os.PathLike, *, bandwidth: f
         sim += iteration_seconds(t_comm[row], compute_time, steps["t_compute"][row], steps["t_encode"][row],
                                  steps["t_decode"][row], steps["t_policy"][row], t_local)
         sim_time[row] = sim
+    specs = _node_columns(raw.specs, steps, link, node_parts)
     old_end = float(steps["sim_time"][-1])
     steps["t_comm"], steps["sim_time"] = t_comm, sim_time
     if "eval" in arrays:
@@ -159,6 +173,9 @@ def _nodes(path: Path, config: dict, ranks_per_node: int | None, intra_bandwidth
     keys = {"ranks_per_node": L, "intra_bandwidth": bandwidth, "intra_latency": latency} if L > 1 or recorded > 1 else {}
     if L == recorded and L == 1:
         return None, keys
+    if config.get("pipeline") and L != recorded:
+        raise TraceError(f"{path}: a pipelined run's schedule is charged on its own {recorded} workers per node: "
+                         f"re-run it on nodes of {L} instead")
     if config.get("exchange") == "hierarchical" and L != recorded:
         raise TraceError(f"{path}: a hierarchical run's messages depend on its {recorded} workers per node (its "
                          f"slices, and who exchanges frames): re-run it on nodes of {L} instead")
@@ -167,14 +184,14 @@ def _nodes(path: Path, config: dict, ranks_per_node: int | None, intra_bandwidth
     return (Nodes(L, bandwidth, latency) if L > 1 else None), keys
 
 
-def _node_columns(specs: dict, steps: dict, link: LinkModel, traffic: list[IterationTraffic]) -> dict:
+def _node_columns(specs: dict, steps: dict, link: LinkModel, parts: list[NodeRound]) -> dict:
     """The table specs of the re-timed trace, with ``steps``' node columns (``bytes_nic``,
-    ...) charged again on ``link``'s nodes, or dropped where it has none."""
+    ...) charged again on ``link``'s nodes (``parts``: each row's ``NodeRound``), or dropped
+    where it has none."""
     steps_spec = {name: spec for name, spec in specs["steps"].items() if name not in NODE_COLUMNS}
     for name in NODE_COLUMNS:
         steps.pop(name, None)
     if link.nodes is not None:
-        parts = [link.node_breakdown(t) for t in traffic]
         columns = node_step_columns()
         steps_spec.update({name: (np.dtype(dtype), shape) for name, (dtype, shape) in columns.items()})
         for name, attr in zip(NODE_COLUMNS, ("nic_bytes", "intra_bytes", "nic_seconds", "intra_seconds")):
@@ -227,21 +244,22 @@ def codec_two_rounds(codec) -> bool:
     return codec in TWO_ROUND_CODECS
 
 
-def _check_retimable(path: Path, attrs: dict, config) -> None:
-    status = str(attrs.get("status", "running"))
+def _check_retimable(path: Path, raw, config) -> None:
+    status = str(raw.attrs.get("status", "running"))
     if status != "complete":
         raise TraceError(f"{path}: trace status {status!r}; only a complete run is re-timed")
-    reason = retime_refusal(config)
+    reason = retime_refusal(config, buckets_recorded="buckets" in raw.arrays)
     if reason:
         raise TraceError(f"{path}: {reason}")
 
 
-def retime_refusal(config, rounds_rebuilt: bool = False) -> str | None:
+def retime_refusal(config, rounds_rebuilt: bool = False, buckets_recorded: bool = False) -> str | None:
     """Why a run of ``config`` (a trace's config, or a RunConfig's ``to_dict()``) cannot be
     re-timed to another network, whatever its status; None when it can. The one rule for
     `trace retime` and for planners that decide between re-timing and re-running
     (examples/map/run.py). ``rounds_rebuilt``: the caller rebuilds a two-round codec's rounds
-    from the config (``mpigrad simulate``), so that codec is no reason."""
+    from the config (``mpigrad simulate``), so that codec is no reason; ``buckets_recorded``:
+    the trace keeps a pipelined run's buckets (its ``buckets`` table), so that is none."""
     if isinstance(config, dict) and "peer" in config:
         return "a peer system's run (mpigrad bench peers), not timed by mpigrad's clock model"
     needed = ("bandwidth", "latency", "broadcast", "net_mode", "policy")
@@ -251,9 +269,10 @@ def retime_refusal(config, rounds_rebuilt: bool = False) -> str | None:
     if codec_two_rounds(codec) and not rounds_rebuilt:
         return (f"codec {codec!r} sends two rounds per iteration, which the trace's frame "
                 "columns sum into one; re-run it on the other network instead")
-    if config.get("pipeline"):
-        return ("a pipelined run (--pipeline), whose overlap depends on when backward produced "
-                "each piece, which the trace does not keep; re-run it on the other network instead")
+    if config.get("pipeline") and not buckets_recorded:
+        return ("a pipelined run (--pipeline) whose trace keeps no buckets table (written before "
+                "traces kept one): its overlap depends on when backward produced each bucket; re-run it "
+                "on the other network instead")
     if config["net_mode"] == "off":
         return "run with --net-mode off, so its times were measured, not modelled; nothing to re-charge"
     policy = flat_config(config).get("policy")
@@ -298,6 +317,26 @@ def recorded_traffic(path: Path, raw, colocated: bool = False, slice_bytes=()) -
                                                         ahead=bool(ahead[row]) if ahead is not None else False,
                                                         slice_bytes=slice_bytes))
         except ValueError as exc:
+            raise TraceError(f"{path}: iteration {int(iterations[row])}: {exc}") from None
+    return traffic
+
+
+def recorded_buckets(path: Path, raw, hierarchical: bool) -> list[PipelinedTraffic]:
+    """A pipelined run's iterations bucket by bucket, from its trace's ``buckets`` table
+    (``trace.schema.bucket_columns``; ``hierarchical``: the run's exchange, whose ``intra``
+    bytes count). TraceError (one line) for a table that is not the steps table's rows."""
+    buckets, steps = raw.arrays["buckets"], raw.arrays["steps"]
+    iterations = steps["iteration"]
+    if not np.array_equal(buckets["iteration"], iterations):
+        raise TraceError(f"{path}: the buckets table's iterations are not the steps table's (damaged trace)")
+    ahead = steps.get("control_ahead")
+    traffic = []
+    for row in range(len(iterations)):
+        try:
+            traffic.append(PipelinedTraffic.from_bucket_columns(
+                {name: column[row] for name, column in buckets.items()},
+                ahead=bool(ahead[row]) if ahead is not None else False, hierarchical=hierarchical))
+        except (ValueError, KeyError) as exc:
             raise TraceError(f"{path}: iteration {int(iterations[row])}: {exc}") from None
     return traffic
 

@@ -257,8 +257,8 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     """The first ``count`` steps rows of the trace at ``path`` (``spread``: ``count`` rows
     spread evenly over the run, its first and last among them). UsageError (one line) for a
     trace that is not complete, not of ``mpigrad train``, or of a run whose messages the trace
-    does not keep apart (the pipelined iteration; a two-round codec's rounds are rebuilt from
-    its config: :func:`_two_rounds_of`)."""
+    does not keep apart (a two-round codec's rounds are rebuilt from its config:
+    :func:`_two_rounds_of`), and for a pipelined run (not simulated yet)."""
     from ..analysis.labels import flat_config
     from ..analysis.retime import codec_two_rounds, local_costs, recorded_traffic, retime_refusal
 
@@ -267,6 +267,9 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
         raise UsageError(f"--sample must be at least 1 iteration, got {count}")
     raw = _read_complete(path, "only a complete run is simulated")
     config = raw.attrs.get("config")
+    if isinstance(config, dict) and config.get("pipeline"):
+        raise UsageError(f"{path}: a pipelined run (--pipeline) is not simulated yet: its buckets' overlap with "
+                         "backward is charged on mpigrad's clock only (mpigrad trace retime)")
     reason = retime_refusal(config, rounds_rebuilt=True)
     if reason and "reads the clock" not in reason:  # a replay keeps the run's bits: that one does not matter
         raise UsageError(f"{path}: {reason}")

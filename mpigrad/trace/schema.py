@@ -21,7 +21,7 @@ from .. import options
 
 __all__ = [
     "SCHEMA_VERSION", "FORMAT_NAME", "TraceError", "Columns", "STEPS_COLUMNS", "EVAL_COLUMNS",
-    "TABLE_NAMES", "step_columns", "layer_step_columns", "node_step_columns", "NODE_COLUMNS", "workers_columns", "servers_columns", "checksum_columns", "default_tables",
+    "TABLE_NAMES", "step_columns", "layer_step_columns", "node_step_columns", "NODE_COLUMNS", "workers_columns", "servers_columns", "bucket_columns", "checksum_columns", "default_tables",
     "validate_tables", "column_spec", "flat_names",
 ]
 
@@ -129,6 +129,22 @@ def servers_columns(servers: int, workers: int) -> dict[str, tuple[str, tuple[in
     return {"iteration": ("i8", ()), "bytes_in": ("i8", (servers,)), "bytes_out": ("i8", (servers,)),
             "frame_bytes": ("i8", (servers, workers)), "t_decode": ("f8", (servers,)),
             "t_encode": ("f8", (servers,))}
+
+
+def bucket_columns(workers: int, buckets: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A pipelined run's iteration bucket by bucket (``clockmodel.PipelinedTraffic``), what
+    ``trace retime`` re-charges it from: ``ready[w, b]``, seconds after backward began that
+    worker w had bucket b (on the clock the run charged: CPU or wall); ``frames[b, w]``,
+    worker w's frame of bucket b to the bucket's shard ``shard[b]`` (0 for its own);
+    ``bcast[b]``, one copy of its average; ``intra[b]``, the hierarchical exchange's message
+    of it inside a node (0 for the flat); ``t_forward`` and ``t_backward``, the slowest
+    worker's; the loss report's and the Control's bytes."""
+    _check_count("workers", workers)
+    _check_count("buckets", buckets)
+    return {"iteration": ("i8", ()), "t_forward": ("f8", ()), "t_backward": ("f8", ()),
+            "loss_bytes": ("i8", ()), "control_bytes": ("i8", ()), "ready": ("f8", (workers, buckets)),
+            "frames": ("i8", (buckets, workers)), "bcast": ("i8", (buckets,)), "shard": ("i4", (buckets,)),
+            "intra": ("i8", (buckets,))}
 
 
 def checksum_columns(ranks: int, dtype: str = "u8") -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -53,6 +53,7 @@ from ...codecs import CodecError
 from ...config import RunConfig
 from ...errors import TrainingError
 from ..wire import TAG_BCAST, TAG_GATHER, TAG_GRAD, TAG_INTRA, FrameError
+from ..plan.layout import bucket_shards
 from ..wire.channel import Backoff
 from .build import hierarchical_exchange
 from .device import finite
@@ -62,12 +63,7 @@ from .pipeline import PipelinedRank0, PipelinedWorker
 from .way import Rank0Parts, Way, WorkerParts
 
 __all__ = ["HierarchicalPipelined", "HierarchicalPipelinedWorker", "HierarchicalPipelinedRank0",
-           "bucket_shards", "bucket_intra_bytes"]
-
-
-def bucket_shards(buckets) -> list[int]:
-    """The shard of each pipelined bucket (each is one shard's part)."""
-    return [next(s for s, part in enumerate(parts) if part is not None) for parts in buckets]
+           "bucket_intra_bytes"]
 
 
 def bucket_intra_bytes(buckets, intra_codec: str) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ from .device import finite
 from .frames import EncodedFrames
 from .way import Rank0Parts, Way, WorkerParts
 from ..measure.clock import PipelinedTraffic
-from ..plan.layout import pipeline_buckets
+from ..plan.layout import bucket_shards, pipeline_buckets
 from ..wire import (TAG_BACKWARD, TAG_BCAST, TAG_GRAD, BackwardReport, FrameError, FrameLength, LossReport,
                     ReceiveBuffers, error_frame, is_error_frame)
 from ..wire.channel import Backoff
@@ -383,6 +383,7 @@ class PipelinedRank0(ColocatedRank0):
         super().__init__(parts)
         #: The buckets, for the workers' backward reports.
         self.buckets = pipeline_buckets(self.shards)
+        self.bucket_shard = bucket_shards(self.buckets)
         self.backward_rows = BackwardReport.buffer(len(self.buckets), self.servers, rows=self.workers)
 
     def charge_losses(self, reports: list[LossReport], ahead: int | None) -> None:

@@ -291,6 +291,9 @@ class Rank0Side:
     updates_replica = False
     compressor: Any = None
     mixed = False
+    #: The pipelined iteration's shard of each bucket (the trace's ``buckets`` table); None
+    #: for an iteration of rounds.
+    bucket_shard: list[int] | None = None
 
     def __init__(self, parts: Rank0Parts):
         self.parts = parts
@@ -382,6 +385,14 @@ class Rank0Side:
         return (IterationTraffic(LossReport.NBYTES, self.control_msg.buf.nbytes,
                                  tuple(tuple(s.sizes) for s in self.server_reports), tuple(frames_down),
                                  self.channel.colocated, ahead=ahead), frames_down)
+
+    def bucket_row(self) -> dict | None:
+        """The iteration's ``buckets`` row (``PipelinedTraffic.bucket_columns``, with
+        ``t_forward`` and ``t_backward``) as the clock charged it; None for rounds."""
+        if self.bucket_shard is None:
+            return None
+        traffic, t_forward, t_backward = self.clock.pipelined_charged
+        return {**traffic.bucket_columns(self.bucket_shard), "t_forward": t_forward, "t_backward": t_backward}
 
     def record_bits(self, m: int, bits: list[int]) -> tuple[list[int], list[int] | None]:
         """The record's bits per layer (the codec's own where it takes none from the policy)

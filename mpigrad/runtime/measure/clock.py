@@ -10,7 +10,6 @@ simulated clock then equals the wall clock and t_comm is the measured wait.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from ...clockmodel import IterationTraffic, LinkModel, PipelinedTraffic, comm_start, iteration_seconds
@@ -68,6 +67,7 @@ class IterationClock:
         self.t_comm = 0.0
         self.wall_start = 0.0
         self.node_round = None
+        self.pipelined_charged = None
 
     def start(self) -> None:
         self.t_comm = 0.0
@@ -78,6 +78,8 @@ class IterationClock:
         #: A pipelined iteration on nodes: its overlapped schedule's NICs and intra-node links
         #: (``LinkModel.pipelined_hierarchical_round``), the record's node columns; else None.
         self.node_round = None
+        #: A pipelined iteration's (traffic, t_forward, t_backward) as charged; else None.
+        self.pipelined_charged = None
 
     # Each phase charged as it ends, in the order of LinkModel.comm_seconds, each from where
     # the previous one ended on the simulated clock (which only a network schedule reads).
@@ -119,20 +121,15 @@ class IterationClock:
         self.phases[phase] = self.phases.get(phase, 0.0) + charged  # two-round codecs: both rounds
 
     def pipelined(self, traffic: PipelinedTraffic, t_forward: float, t_backward: float) -> None:
-        """Charge a pipelined iteration's communication (``LinkModel.pipelined``) from the
-        end of the slowest forward pass; what backward hides is not charged again. With a
-        fixed ``compute_time`` backward's time per bucket is unknown: the buckets are charged
-        as all ready when it ends (the communication's own pipelining still counts)."""
-        if self.compute_time is not None:
-            traffic = dataclasses.replace(traffic, ready=tuple((0.0,) * len(ready) for ready in traffic.ready))
-            t_backward = 0.0
+        """Charge a pipelined iteration's communication (``LinkModel.pipelined_iteration``)
+        from the end of the slowest forward pass; what backward hides is not charged again.
+        Kept as ``pipelined_charged`` (the traffic, ``t_forward``, ``t_backward``) for the
+        trace's ``buckets`` row."""
         self.comm_start = comm_start(self.clocks.sim, self.compute_time, t_forward)
-        if traffic.intra:  # on nodes: the schedule's NICs and intra-node links too (``node_round``)
-            self.node_round = self.link.pipelined_hierarchical_round(traffic, self.comm_start, sent=self.clocks.sim)
-            span = self.node_round.seconds
-        else:
-            span = self.link.pipelined(traffic, self.comm_start, sent=self.clocks.sim)
-        self.t_comm = self.phases["pipelined"] = self.link.charge(max(0.0, span - t_backward))
+        self.t_comm, self.node_round = self.link.pipelined_iteration(traffic, self.clocks.sim, self.compute_time,
+                                                                     t_forward, t_backward)
+        self.phases["pipelined"] = self.t_comm
+        self.pipelined_charged = (traffic, t_forward, t_backward)
 
     def compute_seconds(self, cpu: float, wall: float) -> float:
         return cpu if self.cpu_clock else wall

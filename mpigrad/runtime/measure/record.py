@@ -12,7 +12,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ...trace.schema import NODE_COLUMNS
+from ...trace.schema import NODE_COLUMNS, bucket_columns
 
 
 @dataclass
@@ -47,6 +47,9 @@ class IterationRecord:
     #: the intra-node links' seconds) of the gradient rounds (``LinkModel.node_breakdown``; a
     #: pipelined run's: its overlapped schedule's, ``LinkModel.pipelined_hierarchical_round``).
     nodes: tuple[int, int, float, float] | None = None
+    #: The pipelined iteration bucket by bucket: the ``buckets`` table's row but its
+    #: iteration (``Rank0Side.bucket_row``); None for rounds.
+    buckets: dict | None = None
 
 
 _get = operator.attrgetter
@@ -66,6 +69,8 @@ TABLE_COLUMNS: dict[str, dict[str, Callable[[IterationRecord], object]]] = {
                 "bytes_out": _get("server_bytes_out"),
                 "frame_bytes": _get("server_frame_bytes"), "t_decode": _get("server_t_decode"),
                 "t_encode": _get("server_t_encode")},
+    "buckets": {"iteration": _get("iteration"),
+                **{name: (lambda r, name=name: r.buckets[name]) for name in bucket_columns(1, 1) if name != "iteration"}},
 }
 
 

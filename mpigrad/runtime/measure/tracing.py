@@ -38,14 +38,16 @@ class RunTrace:
     @classmethod
     def open(cls, config, *, layout, workers: int, servers: int, policy_columns, data_description: str,
              hosts: list[str], argv: list[str], resume_at: int | None, cost_attrs=None,
-             settings: bool = False, waits: dict | None = None, shards: dict | None = None) -> "RunTrace":
+             settings: bool = False, waits: dict | None = None, shards: dict | None = None,
+             buckets: int | None = None) -> "RunTrace":
         """``settings``: the run chooses each low-rank layer's setting (``steps/setting_layers``);
-        ``shards``: how the layout was cut and dealt (``ParameterServer.shard_record``)."""
+        ``shards``: how the layout was cut and dealt (``ParameterServer.shard_record``);
+        ``buckets``: the pipelined iteration's buckets (the ``buckets`` table), None for rounds."""
         from ...optim import rate_moves
 
         tables = cls.tables(max(len(layout.quantized), 1), workers, servers, policy_columns, settings,
                             ahead=config.control == "ahead", lr=rate_moves(config.lr_schedule, config.lr_warmup),
-                            nodes=config.link_model().nodes is not None)
+                            nodes=config.link_model().nodes is not None, buckets=buckets)
         if resume_at is not None:
             return cls(TraceWriter.open_append(config.trace, tables=tables, truncate_at=resume_at,
                                                flush_every=config.trace_flush,
@@ -81,13 +83,15 @@ class RunTrace:
 
     @staticmethod
     def tables(layers: int, workers: int, servers: int, policy_columns, settings: bool = False,
-               ahead: bool = False, lr: bool = False, nodes: bool = False) -> dict[str, dict]:
+               ahead: bool = False, lr: bool = False, nodes: bool = False,
+               buckets: int | None = None) -> dict[str, dict]:
         """The trace's tables for a run of ``workers`` workers and ``servers`` servers
         (``settings``: with ``steps/setting_layers``, PowerSGD's per-layer settings;
         ``ahead``: with ``steps/control_ahead``, whether each iteration's Control went ahead of
         its losses, ``control = "ahead"``; ``lr``: with ``steps/lr``, each iteration's rate,
         where a schedule or warm-up moves it; ``nodes``: with ``steps/bytes_nic``, ``bytes_intra``,
-        ``t_nic`` and ``t_intra``, a run on nodes of several workers)."""
+        ``t_nic`` and ``t_intra``, a run on nodes of several workers; ``buckets``: with the
+        ``buckets`` table of a pipelined run's that many buckets)."""
         extra = schema.layer_step_columns(layers, settings)
         if nodes:
             extra.update(schema.node_step_columns())
@@ -102,6 +106,7 @@ class RunTrace:
             "eval": dict(schema.EVAL_COLUMNS),
             "policy": policy_columns,
             "checksums": schema.checksum_columns(workers + 1),
+            **({"buckets": schema.bucket_columns(workers, buckets)} if buckets else {}),
         }
 
     def record(self, record: IterationRecord) -> None:
@@ -120,7 +125,8 @@ class RunTrace:
         if not records:
             return
         for table in TABLE_COLUMNS:
-            self.writer.extend(table, table_block(table, records))
+            if table != "buckets" or records[0].buckets is not None:
+                self.writer.extend(table, table_block(table, records))
         checksums = [r for r in records if r.checksums is not None]
         if checksums:
             self.writer.extend("checksums", {"iteration": [r.iteration for r in checksums],

@@ -180,6 +180,11 @@ def plan_shards(layout: Layout, servers: int, piece_bytes, chunk: int | Chunks =
 BUCKET_ELEMENTS = 1 << 18
 
 
+def bucket_shards(buckets: list[list[Shard | None]]) -> list[int]:
+    """The shard of each of :func:`pipeline_buckets`' buckets (each is one shard's part)."""
+    return [next(s for s, part in enumerate(parts) if part is not None) for parts in buckets]
+
+
 def pipeline_buckets(shards: tuple[Shard, ...], limit: int = BUCKET_ELEMENTS) -> list[list[Shard | None]]:
     """The pipelined iteration's buckets in the order backward produces them: each quantized
     layer, last layer first, then the small layers (float32, complete only when backward

@@ -234,7 +234,7 @@ class ParameterServer(Evaluation, Rank0State):
             checksums=it["checksums"], policy_rows=self.policy.drain_records(), settings=settings,
             control_ahead=it["ahead"] if self.config.control == "ahead" else None,
             lr=None if self.replica.rate is None or self.replica.rate.constant else self.lr,
-            nodes=self._node_record(traffic))
+            nodes=self._node_record(traffic), buckets=exchange.bucket_row())
         self.bytes_total += record.bytes_up + record.bytes_down
         self.last_comm_ms, self.last_bytes = 1e3 * t_comm, record.bytes_up + record.bytes_down
         self.stop_after = it["stop_after"]
@@ -243,6 +243,11 @@ class ParameterServer(Evaluation, Rank0State):
     def step(self, m: int) -> IterationRecord:
         """Run iteration m; ``self.stop_after`` then says whether the run stops after it."""
         return run_iteration(self, m)
+
+    def trace_buckets(self) -> int | None:
+        """The pipelined iteration's buckets, the trace's ``buckets`` table (None for rounds)."""
+        shard = self.exchange.bucket_shard
+        return None if shard is None else len(shard)
 
     # ---- helpers of the phases ----------------------------------------------------------------
     def _node_record(self, traffic) -> tuple[int, int, float, float] | None:

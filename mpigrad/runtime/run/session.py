@@ -172,7 +172,7 @@ def open_run_trace(config, channel, server, argv: list[str], start: int, script:
                           data_description=server.data_description, hosts=hosts, argv=argv,
                           resume_at=start if config.resume else None, cost_attrs=server.cost_attrs(),
                           settings=server.mixed, waits=getattr(channel, "waits", None),
-                          shards=server.shard_record())
+                          shards=server.shard_record(), buckets=server.trace_buckets())
     return trace, device_warm_ups
 
 
