@@ -1,7 +1,8 @@
-"""`mpigrad trace retime` of a pipelined run (``--pipeline``): its trace keeps the iteration
-bucket by bucket (the ``buckets`` table: when backward made each bucket ready on each worker,
-each bucket's frames and average), and the retime re-charges it through the same
-``LinkModel.pipelined_iteration`` the runtime charged it with. A deterministic run
+"""`mpigrad trace retime` and `mpigrad simulate` of a pipelined run (``--pipeline``): its
+trace keeps the iteration bucket by bucket (the ``buckets`` table: when backward made each
+bucket ready on each worker, each bucket's frames and average), and the retime re-charges it
+through the same ``LinkModel.pipelined_iteration`` the runtime charged it with; SimGrid
+replays it bucket by bucket (``plan.pipelined_phases``). A deterministic run
 (``compute_time``) re-timed to another rate and latency is that network's run, bit for bit;
 with measured compute, re-timed to its own network it keeps its own times, and its ready
 times are what the charge reads. Runs are in-process (each rank a thread on the loopback
@@ -12,7 +13,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dataclasses import replace
+
 from mpigrad.cli import main
+from mpigrad.clockmodel import IterationTraffic, LinkModel, PipelinedTraffic
+from mpigrad.simulate.engine import run_plan
+from mpigrad.simulate.plan import Program, pipelined_phases
+from mpigrad.simulate.platform import generated
+from mpigrad.simulate.replay import Iteration, simulate
+from mpigrad.simulate.simgrid_module import simgrid_path
+from mpigrad.simulate.sources import simulate_trace
+from mpigrad.simulate.traffic import trace_iterations
 from mpigrad.trace import load, read_raw
 from mpigrad.trace.writer import write_closed
 from test_exchanges import run
@@ -145,7 +156,103 @@ def test_a_pipelined_trace_that_cannot_be_retimed_is_refused_in_one_line(runs, t
     assert not out.exists()
 
 
-def test_simulate_says_a_pipelined_trace_is_not_simulated_yet(runs, capsys):
-    code = main(["simulate", str(runs["flat", "slow"]), "--peers", "none"])
+# ---- mpigrad simulate of a pipelined trace ------------------------------------------------
+needs_simgrid = pytest.mark.skipif(not simgrid_path().is_file(), reason="SimGrid's Python module: "
+                                   "apt-get install python3-simgrid")
+
+
+@needs_simgrid
+@pytest.mark.parametrize("speed", ["slow", "measured"])
+def test_simgrid_replays_a_pipelined_trace_bucket_by_bucket(runs, speed):
+    """The replay takes each bucket as backward made it ready; beside it, mpigrad's clock
+    re-charges the trace's buckets as its run did (the recorded t_comm, bit for bit)."""
+    source = runs["flat", speed]
+    simulation = simulate_trace(source, sample=3)
+    ours = simulation.mpigrad
+    recorded = load(source).array("steps", "t_comm")[:3]
+    assert ours.clock["recorded_t_comm"] == pytest.approx(recorded.mean(), rel=1e-12)
+    assert ours.clock["comm_seconds"] == pytest.approx(recorded.mean(), rel=1e-12)
+    assert sum(ours.phases.values()) == pytest.approx(ours.seconds_per_iteration)
+    assert ours.phases["gradients"] > 0 and ours.phases["broadcast"] > 0
+    assert (ours.phases["backward"] > 0) == (speed == "measured")  # a fixed compute: every bucket ready at its end
+    if speed == "slow":
+        assert ours.seconds_per_iteration == pytest.approx(ours.clock["seconds_per_iteration"], rel=0.1)
+    else:  # every worker takes the slowest forward pass: where another worker had the slowest backward, the
+        # replay's compute is longer than the clock's t_compute (the slowest forward + backward of one worker)
+        rows = [it for it in trace_iterations(source, 3).iterations]
+        extra = np.mean([it.forward + it.backward - it.compute for it in rows])
+        least = np.mean([it.forward + max(r[-1] for r in it.pipelined.ready) + it.rest for it in rows])
+        assert least < ours.seconds_per_iteration <= (ours.clock["seconds_per_iteration"] + extra) * 1.02
+    assert any("a pipelined run" in note for note in simulation.notes)
+
+
+def _one_flow_per_side() -> tuple[PipelinedTraffic, IterationTraffic]:
+    """Worker 0 sends two 1 MB frames, of buckets ready 0 and 50 ms into backward, to worker
+    1, which serves both and sends back two 1 MB averages; no loss or Control bytes."""
+    MB = 1_000_000
+    frames = (((0, 0), (0, 0)), ((MB, 0), (MB, 0)))  # [shard][bucket][worker]
+    pipelined = PipelinedTraffic(0, 0, ((0.0, 0.05), (0.0, 0.05)), frames, ((0, 0), (MB, MB)))
+    traffic = IterationTraffic(0, 0, ((0, 0), (2 * MB, 0)), (0, 2 * MB), colocated=True)
+    return pipelined, traffic
+
+
+@needs_simgrid
+def test_with_one_flow_per_side_the_replay_is_the_clocks_schedule(tmp_path):
+    """One connection carries a pair's frames in bucket order (Phase.fifo): bucket 0's frame
+    is in 0.1 s after the forward pass, bucket 1's 0.1 s later, each average leaves as its
+    frame is in and backward is over: the clock's schedule to the nanosecond (shared, the two
+    frames would end together)."""
+    pipelined, traffic = _one_flow_per_side()
+    forward, rest = 0.01, 0.002
+    platform = generated(2, 1, 0, 1e7, 0.0, 1e10, 0.0)
+    simulation = simulate([Iteration(traffic, forward + 0.05, rest, pipelined, forward)], platform, label="x",
+                          source="hand-built")
+    t_comm, _ = LinkModel(1e7, 0.0, "virtual", "star").pipelined_iteration(pipelined, 0.0, None, forward, 0.05)
+    clock = forward + 0.05 + rest + t_comm
+    assert clock == pytest.approx(0.312)
+    assert simulation.mpigrad.seconds_per_iteration == pytest.approx(clock, abs=1e-9)
+    program = pipelined_phases(pipelined, forward, rest)
+    plan = {"platform": platform.write(str(tmp_path)), "model": "cm02", "hosts": [0, 0, 1],
+            "programs": [program.to_json()], "sequence": [0]}
+    names = [phase.name for phase in program.phases]
+    ends = dict(zip(names, run_plan(plan)["ends"][0]))
+    assert ends["gradients:0"] == pytest.approx(0.11) and ends["gradients:1"] == pytest.approx(0.21)
+    shared = Program([replace(phase, fifo=False) for phase in program.phases], program.order)
+    ends = dict(zip(names, run_plan({**plan, "programs": [shared.to_json()]})["ends"][0]))
+    assert ends["gradients:0"] == pytest.approx(0.16)  # from 0.06 on the two frames share the NIC
+
+
+def test_the_pipelined_plan_waits_for_its_own_buckets():
+    """Each bucket's frames are waited for by its server just before its own average, the
+    Control before a worker's first frame, the averages before the local work."""
+    pipelined, _ = _one_flow_per_side()
+    program = pipelined_phases(pipelined, 0.01, 0.0)
+    phases = program.to_json()
+    index = {phase.name: k for k, phase in enumerate(program.phases)}
+    for b in range(2):
+        assert phases[index[f"gradients:{b}"]]["recv_wait"] == index[f"broadcast:{b}"]
+        assert phases[index[f"gradients:{b}"]]["fifo"] and phases[index[f"broadcast:{b}"]]["fifo"]
+        assert phases[index[f"broadcast:{b}"]]["recv_wait"] == index["local"]
+    assert phases[index["control"]]["recv_wait"] == index["gradients:0"]
+    assert [phase.kind for phase in program.phases] == ["compute", "losses", "control", "backward", "gradients",
+                                                        "backward", "gradients", "broadcast", "broadcast", "local"]
+
+
+@pytest.mark.parametrize("layout, edit, message", [
+    ("hierarchical", None, "a pipelined hierarchical run is not simulated yet"),
+    ("flat", _no_buckets, "a pipelined run (--pipeline) whose trace keeps no buckets table"),
+])
+def test_a_pipelined_trace_that_cannot_be_simulated_is_refused_in_one_line(runs, tmp_path, capsys, layout, edit,
+                                                                           message):
+    source = runs[layout, "slow"]
+    if edit is not None:
+        source = _edited(source, tmp_path / "edited.h5", edit)
+    code = main(["simulate", str(source), "--peers", "none"])
     err = capsys.readouterr().err
-    assert code == 2 and "a pipelined run (--pipeline) is not simulated yet" in err and err.count("\n") == 1, err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_pipelined_config_is_refused_in_one_line(capsys):
+    code = main(["simulate", "--nodes", "2", "--pipeline", "--servers", "colocated", "--peers", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--pipeline from a config is not simulated" in err and err.count("\n") == 1, err

@@ -18,7 +18,11 @@ later phase's index) or at the end of the iteration (``"end"``), going on meanwh
 ``floor``, it ends the phase no sooner than that long after it posted (messages left out of
 the plan whose time it still takes: ``plan.aggregate``'s tiny ones). A
 transfer starts when both ends are posted (SimGrid's rendezvous); each ordered pair of ranks
-has one mailbox, matched in order, which both ends post in the same order. ``hosts[rank]``
+has one mailbox, matched in order, which both ends post in the same order. A phase with
+``"fifo": true`` sends each of its messages after the sender's earlier fifo messages to the
+same rank are through, as one connection carries them in order (TCP under MPI), without
+holding the sender up: a small actor per message puts it once the one before it on the pair
+is done (the rank waits for those actors where it would wait for its sends). ``hosts[rank]``
 indexes the platform's hosts in natural order of their names (``node-2`` before ``node-10``).
 
 The result: ``ends[m][k]``, the latest time any rank finished its part of phase k of
@@ -92,7 +96,7 @@ def _children_cpu() -> float:
 
 def _rank_steps(programs: list, ranks: int) -> list[list[list[tuple]]]:
     """``steps[rank][program]``: (phase index, work seconds, sends [(dst, bytes)], receives
-    [src], send wait, receive wait, early) of each phase ``rank`` takes part in, in order;
+    [src], send wait, receive wait, early, floor, fifo) of each phase ``rank`` takes part in, in order;
     ``early``: the later phases (index, [src]) whose receives it posts after this phase's
     (their ``post_at`` is this phase or one before it that ``rank`` has no part in)."""
     steps = [[[] for _ in programs] for _ in range(ranks)]
@@ -109,7 +113,7 @@ def _rank_steps(programs: list, ranks: int) -> list[list[list[tuple]]]:
             for rank in sorted(set(work) | set(sends) | set(recvs) | set(floor)):
                 steps[rank][index].append([k, work.get(rank, 0.0), sends.get(rank, []), recvs.get(rank, []),
                                            phase.get("send_wait"), phase.get("recv_wait"), [],
-                                           floor.get(rank, 0.0)])
+                                           floor.get(rank, 0.0), bool(phase.get("fifo"))])
         for rank in range(ranks):
             mine = steps[rank][index]
             for later in mine:
@@ -155,17 +159,30 @@ def _simulate(plan: dict) -> dict:
             ends[m][k] = t
 
     def finish(m: int, k: int, comms: list) -> None:
-        sg.Comm.wait_all(comms)
-        record(m, k, max(comm.finish_time for comm in comms))
+        actors = [c for c in comms if isinstance(c, sg.Actor)]  # fifo senders: they record their own ends
+        comms = [c for c in comms if not isinstance(c, sg.Actor)]
+        for actor in actors:
+            actor.join()
+        if comms:
+            sg.Comm.wait_all(comms)
+            record(m, k, max(comm.finish_time for comm in comms))
+
+    def fifo_sender(m: int, k: int, before, mailbox, nbytes: int) -> None:
+        if before is not None:
+            before.join()
+        mailbox.put(None, nbytes)
+        record(m, k, sg.Engine.clock)
 
     def rank_main(rank: int, steps: list) -> None:
         try:
-            speed = sg.this_actor.get_host().speed
+            host = sg.this_actor.get_host()
+            speed = host.speed
+            last_on: dict[int, object] = {}  # dst -> the latest fifo sender to it
             for m, index in enumerate(sequence):
                 pending: list[tuple] = []  # (wait before phase, phase, comms)
                 held: list = []  # the receives' data handles, until their comms are done
                 early: dict[int, list] = {}  # phase -> its receives, posted with an earlier phase
-                for k, work, sends, recvs, send_wait, recv_wait, posts, floor in steps[index]:
+                for k, work, sends, recvs, send_wait, recv_wait, posts, floor, fifo in steps[index]:
                     for due in [p for p in pending if p[0] != "end" and p[0] <= k]:
                         pending.remove(due)
                         finish(m, due[1], due[2])
@@ -180,7 +197,14 @@ def _simulate(plan: dict) -> dict:
                     for later, sources in posts:  # then the receives of later phases posted with this one
                         early[later] = [box(src, rank).get_async() for src in sources]
                         held.append(early[later])
-                    puts = [box(rank, dst).put_async(None, n) for dst, n in sends]
+                    if fifo:
+                        puts = []
+                        for dst, n in sends:
+                            last_on[dst] = sg.Actor.create(f"rank-{rank}>{dst}", host, fifo_sender, m, k,
+                                                           last_on.get(dst), box(rank, dst), n)
+                            puts.append(last_on[dst])
+                    else:
+                        puts = [box(rank, dst).put_async(None, n) for dst, n in sends]
                     now = []
                     for comms, wait in (([comm for comm, _ in gets], recv_wait), (puts, send_wait)):
                         if comms and wait is None:

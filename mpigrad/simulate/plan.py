@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..clockmodel import IterationTraffic
+from ..clockmodel import IterationTraffic, PipelinedTraffic
 from .platform import Placement
 
-__all__ = ["Phase", "Program", "mpigrad_phases", "ring_phases", "hierarchical_allreduce_phases", "ddp_phases",
+__all__ = ["Phase", "Program", "mpigrad_phases", "pipelined_phases", "ring_phases", "hierarchical_allreduce_phases", "ddp_phases",
            "breakdown", "weighted_mean", "nic_bytes", "PHASE_ORDER", "Groups", "aggregate", "compress_steps", "TINY",
            "SMALL", "bundle"]
 
@@ -53,7 +53,9 @@ class Phase:
     ``recv_wait``: None (at once, before the next phase), ``"end"`` (the iteration's end) or
     the name of a later phase (just before it). ``post_with``: an earlier phase, with which
     the receivers post their receives (as MPI queues a message that comes before its
-    receive is posted), else they post them at this phase."""
+    receive is posted), else they post them at this phase. ``fifo``: each message goes
+    after its sender's earlier fifo messages to the same receiver are through (one
+    connection's order: ``engine.py``)."""
 
     name: str
     work: dict[int, float] = field(default_factory=dict)
@@ -62,6 +64,13 @@ class Phase:
     recv_wait: str | None = None
     post_with: str | None = None
     floor: dict[int, float] = field(default_factory=dict)
+    fifo: bool = False
+
+    @property
+    def kind(self) -> str:
+        """The breakdown's name: ``name`` up to a ``:`` (a pipelined iteration's phases are
+        one per bucket, ``gradients:3``, so that a wait names its own bucket's)."""
+        return self.name.partition(":")[0]
 
 
 @dataclass
@@ -93,7 +102,7 @@ class Program:
         return [{"work": {str(r): s for r, s in phase.work.items() if s > 0},
                  "messages": [list(m) for m in phase.messages if m[2] > 0],
                  "send_wait": wait(phase.send_wait, k), "recv_wait": wait(phase.recv_wait, k),
-                 "post_at": earlier(phase.post_with, k),
+                 "post_at": earlier(phase.post_with, k), **({"fifo": True} if phase.fifo else {}),
                  **({"floor": {str(r): t for r, t in phase.floor.items()}} if phase.floor else {})}
                 for k, phase in enumerate(self.phases)]
 
@@ -167,6 +176,53 @@ def mpigrad_phases(traffic: IterationTraffic, ranks_per_node: int, compute: floa
     phases.append(Phase("local", work={r: rest for r in workers}))
     order = sorted(range(len(phases)), key=lambda k: (PHASE_ORDER.index(phases[k].name), k))
     return Program(phases, order)
+
+
+def pipelined_phases(traffic: PipelinedTraffic, forward: float, rest: float) -> Program:
+    """mpigrad's pipelined iteration (``--pipeline``, colocated servers, the flat exchange:
+    ``runtime/exchange/pipeline.py``) of ``traffic``, as ``LinkModel.pipelined`` charges it:
+    ``forward`` seconds of forward pass on every worker, its loss report to rank 0 (eager),
+    the Control (ahead: sent as the iteration starts; else once rank 0 has every loss),
+    waited for only before a worker's first frame; then backward bucket by bucket, worker w
+    working until ``traffic.ready[w][b]`` after its backward began and then posting its frame
+    of bucket b to the bucket's shard (waited for at the iteration's end), so that the frames
+    cross the network while backward goes on; after its backward, each server in bucket order
+    waits for the frames of its bucket b and sends its average to the other workers (their
+    receives posted with the losses); last, with every average in, the ``rest`` of the local
+    work. A rank's frames and averages to one rank go in bucket order, one after another
+    (``Phase.fifo``: a connection's order, where concurrent flows would share it and end
+    together). One phase per bucket, named ``backward:b``, ``gradients:b``, ``broadcast:b``
+    (:attr:`Phase.kind` folds them in the breakdown, taken in this order)."""
+    P = traffic.workers
+    B = len(traffic.ready[0]) if P else 0
+    worker = lambda w: w + 1  # noqa: E731  (colocated: worker w at rank w + 1 serves shard w)
+    workers = [worker(w) for w in range(P)]
+    if traffic.intra:
+        raise ValueError("a pipelined hierarchical iteration (traffic.intra) is not laid out as phases")
+    shard = [next((s for s in range(P) if traffic.bcast[s][b] or any(traffic.frames[s][b])), 0) for b in range(B)]
+    control = Phase("control", messages=[(0, r, traffic.control_bytes) for r in workers], recv_wait="gradients:0")
+    phases = []
+    if traffic.ahead:
+        control.send_wait = "losses"
+        phases.append(control)
+    phases.append(Phase("compute", work={r: forward for r in workers}))
+    phases.append(Phase("losses", messages=[(r, 0, traffic.loss_bytes) for r in workers], send_wait="end"))
+    if not traffic.ahead:
+        phases.append(control)
+    for b in range(B):
+        s = shard[b]
+        phases.append(Phase(f"backward:{b}", work={worker(w): traffic.ready[w][b] - (traffic.ready[w][b - 1] if b else 0.0)
+                                                  for w in range(P)}))
+        phases.append(Phase(f"gradients:{b}", messages=[(worker(w), worker(s), traffic.frames[s][b][w])
+                                                        for w in range(P) if w != s],
+                            send_wait="end", recv_wait=f"broadcast:{b}", post_with="losses", fifo=True))
+    for b in range(B):
+        s = shard[b]
+        phases.append(Phase(f"broadcast:{b}", messages=[(worker(s), worker(w), traffic.bcast[s][b])
+                                                        for w in range(P) if w != s],
+                            send_wait="end", recv_wait="local", post_with="losses", fifo=True))
+    phases.append(Phase("local", work={r: rest for r in workers}))
+    return Program(phases, list(range(len(phases))))
 
 
 # ---- the peers -----------------------------------------------------------------------------
@@ -251,7 +307,7 @@ def breakdown(programs: list[Program], sequence: list[int],
         program = programs[index]
         start = t
         for k in program.breakdown_order():
-            name = program.phases[k].name
+            name = program.phases[k].kind
             totals.setdefault(name, 0.0)
             end = ends[m][k]
             if end is None:
@@ -368,7 +424,7 @@ def aggregate(program: Program, groups: Groups, tiny: float = 0.0, latency: floa
         if small > tiny and bandwidth:
             merged = bundle(merged, groups, small)
         phases.append(Phase(phase.name, work, [(a, b, n) for (a, b), n in merged.items()], phase.send_wait,
-                            phase.recv_wait, phase.post_with, floor))
+                            phase.recv_wait, phase.post_with, floor, phase.fifo))
     return Program(phases, program.order)
 
 

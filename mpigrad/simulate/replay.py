@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..clockmodel import IterationTraffic
+from ..clockmodel import IterationTraffic, PipelinedTraffic
 from ..errors import UsageError
 from .engine import NETWORK_MODELS, run_plan
 from .plan import (SMALL, TINY, Groups, Program, aggregate, breakdown, compress_steps, ddp_phases, mpigrad_phases,
-                   nic_bytes, weighted_mean)
+                   nic_bytes, pipelined_phases, weighted_mean)
 from .platform import Placement, Platform
 from .simgrid_module import check_simgrid
 
@@ -51,11 +51,21 @@ def peer_labels() -> dict[str, str]:
 class Iteration:
     """One iteration to simulate: its messages, the compute before them and the rest of the
     local work after them (seconds, on every worker); the peers' iteration has the same
-    compute."""
+    compute. A pipelined one (``pipelined``, a trace's buckets) is replayed bucket by bucket
+    (``plan.pipelined_phases``) after ``forward`` seconds of forward pass, its backward's
+    buckets as they were ready."""
 
     traffic: IterationTraffic
     compute: float
     rest: float
+    pipelined: PipelinedTraffic | None = None
+    forward: float = 0.0
+
+    def program(self, ranks_per_node: int) -> Program:
+        """This iteration's phases on nodes of ``ranks_per_node`` workers."""
+        if self.pipelined is not None:
+            return pipelined_phases(self.pipelined, self.forward, self.rest)
+        return mpigrad_phases(self.traffic, ranks_per_node, self.compute, self.rest)
 
 
 @dataclass(frozen=True)
@@ -248,7 +258,7 @@ def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str,
                          f"that many, not {L}")
     ours = _Runs()
     for it in iterations:
-        ours.add((it.traffic, it.compute, it.rest), lambda it=it: mpigrad_phases(it.traffic, L, it.compute, it.rest))
+        ours.add((it.traffic, it.compute, it.rest, it.pipelined, it.forward), lambda it=it: it.program(L))
     mean_clock = None
     if clock:
         mean_clock = {key: weighted_mean([c[key] for c in clock], weights) for key in clock[0]}

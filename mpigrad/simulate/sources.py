@@ -158,6 +158,7 @@ def simulate_trace(path: str, *, sample: int = 3, spread: bool = False, nodes: i
     config = run.config
     workers, colocated = run.workers, run.colocated
     first = run.iterations[0].traffic
+    first_pipelined = run.iterations[0].pipelined is not None
     L = run.ranks_per_node if ranks_per_node is None else ranks_per_node
     if L != run.ranks_per_node and first.hierarchical:
         raise UsageError(f"--ranks-per-node {L}: {path} is a hierarchical run on nodes of {run.ranks_per_node}, "
@@ -193,12 +194,22 @@ def simulate_trace(path: str, *, sample: int = 3, spread: bool = False, nodes: i
         link = clock_link(bandwidth, latency, L, intra_bandwidth, intra_latency, colocated)
         clock = []
         for it in run.iterations:
-            seconds, t_comm = clock_seconds(link, it.traffic, it.compute, it.rest)
+            seconds, t_comm = clock_seconds(link, it.traffic, it.compute, it.rest, it.pipelined, it.forward,
+                                            it.backward)
             clock.append({"seconds_per_iteration": seconds, "comm_seconds": t_comm, "recorded_t_comm": it.t_comm})
+        if first_pipelined and L != run.ranks_per_node:
+            clock = None  # a pipelined run's schedule is charged on its own nodes only (as trace retime)
+            notes.append(f"note: mpigrad's clock charges a pipelined run on its own {run.ranks_per_node} worker(s) "
+                         f"per node only: not shown for {L}")
     shapes = model_shapes(trace_config(config, path)) if peers else ()
     rows = [it.iteration for it in run.iterations]
     label = f"mpigrad {method_label(config)} ({layout_name(first)})"
-    return simulate([Iteration(it.traffic, it.compute, it.rest) for it in run.iterations], platform, label=label,
+    if first_pipelined:
+        notes.append("note: a pipelined run: its frames replayed bucket by bucket as backward made them ready, "
+                     "after the slowest worker's forward pass; the peers' all-reduces after the whole compute "
+                     "(DDP's own overlap with backward is not replayed)")
+    return simulate([Iteration(it.traffic, it.compute, it.rest, it.pipelined, it.forward) for it in run.iterations],
+                    platform, label=label,
                     source=f"{path}: iteration(s) {_span(rows)} of {run.rows}, at the run's bits", model=model,
                     peers=peers, shapes=shapes, clock=clock, notes=notes, replay=replay)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Sequence
 
-from ..clockmodel import IterationTraffic, LinkModel, Nodes, comm_start, iteration_seconds
+from ..clockmodel import IterationTraffic, LinkModel, Nodes, PipelinedTraffic, comm_start, iteration_seconds
 from ..config import COLOCATED, RunConfig
 from ..costmodel import LocalWork
 from ..errors import UsageError
@@ -116,7 +116,8 @@ def _config_traffic(config: RunConfig, workers: int, bits: int | Sequence[int],
     from ..runtime.wire.messages import Control, FrameLength, LossReport
 
     if config.pipeline:
-        raise UsageError("--pipeline is not simulated yet (its overlap with backward needs the buckets' times)")
+        raise UsageError("--pipeline from a config is not simulated: its overlap with backward needs the times "
+                         "backward makes each bucket ready; simulate a pipelined run's trace instead")
     codec = base_codec(config)
     if codec.two_rounds and getattr(codec, "mixed", False):
         raise UsageError(f"codec {config.codec!r} with per-layer settings (--codec-opt ranks=/widths=, a policy's "
@@ -224,13 +225,18 @@ def model_shapes(config: RunConfig) -> tuple[tuple[int, ...], ...]:
 class TraceIteration:
     """One steps row: its iteration, ``traffic``, ``compute`` (the slowest worker's compute,
     or the fixed ``compute_time``), ``rest`` (the rest of its local work: encode, decode and
-    policy, or the cost model's charge) and ``t_comm``, what mpigrad's clock charged."""
+    policy, or the cost model's charge) and ``t_comm``, what mpigrad's clock charged; a
+    pipelined run's row also its buckets (``pipelined``, the trace's ``buckets`` row) and the
+    slowest worker's ``forward`` and ``backward`` seconds, as its clock took them."""
 
     iteration: int
     traffic: IterationTraffic
     compute: float
     rest: float
     t_comm: float
+    pipelined: PipelinedTraffic | None = None
+    forward: float = 0.0
+    backward: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -258,19 +264,23 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     spread evenly over the run, its first and last among them). UsageError (one line) for a
     trace that is not complete, not of ``mpigrad train``, or of a run whose messages the trace
     does not keep apart (a two-round codec's rounds are rebuilt from its config:
-    :func:`_two_rounds_of`), and for a pipelined run (not simulated yet)."""
+    :func:`_two_rounds_of`), a pipelined run whose trace keeps no buckets table, and a
+    pipelined hierarchical run (not simulated yet). A pipelined row keeps its buckets
+    (``TraceIteration.pipelined``)."""
     from ..analysis.labels import flat_config
-    from ..analysis.retime import codec_two_rounds, local_costs, recorded_traffic, retime_refusal
+    from ..analysis.retime import codec_two_rounds, local_costs, recorded_buckets, recorded_traffic, retime_refusal
 
     path = Path(path)
     if count < 1:
         raise UsageError(f"--sample must be at least 1 iteration, got {count}")
     raw = _read_complete(path, "only a complete run is simulated")
     config = raw.attrs.get("config")
-    if isinstance(config, dict) and config.get("pipeline"):
-        raise UsageError(f"{path}: a pipelined run (--pipeline) is not simulated yet: its buckets' overlap with "
-                         "backward is charged on mpigrad's clock only (mpigrad trace retime)")
-    reason = retime_refusal(config, rounds_rebuilt=True)
+    pipelined = isinstance(config, dict) and bool(config.get("pipeline"))
+    if pipelined and config.get("exchange") == "hierarchical":
+        raise UsageError(f"{path}: a pipelined hierarchical run is not simulated yet: its frames leave from "
+                         "backward's hooks as the node's parts come in, which the replay's one actor per rank "
+                         "does not take (mpigrad trace retime charges it)")
+    reason = retime_refusal(config, rounds_rebuilt=True, buckets_recorded="buckets" in raw.arrays)
     if reason and "reads the clock" not in reason:  # a replay keeps the run's bits: that one does not matter
         raise UsageError(f"{path}: {reason}")
     flat = flat_config(config)
@@ -283,6 +293,7 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
         traffic = recorded_traffic(path, raw, colocated=colocated, slice_bytes=slice_bytes or ())
         compute_time = config.get("compute_time")
         local = local_costs(path, raw.attrs, compute_time, None)
+        buckets = recorded_buckets(path, raw, hierarchical=False) if pipelined else None
     except TraceError as exc:
         raise UsageError(str(exc)) from None
     steps = raw.arrays["steps"]
@@ -303,8 +314,16 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
         else:
             compute = float(steps["t_compute"][row])
             rest = float(steps["t_encode"][row] + steps["t_decode"][row] + steps["t_policy"][row])
-        chosen.append(TraceIteration(int(steps["iteration"][row]), traffic[row], compute, rest,
-                                     float(steps["t_comm"][row])))
+        one = TraceIteration(int(steps["iteration"][row]), traffic[row], compute, rest, float(steps["t_comm"][row]))
+        if buckets is not None:
+            table = raw.arrays["buckets"]
+            if compute_time is not None:  # as its clock charged it: every bucket ready when the compute ends
+                one = replace(one, pipelined=replace(buckets[row], ready=tuple((0.0,) * len(r) for r in
+                                                                                buckets[row].ready)), forward=compute)
+            else:
+                one = replace(one, pipelined=buckets[row], forward=float(table["t_forward"][row]),
+                              backward=float(table["t_backward"][row]))
+        chosen.append(one)
     layers = int(steps["bits_layers"].shape[1]) if "bits_layers" in steps else 1
     return TraceRun(str(path), config, tuple(chosen), total, int(config.get("ranks_per_node", 1) or 1), layers)
 
@@ -384,10 +403,18 @@ def recorded_bits(path: str | os.PathLike) -> RecordedBits:
                         tuple(bool(a) for a in ahead) if ahead is not None else (False,) * rows)
 
 
-def clock_seconds(link: LinkModel, traffic: IterationTraffic, compute: float, rest: float) -> tuple[float, float]:
+def clock_seconds(link: LinkModel, traffic: IterationTraffic, compute: float, rest: float,
+                  pipelined: PipelinedTraffic | None = None, forward: float = 0.0,
+                  backward: float = 0.0) -> tuple[float, float]:
     """(seconds of the iteration, of its communication) on mpigrad's clock: ``link``'s
-    ``comm_seconds`` from the end of the compute, plus the local work (``iteration_seconds``)."""
-    t_comm = link.comm_seconds(traffic, comm_start(0.0, compute, 0.0), sent=0.0)
+    ``comm_seconds`` from the end of the compute, plus the local work (``iteration_seconds``);
+    a pipelined iteration's (``pipelined``, from a trace) the communication not hidden behind
+    backward, as its run charged it (``LinkModel.pipelined_iteration`` after ``forward``, with
+    backward's ``backward`` seconds)."""
+    if pipelined is not None:
+        t_comm, _ = link.pipelined_iteration(pipelined, 0.0, None, forward, backward)
+    else:
+        t_comm = link.comm_seconds(traffic, comm_start(0.0, compute, 0.0), sent=0.0)
     return iteration_seconds(t_comm, compute, 0.0, 0.0, 0.0, 0.0, rest), t_comm
 
 
