@@ -25,8 +25,8 @@ replayed on the lab's platform (the run's worker nodes, L workers each, NICs at 
 latency 0; ``--simgrid-model``, cm02 by default), in a child ``mpigrad simulate TRACE --json`` after the run; per row ``sg s/it``
 (the median over the same steady iterations of its ``iteration_seconds``, with the trace's
 recorded local work) and ``sg/real``. Without SimGrid's Python module the bench says so in one
-line and the column reads ``-``; a trace that ``mpigrad simulate`` refuses (a pipelined
-hierarchical run) gets its one-line reason under its row.
+line and the column reads ``-``; a trace that ``mpigrad simulate`` refuses gets its one-line
+reason under its row.
 """
 
 from __future__ import annotations

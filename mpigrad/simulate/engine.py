@@ -22,7 +22,14 @@ has one mailbox, matched in order, which both ends post in the same order. A pha
 ``"fifo": true`` sends each of its messages after the sender's earlier fifo messages to the
 same rank are through, as one connection carries them in order (TCP under MPI), without
 holding the sender up: a small actor per message puts it once the one before it on the pair
-is done (the rank waits for those actors where it would wait for its sends). ``hosts[rank]``
+is done (the rank waits for those actors where it would wait for its sends). A phase with
+``"relay": J`` (an earlier phase) and ``"chain": C``: a rank that sends in it and receives in
+phase J forwards what it received, as a node's slice owner does: a small actor, created as
+the iteration starts, takes the rank's receives of phase J (the rank does not post them),
+then waits for the rank to reach this phase, then for the rank's previous actor of chain C
+to be done, and then sends this phase's messages one after another (the rank goes on at
+once). Each phase has mailboxes of its own, so that messages of two phases between one
+pair never match each other's receives. ``hosts[rank]``
 indexes the platform's hosts in natural order of their names (``node-2`` before ``node-10``).
 
 The result: ``ends[m][k]``, the latest time any rank finished its part of phase k of
@@ -96,9 +103,11 @@ def _children_cpu() -> float:
 
 def _rank_steps(programs: list, ranks: int) -> list[list[list[tuple]]]:
     """``steps[rank][program]``: (phase index, work seconds, sends [(dst, bytes)], receives
-    [src], send wait, receive wait, early, floor, fifo) of each phase ``rank`` takes part in, in order;
-    ``early``: the later phases (index, [src]) whose receives it posts after this phase's
-    (their ``post_at`` is this phase or one before it that ``rank`` has no part in)."""
+    [src], send wait, receive wait, early, floor, fifo, relay) of each phase ``rank`` takes part in, in
+    order; ``early``: the later phases (index, [src]) whose receives it posts after this phase's
+    (their ``post_at`` is this phase or one before it that ``rank`` has no part in); ``relay``:
+    None, or (phase J, [src] of J, chain) where this rank's sends forward its receives of phase J
+    (which its step of J then leaves out)."""
     steps = [[[] for _ in programs] for _ in range(ranks)]
     for index, phases in enumerate(programs):
         for k, phase in enumerate(phases):
@@ -113,9 +122,17 @@ def _rank_steps(programs: list, ranks: int) -> list[list[list[tuple]]]:
             for rank in sorted(set(work) | set(sends) | set(recvs) | set(floor)):
                 steps[rank][index].append([k, work.get(rank, 0.0), sends.get(rank, []), recvs.get(rank, []),
                                            phase.get("send_wait"), phase.get("recv_wait"), [],
-                                           floor.get(rank, 0.0), bool(phase.get("fifo"))])
+                                           floor.get(rank, 0.0), bool(phase.get("fifo")), None])
         for rank in range(ranks):
             mine = steps[rank][index]
+            at = {step[0]: step for step in mine}
+            for step in mine:
+                relay = phases[step[0]].get("relay")
+                source = at.get(relay) if relay is not None else None
+                if step[2] and source is not None and source[3]:
+                    step[9] = (relay, source[3], phases[step[0]].get("chain"))
+                    source[3] = []
+            mine = [step for step in mine if step[1] or step[2] or step[3] or step[7]]
             for later in mine:
                 post_at = programs[index][later[0]].get("post_at")
                 if post_at is None or not later[3]:
@@ -146,12 +163,13 @@ def _simulate(plan: dict) -> dict:
     programs, sequence = plan["programs"], plan["sequence"]
     ends: list[list[float | None]] = [[None] * len(programs[index]) for index in sequence]
     errors: list[str] = []
-    boxes: dict[tuple[int, int], object] = {}
+    boxes: dict[tuple[int, int, int, int], object] = {}
 
-    def box(src: int, dst: int):
-        key = (src, dst)
+    def box(src: int, dst: int, index: int, k: int):
+        """The mailbox of ``src``'s messages to ``dst`` in phase k of program ``index``."""
+        key = (src, dst, index, k)
         if key not in boxes:
-            boxes[key] = sg.Mailbox.by_name(f"{src}>{dst}")
+            boxes[key] = sg.Mailbox.by_name(f"{src}>{dst}@{index}.{k}")
         return boxes[key]
 
     def record(m: int, k: int, t: float) -> None:
@@ -173,16 +191,38 @@ def _simulate(plan: dict) -> dict:
         mailbox.put(None, nbytes)
         record(m, k, sg.Engine.clock)
 
+    def relay_sender(m: int, index: int, rank: int, k: int, relay: tuple, reached, before, sends: list) -> None:
+        j, sources, _ = relay
+        gets = [box(src, rank, index, j).get_async() for src in sources]
+        comms = [comm for comm, _ in gets]
+        sg.Comm.wait_all(comms)
+        record(m, j, max(comm.finish_time for comm in comms))
+        reached.acquire()
+        if before is not None:
+            before.join()
+        for dst, n in sends:
+            box(rank, dst, index, k).put(None, n)
+        record(m, k, sg.Engine.clock)
+
     def rank_main(rank: int, steps: list) -> None:
         try:
             host = sg.this_actor.get_host()
             speed = host.speed
             last_on: dict[int, object] = {}  # dst -> the latest fifo sender to it
+            last_of: dict[str, object] = {}  # chain -> the latest relay sender of it
             for m, index in enumerate(sequence):
                 pending: list[tuple] = []  # (wait before phase, phase, comms)
                 held: list = []  # the receives' data handles, until their comms are done
                 early: dict[int, list] = {}  # phase -> its receives, posted with an earlier phase
-                for k, work, sends, recvs, send_wait, recv_wait, posts, floor, fifo in steps[index]:
+                relays: dict[int, tuple] = {}  # phase -> (its relay sender, the semaphore it waits on)
+                for k, _, sends, _, _, _, _, _, _, relay in steps[index]:
+                    if relay is not None:
+                        reached = sg.Semaphore(0)
+                        actor = sg.Actor.create(f"rank-{rank}-relay-{k}", host, relay_sender, m, index, rank, k,
+                                                relay, reached, last_of.get(relay[2]), sends)
+                        last_of[relay[2]] = actor
+                        relays[k] = (actor, reached)
+                for k, work, sends, recvs, send_wait, recv_wait, posts, floor, fifo, relay in steps[index]:
                     for due in [p for p in pending if p[0] != "end" and p[0] <= k]:
                         pending.remove(due)
                         finish(m, due[1], due[2])
@@ -192,19 +232,23 @@ def _simulate(plan: dict) -> dict:
                     posted = sg.Engine.clock
                     gets = early.pop(k, None)
                     if gets is None:
-                        gets = [box(src, rank).get_async() for src in recvs]  # (comm, data): keep both alive
+                        gets = [box(src, rank, index, k).get_async() for src in recvs]  # (comm, data): keep both
                     held.append(gets)
                     for later, sources in posts:  # then the receives of later phases posted with this one
-                        early[later] = [box(src, rank).get_async() for src in sources]
+                        early[later] = [box(src, rank, index, later).get_async() for src in sources]
                         held.append(early[later])
-                    if fifo:
+                    if relay is not None:
+                        actor, reached = relays[k]
+                        reached.release()
+                        puts = [actor]
+                    elif fifo:
                         puts = []
                         for dst, n in sends:
                             last_on[dst] = sg.Actor.create(f"rank-{rank}>{dst}", host, fifo_sender, m, k,
-                                                           last_on.get(dst), box(rank, dst), n)
+                                                           last_on.get(dst), box(rank, dst, index, k), n)
                             puts.append(last_on[dst])
                     else:
-                        puts = [box(rank, dst).put_async(None, n) for dst, n in sends]
+                        puts = [box(rank, dst, index, k).put_async(None, n) for dst, n in sends]
                     now = []
                     for comms, wait in (([comm for comm, _ in gets], recv_wait), (puts, send_wait)):
                         if comms and wait is None:

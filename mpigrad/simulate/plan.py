@@ -55,7 +55,10 @@ class Phase:
     the receivers post their receives (as MPI queues a message that comes before its
     receive is posted), else they post them at this phase. ``fifo``: each message goes
     after its sender's earlier fifo messages to the same receiver are through (one
-    connection's order: ``engine.py``)."""
+    connection's order: ``engine.py``). ``relay``: an earlier phase; a rank that receives in
+    it and sends in this one forwards what it received: its sends go once those receives are
+    in, it has reached this phase and its earlier relays of this kind have gone, while the
+    rank goes on (``engine.py``)."""
 
     name: str
     work: dict[int, float] = field(default_factory=dict)
@@ -65,6 +68,7 @@ class Phase:
     post_with: str | None = None
     floor: dict[int, float] = field(default_factory=dict)
     fifo: bool = False
+    relay: str | None = None
 
     @property
     def kind(self) -> str:
@@ -103,6 +107,7 @@ class Program:
                  "messages": [list(m) for m in phase.messages if m[2] > 0],
                  "send_wait": wait(phase.send_wait, k), "recv_wait": wait(phase.recv_wait, k),
                  "post_at": earlier(phase.post_with, k), **({"fifo": True} if phase.fifo else {}),
+                 **({"relay": earlier(phase.relay, k), "chain": phase.kind} if phase.relay else {}),
                  **({"floor": {str(r): t for r, t in phase.floor.items()}} if phase.floor else {})}
                 for k, phase in enumerate(self.phases)]
 
@@ -178,29 +183,47 @@ def mpigrad_phases(traffic: IterationTraffic, ranks_per_node: int, compute: floa
     return Program(phases, order)
 
 
-def pipelined_phases(traffic: PipelinedTraffic, forward: float, rest: float) -> Program:
-    """mpigrad's pipelined iteration (``--pipeline``, colocated servers, the flat exchange:
-    ``runtime/exchange/pipeline.py``) of ``traffic``, as ``LinkModel.pipelined`` charges it:
-    ``forward`` seconds of forward pass on every worker, its loss report to rank 0 (eager),
-    the Control (ahead: sent as the iteration starts; else once rank 0 has every loss),
-    waited for only before a worker's first frame; then backward bucket by bucket, worker w
-    working until ``traffic.ready[w][b]`` after its backward began and then posting its frame
-    of bucket b to the bucket's shard (waited for at the iteration's end), so that the frames
-    cross the network while backward goes on; after its backward, each server in bucket order
-    waits for the frames of its bucket b and sends its average to the other workers (their
-    receives posted with the losses); last, with every average in, the ``rest`` of the local
-    work. A rank's frames and averages to one rank go in bucket order, one after another
-    (``Phase.fifo``: a connection's order, where concurrent flows would share it and end
-    together). One phase per bucket, named ``backward:b``, ``gradients:b``, ``broadcast:b``
-    (:attr:`Phase.kind` folds them in the breakdown, taken in this order)."""
+def pipelined_phases(traffic: PipelinedTraffic, forward: float, rest: float, ranks_per_node: int = 1) -> Program:
+    """mpigrad's pipelined iteration (``--pipeline``, colocated servers) of ``traffic``, as
+    ``LinkModel.pipelined`` charges it: ``forward`` seconds of forward pass on every worker,
+    its loss report to rank 0 (eager), the Control (ahead: sent as the iteration starts; else
+    once rank 0 has every loss), waited for only before a worker's first message; then
+    backward bucket by bucket, worker w working until ``traffic.ready[w][b]`` after its
+    backward began and then posting bucket b's message, so that the exchange crosses the
+    network while backward goes on; the ``rest`` of the local work last, once every average
+    is in. A rank's messages to one rank go in bucket order, one after another (``Phase.fifo``,
+    a relay's own order: a connection's, where concurrent flows would share it and end
+    together). One phase per bucket and step, ``backward:b``, ``gradients:b``, ... folded by
+    :attr:`Phase.kind` in the breakdown, taken in this order.
+
+    The flat exchange (``runtime/exchange/pipeline.py``): bucket b's frame to the bucket's
+    shard s; after its backward, each server in bucket order waits for its bucket's frames and
+    sends the average to the other workers. The hierarchical one (``traffic.intra``, on nodes
+    of ``ranks_per_node``: ``runtime/exchange/hierarchical_pipeline.py``), bucket b of shard s
+    being slice i = s mod L's: each worker's part (``intra[b]`` bytes) to its node's local rank
+    i (``intra_reduce:b``); that owner's frame to s once the node's parts are in and its own
+    bucket is made (``gradients:b``, relayed: ``Phase.relay``); after backward, s's average to
+    the other owners (``broadcast:b``) and each owner's all-gather of it to its node's others
+    once it holds it (``intra_gather:b``, relayed)."""
     P = traffic.workers
     B = len(traffic.ready[0]) if P else 0
+    L = ranks_per_node
+    hierarchical = bool(traffic.intra)
+    if hierarchical and (L < 2 or P % L):
+        raise ValueError(f"a pipelined hierarchical iteration of {P} workers on nodes of {L}")
     worker = lambda w: w + 1  # noqa: E731  (colocated: worker w at rank w + 1 serves shard w)
     workers = [worker(w) for w in range(P)]
-    if traffic.intra:
-        raise ValueError("a pipelined hierarchical iteration (traffic.intra) is not laid out as phases")
     shard = [next((s for s in range(P) if traffic.bcast[s][b] or any(traffic.frames[s][b])), 0) for b in range(B)]
-    control = Phase("control", messages=[(0, r, traffic.control_bytes) for r in workers], recv_wait="gradients:0")
+
+    def owners(b: int) -> list[int]:
+        """The workers that hold bucket b's node means: its slice's local rank on each node."""
+        return [w for w in range(P) if w % L == shard[b] % L] if hierarchical else list(range(P))
+
+    def node_of(w: int) -> list[int]:
+        return [v for v in range(P) if v // L == w // L and v != w]
+
+    first = "intra_reduce:0" if hierarchical else "gradients:0"
+    control = Phase("control", messages=[(0, r, traffic.control_bytes) for r in workers], recv_wait=first)
     phases = []
     if traffic.ahead:
         control.send_wait = "losses"
@@ -213,14 +236,23 @@ def pipelined_phases(traffic: PipelinedTraffic, forward: float, rest: float) -> 
         s = shard[b]
         phases.append(Phase(f"backward:{b}", work={worker(w): traffic.ready[w][b] - (traffic.ready[w][b - 1] if b else 0.0)
                                                   for w in range(P)}))
+        if hierarchical:
+            parts = [(worker(v), worker(o), traffic.intra[b]) for o in owners(b) for v in node_of(o)]
+            phases.append(Phase(f"intra_reduce:{b}", messages=parts, send_wait="end", recv_wait=f"broadcast:{b}",
+                                post_with="losses", fifo=True))
         phases.append(Phase(f"gradients:{b}", messages=[(worker(w), worker(s), traffic.frames[s][b][w])
-                                                        for w in range(P) if w != s],
-                            send_wait="end", recv_wait=f"broadcast:{b}", post_with="losses", fifo=True))
+                                                        for w in owners(b) if w != s],
+                            send_wait="end", recv_wait=f"broadcast:{b}", post_with="losses", fifo=True,
+                            relay=f"intra_reduce:{b}" if hierarchical else None))
     for b in range(B):
         s = shard[b]
         phases.append(Phase(f"broadcast:{b}", messages=[(worker(s), worker(w), traffic.bcast[s][b])
-                                                        for w in range(P) if w != s],
+                                                        for w in owners(b) if w != s],
                             send_wait="end", recv_wait="local", post_with="losses", fifo=True))
+        if hierarchical:
+            gathers = [(worker(o), worker(v), traffic.intra[b]) for o in owners(b) for v in node_of(o)]
+            phases.append(Phase(f"intra_gather:{b}", messages=gathers, send_wait="end", recv_wait="local",
+                                post_with="losses", fifo=True, relay=f"broadcast:{b}"))
     phases.append(Phase("local", work={r: rest for r in workers}))
     return Program(phases, list(range(len(phases))))
 
@@ -424,7 +456,7 @@ def aggregate(program: Program, groups: Groups, tiny: float = 0.0, latency: floa
         if small > tiny and bandwidth:
             merged = bundle(merged, groups, small)
         phases.append(Phase(phase.name, work, [(a, b, n) for (a, b), n in merged.items()], phase.send_wait,
-                            phase.recv_wait, phase.post_with, floor, phase.fifo))
+                            phase.recv_wait, phase.post_with, floor, phase.fifo, phase.relay))
     return Program(phases, program.order)
 
 

@@ -64,7 +64,7 @@ class Iteration:
     def program(self, ranks_per_node: int) -> Program:
         """This iteration's phases on nodes of ``ranks_per_node`` workers."""
         if self.pipelined is not None:
-            return pipelined_phases(self.pipelined, self.forward, self.rest)
+            return pipelined_phases(self.pipelined, self.forward, self.rest, ranks_per_node)
         return mpigrad_phases(self.traffic, ranks_per_node, self.compute, self.rest)
 
 
@@ -263,6 +263,9 @@ def simulate(iterations: Sequence[Iteration], platform: Platform, *, label: str,
     if clock:
         mean_clock = {key: weighted_mean([c[key] for c in clock], weights) for key in clock[0]}
     mode = replay_mode(replay, len(placement.host))
+    if mode == "hosts" and any(it.pipelined is not None and it.pipelined.intra for it in iterations):
+        raise UsageError("the hosts' replay does not take a pipelined hierarchical run (its slice owners forward "
+                         "what their node sent them): give --replay exact")
     check_simgrid()
     with tempfile.TemporaryDirectory(prefix="mpigrad-simulate-") as folder:
         result, version = _run("mpigrad", label, ours, placement, platform, model, folder, mean_clock, mode,

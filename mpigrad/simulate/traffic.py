@@ -264,9 +264,8 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     spread evenly over the run, its first and last among them). UsageError (one line) for a
     trace that is not complete, not of ``mpigrad train``, or of a run whose messages the trace
     does not keep apart (a two-round codec's rounds are rebuilt from its config:
-    :func:`_two_rounds_of`), a pipelined run whose trace keeps no buckets table, and a
-    pipelined hierarchical run (not simulated yet). A pipelined row keeps its buckets
-    (``TraceIteration.pipelined``)."""
+    :func:`_two_rounds_of`), and a pipelined run whose trace keeps no buckets table. A
+    pipelined row keeps its buckets (``TraceIteration.pipelined``)."""
     from ..analysis.labels import flat_config
     from ..analysis.retime import codec_two_rounds, local_costs, recorded_buckets, recorded_traffic, retime_refusal
 
@@ -276,10 +275,6 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
     raw = _read_complete(path, "only a complete run is simulated")
     config = raw.attrs.get("config")
     pipelined = isinstance(config, dict) and bool(config.get("pipeline"))
-    if pipelined and config.get("exchange") == "hierarchical":
-        raise UsageError(f"{path}: a pipelined hierarchical run is not simulated yet: its frames leave from "
-                         "backward's hooks as the node's parts come in, which the replay's one actor per rank "
-                         "does not take (mpigrad trace retime charges it)")
     reason = retime_refusal(config, rounds_rebuilt=True, buckets_recorded="buckets" in raw.arrays)
     if reason and "reads the clock" not in reason:  # a replay keeps the run's bits: that one does not matter
         raise UsageError(f"{path}: {reason}")
@@ -293,7 +288,7 @@ def trace_iterations(path: str | os.PathLike, count: int, spread: bool = False) 
         traffic = recorded_traffic(path, raw, colocated=colocated, slice_bytes=slice_bytes or ())
         compute_time = config.get("compute_time")
         local = local_costs(path, raw.attrs, compute_time, None)
-        buckets = recorded_buckets(path, raw, hierarchical=False) if pipelined else None
+        buckets = recorded_buckets(path, raw, hierarchical=hierarchical) if pipelined else None
     except TraceError as exc:
         raise UsageError(str(exc)) from None
     steps = raw.arrays["steps"]
