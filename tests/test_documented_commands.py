@@ -94,6 +94,9 @@ EXCLUDED = [
                                "bytes a run records (tests/test_retime.py re-times real runs)"),
     (r"^mpigrad simulate \S+\.h5", "replays a recorded run's trace, which the docs' placeholders are not "
                                    "(tests/test_simulate.py replays real runs)"),
+    (r"^mpiexec -n 17 .*--trace runs/nodes/4x4\.h5$", "17 ranks, half a minute of a 2-core machine's CPUs for its "
+                                                     "start-up alone (tests/test_hierarchical.py runs 2 x 2 under "
+                                                     "MPICH and Open MPI)"),
     (r"^python examples/scale/run\.py", "the map at scale: 270 SimGrid simulations, about 42 minutes "
                                         "(tests/test_simulate.py simulates each layout and the peers)"),
 ]

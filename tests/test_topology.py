@@ -201,6 +201,24 @@ def test_slurm_against_a_declared_L_wants_rank_0s_slot_on_node_0():
     assert slurm_nodes_notes(config, 9, Topology(8, 4, "mpi"), environ={"SLURM_TASKS_PER_NODE": "3(x3)"}) == []
 
 
+def test_a_launch_checks_a_declared_L_against_slurm_and_the_cores(monkeypatch, tmp_path):
+    """The launch's checks (preflight) add Slurm's note for a declared L, as --check and the
+    doctor do; nodes that MPI found, of more workers than this machine's cores, get a note."""
+    from mpigrad.runtime.run.preflight import _launch_problem
+
+    config = colocated(ranks_per_node=4, trace=str(tmp_path / "run.h5"))
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "3(x3)")
+    message, (topology, exchange, notes) = _launch_problem(config, 9)
+    assert message is None and (topology.ranks_per_node, exchange) == (4, "hierarchical")
+    assert [note for note in notes if note.startswith("note: --ranks-per-node 4 wants 5,4 tasks per node")], notes
+    monkeypatch.delenv("SLURM_TASKS_PER_NODE")
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    auto = colocated(ranks_per_node="auto")
+    notes = resolve_topology(auto, 9, [0] * 5 + [1] * 4)[2]
+    assert "note: 4 workers per node, more than this machine's 2 cores: the modelled nodes share them" in notes[0]
+    assert not [n for n in resolve_topology(auto, 5, [0, 0, 0, 1, 1])[2] if "cores" in n]
+
+
 def test_slurm_says_what_auto_would_find_at_launch():
     auto = colocated(ranks_per_node="auto")
     assert slurm_nodes_notes(auto, 9, environ={"SLURM_TASKS_PER_NODE": "5,4"}) == [

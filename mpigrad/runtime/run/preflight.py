@@ -25,6 +25,7 @@ from ..measure import checkpoint
 from ..plan.checks import check_world
 from ..plan.environment import check_world_size
 from ..plan.gpu import workers_device
+from ..plan.nodes import slurm_nodes_notes
 from ..plan.topology import mpi_nodes, resolve_topology
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def check_launch(config, comm: MPI.Comm, model=None) -> None:
     model and data. Resolves the run's nodes (:func:`..plan.topology.resolve_topology`):
     on every rank ``config.ranks_per_node`` and ``config.exchange`` then hold the resolved
     values and ``config.topology`` the :class:`~..plan.topology.Topology`; rank 0 prints its
-    notes."""
+    notes, and those of a declared L against Slurm's tasks per node (``slurm_nodes_notes``)."""
     nodes = mpi_nodes(comm)
     message = resolved = None
     if comm.Get_rank() == 0:
@@ -113,7 +114,8 @@ def _launch_problem(config, size: int, model=None, nodes=None) -> tuple[str | No
     try:
         check_world_size(size)  # first: a PMI mismatch under srun also shows as size 1
         check_world(config, size, script=script)
-        resolved = resolve_topology(config, size, nodes)
+        topology, exchange, notes = resolve_topology(config, size, nodes)
+        resolved = (topology, exchange, notes + slurm_nodes_notes(config, size, topology))
         check_thread_level(config, MPI.Query_thread())
         if model is None:
             dataset = load_data(config)
