@@ -1,6 +1,7 @@
 """PowerSGD's two rounds on the hierarchical exchange (issue 62): each node's local rank j
 computes the factors of its slice's whole layers from its node's mean, the rounds run among
-the workers of local rank j, and the all-gather brings the node's other layers.
+the workers of local rank j, and the all-gather brings the node's other layers. With menus
+(``ranks``/``widths``) and ``--policy lgreco`` each worker measures its slice's layers.
 
 Mean-linear as PowerSGD is (the average P is (mean M) Q, the error memories' mean follows
 the same recurrence whether kept per worker or per node), the hierarchical run with float32
@@ -29,7 +30,7 @@ def _run(tmp_path, name, **options):
     assert not errors, errors
     assert codes[0] == 0
     trace = load(config.trace)
-    assert trace.complete and len(trace.steps) == 6
+    assert trace.complete and len(trace.steps) == config.iterations
     return trace, config
 
 
@@ -101,19 +102,64 @@ def test_the_slices_inside_a_node_are_charged_once_per_iteration(runs):
     np.testing.assert_allclose(steps["t_intra"], expected, rtol=1e-12)
 
 
+MENUS = dict(codec_opts={"rank": 2, "ranks": [1, 2, 4], "widths": [2, 4, 8], "start": 1}, policy="lgreco",
+             policy_opts={"interval": 3}, min_quantize_size=None, iterations=10)
+
+
+def test_lgreco_chooses_each_layers_setting_on_the_hierarchical_exchange(tmp_path, monkeypatch):
+    """PowerSGD's menus with ``--policy lgreco`` on 2 x 2: each worker measures the setting
+    errors of its slice's layers alone (on its node's M, the matrix that crosses the NIC),
+    rank 0 averages each layer over the nodes and the policy decides from that mean; the
+    settings move (widths and other ranks), every replica agrees every iteration, and the NIC
+    carries about half the flat exchange's bytes."""
+    from mpigrad.runtime.exchange.lowrank import LowRank
+
+    measured, real = [], LowRank.setting_errors
+
+    def recording(self):
+        errors = real(self)
+        measured.append((self.owned, errors.copy()))
+        return errors
+
+    monkeypatch.setattr(LowRank, "setting_errors", recording)
+    hierarchical, config = _run(tmp_path, "lgreco", ranks_per_node=2, exchange="hierarchical", **MENUS)
+    settings = hierarchical.steps.filter(like="setting_layers").to_numpy()
+    assert (settings[:2] == 2).all() and len({tuple(row) for row in settings}) > 2
+    assert (settings < 0).any() and (settings == 1).any()
+    first = measured[:4]  # iteration 1's four workers, before the decision of iteration 2
+    layers = settings.shape[1]
+    for layer in range(layers):
+        owners = [errors[layer] for owned, errors in first if layer in owned]
+        assert len(owners) == 2  # one worker per node: the slice's local rank
+        assert not any(errors[layer].any() for owned, errors in first if layer not in owned)
+        decided = hierarchical.policy[(hierarchical.policy["iteration"] == 2) & (hierarchical.policy["layer"] == layer)]
+        np.testing.assert_allclose(decided.filter(regex="^error_").to_numpy()[0], np.mean(owners, axis=0), rtol=1e-12)
+    frames = hierarchical.array("servers", "frame_bytes")
+    assert all((frames[1:, s, w] == 0).all() for s in range(4) for w in range(4) if w % 2 != s % 2)
+    monkeypatch.setattr(LowRank, "setting_errors", real)
+    flat, _ = _run(tmp_path, "lgreco-flat", ranks_per_node=2, exchange="flat", **MENUS)
+    ratio = hierarchical.steps["bytes_nic"].iloc[1:] / flat.steps["bytes_nic"].iloc[1:]
+    assert ((ratio > 0.4) & (ratio < 0.6)).all(), ratio.tolist()
+
+
 @pytest.mark.each_mpi
 def test_powersgd_on_two_nodes_of_two_under_mpi(tmp_path, mpi_env):
-    """A launched 2 x 2 PowerSGD run: auto takes the hierarchical exchange for it, every
-    replica agrees every iteration, and the NICs carry factor frames of the slices only."""
+    """A launched 2 x 2 PowerSGD run with menus and ``--policy lgreco``: auto takes the
+    hierarchical exchange for it, every replica agrees every iteration, the policy moves the
+    settings, and the NICs carry factor frames of the slices only."""
     trace_path = tmp_path / "run.h5"
     result = run_mpi(5, ["train", "--servers", "colocated", "--ranks-per-node", "2", "--codec", "powersgd",
-                         "--policy", "fixed", "--codec-opt", "start=2", "--codec-opt", "factor_bits=8",
+                         "--policy", "lgreco", "--policy-opt", "interval=2", "--codec-opt", "start=2",
+                         "--codec-opt", "factor_bits=8", "--codec-opt", "rank=2", "--codec-opt", "ranks=1,2,4", "--codec-opt",
+                         "widths=2,4,8",
                          "--iterations", "6", "--batch-size", "8", "--checksum-every", "1", "--trace",
                          str(trace_path), "--model-opt", "fc_sizes=[256,256]", "--eval-every", "10"], mpi_env)
     assert result.returncode == 0, result.stderr + result.stdout[-2000:]
     assert "exchange: hierarchical" in result.stdout
     trace = load(trace_path)
     assert trace.complete and len(trace.steps) == 6 and trace.config["exchange"] == "hierarchical"
+    settings = trace.steps.filter(like="setting_layers").to_numpy()
+    assert (settings[:3] == 2).all() and len({tuple(row) for row in settings}) > 1, settings.tolist()
     frames = trace.array("servers", "frame_bytes")
     assert all((frames[:, s, w] == 0).all() for s in range(4) for w in range(4) if w % 2 != s % 2)
     assert (trace.steps["bytes_nic"] > 0).all() and (trace.steps["bytes_intra"] > 0).all()

@@ -68,9 +68,6 @@ def test_what_cannot_be_is_refused_in_one_line():
         with pytest.raises(UsageError, match=pattern) as caught:
             resolve_topology(config, size)
         assert "\n" not in str(caught.value)
-    menus = dict(codec="powersgd", codec_opts={"ranks": [1, 2]})
-    with pytest.raises(UsageError, match=r"PowerSGD's per-layer settings .*use --exchange flat"):
-        resolve_topology(colocated(ranks_per_node=2, exchange="hierarchical", **menus), 5)
 
 
 def test_the_exchange_auto_and_hierarchical_resolve_to():
@@ -84,10 +81,9 @@ def test_the_exchange_auto_and_hierarchical_resolve_to():
     assert resolve_topology(colocated(ranks_per_node=2, codec="powersgd", shard_chunk=1000), 5)[2] == [
         "note: --shard-chunk 1000 is not used: PowerSGD on the hierarchical exchange keeps whole layers in its "
         "shards (a slice's matrices are its local rank's)"]
-    _, exchange, notes = resolve_topology(colocated(ranks_per_node=2, codec="powersgd",
-                                                    codec_opts={"ranks": [1, 2]}), 5)
-    assert exchange == "flat" and notes == ["note: nodes of several workers, flat exchange (the hierarchical one does "
-                                            "not run with PowerSGD's per-layer settings yet)"]
+    menus = dict(codec="powersgd", codec_opts={"ranks": [1, 2]})  # PowerSGD's per-layer settings too
+    assert resolve_topology(colocated(ranks_per_node=2, **menus), 5)[1:] == ("hierarchical", [])
+    assert resolve_topology(colocated(ranks_per_node=2, exchange="hierarchical", **menus), 5)[1:] == ("hierarchical", [])
     _, exchange, notes = resolve_topology(colocated(exchange="hierarchical"), 5)
     assert (exchange, notes) == ("flat", ["note: --exchange hierarchical with one worker per node is the flat exchange"])
 

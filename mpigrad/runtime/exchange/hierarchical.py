@@ -27,16 +27,16 @@ layers (``build.shard_chunks``), so slice j is whole matrices; local rank j comp
 factors of its slice's layers from its node's mean M_k = (node mean of g) + e_k (the error
 memory its own, over those layers), the two rounds run within local rank j as above, it
 writes P^ Q^T for its layers, and the all-gather brings the node's other slices. With a
-lossy ``--intra-codec`` the memory is M_k - P^ Q^T before the all-gather's rounding.
+lossy ``--intra-codec`` the memory is M_k - P^ Q^T before the all-gather's rounding. With
+PowerSGD's menus (``ranks``/``widths``, ``--policy lgreco``) local rank j measures the
+setting errors of its slice's layers on M_k, and rank 0 averages each layer over the nodes.
 
 The pipelined iteration (``--pipeline``) of this exchange is :mod:`.hierarchical_pipeline`'s
 (bucket by bucket, the same float operations). Workers on GPUs run it with their codecs on
 the host (``device.exchange_host_reason``: the gradient copied out and the update back, as
 the host path does); ``auto`` takes the flat exchange for them (the device path where the
-codecs have kernels). Not built yet: PowerSGD's per-layer settings (menus; refused by
-:func:`..plan.topology.resolve_topology`, whose ``auto`` takes the flat exchange for them),
-and the pipelined iteration on GPUs (refused there, and by the worker for an in-process
-run). The cost model charges each worker its slice's local work
+codecs have kernels). Not built yet: the pipelined iteration on GPUs (refused by
+:func:`..plan.topology.resolve_topology`, and by the worker for an in-process run). The cost model charges each worker its slice's local work
 (``costmodel.LocalWork``'s ``slices``).
 """
 

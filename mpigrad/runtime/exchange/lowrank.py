@@ -60,7 +60,9 @@ every setting of the menu on their own M_i (``setting_errors``), for the policy:
 r's is the squared error of the rank-r approximation the codec would send from the current
 Q, one power iteration (||M_i||^2 - ||M_i^T P||^2, P = orth(M_i Q[:, :r]), float32 factors),
 a width b's that of ``uniform`` at b bits over the layer. Rank 0 averages them over the
-workers (``setting_sizes``: each setting's bytes on the wire, from the layout).
+workers (``setting_sizes``: each setting's bytes on the wire, from the layout). On the
+hierarchical exchange a worker measures only its slice's layers, on its node's M_k (the
+matrix that crosses the NIC), and rank 0 averages each layer over the nodes.
 """
 
 from __future__ import annotations
@@ -389,10 +391,13 @@ class LowRank:
 
     def setting_errors(self) -> np.ndarray:
         """Worker, after a compressed iteration: layers x ``codec.menu``, the squared error of
-        this worker's M_i at each setting (module docstring), float64."""
+        this worker's M_i at each setting (module docstring), float64; 0 for a layer it does
+        not own (``own``: a hierarchical worker measures its slice's layers, on its node's M)."""
         codec, menu = self.codec, self.codec.menu
         errors = np.zeros((len(self.shapes), len(menu)))
         for layer, (offset, n, m, _) in enumerate(self.shapes):
+            if not self._owns(layer):
+                continue
             flat = self.matrix[offset:offset + n * m]
             matrix = torch.from_numpy(flat).view(n, m)
             energy = float(np.dot(flat.astype(np.float64), flat.astype(np.float64)))

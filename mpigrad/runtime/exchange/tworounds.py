@@ -222,7 +222,8 @@ class LowRankShardServer(Around):
 class LowRankRank0(Around):
     """Rank 0's two rounds: its factor layouts (for the frames' sizes) and, where it serves
     shard 0, that shard's aggregators; the plan it checks the policy's settings against;
-    the workers' setting errors (``setting_errors``, for the policy's next decision)."""
+    the workers' setting errors (``setting_errors``, for the policy's next decision: each
+    layer's mean over the workers that measured it)."""
 
     def __init__(self, inner: Way, parts: Rank0Parts):
         self.parts, self.control_msg = parts, parts.control
@@ -244,6 +245,15 @@ class LowRankRank0(Around):
         #: Whether worker w sends shard s factor frames: every worker, or (hierarchical) the workers of s's local rank.
         L = len(self.slice_bytes) or 1
         self.sends = [[L == 1 or w % L == s % L for w in range(workers)] for s in range(parts.channel.servers)]
+        #: Per low-rank layer, how many workers measure its setting errors (hierarchical: the
+        #: workers of its slice's local rank, one per node; None: every worker).
+        self.measured_by = None
+        if self.mixed and L > 1:
+            self.measured_by = np.zeros((n_layers, 1))
+            for s, shard in enumerate(lowrank.shards):
+                for piece in shard.pieces:
+                    if piece.quantized:
+                        self.measured_by[piece.layer] += sum(self.sends[s])
 
     def _serves(self, m: int) -> bool:
         """True when iteration m is two rounds' and rank 0 serves shard 0 in it."""
@@ -305,7 +315,7 @@ class LowRankRank0(Around):
             total = self.setting_rows[0].copy()
             for row in self.setting_rows[1:]:
                 total += row
-            self.setting_errors = total / len(self.setting_rows)
+            self.setting_errors = total / (len(self.setting_rows) if self.measured_by is None else self.measured_by)
         if self._serves(m):
             self.factor_bytes = (self.inner.frame_bytes, self.frame_bytes2)
         else:  # the factor frames' sizes are the layout's

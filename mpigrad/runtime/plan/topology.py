@@ -133,8 +133,7 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
     ``nodes``: MPI's node of each rank (:func:`mpi_nodes`; None where there is no MPI, as for
     ``mpigrad train --check``). UsageError (one line) for nodes that cannot be: L that does
     not divide the workers, ``auto`` without MPI or on uneven nodes, ``--exchange
-    hierarchical`` on one node or with PowerSGD's per-layer settings (``ranks``/``widths``
-    menus), which it does not run yet."""
+    hierarchical`` on one node."""
     workers = size - config.non_worker_ranks()
     notes: list[str] = []
     declared = config.ranks_per_node
@@ -160,15 +159,11 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
     if declared == AUTO:  # the config's own refusals of nodes, now that L is known
         config.check_nodes(L)
     on_gpu = workers_device(config) != "cpu"
-    per_layer = bool(getattr(base_codec(config), "mixed", False))
     exchange = config.exchange
     if exchange == "hierarchical":
         if topology.nodes == 1:
             raise UsageError(f"--exchange hierarchical on one node ({workers} workers, {L} per node): nothing "
                              "crosses a NIC; use --exchange flat, or declare nodes with --ranks-per-node")
-        if per_layer:
-            raise UsageError("--exchange hierarchical with PowerSGD's per-layer settings (--codec-opt ranks=/widths=) "
-                             "is not built yet: use --exchange flat, or one rank for every layer")
         if on_gpu and L > 1:
             if config.pipeline:
                 raise UsageError(f"--exchange hierarchical with --pipeline and --device {config.device} is not built "
@@ -181,16 +176,12 @@ def resolve_topology(config: RunConfig, size: int, nodes: Sequence[int] | None =
             notes.append("note: --exchange hierarchical with one worker per node is the flat exchange")
             exchange = "flat"
     elif exchange == AUTO:
-        hierarchical = config.colocated and L > 1 and topology.nodes > 1 and not per_layer and not on_gpu
+        hierarchical = config.colocated and L > 1 and topology.nodes > 1 and not on_gpu
         exchange = "hierarchical" if hierarchical else "flat"
         if L > 1 and not hierarchical and topology.nodes > 1:
-            if per_layer:
-                notes.append("note: nodes of several workers, flat exchange (the hierarchical one does not run with "
-                             "PowerSGD's per-layer settings yet)")
-            else:
-                notes.append("note: nodes of several workers on GPUs, flat exchange (the device path where the "
-                             "codecs have kernels; --exchange hierarchical puts about 1/L of its bytes on each NIC, "
-                             "its codecs on the host)")
+            notes.append("note: nodes of several workers on GPUs, flat exchange (the device path where the "
+                         "codecs have kernels; --exchange hierarchical puts about 1/L of its bytes on each NIC, "
+                         "its codecs on the host)")
         config.check_nodes(L, exchange)  # and now that the exchange is known
     cores = os.cpu_count() or 1
     if nodes is not None and L > cores:  # at launch: this machine's cores are the job's
