@@ -394,3 +394,32 @@ def test_retime_takes_the_nodes_on_its_command_line(runs, tmp_path, capsys):
                  "-o", str(out)]) == 0
     assert "nodes of 2 workers (inside: 1GB/s)" in capsys.readouterr().out
     assert load(out).config["intra_bandwidth"] == 1e9
+
+
+@pytest.mark.parametrize("options", [
+    dict(policy="adaptive", bits=4, policy_opts={"interval": 2}),
+    dict(policy="mqgrad", bits=4),
+    dict(policy="accordion", bits=4),
+    dict(policy="aimd", bits=4),
+    dict(policy="lgreco", codec="uniform", bits=4, policy_opts={"interval": 2}),
+    dict(policy="adaptive", bits=4, policy_opts={"interval": 2}, error_feedback="residual", intra_codec="bf16"),
+], ids=["adaptive", "mqgrad", "accordion", "aimd", "lgreco", "adaptive-residual-bf16"])
+def test_every_policy_chooses_the_bits_across_nodes(tmp_path, options):
+    """Each bit-choosing policy on 2 x 2 hierarchical (4 iterations: adaptive moves 4 -> 6
+    bits in them, the others keep their first choice): the Control's bits are what cross the
+    NICs (a row of fewer bits carries no more bytes), every replica agrees every iteration
+    (the checksums), and only the slices' frames cross the NICs."""
+    trace, _ = _run(tmp_path, options["policy"], ranks_per_node=2, exchange="hierarchical", checksum_every=1,
+                    **options)
+    assert trace.config["policy"] == options["policy"] and trace.checksums.shape[0] == 4
+    bits = trace.steps.filter(like="bits_layers").to_numpy()
+    assert ((bits >= 1) & (bits <= 32)).all()
+    frames = trace.array("servers", "frame_bytes")
+    assert all((frames[:, s, w] == 0).all() for s in range(4) for w in range(4) if w % 2 != s % 2)
+    nic = trace.steps["bytes_nic"].to_numpy()
+    if options["policy"] == "adaptive":
+        assert len(set(bits[:, 0])) > 1 and len(set(nic)) > 1
+    for a in range(4):
+        for b in range(4):
+            if (bits[a] <= bits[b]).all():
+                assert nic[a] <= nic[b] * 1.01, (a, b, bits.tolist(), nic.tolist())
