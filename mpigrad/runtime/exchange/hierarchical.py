@@ -36,8 +36,8 @@ The pipelined iteration (``--pipeline``) of this exchange is :mod:`.hierarchical
 the host (``device.exchange_host_reason``: the gradient copied out and the update back, as
 the host path does); ``auto`` takes the flat exchange for them (the device path where the
 codecs have kernels). Not built yet: the pipelined iteration on GPUs (refused by
-:func:`..plan.topology.resolve_topology`, and by the worker for an in-process run). The cost model charges each worker its slice's local work
-(``costmodel.LocalWork``'s ``slices``).
+:func:`..plan.topology.resolve_topology`, and by the worker for an in-process run). The
+cost model charges each worker its slice's local work (``costmodel.LocalWork``'s ``slices``).
 """
 
 from __future__ import annotations

@@ -245,15 +245,9 @@ class LowRankRank0(Around):
         #: Whether worker w sends shard s factor frames: every worker, or (hierarchical) the workers of s's local rank.
         L = len(self.slice_bytes) or 1
         self.sends = [[L == 1 or w % L == s % L for w in range(workers)] for s in range(parts.channel.servers)]
-        #: Per low-rank layer, how many workers measure its setting errors (hierarchical: the
-        #: workers of its slice's local rank, one per node; None: every worker).
-        self.measured_by = None
-        if self.mixed and L > 1:
-            self.measured_by = np.zeros((n_layers, 1))
-            for s, shard in enumerate(lowrank.shards):
-                for piece in shard.pieces:
-                    if piece.quantized:
-                        self.measured_by[piece.layer] += sum(self.sends[s])
+        #: How many workers measure each layer's setting errors: every worker, or (hierarchical)
+        #: one per node, of the local rank whose slice holds the layer.
+        self.measured_by = workers // L
 
     def _serves(self, m: int) -> bool:
         """True when iteration m is two rounds' and rank 0 serves shard 0 in it."""
@@ -315,7 +309,7 @@ class LowRankRank0(Around):
             total = self.setting_rows[0].copy()
             for row in self.setting_rows[1:]:
                 total += row
-            self.setting_errors = total / (len(self.setting_rows) if self.measured_by is None else self.measured_by)
+            self.setting_errors = total / self.measured_by
         if self._serves(m):
             self.factor_bytes = (self.inner.frame_bytes, self.frame_bytes2)
         else:  # the factor frames' sizes are the layout's
