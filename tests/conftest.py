@@ -253,11 +253,16 @@ WHOLE_MACHINE = ("lab", "slurm", "serial")
 
 #: Markers of the tests the quick tier (``-m quick``) leaves out: real runs and minutes-long
 #: ones. It keeps every module's other tests and the real mpiexec runs marked ``quick``.
-NOT_QUICK = ("mpi", "slow", "lab", "slurm", "cuda")
+#: ``each_mpi`` is a real ``mpiexec`` run by its definition, whether or not its test also
+#: says ``mpi`` (four 2 x 2 runs of the hierarchical exchange said only ``each_mpi``, and ran
+#: in the quick tier).
+NOT_QUICK = ("mpi", "each_mpi", "slow", "lab", "slurm", "cuda")
 
 
 def _costly(item) -> bool:
-    return any(item.get_closest_marker(name) for name in NOT_QUICK)
+    """A test the quick tier leaves out: one of ``NOT_QUICK``'s markers, or the ``world_relay``
+    fixture (the command it runs starts real runs, as an example's run.py does)."""
+    return any(item.get_closest_marker(name) for name in NOT_QUICK) or "world_relay" in getattr(item, "fixturenames", ())
 
 
 def pytest_configure(config):
