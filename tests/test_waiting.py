@@ -5,10 +5,13 @@ the cores; the start-up line and the trace say which rank did which."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import SMALL_RUN, run_mpi
+from conftest import REPO, SMALL_RUN, mpiexec, run_mpi, world_pool
 from mpigrad.runtime.plan.environment import cores_for_each
 from mpigrad.runtime.wire import channel
 
@@ -60,3 +63,24 @@ def test_each_rank_waits_as_its_node_allows_and_the_trace_says_so(tmp_path, mpi_
     assert seen["auto"][0] == ({"spin": [0, 1], "sleep": []} if spins else {"spin": [], "sleep": [0, 1]})
     assert seen["sleep"] == ({"spin": [], "sleep": [0, 1]},
                              "waits: sleep-polling with back-off to 0.5 ms on every rank (--wait sleep: asked for)")
+
+
+@pytest.mark.mpi
+@pytest.mark.serial  # the spinning wait's CPU seconds are the machine's to give: measured alone
+def test_ranks_wait_for_a_busy_rank_0_asleep_not_spinning(mpi_env):
+    """``wire.mpi.bcast_asleep`` (a shared world's options check, a sweep's next line, the
+    launch checks): while rank 0 works 3 s, a waiting rank spends well under a tenth of that
+    in CPU, where MPICH's plain blocking bcast spins (the control, measured in the same run)."""
+    script, pool = REPO / "tests" / "wait_for_root.py", world_pool()
+    if pool is not None:
+        result = pool.run(3, {"script": str(script), "args": ["3"]}, timeout=120)
+    else:
+        result = subprocess.run(mpiexec(3, [sys.executable, "-m", "mpi4py", str(script), "3"]), env=mpi_env,
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    costs = [tuple(map(float, found)) for found in re.findall(r"asleep ([\d.]+) spinning ([\d.]+)", result.stdout)]
+    assert len(costs) == 2, result.stdout
+    for asleep, spinning in costs:
+        assert asleep < 0.3, costs
+        assert spinning > 2 * asleep, costs  # the control: a blocking wait here does cost CPU
+    print(costs)

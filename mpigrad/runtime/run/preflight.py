@@ -27,6 +27,7 @@ from ..plan.environment import check_world_size
 from ..plan.gpu import workers_device
 from ..plan.nodes import slurm_nodes_notes
 from ..plan.topology import mpi_nodes, resolve_topology
+from ..wire.mpi import bcast_asleep
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +44,8 @@ def check_launch(config, comm: MPI.Comm, model=None) -> None:
     message = resolved = None
     if comm.Get_rank() == 0:
         message, resolved = _launch_problem(config, comm.Get_size(), model, nodes)
-    message, resolved = comm.bcast((message, resolved), root=0)
+    message, resolved = bcast_asleep(comm, (message, resolved), config.timeout,
+                                     "rank 0 did not finish the launch checks")
     if message:
         raise UsageError(message)
     topology, exchange, notes = resolved

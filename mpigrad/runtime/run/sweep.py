@@ -98,12 +98,14 @@ def sweep_on(path: Path, comm, started: float | None = None) -> int:
     refused); UsageError where the file holds no runs."""
     started = time.monotonic() if started is None else started
     runs = read_runs(path)
-    from .world import train_in_world
+    from ..wire.mpi import bcast_asleep
+    from .world import CHECK_SECONDS, train_in_world
 
     rank = comm.Get_rank()
     refused = 0
     for index, (number, argv) in enumerate(runs, 1):
-        planned, why = comm.bcast(_planned(argv) if rank == 0 else None, root=0)
+        planned, why = bcast_asleep(comm, _planned(argv) if rank == 0 else None, CHECK_SECONDS,
+                                    "rank 0 did not read the next run's line")
         head = f"mpigrad sweep: run {index}/{len(runs)} (line {number})"
         if rank == 0:
             print(f"{head}: {why}" if why else f"{head}: {shlex.join(planned)}", flush=True)

@@ -39,6 +39,7 @@ from ...policies.base import POLICIES
 from ..exchange import build, warmup
 from ..plan import gpu
 from ..wire import channel
+from ..wire.mpi import barrier, bcast_asleep
 from ..plan.checks import check_options, check_trace
 from ..plan.environment import THREAD_VARIABLES
 from ..roles.stopping import STOP_SIGNALS
@@ -47,6 +48,10 @@ from .launch import EXIT_USAGE, config_from_args, run_on
 
 __all__ = ["ProcessState", "train_in_world", "train_parser"]
 
+
+#: How long the ranks of a shared world wait for rank 0's check of a run's options or of a
+#: sweep's next line (its trace read on a slow shared filesystem included).
+CHECK_SECONDS = 600.0
 
 #: The registries that admit plugin classes by spec (a run's ``--codec pkg.mod:Class``).
 _PLUGIN_REGISTRIES = (CODECS, POLICIES)
@@ -194,7 +199,8 @@ def train_in_world(argv: list[str], comm, started: float | None = None, log=prin
     then as it was before (:class:`ProcessState`)."""
     state = ProcessState.taken()
     try:
-        config, problem = comm.bcast(_refusal(argv) if comm.Get_rank() == 0 else None, root=0)
+        config, problem = bcast_asleep(comm, _refusal(argv) if comm.Get_rank() == 0 else None, CHECK_SECONDS,
+                                       "rank 0 did not check the run's options")
         if problem is not None:
             if comm.Get_rank() == 0:
                 print(f"mpigrad train: error: {problem}", file=sys.stderr, flush=True)
@@ -203,7 +209,9 @@ def train_in_world(argv: list[str], comm, started: float | None = None, log=prin
             for note in config.notes:
                 log(note)
         code = run_on(config, comm, ["mpigrad", "train", *argv], time.monotonic() if started is None else started)
-        comm.Barrier()  # every rank done with the run's files before the next run's checks
+        # Every rank done with the run's files before the next run's checks (asleep: rank 0
+        # closes the trace while the workers wait).
+        barrier(comm, config.timeout, "a rank did not finish the run")
         return code
     finally:
         state.restore()

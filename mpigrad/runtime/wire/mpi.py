@@ -69,6 +69,16 @@ def barrier(comm: MPI.Comm, timeout: float, what: str) -> None:
     _wait_all([comm.Ibarrier()], [None], timeout, lambda pending: what)
 
 
+def bcast_asleep(comm: MPI.Comm, value: Any, timeout: float, what: str, root: int = 0) -> Any:
+    """``comm.bcast(value, root)``, the other ranks waiting for the root asleep (``barrier``
+    first): MPICH's blocking bcast polls without sleeping, and where ranks outnumber cores the
+    waiting ranks take the core the root computes ``value`` on (a shared world's options
+    check, a run's launch checks; docs/runtime.rst, "How ranks wait", has the figures).
+    PeerTimeout ("{what} within {timeout} s") past the timeout."""
+    barrier(comm, timeout, what)
+    return comm.bcast(value, root=root)
+
+
 def check_error_reports(comm: MPI.Comm, role_of: Callable[[int], str]) -> None:
     """Rank 0: PeerFailed naming the rank (``role_of(rank)``: "worker", "server"), its
     iteration and its error when a peer sent an error report (message 8); nothing otherwise."""
