@@ -266,9 +266,14 @@ def _costly(item) -> bool:
 
 
 def pytest_configure(config):
-    """Under ``-n N`` (pytest-xdist), send each module's tests to one worker (``loadfile``: its
+    """With ``MPIGRAD_TEST_TIMELINE=DIR``, record the run's timeline (``tests/timeline.py``).
+    Under ``-n N`` (pytest-xdist), send each module's tests to one worker (``loadfile``: its
     module fixtures run once), in collection order (``pytest_collection_modifyitems``: the heaviest
     modules first), unless ``--dist`` names another way."""
+    if os.environ.get("MPIGRAD_TEST_TIMELINE"):  # where the run's time goes: tests/timeline.py
+        from timeline import Recorder
+        config.pluginmanager.register(Recorder(Path(os.environ["MPIGRAD_TEST_TIMELINE"]), WHOLE_MACHINE,
+                                               sample=not os.environ.get("PYTEST_XDIST_WORKER")), "mpigrad-timeline")
     if any(arg == "--dist" or arg.startswith("--dist=") for arg in map(str, config.invocation_params.args)):
         return
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "load":
