@@ -19,7 +19,8 @@ def _rows(path, rows):
 
 
 def test_the_report_shares_each_seconds_busy_cores_among_the_tests_running_in_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine reading it: the recording one's count wins
+    (tmp_path / "cores").write_text("2")
     # gw0: a.py for 4 s; gw1: waits 2 s for the lock, then b.py for 2 s.
     _rows(tmp_path / "tests.gw0.jsonl", [{"id": "a.py::x", "start": 100, "began": 100, "end": 104, "whole": False}])
     _rows(tmp_path / "tests.gw1.jsonl", [{"id": "b.py::y", "start": 100, "began": 102, "end": 104, "whole": True}])
@@ -51,6 +52,7 @@ def test_a_run_with_the_variable_set_records_its_tests_and_the_machine(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "timeline" / "tests.main.jsonl").read_text().splitlines()]
     assert [row["id"].split("::")[1] for row in rows] == ["test_a_second_of_work"]
     assert rows[0]["end"] - rows[0]["began"] >= 1.5
+    assert int((tmp_path / "timeline" / "cores").read_text()) == os.cpu_count()
     shown = subprocess.run([sys.executable, str(REPO / "tests" / "timeline.py"), str(tmp_path / "timeline")],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr

@@ -49,6 +49,7 @@ class Recorder:
         self.stop = threading.Event()
         self.sampler = threading.Thread(target=self._sample, name="timeline sampler", daemon=True) if sample else None
         if self.sampler is not None:
+            (folder / "cores").write_text(str(os.cpu_count() or 1))  # the recording machine's, for the report
             self.sampler.start()
 
     def _sample(self) -> None:
@@ -93,7 +94,8 @@ def report(folder: Path, top: int = 25) -> str:
     samples = [(t, b) for t, b in samples if first < t <= last + _SAMPLE_SECONDS]
     if not samples:
         raise SystemExit(f"timeline: no machine samples within the tests' span in {folder}")
-    cores = os.cpu_count() or 1
+    recorded = folder / "cores"
+    cores = int(recorded.read_text()) if recorded.exists() else os.cpu_count() or 1
     busy_by, wall_by = collections.Counter(), collections.Counter()
     idle_waiting = idle_inside = idle_outside = 0.0
     for rows in tests.values():
