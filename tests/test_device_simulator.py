@@ -87,6 +87,29 @@ if config.ENABLE_CUDASIM:
     def numbered(out):
         out[cuda.grid(1)] = 100 * block_number() + thread_number()
 
+    #: What the kernels below saw, appended by their simulated threads.
+    SEEN: list = []
+
+    @cuda.jit
+    def records_its_arrays(x, records):
+        i = cuda.grid(1)
+        SEEN.append((type(x), type(records)))
+        records[i].total = x[i] + 1  # a record's field by attribute: Numba's wrapper gives it
+
+    @cuda.jit
+    def two_shared_arrays(out):
+        """Two shared arrays, one per line: each thread writes its number to the first and
+        its negative to the second; after the barrier thread 0 sums each."""
+        t = cuda.threadIdx.x
+        first = cuda.shared.array(THREADS, np.int64)
+        second = cuda.shared.array(THREADS, np.int64)
+        SEEN.append((cuda.blockIdx.x, id(first), id(second)))
+        first[t], second[t] = t, -t
+        cuda.syncthreads()
+        if t == 0:
+            out[cuda.blockIdx.x, 0] = first.sum()
+            out[cuda.blockIdx.x, 1] = second.sum()
+
     @cuda.jit
     def hidden_barrier(out):
         getattr(cuda, "".join(["sync", "threads"]))()  # a barrier no scan of names sees
@@ -174,6 +197,48 @@ def test_device_functions_swap_cuda_only_where_their_module_is_not_swapped_alrea
     # module's device function swaps its own, once per call.
     assert swapped.count("numbered") == 1 and swapped.count("block_number") == 2 * THREADS
     assert "thread_number" not in swapped
+
+
+@pytest.mark.parametrize("wait", [0, 1], ids=["in-turn", "threads"])
+def test_plain_arrays_reach_the_kernel_as_numpys_and_record_arrays_keep_numbas_wrapper(wait):
+    """The scheduler hands a kernel its arrays of plain numbers unwrapped (NumPy's element
+    reads and writes, without Numba's two Python-level wrappers on each); a record array
+    keeps the wrapper, whose attribute access to a field a kernel may use."""
+    x = np.arange(2 * THREADS, dtype=np.float32)
+    records = np.zeros(2 * THREADS, dtype=[("total", np.float32)])
+    SEEN.clear()
+    launch = records_its_arrays[2, THREADS]
+    if wait:  # the same kernel body, run on threads: give it a barrier's name to scan
+        launch = cuda.jit(_with_barrier(records_its_arrays.py_func))[2, THREADS]
+    run_with_timeout(lambda: launch(x, records))
+    assert np.array_equal(records["total"], x + 1)
+    assert len(SEEN) == 2 * THREADS and {kinds[0] for kinds in SEEN} == {np.ndarray}
+    assert {kinds[1] for kinds in SEEN} != {np.ndarray}  # Numba's wrapper
+
+
+def _with_barrier(fn):
+    """``fn`` with a ``cuda.syncthreads()`` before its body, so that the scan runs it on threads."""
+    def waits(x, records):
+        cuda.syncthreads()
+        fn(x, records)
+    return waits
+
+
+def test_each_shared_array_is_its_lines_for_every_thread_of_a_launch(monkeypatch):
+    """``cuda.shared.array`` found by its caller's line, as Numba's simulator files it, but
+    from the caller's frame, with no walk of the stack: the two arrays of two lines are two,
+    and every thread of a launch gets the same pair."""
+    import traceback
+
+    walks = []
+    monkeypatch.setattr(traceback, "extract_stack", lambda *a, **k: walks.append(a) or [])
+    out = np.zeros((3, 2), np.int64)
+    SEEN.clear()
+    run_with_timeout(lambda: two_shared_arrays[3, THREADS](out))
+    assert walks == []
+    assert out.tolist() == [[sum(range(THREADS)), -sum(range(THREADS))]] * 3
+    assert len(SEEN) == 3 * THREADS and len({(a, b) for _, a, b in SEEN}) == 1
+    assert SEEN[0][1] != SEEN[0][2]
 
 
 def test_the_environment_keeps_numbas_own_scheduler():

@@ -12,7 +12,14 @@ block manager (``numba.cuda.simulator.kernel.BlockManager``) with one that
   so the results are those of any other;
 - runs a kernel with barriers as Numba does, a Python thread per simulated thread, but
   releases each barrier when its last thread arrives (a condition variable), with no thread
-  polling.
+  polling;
+
+and hands either the kernel's arrays as the NumPy arrays they wrap: Numba wraps each in two
+objects whose ``__getitem__`` and ``__setitem__`` are Python calls on every element read
+and written (they give structured arrays attribute access, which arrays of plain numbers,
+the only ones unwrapped, do not have); an element, a slice and a write are NumPy's either
+way. And ``cuda.shared.array`` finds a block's array by its caller's frame, not by a walk of
+the whole stack (:func:`_shared_arrays_by_call_site`).
 
 An exception in a simulated thread comes out as Numba's does, prefixed with the thread's
 ``tid=[x, y, z] ctaid=[x, y, z]``. A barrier reached by a kernel run without threads (code
@@ -122,6 +129,17 @@ def install() -> bool:
     if not (hasattr(sim, "BlockThread") and hasattr(sim, "Dim3")):
         return False
     numba_manager, numba_thread, dim3 = sim.BlockManager, sim.BlockThread, sim.Dim3
+    within_kernel = getattr(sim, "FakeWithinKernelCUDAArray", None)
+
+    def unwrapped(args: tuple) -> tuple:
+        """``args`` with each array of plain numbers (no fields) as the ndarray Numba wraps."""
+        if within_kernel is None:
+            return args
+        plain = []
+        for arg in args:
+            array = getattr(arg.__dict__.get("_item"), "_ary", None) if isinstance(arg, within_kernel) else None
+            plain.append(array if isinstance(array, np.ndarray) and array.dtype.fields is None else arg)
+        return tuple(plain)
 
     class WaitingThread(numba_thread):
         """A simulated thread whose barrier waits on its block's condition."""
@@ -168,8 +186,8 @@ def install() -> bool:
             if self._debug:
                 return numba_manager.run(self, grid_point, *args)
             if needs_threads(self._f):
-                return self._run_threads(grid_point, args)
-            return self._run_in_turn(grid_point, args)
+                return self._run_threads(grid_point, unwrapped(args))
+            return self._run_in_turn(grid_point, unwrapped(args))
 
         def _run_in_turn(self, grid_point, args) -> None:
             caller = threading.current_thread()
@@ -216,7 +234,42 @@ def install() -> bool:
 
     sim.BlockManager = BlockManager
     _call_device_functions_in_place(sim)
+    _shared_arrays_by_call_site()
     return True
+
+
+def _shared_arrays_by_call_site() -> None:
+    """Let ``cuda.shared.array`` find its block's array by the caller's file and line, as
+    Numba's simulator keys it, but from the caller's frame: Numba's ``traceback.extract_stack``
+    walks the whole stack and reads each frame's source line, on every simulated thread's
+    every call. The array is filed with ``dict.setdefault``, so that threads that ask at
+    once all get the one filed first (Numba's look-up then store, with the stack walk
+    between, can hand two threads two arrays when the interpreter switches between them)."""
+    import sys
+
+    from numba.cuda.simulator import kernelapi
+
+    shared = getattr(kernelapi, "FakeCUDAShared", None)
+    types, numpy_support = getattr(kernelapi, "types", None), getattr(kernelapi, "numpy_support", None)
+    if shared is None or types is None or numpy_support is None or getattr(shared.array, "mpigrad_by_frame", False):
+        return
+    numba_array = shared.array
+
+    def array(self, shape, dtype, alignment=None):
+        allocations = getattr(self, "_allocations", None)
+        if alignment is not None or shape == 0 or not isinstance(allocations, dict):  # Numba's refusal, dynamic memory
+            return numba_array(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        found = allocations.get(site)
+        if found is None:
+            if isinstance(dtype, types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            found = allocations.setdefault(site, np.empty(shape, dtype))
+        return found
+
+    array.mpigrad_by_frame = True
+    shared.array = array
 
 
 def _call_device_functions_in_place(sim) -> None:
