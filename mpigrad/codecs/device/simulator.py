@@ -14,12 +14,16 @@ block manager (``numba.cuda.simulator.kernel.BlockManager``) with one that
   releases each barrier when its last thread arrives (a condition variable), with no thread
   polling;
 
-and hands either the kernel's arrays as the NumPy arrays they wrap: Numba wraps each in two
-objects whose ``__getitem__`` and ``__setitem__`` are Python calls on every element read
-and written (they give structured arrays attribute access, which arrays of plain numbers,
-the only ones unwrapped, do not have); an element, a slice and a write are NumPy's either
-way. And ``cuda.shared.array`` finds a block's array by its caller's frame, not by a walk of
-the whole stack (:func:`_shared_arrays_by_call_site`).
+and both hand a kernel its arrays of plain numbers (no fields) as the NumPy arrays Numba
+wraps: Numba wraps each in two objects whose ``__getitem__`` and ``__setitem__`` are Python
+calls on every element read and written. An element, a slice, a write, ``.size``, ``len``,
+``.view`` and the atomics are NumPy's either way. Where the wrappers differ, a kernel now
+gets NumPy's behaviour: a negative index into ``.shape`` (which they refuse), whole-array
+operators (``x + 1`` they refuse, ``x == 0`` they answer False) and ``bool(x)``; mpigrad's
+kernels use none of these. Record arrays keep the wrappers, for their fields' attribute
+access. And ``cuda.shared.array`` finds a block's array by its caller's frame, not by a walk
+of the whole stack, for every kernel, those launched with ``debug=True`` too
+(:func:`_shared_arrays_by_call_site`).
 
 An exception in a simulated thread comes out as Numba's does, prefixed with the thread's
 ``tid=[x, y, z] ctaid=[x, y, z]``. A barrier reached by a kernel run without threads (code
@@ -253,12 +257,18 @@ def _shared_arrays_by_call_site() -> None:
     types, numpy_support = getattr(kernelapi, "types", None), getattr(kernelapi, "numpy_support", None)
     if shared is None or types is None or numpy_support is None or getattr(shared.array, "mpigrad_by_frame", False):
         return
+    try:  # the simulator this was written against files its arrays in a dict
+        filed_in_a_dict = isinstance(shared(0).__dict__.get("_allocations"), dict)
+    except Exception:  # noqa: BLE001 - another simulator: keep its own
+        filed_in_a_dict = False
+    if not filed_in_a_dict:
+        return
     numba_array = shared.array
 
     def array(self, shape, dtype, alignment=None):
-        allocations = getattr(self, "_allocations", None)
-        if alignment is not None or shape == 0 or not isinstance(allocations, dict):  # Numba's refusal, dynamic memory
+        if alignment is not None or shape == 0:  # Numba's refusal, and dynamic memory (no key)
             return numba_array(self, shape, dtype, alignment)
+        allocations = self._allocations
         caller = sys._getframe(1)
         site = (caller.f_code.co_filename, caller.f_lineno)
         found = allocations.get(site)
